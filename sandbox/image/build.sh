@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Build the sandbox image without any registry: debootstrap a minimal Debian, add Python with
+# ipykernel/numpy/sympy/scipy and tini, strip caches, `docker import` the tree.
+# Usage: build.sh TAG [SUITE] [MIRROR]        (run as root; needs debootstrap and a Docker daemon)
+set -euo pipefail
+tag=${1:?usage: build.sh TAG [SUITE] [MIRROR]}
+suite=${2:-bookworm}
+mirror=${3:-http://deb.debian.org/debian}
+command -v debootstrap >/dev/null || { echo "debootstrap not found: apt-get install -y debootstrap" >&2; exit 2; }
+[ "$(id -u)" = 0 ] || { echo "building the sandbox image needs root (debootstrap + chroot): rerun with sudo" >&2; exit 2; }
+
+work=$(mktemp -d /tmp/stare-image.XXXXXX)
+root="$work/rootfs"
+cleanup() { umount -l "$root/proc" 2>/dev/null || true; rm -rf "$work"; }
+trap cleanup EXIT
+
+pkgs=python3,python3-ipykernel,python3-numpy,python3-sympy,python3-scipy,tini
+debootstrap --variant=minbase --include="$pkgs" "$suite" "$root" "$mirror" >"$work/debootstrap.log" 2>&1 || {
+  tail -20 "$work/debootstrap.log" >&2; echo "debootstrap failed (see above): check that $mirror is reachable" >&2; exit 1; }
+
+# Unprivileged user the kernel runs as; /work is the writable tmpfs work dir, /conn the
+# bind-mounted directory with the connection file and ipc sockets.
+chroot "$root" /usr/sbin/useradd --uid 1000 --user-group --home-dir /work --no-create-home --shell /usr/sbin/nologin sandbox
+mkdir -p "$root/work" "$root/conn"
+chown 1000:1000 "$root/work"
+# Precompile bytecode (the root fs is read-only at run time) and drop what a kernel never needs.
+chroot "$root" /usr/bin/python3 -m compileall -q /usr/lib/python3 >/dev/null 2>&1 || true
+rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/* "$root"/usr/share/doc/* \
+       "$root"/usr/share/man/* "$root"/usr/share/info/* "$root"/usr/share/locale/* "$root"/var/log/*
+# Load numpy/sympy/scipy once at build time so the first real import is warm in the page cache
+# of nothing in particular, but so that failures surface now rather than in an episode.
+chroot "$root" /usr/bin/python3 -c "import ipykernel, numpy, sympy, scipy; print('ok')" >/dev/null
+
+tar -C "$root" -c . | docker import \
+  --change 'ENTRYPOINT ["/usr/bin/tini", "--"]' \
+  --change 'USER 1000:1000' \
+  --change 'WORKDIR /work' \
+  --change 'ENV HOME=/work PYTHONDONTWRITEBYTECODE=1 MPLCONFIGDIR=/work/.mpl' \
+  --change 'LABEL org.stare-agent.sandbox=1' \
+  - "$tag" >/dev/null
+echo "built $tag"
