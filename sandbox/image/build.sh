@@ -14,9 +14,18 @@ root="$work/rootfs"
 cleanup() { umount -l "$root/proc" 2>/dev/null || true; rm -rf "$work"; }
 trap cleanup EXIT
 
-pkgs=python3,python3-ipykernel,python3-numpy,python3-sympy,python3-scipy,tini
-debootstrap --variant=minbase --include="$pkgs" "$suite" "$root" "$mirror" >"$work/debootstrap.log" 2>&1 || {
+# Stage 1: a bare minbase system. Stage 2: the Python packages with apt inside the chroot
+# (with /proc mounted and no recommends), which configures reliably where --include does not.
+debootstrap --variant=minbase "$suite" "$root" "$mirror" >"$work/debootstrap.log" 2>&1 || {
   tail -20 "$work/debootstrap.log" >&2; echo "debootstrap failed (see above): check that $mirror is reachable" >&2; exit 1; }
+mount -t proc proc "$root/proc"
+cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
+pkgs="python3 python3-ipykernel python3-numpy python3-sympy python3-scipy tini"
+chroot "$root" /usr/bin/env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $pkgs \
+  >"$work/apt.log" 2>&1 || { tail -20 "$work/apt.log" >&2; echo "apt-get inside the image failed (see above)" >&2; exit 1; }
+chroot "$root" apt-get clean
+umount -l "$root/proc"
+: > "$root/etc/resolv.conf"
 
 # Unprivileged user the kernel runs as; /work is the writable tmpfs work dir, /conn the
 # bind-mounted directory with the connection file and ipc sockets.
@@ -27,8 +36,7 @@ chown 1000:1000 "$root/work"
 chroot "$root" /usr/bin/python3 -m compileall -q /usr/lib/python3 >/dev/null 2>&1 || true
 rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/* "$root"/usr/share/doc/* \
        "$root"/usr/share/man/* "$root"/usr/share/info/* "$root"/usr/share/locale/* "$root"/var/log/*
-# Load numpy/sympy/scipy once at build time so the first real import is warm in the page cache
-# of nothing in particular, but so that failures surface now rather than in an episode.
+# Import everything once now so that a broken image fails the build, not an episode.
 chroot "$root" /usr/bin/python3 -c "import ipykernel, numpy, sympy, scipy; print('ok')" >/dev/null
 
 tar -C "$root" -c . | docker import \

@@ -1,0 +1,23 @@
+# Two entry points for a fresh machine (see README): `make quickstart` and `make test`.
+.PHONY: setup docker quickstart test lint bench
+
+setup:
+	bash scripts/setup_python.sh
+
+docker: setup
+	bash scripts/setup_docker.sh
+
+quickstart: docker
+	.venv/bin/stare-agent quickstart
+
+test: docker
+	.venv/bin/python -m pytest -q tests
+
+lint: setup
+	.venv/bin/ruff check sandbox envs stare_agent tests benchmarks examples
+
+bench: docker
+	.venv/bin/python benchmarks/sandbox_latency.py
+	.venv/bin/python benchmarks/rewards.py
+	.venv/bin/python benchmarks/stare_overhead.py
+	.venv/bin/python benchmarks/rollout.py

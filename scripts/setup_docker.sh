@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Make the Docker backend usable: install Debian's docker.io and debootstrap if missing, start
+# dockerd in the background if no daemon answers, and build the sandbox image if it is missing.
+# Idempotent. Needs root for the install and the image build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+need=()
+command -v dockerd >/dev/null || need+=(docker.io)
+command -v debootstrap >/dev/null || need+=(debootstrap)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing ${need[*]} (apt)"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+if ! docker info >/dev/null 2>&1; then
+  echo "starting dockerd in the background (log: /tmp/stare-dockerd.log)"
+  nohup dockerd >/tmp/stare-dockerd.log 2>&1 &
+  for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  docker info >/dev/null 2>&1 || { tail -5 /tmp/stare-dockerd.log >&2; echo "dockerd did not start within 60 s (log above)" >&2; exit 1; }
+fi
+.venv/bin/stare-agent sandbox build
