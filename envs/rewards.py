@@ -146,9 +146,12 @@ def integer_answers_match(prediction: str, gold: str) -> bool | None:
 # --------------------------------------------------------------------------------------------------
 
 
+_UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
+
+
 def _as_latex(text: str) -> str:
     """Wraps a bare answer in ``$...$`` so that math-verify's LaTeX extraction sees it."""
-    if "$" in text or "\\boxed" in text or "\\(" in text or "\\[" in text:
+    if _UNESCAPED_DOLLAR.search(text) or "\\boxed" in text or "\\(" in text or "\\[" in text:
         return text
     return f"${text}$"
 
