@@ -1,0 +1,419 @@
+"""A pool of warm sandboxes leased one per episode.
+
+Starting a sandbox (a container plus a kernel) takes about a second; resetting a warm one takes
+milliseconds. ``SandboxPool`` starts ``size`` sandboxes at construction (in parallel), hands one out
+per episode and, when the episode gives it back, re-arms it on a background thread: a reset, or a
+replacement when the sandbox died, lost its state to a timeout, was marked broken, or failed to
+reset. Only clean, health-checked sandboxes are ever handed out.
+
+>>> from sandbox.pool import SandboxPool
+>>> with SandboxPool(2, backend="local") as pool:  # doctest: +SKIP
+...     with pool.lease() as sb:
+...         sb.run("x = 1").ok
+True
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from sandbox.base import Sandbox
+from sandbox.config import SandboxConfig
+from sandbox.errors import PoolExhausted, SandboxClosed
+from sandbox.result import ExecResult
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LEASE_TIMEOUT_S = 60.0
+"""How long ``acquire`` waits for a free sandbox unless told otherwise."""
+
+CLOSE_JOIN_TIMEOUT_S = 30.0
+"""How long ``close`` waits for in-flight resets and replacements before closing anyway."""
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a pool.
+
+    Attributes:
+        size: Number of sandboxes the pool keeps.
+        idle: Clean sandboxes ready to lease.
+        leased: Sandboxes held by callers.
+        rearming: Sandboxes being reset or replaced (or started) in the background.
+        created: Sandboxes started since the pool was built (the initial ones included).
+        replaced: Sandboxes closed and started anew (died, timed out with state loss, broken,
+            reset failed, or failed the health check).
+        resets: Successful resets of a returned sandbox.
+    """
+
+    size: int
+    idle: int
+    leased: int
+    rearming: int
+    created: int
+    replaced: int
+    resets: int
+
+
+class PooledSandbox(Sandbox):
+    """A sandbox on lease from a pool; valid until it is released.
+
+    It behaves like the sandbox it wraps, except ``close()``: that gives it back to the pool (which
+    resets it), so code that treats it as a plain sandbox never leaks it. After release every call
+    raises ``SandboxClosed``. A ``run`` that timed out with state loss, or that was interrupted
+    (e.g. by Ctrl-C), marks it for replacement instead of a reset.
+    """
+
+    def __init__(self, pool: SandboxPool, inner: Sandbox) -> None:
+        super().__init__(inner.config)
+        self.backend = inner.backend
+        self._pool = pool
+        self._inner: Sandbox | None = inner
+        self.tainted = False
+
+    @property
+    def inner(self) -> Sandbox:
+        """The leased backend sandbox; raises ``SandboxClosed`` after release."""
+        if self._inner is None:
+            raise SandboxClosed("this sandbox was given back to its pool: lease a new one with pool.lease()")
+        return self._inner
+
+    def run(self, code: str, timeout: float | None = None) -> ExecResult:
+        inner = self.inner
+        try:
+            result = inner.run(code, timeout)
+        except BaseException:
+            self.tainted = True  # the kernel may still be busy with this code
+            raise
+        if result.timed_out and result.state_lost:
+            self.tainted = True
+        return result
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def is_alive(self) -> bool:
+        return self._inner is not None and self._inner.is_alive()
+
+    def close(self) -> None:
+        """Give the sandbox back to the pool. Idempotent."""
+        if self._inner is not None:
+            self._pool.release(self)
+
+    def __repr__(self) -> str:
+        state = "released" if self._inner is None else repr(self._inner)
+        return f"PooledSandbox({state})"
+
+
+class SandboxPool:
+    """Keeps ``size`` sandboxes warm and leases them one per episode. Thread-safe.
+
+    The constructor starts all sandboxes in parallel and returns when they are ready (it raises the
+    backend's own error, e.g. ``SandboxUnavailable``, if one cannot start, after closing the rest).
+    Released sandboxes are reset, or replaced, on a background thread, so ``release`` returns at
+    once and the next ``acquire`` gets a clean sandbox. ``acquire`` health-checks (``is_alive``)
+    before handing out and never waits longer than its timeout. ``close()`` (also run at
+    interpreter exit, including after Ctrl-C) closes every sandbox, leased ones included.
+
+    Args:
+        size: Number of sandboxes to keep warm (>= 1).
+        backend: ``"auto"``, ``"docker"`` or ``"local"``, passed to ``sandbox.make_sandbox``.
+        config: Limits for every sandbox of the pool.
+        factory: Makes one started sandbox; replaces ``backend``/``config`` (pass one or the other).
+        lease_timeout: Default seconds ``acquire`` waits before raising ``PoolExhausted``.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        backend: str = "auto",
+        config: SandboxConfig | None = None,
+        *,
+        factory: Callable[[], Sandbox] | None = None,
+        lease_timeout: float = DEFAULT_LEASE_TIMEOUT_S,
+    ) -> None:
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"pool size must be an int >= 1, got {size!r}")
+        if lease_timeout <= 0:
+            raise ValueError(f"lease_timeout must be > 0 seconds, got {lease_timeout!r}")
+        if factory is not None and (backend != "auto" or config is not None):
+            raise ValueError("pass either factory or backend/config to SandboxPool, not both")
+        if factory is None:
+            factory = _backend_factory(backend, config)
+        self.size = size
+        self.lease_timeout = lease_timeout
+        self._factory = factory
+        self._cond = threading.Condition()
+        self._idle: collections.deque[Sandbox] = collections.deque()
+        self._leases: set[PooledSandbox] = set()
+        self._rearming = 0
+        self._threads: set[threading.Thread] = set()
+        self._closed = False
+        self._created = self._replaced = self._resets = 0
+        self._failures = 0
+        self._last_error: BaseException | None = None
+        _LIVE_POOLS.add(self)
+        try:
+            self._start_all()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ leasing
+
+    def acquire(self, timeout: float | None = None) -> PooledSandbox:
+        """Lease a clean, live sandbox; give it back with ``release`` (or use ``lease()``).
+
+        Args:
+            timeout: Seconds to wait for a free sandbox; defaults to the pool's ``lease_timeout``.
+
+        Raises:
+            PoolExhausted: None became free in time, or a replacement could not be started.
+            SandboxClosed: The pool is closed.
+        """
+        wait_s = self.lease_timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait_s
+        failures_seen = self._failures
+        while True:
+            with self._cond:
+                lease = PooledSandbox(self, self._wait_for_idle(deadline, wait_s, failures_seen))
+                self._leases.add(lease)  # booked at once: close() finds it even if Ctrl-C strikes next
+            inner = lease._inner
+            if inner is not None and _healthy(inner):
+                return lease
+            with self._cond:
+                inner, lease._inner = lease._inner, None
+                self._leases.discard(lease)
+                if inner is None or self._closed:
+                    continue  # close() took it; the loop raises SandboxClosed
+                logger.warning("sandbox %r failed its health check; replacing it", inner)
+                self._replaced += 1
+                self._spawn(inner, replace=True)
+
+    def release(self, sandbox: PooledSandbox, *, broken: bool = False) -> None:
+        """Give a leased sandbox back; it is reset (or replaced) in the background. Idempotent.
+
+        Args:
+            sandbox: A sandbox from this pool's ``acquire``/``lease``.
+            broken: Replace it instead of resetting it (e.g. the caller saw it misbehave).
+        """
+        if not isinstance(sandbox, PooledSandbox) or sandbox._pool is not self:
+            raise ValueError(
+                f"{sandbox!r} was not leased from this pool: release it to the pool it came from"
+            )
+        with self._cond:
+            inner = sandbox._inner
+            if inner is None:
+                return
+            sandbox._inner = None
+            self._leases.discard(sandbox)
+            if self._closed:
+                return  # close() has taken (or is taking) care of it
+            replace = broken or sandbox.tainted
+            if replace:
+                self._replaced += 1
+            self._spawn(inner, replace=replace)
+
+    @contextlib.contextmanager
+    def lease(self, timeout: float | None = None) -> Iterator[PooledSandbox]:
+        """``acquire`` as a context manager that always releases, also on exceptions and Ctrl-C."""
+        sandbox = self.acquire(timeout)
+        try:
+            yield sandbox
+        finally:
+            self.release(sandbox)
+
+    def stats(self) -> PoolStats:
+        """A consistent snapshot of the pool's counters."""
+        with self._cond:
+            return PoolStats(
+                size=self.size,
+                idle=len(self._idle),
+                leased=len(self._leases),
+                rearming=self._rearming,
+                created=self._created,
+                replaced=self._replaced,
+                resets=self._resets,
+            )
+
+    # ------------------------------------------------------------------ closing
+
+    def close(self) -> None:
+        """Close every sandbox (idle, leased, being re-armed) and wait for them. Idempotent."""
+        with self._cond:
+            already = self._closed
+            self._closed = True
+            idle, self._idle = list(self._idle), collections.deque()
+            leases, self._leases = list(self._leases), set()
+            threads = list(self._threads)
+            self._cond.notify_all()
+        _LIVE_POOLS.discard(self)
+        doomed = idle
+        for lease in leases:
+            inner, lease._inner = lease._inner, None
+            if inner is not None:
+                doomed.append(inner)
+        # Re-arm threads see the closed flag and close their sandbox themselves; wait for them.
+        deadline = time.monotonic() + CLOSE_JOIN_TIMEOUT_S
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        _close_all_quietly(doomed)
+        if not already:
+            logger.debug("sandbox pool closed (%d sandboxes)", len(doomed))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> SandboxPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return f"SandboxPool(size={s.size}, idle={s.idle}, leased={s.leased}, closed={self._closed})"
+
+    # ------------------------------------------------------------------ internals
+
+    def _start_all(self) -> None:
+        with self._cond:
+            for _ in range(self.size):
+                self._spawn(None, replace=False)
+            while self._rearming and not self._closed:
+                self._cond.wait()
+            if self._last_error is not None:
+                raise self._last_error
+
+    def _wait_for_idle(self, deadline: float, wait_s: float, failures_seen: int) -> Sandbox:
+        """Pop an idle sandbox, starting one if the pool is short; call with the lock held."""
+        while True:
+            if self._closed:
+                raise SandboxClosed("the sandbox pool is closed: build a new SandboxPool")
+            if self._idle:
+                return self._idle.popleft()
+            start_failed = self._failures != failures_seen
+            if start_failed and not self._leases and not self._rearming:
+                raise PoolExhausted(
+                    f"could not start a sandbox ({self._last_error}): fix the backend "
+                    "(`stare-agent sandbox doctor`) and lease again"
+                ) from self._last_error
+            if not start_failed and len(self._leases) + self._rearming < self.size:
+                self._spawn(None, replace=False)  # a slot was lost to a failed start: refill it once
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                cause = f"; last start failed: {self._last_error}" if start_failed else ""
+                raise PoolExhausted(
+                    f"no sandbox free after {wait_s:g} s (pool of {self.size}: {len(self._leases)} leased, "
+                    f"{self._rearming} re-arming{cause}): release leases (use `with pool.lease()`), "
+                    "or raise the pool size or the lease timeout"
+                )
+            self._cond.wait(remaining)
+
+    def _spawn(self, inner: Sandbox | None, *, replace: bool) -> None:
+        """Re-arm ``inner`` (reset, or replace) or start a new sandbox, on a daemon thread.
+
+        Call with the lock held. Daemon threads never block interpreter exit; ``close`` joins them.
+        """
+        self._rearming += 1
+        thread = threading.Thread(
+            target=self._rearm, args=(inner, replace), name="sandbox-pool-rearm", daemon=True
+        )
+        self._threads.add(thread)
+        thread.start()
+
+    def _rearm(self, inner: Sandbox | None, replace: bool) -> None:
+        ready: Sandbox | None = None
+        error: BaseException | None = None
+        reset_ok = False
+        try:
+            if inner is not None and not replace and not self._closed:
+                try:
+                    inner.reset()
+                    ready, reset_ok = inner, True
+                except Exception as exc:  # noqa: BLE001 - any reset failure means: replace it
+                    logger.warning("resetting %r failed (%s); replacing it", inner, exc)
+                    with self._cond:
+                        self._replaced += 1
+            if ready is None:
+                if inner is not None:
+                    _close_quietly(inner)
+                if not self._closed:
+                    ready = self._factory()
+                    with self._cond:
+                        self._created += 1
+        except BaseException as exc:  # noqa: BLE001 - reported to acquire/constructor, never lost
+            error = exc
+            logger.warning("starting a sandbox failed: %s", exc)
+        finally:
+            with self._cond:
+                self._rearming -= 1
+                self._threads.discard(threading.current_thread())
+                if reset_ok:
+                    self._resets += 1
+                if error is not None:
+                    self._failures += 1
+                    self._last_error = error
+                if ready is not None and not self._closed:
+                    self._idle.append(ready)
+                    ready = None
+                self._cond.notify_all()
+            if ready is not None:  # the pool closed meanwhile
+                _close_quietly(ready)
+
+
+def _backend_factory(backend: str, config: SandboxConfig | None) -> Callable[[], Sandbox]:
+    def make() -> Sandbox:
+        from sandbox import make_sandbox  # imported late: sandbox/__init__ re-exports this module
+
+        return make_sandbox(backend, config)
+
+    return make
+
+
+def _healthy(sandbox: Sandbox) -> bool:
+    try:
+        return sandbox.is_alive()
+    except Exception as exc:  # noqa: BLE001 - a health check that fails is a failed health check
+        logger.warning("health check of %r raised %s", sandbox, exc)
+        return False
+
+
+def _close_quietly(sandbox: Sandbox) -> None:
+    try:
+        sandbox.close()
+    except Exception as exc:  # noqa: BLE001 - closing is best effort; report, do not raise
+        logger.warning("closing %r failed: %s", sandbox, exc)
+
+
+def _close_all_quietly(sandboxes: list[Sandbox]) -> None:
+    """Close sandboxes in parallel (stopping a container takes a while) and wait for all."""
+    if len(sandboxes) <= 1:
+        for sandbox in sandboxes:
+            _close_quietly(sandbox)
+        return
+    threads = [threading.Thread(target=_close_quietly, args=(s,), daemon=True) for s in sandboxes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+_LIVE_POOLS: weakref.WeakSet[SandboxPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pools() -> None:
+    """Close pools still open at interpreter exit (also after an unhandled KeyboardInterrupt)."""
+    for pool in list(_LIVE_POOLS):
+        pool.close()

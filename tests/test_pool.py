@@ -1,0 +1,407 @@
+"""SandboxPool: leasing, re-arming, health checks, bounded waits, thread safety, no leaks.
+
+The contract tests use a small in-process sandbox (``FakeSandbox``) so that timings and failures
+can be controlled exactly; the end-to-end tests below run the same pool on the real local and
+Docker backends, including a process killed with SIGINT mid-lease.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from sandbox.base import Sandbox
+from sandbox.errors import PoolExhausted, SandboxClosed, SandboxUnavailable
+from sandbox.pool import PooledSandbox, PoolStats, SandboxPool
+from sandbox.result import ExecError, ExecResult
+
+# ---------------------------------------------------------------------------- a controllable fake
+
+
+class FakeSandbox(Sandbox):
+    """Runs code with ``exec`` in a dict; ``"hang"`` times out with state loss like a real kernel."""
+
+    backend = "fake"
+
+    def __init__(self, *, reset_delay_s: float = 0.0, fail_reset: bool = False) -> None:
+        super().__init__()
+        self.namespace: dict = {}
+        self.alive = True
+        self.closed = False
+        self.resets = 0
+        self.reset_delay_s = reset_delay_s
+        self.fail_reset = fail_reset
+
+    def run(self, code: str, timeout: float | None = None) -> ExecResult:
+        if self.closed:
+            raise SandboxClosed("fake closed")
+        if code == "hang":
+            self.namespace.clear()
+            return ExecResult(timed_out=True, state_lost=True)
+        try:
+            try:
+                value = eval(code, self.namespace)  # noqa: S307 - trusted test code
+                return ExecResult(stdout=repr(value))
+            except SyntaxError:
+                exec(code, self.namespace)  # noqa: S102
+                return ExecResult()
+        except Exception as exc:  # noqa: BLE001
+            return ExecResult(error=ExecError(type(exc).__name__, str(exc)))
+
+    def reset(self) -> None:
+        time.sleep(self.reset_delay_s)
+        if self.fail_reset or not self.alive:
+            raise RuntimeError("fake reset failed")
+        self.namespace.clear()
+        self.resets += 1
+
+    def close(self) -> None:
+        self.closed = True
+        self.alive = False
+
+    def is_alive(self) -> bool:
+        return self.alive and not self.closed
+
+
+class Factory:
+    """Makes FakeSandboxes, remembers them, and can be told to be slow or to fail."""
+
+    def __init__(self, *, start_delay_s: float = 0.0, **fake_kwargs) -> None:
+        self.start_delay_s = start_delay_s
+        self.fake_kwargs = fake_kwargs
+        self.made: list[FakeSandbox] = []
+        self.fail: Exception | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> FakeSandbox:
+        time.sleep(self.start_delay_s)
+        if self.fail is not None:
+            raise self.fail
+        sandbox = FakeSandbox(**self.fake_kwargs)
+        with self._lock:
+            self.made.append(sandbox)
+        return sandbox
+
+
+def wait_until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def settled(pool: SandboxPool) -> PoolStats:
+    """Stats once every background reset/replacement has finished."""
+    wait_until(lambda: pool.stats().rearming == 0)
+    return pool.stats()
+
+
+# ---------------------------------------------------------------------------- construction
+
+
+def test_starts_size_sandboxes_in_parallel():
+    factory = Factory(start_delay_s=0.3)
+    t0 = time.monotonic()
+    with SandboxPool(4, factory=factory) as pool:
+        elapsed = time.monotonic() - t0
+        assert len(factory.made) == 4
+        # Sequential starts would take 4 x 0.3 = 1.2 s.
+        assert elapsed < 0.9
+        assert pool.stats() == PoolStats(
+            size=4, idle=4, leased=0, rearming=0, created=4, replaced=0, resets=0
+        )
+
+
+def test_constructor_raises_the_backends_error_and_closes_what_started():
+    factory = Factory()
+    made_ok: list[FakeSandbox] = []
+
+    def flaky() -> FakeSandbox:
+        if len(made_ok) >= 2:
+            raise SandboxUnavailable("Docker daemon not reachable: start dockerd")
+        sandbox = factory()
+        made_ok.append(sandbox)
+        return sandbox
+
+    with pytest.raises(SandboxUnavailable, match="start dockerd"):
+        SandboxPool(4, factory=flaky)
+    assert len(made_ok) == 2
+    assert all(s.closed for s in made_ok)
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5])
+def test_rejects_bad_size(size):
+    with pytest.raises(ValueError, match="pool size must be an int >= 1"):
+        SandboxPool(size, factory=Factory())
+
+
+def test_factory_and_backend_are_exclusive():
+    with pytest.raises(ValueError, match="either factory or backend/config"):
+        SandboxPool(1, backend="local", factory=Factory())
+
+
+# ---------------------------------------------------------------------------- leasing and re-arming
+
+
+def test_lease_hands_out_a_clean_sandbox_and_resets_it_on_release():
+    factory = Factory()
+    with SandboxPool(1, factory=factory) as pool:
+        with pool.lease() as sb:
+            assert isinstance(sb, PooledSandbox)
+            assert sb.run("x = 41").ok
+            assert sb.run("x + 1").stdout == "42"
+            assert pool.stats().leased == 1
+        with pool.lease() as sb:
+            # Same sandbox (pool of one), but its state is gone.
+            assert sb.inner is factory.made[0]
+            assert sb.run("x").error.type == "NameError"
+        stats = settled(pool)
+    assert (stats.created, stats.replaced, stats.resets) == (1, 0, 2)
+
+
+def test_release_returns_at_once_and_the_next_lease_waits_for_the_reset():
+    factory = Factory(reset_delay_s=0.4)
+    with SandboxPool(1, factory=factory) as pool:
+        sb = pool.acquire()
+        sb.run("x = 1")
+        t0 = time.monotonic()
+        pool.release(sb)
+        assert time.monotonic() - t0 < 0.1  # the reset runs in the background
+        assert pool.stats().rearming == 1
+        t0 = time.monotonic()
+        with pool.lease() as sb:
+            assert time.monotonic() - t0 > 0.2  # waited for the reset, not handed a dirty sandbox
+            assert sb.run("x").error.type == "NameError"
+
+
+def test_released_sandbox_cannot_be_used_and_release_is_idempotent():
+    with SandboxPool(1, factory=Factory()) as pool:
+        sb = pool.acquire()
+        pool.release(sb)
+        pool.release(sb)
+        sb.close()
+        with pytest.raises(SandboxClosed, match="given back to its pool"):
+            sb.run("1")
+        assert not sb.is_alive()
+        assert settled(pool).resets == 1
+
+
+def test_close_on_a_leased_sandbox_gives_it_back():
+    with SandboxPool(1, factory=Factory()) as pool:
+        with pool.acquire() as sb:  # Sandbox's own context manager: close() on exit
+            sb.run("y = 2")
+        stats = settled(pool)
+        assert (stats.idle, stats.leased, stats.resets) == (1, 0, 1)
+
+
+def test_release_rejects_a_sandbox_from_elsewhere():
+    with SandboxPool(1, factory=Factory()) as pool, SandboxPool(1, factory=Factory()) as other:
+        sb = other.acquire()
+        with pytest.raises(ValueError, match="not leased from this pool"):
+            pool.release(sb)
+        with pytest.raises(ValueError, match="not leased from this pool"):
+            pool.release(FakeSandbox())
+        other.release(sb)
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        pytest.param(lambda pool, sb: (setattr(sb.inner, "alive", False), pool.release(sb)), id="died"),
+        pytest.param(lambda pool, sb: (sb.run("hang"), pool.release(sb)), id="timeout-state-lost"),
+        pytest.param(lambda pool, sb: pool.release(sb, broken=True), id="broken"),
+        pytest.param(
+            lambda pool, sb: (setattr(sb.inner, "fail_reset", True), pool.release(sb)), id="reset-failed"
+        ),
+    ],
+)
+def test_spoiled_sandbox_is_replaced(spoil):
+    factory = Factory()
+    with SandboxPool(1, factory=factory) as pool:
+        sb = pool.acquire()
+        first = sb.inner
+        spoil(pool, sb)
+        stats = settled(pool)
+        assert first.closed
+        assert (stats.created, stats.replaced, stats.idle) == (2, 1, 1)
+        with pool.lease() as sb:
+            assert sb.inner is factory.made[1]
+            assert sb.run("1 + 1").stdout == "2"
+
+
+def test_timeout_without_state_loss_is_reset_not_replaced():
+    class Interruptible(FakeSandbox):
+        def run(self, code, timeout=None):
+            return (
+                ExecResult(timed_out=True, state_lost=False) if code == "loop" else super().run(code, timeout)
+            )
+
+    with SandboxPool(1, factory=Interruptible) as pool:
+        with pool.lease() as sb:
+            sb.run("loop")
+        stats = settled(pool)
+    assert (stats.created, stats.replaced, stats.resets) == (1, 0, 1)
+
+
+def test_interrupted_run_marks_the_sandbox_for_replacement():
+    class Exploding(FakeSandbox):
+        def run(self, code, timeout=None):
+            raise KeyboardInterrupt
+
+    with SandboxPool(1, factory=Exploding) as pool:
+        with pytest.raises(KeyboardInterrupt), pool.lease() as sb:
+            sb.run("x = 1")
+        stats = settled(pool)
+    assert (stats.created, stats.replaced, stats.leased) == (2, 1, 0)
+
+
+def test_health_check_skips_a_sandbox_that_died_while_idle():
+    factory = Factory()
+    with SandboxPool(2, factory=factory) as pool:
+        factory.made[0].alive = False
+        with pool.lease() as sb:
+            assert sb.inner is factory.made[1]
+        stats = settled(pool)
+        assert (stats.created, stats.replaced, stats.idle) == (3, 1, 2)
+        assert factory.made[0].closed
+
+
+# ---------------------------------------------------------------------------- bounded waiting
+
+
+def test_exhausted_pool_raises_after_the_lease_timeout_with_cause_and_fix():
+    with SandboxPool(1, factory=Factory(), lease_timeout=0.3) as pool:
+        held = pool.acquire()
+        t0 = time.monotonic()
+        with pytest.raises(PoolExhausted) as info:
+            pool.acquire()
+        assert 0.25 < time.monotonic() - t0 < 1.5
+        message = str(info.value)
+        assert "\n" not in message
+        assert "no sandbox free after 0.3 s (pool of 1: 1 leased, 0 re-arming)" in message
+        assert "release leases" in message and "raise the pool size or the lease timeout" in message
+        with pytest.raises(PoolExhausted, match="after 0.1 s"):
+            pool.acquire(timeout=0.1)
+        pool.release(held)
+        with pool.lease(timeout=2) as sb:
+            assert sb.is_alive()
+
+
+def test_waiter_gets_a_sandbox_as_soon_as_one_is_released():
+    with SandboxPool(1, factory=Factory()) as pool:
+        held = pool.acquire()
+        threading.Timer(0.2, pool.release, args=(held,)).start()
+        t0 = time.monotonic()
+        with pool.lease(timeout=5):
+            assert 0.15 < time.monotonic() - t0 < 2
+
+
+def test_failed_replacement_fails_fast_and_recovers_when_the_backend_does():
+    factory = Factory()
+    with SandboxPool(1, factory=factory, lease_timeout=30) as pool:
+        pool.release(pool.acquire(), broken=True)
+        factory.fail = SandboxUnavailable("sandbox image missing: run `stare-agent sandbox build`")
+        settled(pool)
+        t0 = time.monotonic()
+        with pytest.raises(PoolExhausted, match=r"could not start a sandbox \(sandbox image missing"):
+            pool.acquire()
+        assert time.monotonic() - t0 < 2  # not the 30 s lease timeout
+        factory.fail = None
+        with pool.lease() as sb:  # the lost slot is refilled on the next lease
+            assert sb.run("2 * 3").stdout == "6"
+        assert settled(pool).created == 2
+
+
+# ---------------------------------------------------------------------------- concurrency
+
+
+def test_many_threads_never_share_a_sandbox_and_always_get_a_clean_one():
+    factory = Factory(reset_delay_s=0.002)
+    n_threads, n_episodes = 12, 15
+    in_use: set[int] = set()
+    guard = threading.Lock()
+    errors: list[str] = []
+
+    def episodes(pool: SandboxPool) -> None:
+        for i in range(n_episodes):
+            with pool.lease(timeout=10) as sb:
+                with guard:
+                    if id(sb.inner) in in_use:
+                        errors.append("a sandbox was leased twice at once")
+                    in_use.add(id(sb.inner))
+                if sb.run("marker").error is None:
+                    errors.append("a leased sandbox still held the previous episode's state")
+                sb.run("marker = 1")
+                if i % 5 == 4:
+                    sb.run("hang")  # some episodes end with a lost kernel: replaced
+                time.sleep(0.001)
+                with guard:
+                    in_use.discard(id(sb.inner))
+
+    with SandboxPool(3, factory=factory) as pool:
+        threads = [threading.Thread(target=episodes, args=(pool,)) for _ in range(n_threads)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        stats = settled(pool)
+    assert errors == []
+    total = n_threads * n_episodes
+    replaced = n_threads * (n_episodes // 5)
+    assert stats.replaced == replaced
+    assert stats.resets == total - replaced
+    assert stats.created == 3 + replaced == len(factory.made)
+    assert (stats.idle, stats.leased) == (3, 0)
+    assert all(s.closed for s in factory.made)
+
+
+# ---------------------------------------------------------------------------- closing
+
+
+def test_close_closes_idle_leased_and_rearming_sandboxes():
+    factory = Factory(reset_delay_s=0.3)
+    pool = SandboxPool(3, factory=factory)
+    leased = pool.acquire()
+    pool.release(pool.acquire())  # now resetting in the background
+    pool.close()
+    assert all(s.closed for s in factory.made) and len(factory.made) == 3
+    with pytest.raises(SandboxClosed, match="given back to its pool"):
+        leased.run("1")
+    with pytest.raises(SandboxClosed, match="pool is closed"):
+        pool.acquire()
+    pool.release(leased)  # harmless after close
+    pool.close()
+    assert pool.closed
+
+
+def test_close_while_a_replacement_starts_closes_the_new_one_too():
+    factory = Factory()
+    pool = SandboxPool(1, factory=factory)
+    factory.start_delay_s = 0.3
+    pool.release(pool.acquire(), broken=True)
+    time.sleep(0.05)  # the replacement is starting
+    pool.close()
+    assert pool.stats().rearming == 0
+    assert len(factory.made) == 2 and all(s.closed for s in factory.made)
+
+
+def test_waiters_are_woken_by_close():
+    pool = SandboxPool(1, factory=Factory())
+    pool.acquire()
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            pool.acquire(timeout=30)
+        except Exception as exc:  # noqa: BLE001
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.1)
+    pool.close()
+    waiter.join(5)
+    assert not waiter.is_alive()
+    assert isinstance(outcome[0], SandboxClosed)
