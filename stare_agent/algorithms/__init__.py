@@ -1,0 +1,54 @@
+"""The algorithm as pure tensor functions: GRPO advantages, dynamic sampling, STARE, the loss, log-probs.
+
+Every function takes tensors (padded [B, T] with a ``response_mask``, 1 = model-generated token)
+and returns tensors plus a metrics dict; see ../shared/STARE.md for the paper's formulas.
+"""
+
+from stare_agent.algorithms.advantages import broadcast_to_tokens, grpo_advantages
+from stare_agent.algorithms.dynamic_sampling import (
+    DynamicSamplingShortfall,
+    RewardedGroup,
+    dynamic_sampling,
+    has_reward_variance,
+)
+from stare_agent.algorithms.logprobs import (
+    causal_lm_logprobs_and_entropy,
+    chunked_logprobs_and_entropy,
+    logprobs_and_entropy_from_logits,
+)
+from stare_agent.algorithms.losses import AGGREGATIONS, Aggregation, policy_loss
+from stare_agent.algorithms.stare import (
+    SCOPES,
+    VARIANTS,
+    AdaptiveController,
+    Scope,
+    Variant,
+    check_stare_options,
+    entropy_gate,
+    stare_weights,
+    top_k_count,
+)
+
+__all__ = [
+    "AGGREGATIONS",
+    "SCOPES",
+    "VARIANTS",
+    "AdaptiveController",
+    "Aggregation",
+    "DynamicSamplingShortfall",
+    "RewardedGroup",
+    "Scope",
+    "Variant",
+    "broadcast_to_tokens",
+    "causal_lm_logprobs_and_entropy",
+    "check_stare_options",
+    "chunked_logprobs_and_entropy",
+    "dynamic_sampling",
+    "entropy_gate",
+    "grpo_advantages",
+    "has_reward_variance",
+    "logprobs_and_entropy_from_logits",
+    "policy_loss",
+    "stare_weights",
+    "top_k_count",
+]

@@ -1,0 +1,195 @@
+"""Token log-probs and full-vocabulary entropy, computed in chunks of tokens.
+
+For logits ``z = (h @ W_lm^T + b) / temperature`` of one position and its target token o
+(STARE arXiv 2606.19236, ../shared/STARE.md step 4):
+
+    logp = z_o - logsumexp(z)
+    H    = logsumexp(z) - sum_j softmax(z)_j * z_j
+
+Only ``chunk_size`` rows of the [tokens, vocab] logits exist at any time, in the forward and in
+the backward (a custom autograd.Function recomputes each chunk's logits in backward). Gradients
+flow through ``logp`` into the hidden states and the LM head; the entropy is returned detached
+(it feeds the gate, never the loss). Math runs in at least float32 (float64 stays float64).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def chunked_logprobs_and_entropy(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    targets: Tensor,
+    *,
+    lm_head_bias: Tensor | None = None,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs of ``targets`` and entropies from hidden states and the LM head, chunk by chunk.
+
+    Args:
+        hidden: [..., D] final hidden states (e.g. [N, T, D] or [S, D]).
+        lm_head_weight: [V, D] output embedding.
+        targets: [...] token ids scored at each position (same leading shape as ``hidden``).
+        lm_head_bias: optional [V].
+        chunk_size: rows of logits materialized at once.
+        temperature: logits are divided by it (use the sampling temperature).
+
+    Returns:
+        (logp [...], entropy [...] detached), in ``promote(hidden.dtype, float32)``.
+    """
+    _check(hidden.shape[:-1], targets.shape, chunk_size, temperature)
+    if hidden.shape[-1] != lm_head_weight.shape[-1]:
+        raise ValueError(f"hidden size {hidden.shape[-1]} != LM head input size {lm_head_weight.shape[-1]}")
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    logp, entropy = _LinearLogprobs.apply(
+        flat_h, lm_head_weight, lm_head_bias, targets.reshape(-1).long(), chunk_size, temperature
+    )
+    return logp.view(targets.shape), entropy.view(targets.shape)
+
+
+def logprobs_and_entropy_from_logits(
+    logits: Tensor, targets: Tensor, *, chunk_size: int = 1024, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """The same from already computed logits [..., V], without any extra full-size float32 copy."""
+    _check(logits.shape[:-1], targets.shape, chunk_size, temperature)
+    flat = logits.reshape(-1, logits.shape[-1])
+    logp, entropy = _LogitsLogprobs.apply(flat, targets.reshape(-1).long(), chunk_size, temperature)
+    return logp.view(targets.shape), entropy.view(targets.shape)
+
+
+def causal_lm_logprobs_and_entropy(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    **forward_kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """Run a Hugging Face causal LM's backbone and score ``input_ids[:, 1:]`` chunk by chunk.
+
+    Returns:
+        (logp [N, L-1], entropy [N, L-1]); column t scores token ``input_ids[:, t + 1]``.
+    """
+    config = getattr(model, "config", None)
+    for name in ("final_logit_softcapping", "logit_scale"):
+        if getattr(config, name, None) not in (None, 1.0):
+            raise ValueError(
+                f"model config sets {name}: use logprobs_and_entropy_from_logits(model(...).logits)"
+            )
+    head = model.get_output_embeddings()
+    outputs = model.base_model(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs)
+    hidden = outputs.last_hidden_state[:, :-1]
+    return chunked_logprobs_and_entropy(
+        hidden,
+        head.weight,
+        input_ids[:, 1:],
+        lm_head_bias=head.bias,
+        chunk_size=chunk_size,
+        temperature=temperature,
+    )
+
+
+def _check(lead_shape: torch.Size, targets_shape: torch.Size, chunk_size: int, temperature: float) -> None:
+    if lead_shape != targets_shape:
+        raise ValueError(f"targets {tuple(targets_shape)} must match the leading shape {tuple(lead_shape)}")
+    if chunk_size < 1 or not temperature > 0:
+        raise ValueError(f"need chunk_size >= 1 and temperature > 0 (got {chunk_size}, {temperature})")
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scores(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp, entropy, logsumexp) of one chunk of logits z [c, V]."""
+    lse = torch.logsumexp(z, dim=-1)
+    p = torch.exp(z - lse[:, None])
+    entropy = lse - (p * z).sum(dim=-1)
+    logp = z.gather(1, targets[:, None]).squeeze(1) - lse
+    return logp, entropy, lse
+
+
+def _dlogp_dz(z: Tensor, lse: Tensor, targets: Tensor, grad: Tensor, temperature: float) -> Tensor:
+    """d logp / d(unscaled logits) of one chunk: ``(onehot(o) - softmax(z)) * grad / temperature``."""
+    g = -torch.exp(z - lse[:, None]) * grad[:, None]
+    g.scatter_add_(1, targets[:, None], grad[:, None])
+    return g / temperature
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, chunk_size, temperature):  # type: ignore[override]
+        dtype = _math_dtype(h.dtype)
+        S = h.shape[0]
+        logp = torch.empty(S, dtype=dtype, device=h.device)
+        entropy = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for lo in range(0, S, chunk_size):
+            hi = min(lo + chunk_size, S)
+            z = F.linear(h[lo:hi], weight, bias).to(dtype) / temperature
+            logp[lo:hi], entropy[lo:hi], lse[lo:hi] = _scores(z, targets[lo:hi])
+        ctx.save_for_backward(h, weight, bias, targets, lse)
+        ctx.chunk_size, ctx.temperature = chunk_size, temperature
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):  # type: ignore[override]
+        h, weight, bias, targets, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dtype = _math_dtype(h.dtype)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None
+        for lo in range(0, h.shape[0], ctx.chunk_size):
+            hi = min(lo + ctx.chunk_size, h.shape[0])
+            z = F.linear(h[lo:hi], weight, bias).to(dtype) / ctx.temperature
+            g = _dlogp_dz(z, lse[lo:hi], targets[lo:hi], grad_logp[lo:hi].to(dtype), ctx.temperature)
+            del z
+            if grad_h is not None:
+                grad_h[lo:hi] = (g.to(weight.dtype) @ weight).to(h.dtype)
+            if grad_w is not None:
+                grad_w += g.T.to(h.dtype) @ h[lo:hi]
+            if grad_b is not None:
+                grad_b += g.sum(dim=0)
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+class _LogitsLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, chunk_size, temperature):  # type: ignore[override]
+        dtype = _math_dtype(logits.dtype)
+        S = logits.shape[0]
+        logp = torch.empty(S, dtype=dtype, device=logits.device)
+        entropy = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for lo in range(0, S, chunk_size):
+            hi = min(lo + chunk_size, S)
+            z = logits[lo:hi].to(dtype) / temperature
+            logp[lo:hi], entropy[lo:hi], lse[lo:hi] = _scores(z, targets[lo:hi])
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.chunk_size, ctx.temperature = chunk_size, temperature
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):  # type: ignore[override]
+        logits, targets, lse = ctx.saved_tensors
+        dtype = _math_dtype(logits.dtype)
+        grad = torch.empty_like(logits)
+        for lo in range(0, logits.shape[0], ctx.chunk_size):
+            hi = min(lo + ctx.chunk_size, logits.shape[0])
+            z = logits[lo:hi].to(dtype) / ctx.temperature
+            grad[lo:hi] = _dlogp_dz(
+                z, lse[lo:hi], targets[lo:hi], grad_logp[lo:hi].to(dtype), ctx.temperature
+            )
+        return grad, None, None, None

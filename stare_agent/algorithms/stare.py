@@ -1,0 +1,368 @@
+"""STARE token weights, the closed-loop entropy gate and the adaptive W/M schedule.
+
+Paper: "STARE: Surprisal-Guided Token-Level Advantage Reweighting for Policy Entropy Stability",
+arXiv 2606.19236 (restated in ../shared/STARE.md). Over model-generated tokens only (mask = 1):
+
+    s_t    = -log pi_theta(o_t)                          surprisal, detached
+    T+     = {t : mask_t = 1, A_t > 0}                   T- = {t : mask_t = 1, A_t < 0}   (A = 0: neither)
+    L+     = top ceil(P * |T+|) tokens of T+ by s        L- = top ceil(P * |T-|) of T- by s   (C2 only)
+    Hbar   = sum_t mask_t * H_t / sum_t mask_t           over the whole batch on all ranks
+    gate   = Hbar < H_tgt                                strictly less; on/off
+    w_t    = W on L+,  M on L- (C2),  1 elsewhere;       w = 1 everywhere when the gate is off
+    W     <- clip(W + alpha * sign(H_tgt - Hbar), 1, W_max)     (adaptive schedule, optional)
+    M     <- clip(M - alpha * sign(H_tgt - Hbar), M_min, 1)
+
+Defaults: P = 0.10, W = 1.1, M = 0.9, H_tgt = 0.3. Variants: O1 = L+ only, C2 = L+ and L-.
+Scopes: ``micro_batch`` selects L+/L- inside each micro-batch (the authors' released code);
+``global`` is an exact top-k over the whole on-policy batch across data-parallel ranks.
+
+Ties in s are broken by a stable key, (sequence key, token position) ascending, where the
+sequence key is ``sequence_ids`` when given (e.g. a global episode index) or else the global row
+index. So the selection is deterministic, and with ``sequence_ids`` exactly invariant to permuting
+sequences; without them, permuting can only swap which of several equal-surprisal tokens is chosen.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Any, Literal, get_args
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+Variant = Literal["O1", "C2"]
+Scope = Literal["micro_batch", "global"]
+VARIANTS: tuple[str, ...] = get_args(Variant)
+SCOPES: tuple[str, ...] = get_args(Scope)
+
+_POSITION_BITS = 32  # tie-break key = sequence_key << 32 | token position
+
+
+def check_stare_options(*, variant: str, scope: str, P: float, W: float, M: float) -> None:
+    """Validate the STARE options once; each error names the rule and the fix."""
+    if variant not in VARIANTS:
+        raise ValueError(
+            f"STARE variant {variant!r} is unknown: use 'O1' (amplify L+) or 'C2' (amplify L+, attenuate L-)"
+        )
+    if scope not in SCOPES:
+        raise ValueError(
+            f"STARE scope {scope!r} is unknown: use 'micro_batch' (authors' code) or 'global' (whole batch)"
+        )
+    if not 0.0 < P <= 1.0:
+        raise ValueError(f"STARE P={P} must satisfy 0 < P <= 1 (fraction of T+/T- reweighted): e.g. P=0.10")
+    if not W >= 1.0:
+        raise ValueError(f"STARE W={W} must be >= 1 (it amplifies L+): e.g. W=1.1")
+    if not 0.0 < M <= 1.0:
+        raise ValueError(
+            f"STARE M={M} must satisfy 0 < M <= 1 (it attenuates L-, never flips a sign): e.g. M=0.9"
+        )
+
+
+def top_k_count(P: float, n: int) -> int:
+    """``ceil(P * n)`` with P read as the decimal it was written as (0.1 * 30 -> 3, not 4).
+
+    At least 1 whenever n > 0, since P > 0.
+    """
+    return math.ceil(Fraction(repr(float(P))) * n)
+
+
+# ----------------------------------------------------------------------------------------------
+# The gate
+# ----------------------------------------------------------------------------------------------
+
+
+def entropy_gate(
+    entropy: Tensor, response_mask: Tensor, H_tgt: float = 0.3, *, group: Any = None
+) -> tuple[bool, float, dict[str, float]]:
+    """Closed-loop gate: ``gate_on = Hbar < H_tgt`` with ``Hbar = sum(mask * H) / sum(mask)``.
+
+    Hbar is the masked token-mean over all mask-1 tokens of the batch on ALL ranks (all_reduce
+    of the sum and the count when torch.distributed is initialized), so every rank gets the same
+    gate. Mask-0 entries are never read (NaN there is harmless).
+
+    Args:
+        entropy: [B, T] full-vocabulary entropy H_t of each token (detached here).
+        response_mask: [B, T], 1 = model-generated token.
+        H_tgt: target entropy (default 0.3).
+        group: optional process group (default: the world).
+
+    Returns:
+        (gate_on, Hbar, metrics). Raises ValueError when no rank has a mask-1 token.
+    """
+    mask = response_mask.bool()
+    stats = torch.stack([entropy.detach()[mask].double().sum(), mask.sum().double()])
+    if _distributed():
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    total, count = stats.tolist()
+    if count == 0:
+        raise ValueError(
+            "entropy_gate got no mask-1 tokens on any rank: the batch holds no model-generated token"
+        )
+    Hbar = total / count
+    gate_on = Hbar < H_tgt
+    return gate_on, Hbar, {"stare/gate_on": float(gate_on), "stare/entropy": Hbar, "stare/H_tgt": H_tgt}
+
+
+@dataclass
+class AdaptiveController:
+    """Optional adaptive schedule for W and M, stepped once per optimizer step (off by default).
+
+    ``W <- clip(W + alpha * sign(H_tgt - Hbar), 1, W_max)``,
+    ``M <- clip(M - alpha * sign(H_tgt - Hbar), M_min, 1)``.
+    Call ``update(Hbar)`` right after the gate, then use ``W``/``M`` for this step's weights.
+    Save ``state_dict()`` with checkpoints and restore it with ``load_state_dict``.
+    """
+
+    W: float = 1.1
+    M: float = 0.9
+    H_tgt: float = 0.3
+    alpha: float = 0.01
+    W_max: float = 1.5
+    M_min: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.W <= self.W_max:
+            raise ValueError(
+                f"adaptive W={self.W} must lie in [1, W_max={self.W_max}]: lower W or raise W_max"
+            )
+        if not 0.0 < self.M_min <= self.M <= 1.0:
+            raise ValueError(
+                f"adaptive M={self.M} must lie in [M_min={self.M_min}, 1] with M_min > 0: fix M or M_min"
+            )
+        if not self.alpha >= 0.0:
+            raise ValueError(f"adaptive alpha={self.alpha} must be >= 0: e.g. alpha=0.01")
+
+    def update(self, Hbar: float) -> dict[str, float]:
+        """Step W and M toward raising entropy when Hbar < H_tgt (lowering it when above)."""
+        direction = float(math.copysign(1.0, self.H_tgt - Hbar)) if Hbar != self.H_tgt else 0.0
+        self.W = min(max(self.W + self.alpha * direction, 1.0), self.W_max)
+        self.M = min(max(self.M - self.alpha * direction, self.M_min), 1.0)
+        return {"stare/W": self.W, "stare/M": self.M}
+
+    def state_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        restored = AdaptiveController(**state)  # validates
+        for key, value in asdict(restored).items():
+            setattr(self, key, value)
+
+
+# ----------------------------------------------------------------------------------------------
+# The weights
+# ----------------------------------------------------------------------------------------------
+
+
+def stare_weights(
+    advantages: Tensor,
+    logprobs: Tensor,
+    response_mask: Tensor,
+    *,
+    gate_on: bool,
+    variant: Variant = "O1",
+    P: float = 0.10,
+    W: float = 1.1,
+    M: float = 0.9,
+    scope: Scope = "micro_batch",
+    micro_batch_size: int | None = None,
+    sequence_ids: Tensor | None = None,
+    group: Any = None,
+) -> tuple[Tensor, Tensor, Tensor, dict[str, float]]:
+    """STARE token weights ``w_t`` (see the module docstring for the formulas).
+
+    Args:
+        advantages: [B, T] token advantages A_t (GRPO advantage broadcast to mask-1 tokens).
+        logprobs: [B, T] log pi_theta(o_t); the surprisal is ``s = -logprobs.detach()``.
+        response_mask: [B, T], 1 = model-generated token; only these are ranked or counted.
+        gate_on: output of ``entropy_gate``; when False every weight is 1 (the loss is GRPO-ds).
+        variant: "O1" (W on L+) or "C2" (W on L+, M on L-).
+        P, W, M: fraction selected, amplification of L+, attenuation of L-.
+        scope: "micro_batch" selects inside each block of ``micro_batch_size`` rows (the whole
+            input when None); "global" selects over all rows on all ranks (all_gather).
+        sequence_ids: optional [B] distinct non-negative int ids (global across ranks) used as
+            the tie-break key; default: the global row index.
+        group: optional process group for the global scope (default: the world).
+
+    Returns:
+        (weights [B, T] in {1, W, M} (1 on mask-0), L+ mask [B, T], L- mask [B, T] (all False
+        for O1), metrics). L+/L- are computed even when the gate is off, for logging.
+    """
+    check_stare_options(variant=variant, scope=scope, P=P, W=W, M=M)
+    if not (advantages.shape == logprobs.shape == response_mask.shape and advantages.dim() == 2):
+        raise ValueError(
+            f"advantages {tuple(advantages.shape)}, logprobs {tuple(logprobs.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} must all be [B, T]: pad them to one shape"
+        )
+    mask = response_mask.bool()
+    s = -logprobs.detach()  # surprisal
+    if s.dtype not in (torch.float32, torch.float64):
+        s = s.float()
+    if torch.isnan(s[mask]).any():
+        raise ValueError("NaN log-prob on a mask-1 token: recompute log-probs (check the model's forward)")
+    B, T = s.shape
+    if T >= 1 << _POSITION_BITS:
+        raise ValueError(f"sequence length {T} exceeds 2**{_POSITION_BITS}: split the sequences")
+    A = advantages.detach()
+    T_plus, T_minus = mask & (A > 0), mask & (A < 0)
+
+    # --- selection: exact top-k by s (ties: smaller key first) inside each selection block
+    distributed = scope == "global" and _distributed()
+    seq_key = _sequence_keys(B, sequence_ids, s.device, group if distributed else None)
+    if scope == "global" or micro_batch_size is None:
+        blocks = [(0, B)]
+    else:
+        if micro_batch_size < 1:
+            raise ValueError(
+                f"micro_batch_size={micro_batch_size} must be >= 1: pass the learner's micro-batch rows"
+            )
+        blocks = [(lo, min(lo + micro_batch_size, B)) for lo in range(0, B, micro_batch_size)]
+    L_plus = torch.zeros_like(mask)
+    L_minus = torch.zeros_like(mask)
+    sizes = {"T+": 0, "T-": 0, "L+": 0, "L-": 0}
+    for lo, hi in blocks:
+        keys = seq_key[lo:hi]
+        sel, n, k = _top_k(s[lo:hi], T_plus[lo:hi], keys, P, group if distributed else None)
+        L_plus[lo:hi], sizes["T+"], sizes["L+"] = sel, sizes["T+"] + n, sizes["L+"] + k
+        if variant == "C2":
+            sel, n, k = _top_k(s[lo:hi], T_minus[lo:hi], keys, P, group if distributed else None)
+            L_minus[lo:hi], sizes["L-"] = sel, sizes["L-"] + k
+            sizes["T-"] += n
+        else:
+            sizes["T-"] += _global_count(T_minus[lo:hi], group if distributed else None)
+
+    # --- weights: W on L+, M on L- (C2), 1 elsewhere; all 1 when the gate is off
+    weights = torch.ones_like(s, dtype=logprobs.dtype)
+    if gate_on:
+        weights[L_plus] = W
+        weights[L_minus] = M
+    n_tokens = _global_count(mask, group if distributed else None)
+    metrics = _weight_metrics(
+        s, mask, weights, sizes, n_tokens, gate_on, W, M, group if distributed else None
+    )
+    return weights, L_plus, L_minus, metrics
+
+
+def _top_k(s: Tensor, candidates: Tensor, seq_key: Tensor, P: float, group: Any) -> tuple[Tensor, int, int]:
+    """Mask of the top ``ceil(P * n)`` candidates by s, over all ranks when ``group`` is used.
+
+    Exact: the k-th largest value v is found with a selection (kthvalue); all candidates with
+    s > v are taken, and the remaining slots go to the candidates with s == v in key order.
+    Returns (mask [b, T], n candidates, k selected), n and k counted over all ranks.
+    """
+    flat_idx = candidates.flatten().nonzero().squeeze(1)
+    s_c = s.flatten()[flat_idx]
+    all_s = _gather_cat(s_c, group)
+    n = all_s.numel()
+    k = top_k_count(P, n)
+    selected = torch.zeros(candidates.numel(), dtype=torch.bool, device=s.device)
+    if k == 0:
+        return selected.view_as(candidates), n, 0
+    v = torch.kthvalue(all_s, n - k + 1).values
+    above, tied = s_c > v, s_c == v
+    need = k - int((all_s > v).sum())
+    if need == int((all_s == v).sum()):  # every tied candidate fits: no tie-break needed
+        selected[flat_idx[above | tied]] = True
+        return selected.view_as(candidates), n, k
+    T = candidates.shape[1]
+    tied_idx = flat_idx[tied]
+    tied_key = (seq_key[tied_idx // T] << _POSITION_BITS) | (tied_idx % T)
+    chosen = torch.sort(_gather_cat(tied_key, group)).values[:need]
+    selected[flat_idx[above]] = True
+    selected[tied_idx[torch.isin(tied_key, chosen)]] = True
+    return selected.view_as(candidates), n, k
+
+
+def _weight_metrics(
+    s: Tensor,
+    mask: Tensor,
+    weights: Tensor,
+    sizes: dict[str, int],
+    n_tokens: int,
+    gate_on: bool,
+    W: float,
+    M: float,
+    group: Any,
+) -> dict[str, float]:
+    """Counts are over the scope (all ranks for global); surprisal quantiles over this call's tokens."""
+    n = max(n_tokens, 1)
+    reweighted = sizes["L+"] + sizes["L-"] if gate_on else 0
+    weight_sum = weights[mask].double().sum().reshape(1)
+    if group is not None:
+        dist.all_reduce(weight_sum, group=group)
+    metrics = {
+        "stare/gate_on": float(gate_on),
+        "stare/W": W,
+        "stare/M": M,
+        "stare/frac_T_plus": sizes["T+"] / n,
+        "stare/frac_T_minus": sizes["T-"] / n,
+        "stare/L_plus": float(sizes["L+"]),
+        "stare/L_minus": float(sizes["L-"]),
+        "stare/frac_reweighted": reweighted / n,
+        "stare/mean_weight": float(weight_sum) / n if n_tokens else 1.0,
+    }
+    s_tok = s[mask].float()
+    for q in (0.5, 0.9, 0.99):  # nearest-rank quantiles by selection (no full sort)
+        value = (
+            float(torch.kthvalue(s_tok, max(1, math.ceil(q * s_tok.numel()))).values)
+            if s_tok.numel()
+            else 0.0
+        )
+        metrics[f"stare/surprisal_p{round(q * 100)}"] = value
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.distributed plumbing (identity in a single process)
+# ----------------------------------------------------------------------------------------------
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _gather_cat(x: Tensor, group: Any) -> Tensor:
+    """Concatenate a 1-D tensor of any length over all ranks in rank order (identity without group)."""
+    if group is None:
+        return x
+    world = dist.get_world_size(group=group)
+    length = torch.tensor([x.numel()], dtype=torch.int64, device=x.device)
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    longest = int(max(int(t) for t in lengths))
+    padded = torch.zeros(longest, dtype=x.dtype, device=x.device)
+    padded[: x.numel()] = x
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[: int(size)] for part, size in zip(parts, lengths, strict=True)])
+
+
+def _global_count(mask: Tensor, group: Any) -> int:
+    count = mask.sum().to(torch.int64).reshape(1)
+    if group is not None:
+        dist.all_reduce(count, group=group)
+    return int(count)
+
+
+def _sequence_keys(B: int, sequence_ids: Tensor | None, device: torch.device, group: Any) -> Tensor:
+    """[B] int64 global tie-break keys: ``sequence_ids`` (checked distinct) or the global row index."""
+    if sequence_ids is None:
+        rows = torch.arange(B, dtype=torch.int64, device=device)
+        offset = 0
+        if group is not None:
+            sizes = _gather_cat(torch.tensor([B], dtype=torch.int64, device=device), group)
+            offset = int(sizes[: dist.get_rank(group=group)].sum())
+        return rows + offset
+    ids = sequence_ids.to(device=device, dtype=torch.int64).flatten()
+    if ids.numel() != B:
+        raise ValueError(f"sequence_ids has {ids.numel()} entries for {B} sequences: pass one id per row")
+    all_ids = _gather_cat(ids, group)
+    if all_ids.numel() and (all_ids.min() < 0 or all_ids.max() >= 1 << (62 - _POSITION_BITS)):
+        raise ValueError("sequence_ids must lie in [0, 2**30): use episode indices, not hashes")
+    if torch.unique(all_ids).numel() != all_ids.numel():
+        raise ValueError(
+            "sequence_ids repeat across the batch: pass one distinct id per sequence (e.g. episode index)"
+        )
+    return ids
