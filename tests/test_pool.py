@@ -115,13 +115,13 @@ def test_starts_size_sandboxes_in_parallel():
 
 
 def test_constructor_raises_the_backends_error_and_closes_what_started():
-    factory = Factory()
     made_ok: list[FakeSandbox] = []
+    calls = iter(range(100))  # next() on a range iterator is atomic under the GIL
 
     def flaky() -> FakeSandbox:
-        if len(made_ok) >= 2:
+        if next(calls) >= 2:
             raise SandboxUnavailable("Docker daemon not reachable: start dockerd")
-        sandbox = factory()
+        sandbox = FakeSandbox()
         made_ok.append(sandbox)
         return sandbox
 

@@ -24,6 +24,9 @@ pkgs="python3 python3-ipykernel python3-numpy python3-sympy python3-scipy tini"
 chroot "$root" /usr/bin/env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $pkgs \
   >"$work/apt.log" 2>&1 || { tail -20 "$work/apt.log" >&2; echo "apt-get inside the image failed (see above)" >&2; exit 1; }
 chroot "$root" apt-get clean
+# Import everything once now so that a broken image fails the build, not an episode.
+chroot "$root" /usr/bin/python3 -c "import ipykernel, numpy, sympy, scipy; print('ok')" >/dev/null 2>&1 || {
+  echo "the image cannot import its kernel packages" >&2; exit 1; }
 umount -l "$root/proc"
 : > "$root/etc/resolv.conf"
 
