@@ -1,0 +1,461 @@
+"""The rollout runner: plays a batch of tool environments with one engine into token-exact trajectories.
+
+The runner speaks tokens to the engine and text to the environments:
+
+1. ``env.reset()``; the prompt is ``info["messages"]`` rendered by the tokenizer's chat template with
+   the generation prompt, then tokenized once.
+2. Each turn, ONE ``engine.generate`` call continues every live episode, stopping on the format's stop
+   strings (or EOS) with ``max_new_tokens`` = the remaining response-token budget. The sampled tokens
+   are appended exactly as returned (mask 1), never decoded and re-encoded; they are decoded only to
+   hand the text to ``env.step``, and the ``env.step`` calls of a turn run in parallel threads.
+3. The observation is tokenized and appended with mask 0. For formats whose observations stay inside
+   the assistant message (``observation_role == "assistant"``, ReTool) that is the observation text
+   alone. For ``tool``-role observations (hermes) it is the chat-template glue too: the end of the
+   assistant turn, the tool message, and the start of the next assistant turn, computed as a token
+   difference of two renderings of a conversation (as verl's tool agent loop does).
+4. The episode ends when the env terminates or truncates it, or when the response-token budget is
+   spent (``info["finish_reason"] == "budget"``; over-long tool output is cut so the budget holds).
+
+This module needs no torch: engines live in ``stare_agent.engines`` and implement :class:`Engine`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from envs.trajectory import Trajectory, TrajectoryBuilder
+
+if TYPE_CHECKING:
+    from envs.tool_env import ToolEnv
+
+FinishReason = Literal["stop", "length", "eos"]
+EpisodeEnd = Literal["terminated", "truncated", "budget"]
+
+
+class RolloutError(RuntimeError):
+    """The runner cannot continue: an engine broke the protocol or a chat template cannot be diffed."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How an engine samples one turn.
+
+    Attributes:
+        temperature: Softmax temperature; 0 means greedy.
+        top_p: Nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: Keep the k most likely tokens; None disables it.
+        max_new_tokens: Most tokens one generate call may return per prompt.
+        seed: Base seed for reproducible sampling; the runner passes ``seed + turn`` on each turn so
+            turns do not reuse one random stream. None: unseeded.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_new_tokens: int = 1024
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature = {self.temperature}: use a value >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p = {self.top_p}: use a value in (0, 1] (1 disables nucleus sampling)")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k = {self.top_k}: use a positive integer, or None to disable top-k")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens = {self.max_new_tokens}: use a positive integer")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One prompt's continuation as the engine sampled it.
+
+    Attributes:
+        token_ids: The sampled tokens, in order. When generation stopped on a stop string they run up to
+            and including the token that completed it (which may end past the stop string, or leave it
+            mid-token); on EOS the EOS token is the last one.
+        logprobs: The sampling log-prob of each token (under the distribution actually sampled from).
+        finish_reason: ``"stop"`` (a stop string), ``"eos"`` (an end-of-sequence token) or ``"length"``
+            (``max_new_tokens`` reached).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise RolloutError(
+                f"engine returned {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs: "
+                "an Engine must return one log-prob per sampled token"
+            )
+        if self.finish_reason not in ("stop", "length", "eos"):
+            raise RolloutError(
+                f"finish_reason {self.finish_reason!r}: an Engine returns 'stop', 'length' or 'eos'"
+            )
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the runner needs from an inference engine (transformers, SGLang, a scripted replay)."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, stop: list[str]) -> list[Generation]:
+        """Continue each token-id prompt until a stop string, EOS or ``params.max_new_tokens``.
+
+        Returns one :class:`Generation` per prompt, in order.
+        """
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Load new policy weights (``(parameter name, tensor)`` pairs) before the next generate."""
+        ...
+
+
+class Tokenizer(Protocol):
+    """The slice of the Hugging Face tokenizer interface the runner uses."""
+
+    eos_token_id: int | None
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], **kwargs: Any) -> str: ...
+
+
+@dataclass
+class RolloutStats:
+    """Where the wall time of one :meth:`RolloutRunner.run` went.
+
+    ``env_s`` is the wall time of the (parallel) reset and step phases; ``overhead_s`` is everything
+    else the runner did: templates, tokenizing observations, decoding turns, bookkeeping.
+    """
+
+    episodes: int = 0
+    turns: int = 0
+    engine_calls: int = 0
+    sampled_tokens: int = 0
+    inserted_tokens: int = 0
+    engine_s: float = 0.0
+    env_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        return max(0.0, self.total_s - self.engine_s - self.env_s)
+
+    @property
+    def overhead_fraction(self) -> float:
+        return self.overhead_s / self.total_s if self.total_s > 0 else 0.0
+
+
+class ToolTurnGlue:
+    """Token ids between a model turn and the next one when the observation is a ``tool`` message.
+
+    They are: the end of the assistant turn, the rendered tool message, and the generation prompt of
+    the next assistant turn. The tool message and generation prompt are a token difference between
+    two renderings of a fixed reference conversation, ``[system, user, assistant]`` and the same plus
+    ``[tool]`` (with the generation prompt), so they are tokenized in context exactly as the chat
+    template would tokenize a whole conversation; the end of the assistant turn is the text the
+    template puts after an assistant message's content.
+    """
+
+    _REFERENCE = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "A"},
+    ]
+
+    def __init__(self, tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any]] | None = None) -> None:
+        self._tokenizer = tokenizer
+        self._tools = list(tools) if tools else None
+        opened = self._render(self._REFERENCE[:2], generation_prompt=True)
+        closed = self._render(self._REFERENCE, generation_prompt=False)
+        if not closed.startswith(opened + "A"):
+            raise RolloutError(
+                "the chat template does not render an assistant message as generation prompt + content + "
+                "end of turn, so tool-message glue cannot be computed: use a format with "
+                "observation_role='assistant' (e.g. retool) with this tokenizer"
+            )
+        self.end_of_turn_ids = _encode(tokenizer, closed[len(opened) + 1 :])
+        self._closed_ids = _encode(tokenizer, closed)
+
+    def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
+        return render_chat(
+            self._tokenizer, messages, tools=self._tools, add_generation_prompt=generation_prompt
+        )
+
+    def __call__(self, observation: str, *, turn_ended_with_eos: bool) -> list[int]:
+        """Glue ids for one tool message carrying ``observation``.
+
+        Args:
+            observation: The tool message's content.
+            turn_ended_with_eos: The model's turn already ends with EOS, which is then not repeated when
+                the template's end of turn starts with it (e.g. ChatML's ``<|im_end|>``).
+        """
+        text = self._render(
+            [*self._REFERENCE, {"role": "tool", "content": observation}], generation_prompt=True
+        )
+        ids = _encode(self._tokenizer, text)
+        n = len(self._closed_ids)
+        if ids[:n] != self._closed_ids:
+            raise RolloutError(
+                "appending a tool message changed the tokens of the conversation before it, so the glue "
+                "is not a clean token difference: use a chat template that renders messages independently"
+            )
+        end = self.end_of_turn_ids
+        if turn_ended_with_eos and end[:1] == [self._tokenizer.eos_token_id]:
+            end = end[1:]
+        return end + ids[n:]
+
+
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The chat template's text for ``messages`` (tool schemas passed only when given)."""
+    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    if tools:
+        kwargs["tools"] = list(tools)
+    return tokenizer.apply_chat_template(list(messages), **kwargs)
+
+
+def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+def _decode(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+@dataclass
+class _Episode:
+    """One live episode's state inside :meth:`RolloutRunner.run`."""
+
+    env: ToolEnv
+    builder: TrajectoryBuilder
+    info: dict[str, Any]
+    glue: ToolTurnGlue | None = None
+    reward: float = 0.0
+    turns: int = 0
+    end: EpisodeEnd | None = None
+    turn_ended_with_eos: bool = False
+    turn_texts: list[str] = field(default_factory=list)
+
+    def finish(self, end: EpisodeEnd) -> None:
+        self.end = end
+
+
+class RolloutRunner:
+    """Plays batches of :class:`~envs.tool_env.ToolEnv` episodes with one engine into trajectories.
+
+    Args:
+        tokenizer: A Hugging Face tokenizer (chat template, ``encode``, ``decode``, ``eos_token_id``).
+        engine: Anything implementing :class:`Engine`.
+        max_response_tokens: Budget of response tokens per episode (model turns, tool output and glue).
+        sampling: Sampling parameters; ``max_new_tokens`` is replaced each turn by the largest remaining
+            budget of the live episodes (each episode's turn is then cut to its own remaining budget,
+            which is exactly what a per-episode limit would have produced).
+        template_tools: Pass the env's tool schemas (``info["tools"]``) to the chat template, for models
+            whose template describes tools itself (Qwen2.5 with hermes). None: only when the format's
+            observations are ``tool`` messages and the system prompt is not the format's own (which
+            already lists them).
+        max_workers: Threads for the parallel ``env.reset``/``env.step`` calls (default: one per env, at most 64).
+
+    After :meth:`run`, ``last_stats`` holds a :class:`RolloutStats`.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        engine: Engine,
+        *,
+        max_response_tokens: int,
+        sampling: SamplingParams | None = None,
+        template_tools: bool | None = None,
+        max_workers: int | None = None,
+    ) -> None:
+        if max_response_tokens < 1:
+            raise ValueError(f"max_response_tokens = {max_response_tokens}: use a positive token budget")
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.max_response_tokens = max_response_tokens
+        self.sampling = sampling or SamplingParams()
+        self.template_tools = template_tools
+        self.max_workers = max_workers
+        self.last_stats = RolloutStats()
+        self._glue: dict[tuple[str, ...], ToolTurnGlue] = {}
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(
+        self,
+        envs: Sequence[ToolEnv],
+        *,
+        seeds: int | Sequence[int | None] | None = None,
+        options: Sequence[dict[str, Any] | None] | None = None,
+    ) -> list[Trajectory]:
+        """Play one episode in each env, all advancing together; return their trajectories in order.
+
+        Args:
+            envs: The environments (each is reset here).
+            seeds: Per-env reset seeds, or one int giving ``seed + i`` to env ``i`` (Gymnasium's vector
+                convention), or None.
+            options: Per-env reset options, or None.
+        """
+        if not envs:
+            return []
+        seed_list = _per_env(seeds, len(envs), "seeds")
+        option_list = list(options) if options is not None else [None] * len(envs)
+        if len(option_list) != len(envs):
+            raise ValueError(f"got {len(option_list)} options for {len(envs)} envs: pass one per env or None")
+        stats = RolloutStats(episodes=len(envs))
+        start = time.perf_counter()
+        workers = self.max_workers or min(64, len(envs))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") as pool:
+            resets = self._env_phase(
+                stats,
+                pool,
+                [
+                    (env.reset, dict(seed=s, options=o))
+                    for env, s, o in zip(envs, seed_list, option_list, strict=True)
+                ],
+            )
+            episodes = [self._start(env, info) for env, (_, info) in zip(envs, resets, strict=True)]
+            turn = 0
+            while live := [ep for ep in episodes if ep.end is None]:
+                generations = self._generate(live, turn, stats)
+                texts = [self._take_turn(ep, gen) for ep, gen in zip(live, generations, strict=True)]
+                stepping = [(ep, text) for ep, text in zip(live, texts, strict=True) if text is not None]
+                results = self._env_phase(stats, pool, [(ep.env.step, dict(action=t)) for ep, t in stepping])
+                for (ep, _), result in zip(stepping, results, strict=True):
+                    self._take_step(ep, result)
+                turn += 1
+        trajectories = [self._build(ep) for ep in episodes]
+        for t in trajectories:
+            stats.sampled_tokens += t.num_sampled_tokens
+            stats.inserted_tokens += len(t.response_ids) - t.num_sampled_tokens
+        stats.total_s = time.perf_counter() - start
+        self.last_stats = stats
+        return trajectories
+
+    def _start(self, env: ToolEnv, info: dict[str, Any]) -> _Episode:
+        """Render and tokenize the prompt; pick the glue for ``tool``-role formats."""
+        tools = info.get("tools") if self._wants_template_tools(env, info) else None
+        prompt = render_chat(self.tokenizer, info["messages"], tools=tools, add_generation_prompt=True)
+        episode = _Episode(
+            env=env, builder=TrajectoryBuilder(_encode(self.tokenizer, prompt)), info=dict(info)
+        )
+        if env.format.observation_role == "tool":
+            episode.glue = self._glue_for(tools)
+        return episode
+
+    def _wants_template_tools(self, env: ToolEnv, info: Mapping[str, Any]) -> bool:
+        if self.template_tools is not None:
+            return self.template_tools and bool(info.get("tools"))
+        if env.format.observation_role != "tool" or not info.get("tools"):
+            return False
+        messages = info["messages"]
+        own_prompt = env.format.system_prompt(info["tools"])
+        return not (messages and messages[0].get("role") == "system" and own_prompt in messages[0]["content"])
+
+    def _glue_for(self, tools: Sequence[Mapping[str, Any]] | None) -> ToolTurnGlue:
+        key = tuple(sorted(str(t) for t in tools)) if tools else ()
+        if key not in self._glue:
+            self._glue[key] = ToolTurnGlue(self.tokenizer, tools)
+        return self._glue[key]
+
+    def _generate(self, live: list[_Episode], turn: int, stats: RolloutStats) -> list[Generation]:
+        """One engine call for every live episode, with the largest remaining budget as the limit."""
+        remaining = max(self.max_response_tokens - len(ep.builder) for ep in live)
+        seed = None if self.sampling.seed is None else self.sampling.seed + turn
+        params = replace(self.sampling, max_new_tokens=remaining, seed=seed)
+        stop = sorted({s for ep in live for s in ep.env.format.stop_strings})
+        t0 = time.perf_counter()
+        generations = self.engine.generate([ep.builder.context_ids for ep in live], params, stop)
+        stats.engine_s += time.perf_counter() - t0
+        stats.engine_calls += 1
+        stats.turns += len(live)
+        if len(generations) != len(live):
+            raise RolloutError(
+                f"engine returned {len(generations)} generations for {len(live)} prompts: "
+                "Engine.generate must return one Generation per prompt, in order"
+            )
+        return generations
+
+    def _take_turn(self, ep: _Episode, gen: Generation) -> str | None:
+        """Append the model turn (mask 1, as sampled); return its text for ``env.step``, or None when
+        the budget ran out during the turn."""
+        remaining = self.max_response_tokens - len(ep.builder)
+        ids, logprobs, reason = gen.token_ids, gen.logprobs, gen.finish_reason
+        if len(ids) > remaining:  # the batch limit was another episode's larger budget
+            ids, logprobs, reason = ids[:remaining], logprobs[:remaining], "length"
+        ep.builder.append(ids, 1, logprobs)
+        ep.turns += 1
+        ep.turn_ended_with_eos = reason == "eos"
+        if reason == "length" and len(ep.builder) >= self.max_response_tokens:
+            ep.finish("budget")
+            return None
+        text_ids = ids[:-1] if reason == "eos" else ids
+        text = _decode(self.tokenizer, text_ids)
+        ep.turn_texts.append(text)
+        return text
+
+    def _take_step(self, ep: _Episode, result: tuple[str, float, bool, bool, dict[str, Any]]) -> None:
+        """Record the env's response; append the observation (mask 0) when the episode continues."""
+        observation, reward, terminated, truncated, info = result
+        ep.reward += float(reward)
+        ep.info.update(info)
+        if terminated or truncated:
+            ep.finish("terminated" if terminated else "truncated")
+            return
+        if ep.glue is not None:
+            ids = ep.glue(observation, turn_ended_with_eos=ep.turn_ended_with_eos)
+        else:
+            ids = _encode(self.tokenizer, observation)
+        remaining = self.max_response_tokens - len(ep.builder)
+        ep.builder.append(ids[:remaining], 0)
+        if len(ids) >= remaining:
+            ep.finish("budget")
+
+    def _env_phase(
+        self,
+        stats: RolloutStats,
+        pool: ThreadPoolExecutor,
+        calls: list[tuple[Callable[..., Any], dict[str, Any]]],
+    ) -> list[Any]:
+        """Run env calls in parallel; results in order; the first exception propagates."""
+        t0 = time.perf_counter()
+        futures = [pool.submit(fn, **kwargs) for fn, kwargs in calls]
+        try:
+            return [f.result() for f in futures]
+        finally:
+            stats.env_s += time.perf_counter() - t0
+
+    def _build(self, ep: _Episode) -> Trajectory:
+        info = {k: v for k, v in ep.info.items() if k not in ("messages", "tools")}
+        info.update(
+            finish_reason=ep.end,
+            truncated=ep.end != "terminated",
+            num_turns=ep.turns,
+            response_tokens=len(ep.builder),
+        )
+        return ep.builder.build(reward=ep.reward, info=info)
+
+
+def _per_env(seeds: int | Sequence[int | None] | None, n: int, name: str) -> list[int | None]:
+    if seeds is None:
+        return [None] * n
+    if isinstance(seeds, int):
+        return [seeds + i for i in range(n)]
+    seeds = list(seeds)
+    if len(seeds) != n:
+        raise ValueError(f"got {len(seeds)} {name} for {n} envs: pass one per env, one int, or None")
+    return seeds

@@ -1,0 +1,168 @@
+"""A scripted engine: replays given turn texts token-exactly, for tests and benchmarks without a model.
+
+It implements :class:`envs.rollout.Engine` the way a real engine behaves at the token level: each
+scripted turn is tokenized, then generation stops at the first stop string (the returned tokens run up
+to and including the token that completes it, which may reach past the stop string), at an EOS token
+written in the text, or at ``max_new_tokens``. A turn that contains no stop string ends with the EOS
+token appended, like a model that finished its message. Log-probs are deterministic stand-ins.
+
+Episodes are told apart by their token context: a prompt that extends the context of an episode seen
+before (its last prompt plus the tokens returned for it) continues that episode; any other prompt
+starts a new one and takes the next script, in the order prompts first appear (so a list of scripts
+serves one :meth:`RolloutRunner.run`; a callable serves any number).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from envs.rollout import Generation, SamplingParams, Tokenizer
+
+Script = Sequence[str] | Callable[[str, int], str]
+
+
+class ScriptError(RuntimeError):
+    """The environment asked for a turn the script does not have."""
+
+
+@dataclass
+class _Replay:
+    script: Script
+    index: int
+    turn: int = 0
+    context: tuple[int, ...] = ()
+
+
+class ScriptedEngine:
+    """Replays scripts turn by turn.
+
+    Args:
+        tokenizer: The tokenizer the runner uses (turn texts are tokenized with it).
+        scripts: Either one script per episode (matched to episodes in the order their first prompts
+            arrive), each a list of turn texts or a callable ``(prompt_text, turn_index) -> turn text``;
+            or a single callable used for every episode.
+        eos_token_id: The end-of-sequence token; default ``tokenizer.eos_token_id``.
+
+    Only ``max_new_tokens`` of :class:`SamplingParams` applies; a replay has nothing to sample.
+    ``weight_version`` counts :meth:`update_weights` calls.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        scripts: Sequence[Script] | Callable[[str, int], str],
+        *,
+        eos_token_id: int | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self._scripts = scripts
+        self.eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        if self.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token_id: pass eos_token_id= to ScriptedEngine")
+        self._replays: list[_Replay] = []
+        self.weight_version = 0
+        self.calls: list[int] = []  # batch size of each generate call
+
+    # ------------------------------------------------------------------ the protocol
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, stop: list[str]) -> list[Generation]:
+        """Replay the next turn of each prompt's episode (see the module docstring)."""
+        self.calls.append(len(prompts))
+        claimed: set[int] = set()
+        out = []
+        for prompt in prompts:
+            replay = self._match(prompt, claimed)
+            claimed.add(replay.index)
+            text = self._turn_text(replay, prompt)
+            gen = self._emulate(text, params.max_new_tokens, stop)
+            replay.turn += 1
+            replay.context = tuple(prompt) + tuple(gen.token_ids)
+            out.append(gen)
+        return out
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Consume the weights (a replay has none to change) and bump ``weight_version``."""
+        for _ in named_tensors:
+            pass
+        self.weight_version += 1
+
+    # ------------------------------------------------------------------ episodes
+
+    def _match(self, prompt: list[int], claimed: set[int]) -> _Replay:
+        """The episode ``prompt`` continues (longest matching context), or a new one."""
+        best: _Replay | None = None
+        for replay in self._replays:
+            n = len(replay.context)
+            if replay.index in claimed or n == 0 or n > len(prompt):
+                continue
+            if (best is None or n > len(best.context)) and tuple(prompt[:n]) == replay.context:
+                best = replay
+        if best is not None:
+            return best
+        index = len(self._replays)
+        if callable(self._scripts):
+            script: Script = self._scripts
+        elif index < len(self._scripts):
+            script = self._scripts[index]
+        else:
+            raise ScriptError(
+                f"a new episode started but only {len(self._scripts)} scripts were given: pass one script per "
+                "episode, or one callable for all"
+            )
+        replay = _Replay(script=script, index=index)
+        self._replays.append(replay)
+        return replay
+
+    def _turn_text(self, replay: _Replay, prompt: list[int]) -> str:
+        if callable(replay.script):
+            return replay.script(self._decode(prompt), replay.turn)
+        if replay.turn >= len(replay.script):
+            raise ScriptError(
+                f"episode {replay.index} asked for turn {replay.turn} but its script has {len(replay.script)} "
+                "turns: add turns, or end the last one without a tool call so the episode terminates"
+            )
+        return replay.script[replay.turn]
+
+    # ------------------------------------------------------------------ token-level stopping
+
+    def _emulate(self, text: str, max_new_tokens: int, stop: Sequence[str]) -> Generation:
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        reason = "eos"
+        if self.eos_token_id in ids:
+            ids = ids[: ids.index(self.eos_token_id) + 1]
+        else:
+            ids.append(self.eos_token_id)
+        cut = self._stop_cut(ids[:-1], stop) if stop else None
+        if cut is not None:
+            ids, reason = ids[:cut], "stop"
+        if len(ids) > max_new_tokens:
+            ids, reason = ids[:max_new_tokens], "length"
+        return Generation(ids, [self._logprob(i, t) for i, t in enumerate(ids)], reason)
+
+    def _stop_cut(self, ids: list[int], stop: Sequence[str]) -> int | None:
+        """The smallest k such that the first k tokens' text contains a stop string (binary search)."""
+
+        def has_stop(k: int) -> bool:
+            text = self._decode(ids[:k])
+            return any(s in text for s in stop)
+
+        if not ids or not has_stop(len(ids)):
+            return None
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if has_stop(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    @staticmethod
+    def _logprob(position: int, token_id: int) -> float:
+        """A deterministic stand-in in [-1.0, -0.001]."""
+        return -((token_id * 31 + position * 7) % 1000 + 1) / 1000.0
