@@ -403,30 +403,35 @@ class AnswerChecker:
                     ) from None
 
     def _check_in_worker(self, prediction: str, gold: str) -> bool:
-        worker = self._acquire()
-        self._count("pool")
-        try:
-            worker.conn.send((prediction, gold))
-            answered = worker.conn.poll(self.timeout_s)
-            if answered:
+        """One pool check. A worker that died while idle (e.g. killed for memory) is replaced and the
+        pair goes to another worker once; a worker that misses the deadline is killed: False."""
+        for attempt in range(2):
+            worker = self._acquire()
+            self._count("pool")
+            started = time.monotonic()
+            try:
+                worker.conn.send((prediction, gold))
+                if not worker.conn.poll(self.timeout_s):
+                    self._count("timeouts")
+                    self._replace(worker)
+                    return False
                 correct, error = worker.conn.recv()
-        except (EOFError, OSError):  # the worker died (e.g. killed for memory)
-            self._count("errors")
-            self._replace(worker)
-            return False
-        if not answered:
-            self._count("timeouts")
-            self._replace(worker)
-            return False
-        self._release(worker)
-        if error is not None:
-            self._count("errors")
-        with self._lock:
-            if self._cache_size > 0:
-                self._cache[(prediction, gold)] = correct
-                if len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
-        return correct
+            except (EOFError, OSError):
+                self._count("errors")
+                self._replace(worker)
+                if attempt == 0 and time.monotonic() - started < self.timeout_s / 2:
+                    continue
+                return False
+            self._release(worker)
+            if error is not None:
+                self._count("errors")
+            with self._lock:
+                if self._cache_size > 0:
+                    self._cache[(prediction, gold)] = correct
+                    if len(self._cache) > self._cache_size:
+                        self._cache.popitem(last=False)
+            return correct
+        return False
 
     def _release(self, worker: _Worker) -> None:
         with self._lock:
