@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any, Literal, get_args
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -200,7 +201,7 @@ def stare_weights(
     s = -logprobs.detach()  # surprisal
     if s.dtype not in (torch.float32, torch.float64):
         s = s.float()
-    if torch.isnan(s[mask]).any():
+    if torch.isnan(s).logical_and_(mask).any():
         raise ValueError("NaN log-prob on a mask-1 token: recompute log-probs (check the model's forward)")
     B, T = s.shape
     if T >= 1 << _POSITION_BITS:
@@ -209,8 +210,10 @@ def stare_weights(
     T_plus, T_minus = mask & (A > 0), mask & (A < 0)
 
     # --- selection: exact top-k by s (ties: smaller key first) inside each selection block
-    distributed = scope == "global" and _distributed()
-    seq_key = _sequence_keys(B, sequence_ids, s.device, group if distributed else None)
+    comm = group if scope == "global" and _distributed() else None  # None: no communication
+    if comm is None and scope == "global" and group is not None:
+        raise ValueError("a process group was passed but torch.distributed is not initialized: init it first")
+    seq_key = _sequence_keys(B, sequence_ids, s.device, comm)
     if scope == "global" or micro_batch_size is None:
         blocks = [(0, B)]
     else:
@@ -221,27 +224,24 @@ def stare_weights(
         blocks = [(lo, min(lo + micro_batch_size, B)) for lo in range(0, B, micro_batch_size)]
     L_plus = torch.zeros_like(mask)
     L_minus = torch.zeros_like(mask)
-    sizes = {"T+": 0, "T-": 0, "L+": 0, "L-": 0}
+    sizes = {"T+": 0, "T-": 0, "L+": 0, "L-": 0}  # |T+|, |T-|, |L+|, |L-| over the scope
     for lo, hi in blocks:
         keys = seq_key[lo:hi]
-        sel, n, k = _top_k(s[lo:hi], T_plus[lo:hi], keys, P, group if distributed else None)
-        L_plus[lo:hi], sizes["T+"], sizes["L+"] = sel, sizes["T+"] + n, sizes["L+"] + k
+        L_plus[lo:hi], n_plus, k_plus = _top_k(s[lo:hi], T_plus[lo:hi], keys, P, comm)
         if variant == "C2":
-            sel, n, k = _top_k(s[lo:hi], T_minus[lo:hi], keys, P, group if distributed else None)
-            L_minus[lo:hi], sizes["L-"] = sel, sizes["L-"] + k
-            sizes["T-"] += n
+            L_minus[lo:hi], n_minus, k_minus = _top_k(s[lo:hi], T_minus[lo:hi], keys, P, comm)
         else:
-            sizes["T-"] += _global_count(T_minus[lo:hi], group if distributed else None)
+            n_minus, k_minus = _global_count(T_minus[lo:hi], comm), 0
+        for name, value in (("T+", n_plus), ("T-", n_minus), ("L+", k_plus), ("L-", k_minus)):
+            sizes[name] += value
 
     # --- weights: W on L+, M on L- (C2), 1 elsewhere; all 1 when the gate is off
     weights = torch.ones_like(s, dtype=logprobs.dtype)
     if gate_on:
         weights[L_plus] = W
         weights[L_minus] = M
-    n_tokens = _global_count(mask, group if distributed else None)
-    metrics = _weight_metrics(
-        s, mask, weights, sizes, n_tokens, gate_on, W, M, group if distributed else None
-    )
+    n_tokens = _global_count(mask, comm)
+    metrics = _weight_metrics(s, mask, sizes, n_tokens, gate_on, W, M)
     return weights, L_plus, L_minus, metrics
 
 
@@ -276,22 +276,12 @@ def _top_k(s: Tensor, candidates: Tensor, seq_key: Tensor, P: float, group: Any)
 
 
 def _weight_metrics(
-    s: Tensor,
-    mask: Tensor,
-    weights: Tensor,
-    sizes: dict[str, int],
-    n_tokens: int,
-    gate_on: bool,
-    W: float,
-    M: float,
-    group: Any,
+    s: Tensor, mask: Tensor, sizes: dict[str, int], n_tokens: int, gate_on: bool, W: float, M: float
 ) -> dict[str, float]:
     """Counts are over the scope (all ranks for global); surprisal quantiles over this call's tokens."""
     n = max(n_tokens, 1)
-    reweighted = sizes["L+"] + sizes["L-"] if gate_on else 0
-    weight_sum = weights[mask].double().sum().reshape(1)
-    if group is not None:
-        dist.all_reduce(weight_sum, group=group)
+    n_plus, n_minus = (sizes["L+"], sizes["L-"]) if gate_on else (0, 0)
+    weight_sum = n_tokens - n_plus - n_minus + W * n_plus + M * n_minus  # = sum_t mask_t * w_t
     metrics = {
         "stare/gate_on": float(gate_on),
         "stare/W": W,
@@ -300,17 +290,14 @@ def _weight_metrics(
         "stare/frac_T_minus": sizes["T-"] / n,
         "stare/L_plus": float(sizes["L+"]),
         "stare/L_minus": float(sizes["L-"]),
-        "stare/frac_reweighted": reweighted / n,
-        "stare/mean_weight": float(weight_sum) / n if n_tokens else 1.0,
+        "stare/frac_reweighted": (n_plus + n_minus) / n,
+        "stare/mean_weight": weight_sum / n if n_tokens else 1.0,
     }
-    s_tok = s[mask].float()
-    for q in (0.5, 0.9, 0.99):  # nearest-rank quantiles by selection (no full sort)
-        value = (
-            float(torch.kthvalue(s_tok, max(1, math.ceil(q * s_tok.numel()))).values)
-            if s_tok.numel()
-            else 0.0
-        )
-        metrics[f"stare/surprisal_p{round(q * 100)}"] = value
+    s_tok = torch.masked_select(s, mask).float().cpu().numpy()
+    ranks = [max(1, math.ceil(q * s_tok.size)) - 1 for q in (0.5, 0.9, 0.99)]  # nearest-rank quantiles
+    values = np.partition(s_tok, ranks)[ranks] if s_tok.size else np.zeros(3)  # selection, no full sort
+    for name, value in zip(("p50", "p90", "p99"), values, strict=True):
+        metrics[f"stare/surprisal_{name}"] = float(value)
     return metrics
 
 
