@@ -1,0 +1,49 @@
+"""Gymnasium environments for tool-using LLM agents: formats, tools, problems, rewards, rollouts.
+
+Importing ``envs`` registers the built-in Gymnasium ids (``stare/CodeInterpreter-v0``, one per
+problem family, ``stare/AIME2024-v0``, ...) and loads third-party tools and environments declared
+as entry points (groups ``stare_agent.tools`` and ``stare_agent.envs``). No torch here.
+"""
+
+from envs.code_interpreter import CodeInterpreterEnv
+from envs.formats import FORMATS, HermesFormat, ParsedTurn, ReToolFormat, ToolCall, ToolFormat, get_format
+from envs.registry import load_plugins, make_benchmark_env, register_builtin_envs, register_tool_env
+from envs.tool_env import EnvStateError, ToolEnv
+from envs.tools import (
+    ToolInputError,
+    ToolRegistryError,
+    ToolResult,
+    ToolSpec,
+    get_tool,
+    list_tools,
+    register_tool,
+    unregister_tool,
+)
+
+__all__ = [
+    "FORMATS",
+    "CodeInterpreterEnv",
+    "EnvStateError",
+    "HermesFormat",
+    "ParsedTurn",
+    "ReToolFormat",
+    "ToolCall",
+    "ToolEnv",
+    "ToolFormat",
+    "ToolInputError",
+    "ToolRegistryError",
+    "ToolResult",
+    "ToolSpec",
+    "get_format",
+    "get_tool",
+    "list_tools",
+    "load_plugins",
+    "make_benchmark_env",
+    "register_builtin_envs",
+    "register_tool",
+    "register_tool_env",
+    "unregister_tool",
+]
+
+register_builtin_envs()
+load_plugins()

@@ -1,0 +1,366 @@
+"""Tool-call formats: how a model writes tool calls and a final answer, and how it reads results back.
+
+A format parses one model turn into tool calls / a final answer / parse errors for the model, and
+renders tool results into the observation text. Two formats ship:
+
+- ``retool`` (default): ``<code>```python ...```</code>``; the result comes back inside the same
+  assistant message as ``<interpreter>...</interpreter>``. Only the FIRST code block of a turn runs
+  (a generator stops at ``</code>``, so later blocks were written without seeing the output); the
+  model is told when later blocks were ignored.
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; results are ``tool``-role
+  chat messages. Every call of a turn runs, in order (parallel tool calls are part of the format).
+
+Both formats take the final answer from ``<answer> ... \\boxed{X} ... </answer>`` (the last box
+inside the tag; the tag's whole text when it has no box), or else from the last bare ``\\boxed{}``
+of the turn. A turn that calls a tool never ends the episode: its answer, if any, is ignored and
+the model is told so.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import re
+import unicodedata
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Literal
+
+from envs.rewards import extract_boxed
+
+CODE_TOOL = "code_interpreter"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call as the model wrote it: ``raw`` is the exact text it came from."""
+
+    name: str
+    arguments: dict[str, Any]
+    raw: str
+
+
+@dataclass(frozen=True)
+class ParsedTurn:
+    """What one model turn asked for.
+
+    Attributes:
+        tool_calls: Calls to run, in order.
+        final_answer: The answer (content of the box), or None when the turn gives none.
+        errors: Parse problems, each one line telling the model what went wrong and what to write.
+        has_answer_tag: True when the turn contains an ``<answer>`` tag.
+    """
+
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    final_answer: str | None = None
+    errors: list[str] = field(default_factory=list)
+    has_answer_tag: bool = False
+
+
+# ----------------------------------------------------------------------------- characters
+
+
+@lru_cache(maxsize=1)
+def observation_charset() -> frozenset[str]:
+    """Every printable Unicode character plus newline and tab: the charset of the text spaces."""
+    return frozenset([chr(i) for i in range(0x110000) if chr(i).isprintable()] + ["\n", "\t"])
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def clean_model_text(text: str | bytes) -> tuple[str, int]:
+    """Make a model turn safe to parse and to send to a kernel.
+
+    Bytes are decoded as UTF-8 (invalid bytes become U+FFFD); lone surrogates (text that was not
+    valid UTF-8) and control characters other than tab/newline/carriage return become U+FFFD;
+    ``\\r\\n`` becomes ``\\n``.
+
+    Returns:
+        The cleaned text and how many characters were replaced.
+
+    >>> clean_model_text("a\\x00b\\udcff")
+    ('a\\ufffdb\\ufffd', 2)
+    """
+    replaced = 0
+    if isinstance(text, bytes):
+        decoded = text.decode("utf-8", errors="replace")
+        replaced += decoded.count("\ufffd") - text.count("\ufffd".encode())
+        text = decoded
+    text, n = _CONTROL.subn("\ufffd", text)
+    return text.replace("\r\n", "\n"), replaced + n
+
+
+def printable(text: str) -> str:
+    """Map ``text`` into the observation charset, visibly.
+
+    Carriage returns become newlines, Unicode spaces become " ", and any other character that is
+    not printable (escape codes, zero-width characters, lone surrogates) becomes its Python escape,
+    e.g. ``\\x1b``, so the model still sees that something was there.
+
+    >>> printable("a\\x1b[0m\\u00a0b\\r\\n")
+    'a\\\\x1b[0m b\\n'
+    """
+    if text.replace("\n", "").replace("\t", "").isprintable():
+        return text
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    out = []
+    for char in text:
+        if char.isprintable() or char in "\n\t":
+            out.append(char)
+        elif unicodedata.category(char) == "Zs":
+            out.append(" ")
+        else:
+            out.append(repr(char)[1:-1])
+    return "".join(out)
+
+
+# ----------------------------------------------------------------------------- answers
+
+_ANSWER_OPEN = re.compile(r"<answer>", re.IGNORECASE)
+_ANSWER_CLOSE = re.compile(r"</answer>", re.IGNORECASE)
+
+
+def _boxed(text: str) -> str | None:
+    content = extract_boxed(text)
+    return None if content is None or not content.strip() else content.strip()
+
+
+def find_answer(text: str) -> tuple[str | None, bool, list[str]]:
+    """The final answer of a turn: ``(answer, has_answer_tag, errors)``.
+
+    ``<answer>`` wins over bare boxes; an unclosed ``<answer>`` runs to the end of the turn (a
+    generator may stop before the closing tag); an empty one is an error for the model.
+    """
+    errors: list[str] = []
+    opens = list(_ANSWER_OPEN.finditer(text))
+    if not opens:
+        if _ANSWER_CLOSE.search(text):
+            errors.append("Found </answer> without <answer>: write <answer> ... \\boxed{...} </answer>.")
+        return _boxed(text), False, errors
+    start = opens[-1].end()
+    close = _ANSWER_CLOSE.search(text, start)
+    body = text[start : close.start() if close else len(text)]
+    answer = _boxed(body)
+    if answer is None:
+        answer = body.strip() or None
+    if answer is None:
+        errors.append("The <answer> tag is empty: put the final result inside it as \\boxed{...}.")
+    return answer, True, errors
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+class ToolFormat(abc.ABC):
+    """How tool calls and their results are written as text.
+
+    Attributes:
+        name: Registry name.
+        stop_strings: Strings a generator should stop on (the end of a tool call).
+        observation_role: ``"assistant"`` when the observation text is appended inside the same
+            assistant message; ``"tool"`` when it is the content of a ``tool``-role chat message.
+    """
+
+    name: str = "abstract"
+    stop_strings: list[str] = []
+    observation_role: Literal["assistant", "tool"] = "assistant"
+
+    @abc.abstractmethod
+    def parse(self, turn_text: str) -> ParsedTurn:
+        """Parse one model turn. Never raises for anything the model wrote."""
+
+    @abc.abstractmethod
+    def render_observation(self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()) -> str:
+        """The observation text for the model: tool results in order, preceded by ``errors``."""
+
+    @abc.abstractmethod
+    def system_prompt(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        """Instructions describing the format and ``tools`` (OpenAI-style function schemas)."""
+
+
+_CODE_OPEN = re.compile(r"<code>", re.IGNORECASE)
+_CODE_CLOSE = re.compile(r"</code>", re.IGNORECASE)
+_FENCE_OPEN = re.compile(r"^\s*```[ \t]*(?:python3?|py|ipython)?[ \t]*\n?", re.IGNORECASE)
+_FENCE_CLOSE = re.compile(r"\n?[ \t]*```\s*$")
+
+
+def _strip_fence(block: str) -> str:
+    """Code inside a ``<code>`` block: the fenced part when fenced, else the whole block."""
+    opened = _FENCE_OPEN.match(block)
+    if opened is None:
+        return block.strip("\n")
+    inner = block[opened.end() :]
+    end = inner.find("```")
+    if end >= 0:
+        inner = inner[:end]
+    return inner.strip("\n")
+
+
+class ReToolFormat(ToolFormat):
+    """``<code>```python ...```</code>`` -> ``<interpreter>...</interpreter>`` (ReTool, Feng et al. 2025)."""
+
+    name = "retool"
+    stop_strings = ["</code>"]
+    observation_role = "assistant"
+
+    def parse(self, turn_text: str) -> ParsedTurn:
+        errors: list[str] = []
+        blocks: list[tuple[str, str]] = []  # (raw, code)
+        pos = 0
+        while (opened := _CODE_OPEN.search(turn_text, pos)) is not None:
+            closed = _CODE_CLOSE.search(turn_text, opened.end())
+            nested = _CODE_OPEN.search(turn_text, opened.end())
+            if closed is None or (nested is not None and nested.start() < closed.start()):
+                end = nested.start() if nested is not None else len(turn_text)
+                if nested is not None:
+                    errors.append(
+                        "A <code> block was not closed before the next <code>: end each with </code>."
+                    )
+                raw, pos = turn_text[opened.start() : end], end
+                body = turn_text[opened.end() : end]
+            else:
+                raw, pos = turn_text[opened.start() : closed.end()], closed.end()
+                body = turn_text[opened.end() : closed.start()]
+            blocks.append((raw, _strip_fence(body)))
+        if not blocks and _CODE_CLOSE.search(turn_text):
+            errors.append(
+                "Found </code> without <code>: write code as <code>\n```python\n...\n```\n</code>. Nothing was run."
+            )
+        calls: list[ToolCall] = []
+        if blocks:
+            raw, code = blocks[0]
+            if code.strip():
+                calls.append(ToolCall(CODE_TOOL, {"code": code}, raw))
+            else:
+                errors.append(
+                    "The code block is empty: put Python code between <code>```python and ```</code>."
+                )
+            if len(blocks) > 1:
+                errors.append(
+                    f"Only the first code block of a turn is run; {len(blocks) - 1} later block(s) were "
+                    "ignored. Write one block, then wait for its output."
+                )
+        answer, has_tag, answer_errors = find_answer(turn_text)
+        errors.extend(answer_errors)
+        if blocks and answer is not None:
+            errors.append(
+                "A turn that runs code cannot also give the final answer; the answer was ignored. "
+                "Read the output, then answer in a turn of its own."
+            )
+            answer = None
+        return ParsedTurn(calls, answer, errors, has_tag)
+
+    def render_observation(self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()) -> str:
+        parts = [f"Error: {e}" for e in errors] + [text for _, text in results]
+        return "\n<interpreter>\n" + "\n".join(parts) + "\n</interpreter>\n"
+
+    def system_prompt(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        return (
+            "Solve the problem step by step. You can run Python code in a stateful interpreter "
+            "(variables persist between calls) by writing\n"
+            "<code>\n```python\n# your code\n```\n</code>\n"
+            "The printed output will be returned inside <interpreter> ... </interpreter>. "
+            "Use print() to see values. Run one code block at a time. When you are done, give the "
+            "final answer as <answer>\\boxed{...}</answer>."
+        )
+
+
+_CALL_OPEN = re.compile(r"<tool_call>", re.IGNORECASE)
+_CALL_CLOSE = re.compile(r"</tool_call>", re.IGNORECASE)
+
+
+class HermesFormat(ToolFormat):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` with ``tool``-role results (Hermes/Qwen)."""
+
+    name = "hermes"
+    stop_strings = ["</tool_call>"]
+    observation_role = "tool"
+
+    def parse(self, turn_text: str) -> ParsedTurn:
+        errors: list[str] = []
+        calls: list[ToolCall] = []
+        pos, index, outside = 0, 0, []
+        while (opened := _CALL_OPEN.search(turn_text, pos)) is not None:
+            index += 1
+            outside.append(turn_text[pos : opened.start()])
+            closed = _CALL_CLOSE.search(turn_text, opened.end())
+            end = closed.start() if closed else len(turn_text)
+            pos = closed.end() if closed else len(turn_text)
+            call, error = self._parse_call(
+                turn_text[opened.end() : end], turn_text[opened.start() : pos], index
+            )
+            if call is not None:
+                calls.append(call)
+            if error is not None:
+                errors.append(error)
+        outside.append(turn_text[pos:])
+        if index == 0 and _CALL_CLOSE.search(turn_text):
+            errors.append(
+                'Found </tool_call> without <tool_call>: write <tool_call>{"name": ..., "arguments": {...}}'
+                "</tool_call>. Nothing was run."
+            )
+        answer, has_tag, answer_errors = find_answer("".join(outside))
+        errors.extend(answer_errors)
+        if index and answer is not None:
+            errors.append(
+                "A turn that calls a tool cannot also give the final answer; the answer was ignored. "
+                "Read the result, then answer in a turn of its own."
+            )
+            answer = None
+        return ParsedTurn(calls, answer, errors, has_tag)
+
+    @staticmethod
+    def _parse_call(body: str, raw: str, index: int) -> tuple[ToolCall | None, str | None]:
+        usage = 'write <tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>'
+        try:
+            payload = json.loads(body)
+        except json.JSONDecodeError as exc:
+            return None, f"Tool call {index} is not valid JSON ({exc.msg} at char {exc.pos}): {usage}."
+        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+            return None, f'Tool call {index} has no "name" string: {usage}.'
+        arguments = payload.get("arguments", payload.get("parameters", {}))
+        if isinstance(arguments, str):  # some models emit the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(arguments, dict):
+            return None, f'Tool call {index}: "arguments" must be a JSON object: {usage}.'
+        return ToolCall(payload["name"], arguments, raw), None
+
+    def render_observation(self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()) -> str:
+        parts = [f"Error: {e}" for e in errors]
+        if len(results) == 1 and not errors:
+            return results[0][1]
+        parts += [f"[{i}] {call.name}:\n{text}" for i, (call, text) in enumerate(results, 1)]
+        return "\n".join(parts)
+
+    def system_prompt(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+        return (
+            "You may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{listing}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n"
+            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\n\n'
+            "When you are done, give the final answer as <answer>\\boxed{...}</answer>."
+        )
+
+
+FORMATS: dict[str, type[ToolFormat]] = {"retool": ReToolFormat, "hermes": HermesFormat}
+
+
+def get_format(name: str | ToolFormat) -> ToolFormat:
+    """A format instance by name (an instance passes through).
+
+    Raises:
+        KeyError: unknown name; the message lists the valid ones.
+    """
+    if isinstance(name, ToolFormat):
+        return name
+    if name not in FORMATS:
+        raise KeyError(f"Unknown tool format {name!r}: use one of {sorted(FORMATS)}")
+    return FORMATS[name]()
