@@ -35,6 +35,8 @@ umount -l "$root/proc"
 chroot "$root" /usr/sbin/useradd --uid 1000 --user-group --home-dir /work --no-create-home --shell /usr/sbin/nologin sandbox
 mkdir -p "$root/work" "$root/conn"
 chown 1000:1000 "$root/work"
+# Test suites of numpy/scipy/sympy are about a third of the image and never imported by a kernel.
+find "$root/usr/lib/python3/dist-packages" -depth -type d -name tests -exec rm -rf {} +
 # Precompile bytecode (the root fs is read-only at run time) and drop what a kernel never needs.
 # Bookworm's python3-scipy depends on python3-pythran, which drags in a C++ toolchain, Boost
 # headers and -dev packages (~500 MB) that scipy never uses at run time: drop them (the import
