@@ -1,0 +1,135 @@
+"""Chunked log-probs and entropy against hand values and the naive full-logits computation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stare_agent.algorithms.logprobs import (
+    causal_lm_logprobs_and_entropy,
+    chunked_logprobs_and_entropy,
+    logprobs_and_entropy_from_logits,
+)
+
+
+def _naive(hidden, weight, targets, bias=None, temperature=1.0):
+    logits = torch.nn.functional.linear(hidden, weight, bias) / temperature
+    logp_all = logits.log_softmax(-1)
+    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def test_two_token_vocabulary_by_hand():
+    weight = torch.tensor([[1.0], [0.0]], dtype=torch.float64)  # z = (h, 0)
+    hidden = torch.tensor([[0.0], [math.log(3.0)]], dtype=torch.float64)
+    logp, entropy = chunked_logprobs_and_entropy(hidden, weight, torch.tensor([0, 0]), chunk_size=1)
+    # h = 0: z = (0, 0), p = (1/2, 1/2): logp = -log 2, H = log 2
+    # h = log 3: z = (log 3, 0), p = (3/4, 1/4): logp = log(3/4), H = -(3/4 log 3/4 + 1/4 log 1/4) = 0.5623
+    torch.testing.assert_close(logp, torch.tensor([-math.log(2), math.log(0.75)], dtype=torch.float64))
+    h2 = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
+    torch.testing.assert_close(entropy, torch.tensor([math.log(2), h2], dtype=torch.float64))
+    # temperature 2: z = (log 3 / 2, 0) -> p0 = sqrt 3 / (sqrt 3 + 1)
+    logp, _ = chunked_logprobs_and_entropy(hidden[1:], weight, torch.tensor([0]), temperature=2.0)
+    assert logp.item() == pytest.approx(math.log(math.sqrt(3) / (math.sqrt(3) + 1)), rel=1e-12)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_equals_naive_values_and_gradients_float64(chunk_size, with_bias):
+    g = torch.Generator().manual_seed(chunk_size)
+    N, T, D, V = 3, 11, 8, 50
+    hidden = torch.randn(N, T, D, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, D, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True) if with_bias else None
+    targets = torch.randint(0, V, (N, T), generator=g)
+    upstream = torch.randn(N, T, generator=g, dtype=torch.float64)
+    inputs = [hidden, weight] + ([bias] if with_bias else [])
+
+    logp, entropy = chunked_logprobs_and_entropy(
+        hidden, weight, targets, lm_head_bias=bias, chunk_size=chunk_size, temperature=0.7
+    )
+    grads = torch.autograd.grad((logp * upstream).sum(), inputs)
+    logp_ref, entropy_ref = _naive(hidden, weight, targets, bias, temperature=0.7)
+    grads_ref = torch.autograd.grad((logp_ref * upstream).sum(), inputs)
+
+    assert logp.shape == entropy.shape == (N, T)
+    torch.testing.assert_close(logp, logp_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(entropy, entropy_ref.detach(), rtol=1e-12, atol=1e-12)
+    assert not entropy.requires_grad  # the entropy feeds the gate only
+    for grad, ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(grad, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(6, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 6, (5,), generator=g)
+    assert torch.autograd.gradcheck(
+        lambda h, w: chunked_logprobs_and_entropy(h, w, targets, chunk_size=2)[0], (hidden, weight)
+    )
+    logits = torch.randn(5, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda z: logprobs_and_entropy_from_logits(z, targets, chunk_size=2, temperature=1.3)[0], (logits,)
+    )
+
+
+def test_from_logits_equals_naive():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 9, 40, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 40, (2, 9), generator=g)
+    logp, entropy = logprobs_and_entropy_from_logits(logits, targets, chunk_size=4)
+    (grad,) = torch.autograd.grad(logp.sum(), logits)
+    logp_all = logits.log_softmax(-1)
+    logp_ref = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+    (grad_ref,) = torch.autograd.grad(logp_ref.sum(), logits)
+    torch.testing.assert_close(logp, logp_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(entropy, -(logp_all.exp() * logp_all).sum(-1).detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_bfloat16_inputs_compute_in_float32():
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(6, 16, generator=g).to(torch.bfloat16).requires_grad_(True)
+    weight = torch.randn(30, 16, generator=g).to(torch.bfloat16).requires_grad_(True)
+    targets = torch.randint(0, 30, (6,), generator=g)
+    logp, entropy = chunked_logprobs_and_entropy(hidden, weight, targets, chunk_size=4)
+    assert logp.dtype == entropy.dtype == torch.float32
+    logp_ref, entropy_ref = _naive(hidden.float(), weight.float(), targets)
+    torch.testing.assert_close(logp, logp_ref, rtol=2e-2, atol=2e-2)
+    logp.sum().backward()
+    assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+
+
+def test_causal_lm_matches_the_models_own_logits():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).double()
+    input_ids = torch.randint(0, 97, (2, 12))
+    logp, entropy = causal_lm_logprobs_and_entropy(model, input_ids, torch.ones_like(input_ids), chunk_size=5)
+    logp.sum().backward()
+    grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    logp_all = model(input_ids).logits[:, :-1].log_softmax(-1)
+    logp_ref = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    logp_ref.sum().backward()
+    torch.testing.assert_close(logp, logp_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(entropy, -(logp_all.exp() * logp_all).sum(-1).detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(grad, model.lm_head.weight.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="must match the leading shape"):
+        chunked_logprobs_and_entropy(torch.zeros(3, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="hidden size"):
+        chunked_logprobs_and_entropy(torch.zeros(3, 4), torch.zeros(5, 2), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunk_size >= 1"):
+        logprobs_and_entropy_from_logits(torch.zeros(3, 4), torch.zeros(3, dtype=torch.long), chunk_size=0)
