@@ -1,0 +1,58 @@
+"""Isolated, stateful Python execution: a Jupyter kernel in a hardened container (or, weaker, a
+local process), one ``Sandbox`` interface, and a pool of warm sandboxes."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from sandbox.base import Sandbox
+from sandbox.config import DEFAULT_IMAGE, SandboxConfig
+from sandbox.docker import DockerSandbox, docker_client
+from sandbox.errors import SandboxClosed, SandboxError, SandboxUnavailable
+from sandbox.local import LocalSandbox
+from sandbox.pool import SandboxPool
+from sandbox.result import ExecError, ExecResult
+
+__all__ = [
+    "DEFAULT_IMAGE",
+    "DockerSandbox",
+    "ExecError",
+    "ExecResult",
+    "LocalSandbox",
+    "Sandbox",
+    "SandboxClosed",
+    "SandboxConfig",
+    "SandboxError",
+    "SandboxPool",
+    "SandboxUnavailable",
+    "docker_available",
+    "make_sandbox",
+]
+
+
+def docker_available(image: str = DEFAULT_IMAGE) -> bool:
+    """True when a Docker daemon answers and ``image`` is present."""
+    try:
+        client = docker_client(timeout=5)
+        client.images.get(image)
+    except Exception:  # noqa: BLE001 - any failure means "not usable"
+        return False
+    return True
+
+
+def make_sandbox(
+    backend: Literal["auto", "docker", "local"] = "auto", config: SandboxConfig | None = None
+) -> Sandbox:
+    """A started sandbox. ``"auto"`` is Docker when a daemon answers and the image is present,
+    else the local backend (which warns that its isolation is weaker).
+
+    Raises:
+        ValueError: unknown ``backend``.
+        SandboxUnavailable: ``"docker"`` was asked for and cannot be used (the message says why).
+    """
+    config = config or SandboxConfig()
+    if backend == "docker" or (backend == "auto" and docker_available(config.image)):
+        return DockerSandbox(config)
+    if backend in ("auto", "local"):
+        return LocalSandbox(config)
+    raise ValueError(f"unknown sandbox backend {backend!r}: use 'auto', 'docker' or 'local'")

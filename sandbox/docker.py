@@ -1,0 +1,268 @@
+"""The Docker backend: one hardened container per sandbox running an IPython kernel.
+
+The container's main process is the kernel (``python3 -m ipykernel_launcher``) under ``tini``, the
+image's entrypoint, as PID 1. The host reaches it with jupyter-client over the ``ipc`` transport:
+a host temp dir bind-mounted at ``/conn`` holds the connection file and the unix sockets, so the
+container needs no network at all (``network_mode="none"``: only ``lo``).
+
+Hardening (every limit comes from ``SandboxConfig``): no network, user 1000:1000, read-only root
+filesystem, size-limited tmpfs ``/work`` (and a small ``/tmp``), ``cap_drop=ALL``,
+``no-new-privileges``, memory limit == memory+swap limit, pids limit, CPU quota, container log
+capped at 1 MB, never privileged, never the Docker socket, never the host's environment.
+
+Resets: ``reset()`` is soft by default (clear the namespace, env, ``/work`` and ``/tmp``, kill
+every process but tini and the kernel; milliseconds), ``reset(hard=True)`` restarts the container
+(a fresh kernel process and fresh tmpfs mounts; about a second). A kernel that hangs in C code or
+dies is replaced the hard way by the driver.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from sandbox.base import Sandbox
+from sandbox.config import SandboxConfig
+from sandbox.errors import SandboxClosed, SandboxError, SandboxUnavailable
+from sandbox.kernel import KERNEL_ARGS, KernelDriver, reset_code
+from sandbox.result import ExecResult
+
+logger = logging.getLogger(__name__)
+
+LABEL = "org.stare-agent.sandbox"
+"""Label on every sandbox container (value "1"): ``docker ps -f label=org.stare-agent.sandbox``."""
+
+CONN_DIR = "/conn"
+WORK_DIR = "/work"
+TMP_MB = 16
+IPYTHON_DIR = "/tmp/.ipython"
+
+
+def docker_client(timeout: float = 30.0) -> Any:
+    """A connected Docker SDK client.
+
+    Raises:
+        SandboxUnavailable: the SDK is missing or the daemon does not answer.
+    """
+    try:
+        import docker
+    except ImportError as exc:
+        raise SandboxUnavailable("the docker SDK is not installed: pip install docker") from exc
+    try:
+        client = docker.from_env(timeout=timeout)
+        client.ping()
+    except Exception as exc:  # noqa: BLE001 - every failure here means "no daemon"
+        raise SandboxUnavailable(
+            f"Docker daemon not reachable ({exc.__class__.__name__}: {exc}): start dockerd, "
+            "or pass backend='local'"
+        ) from exc
+    return client
+
+
+def container_options(config: SandboxConfig, conn_dir: Path) -> dict[str, Any]:
+    """Keyword arguments of ``containers.run`` for one hardened sandbox container."""
+    uid, _, gid = config.user.partition(":")
+    gid = gid or uid
+    env = {
+        "HOME": WORK_DIR,
+        "IPYTHONDIR": IPYTHON_DIR,
+        "MPLCONFIGDIR": f"{WORK_DIR}/.mpl",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+        **config.env,
+    }
+    memory = f"{config.memory_mb}m"
+    return {
+        "command": ["python3", "-m", "ipykernel_launcher", "-f", f"{CONN_DIR}/kernel.json", *KERNEL_ARGS],
+        "detach": True,
+        "environment": env,
+        "user": config.user,
+        "working_dir": WORK_DIR,
+        "network_mode": config.network,
+        "read_only": True,
+        "tmpfs": {
+            WORK_DIR: f"rw,nosuid,nodev,size={config.tmpfs_mb}m,uid={uid},gid={gid},mode=0700",
+            "/tmp": f"rw,nosuid,nodev,size={TMP_MB}m,mode=1777",
+        },
+        "volumes": {str(conn_dir): {"bind": CONN_DIR, "mode": "rw"}},
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
+        "mem_limit": memory,
+        "memswap_limit": memory,
+        "pids_limit": config.pids_limit,
+        "nano_cpus": int(config.cpus * 1e9),
+        "init": False,  # the image's entrypoint is tini
+        "privileged": False,
+        "ipc_mode": "private",
+        "log_config": {"type": "json-file", "config": {"max-size": "1m", "max-file": "1"}},
+        "labels": {LABEL: "1"},
+    }
+
+
+def _write_connection_files(conn_dir: Path, owner: int | None) -> dict[str, Any]:
+    """The kernel's connection file (container paths) and the host's view of it."""
+    info = {
+        "transport": "ipc",
+        "ip": f"{CONN_DIR}/k",
+        "shell_port": 1,
+        "iopub_port": 2,
+        "stdin_port": 3,
+        "control_port": 4,
+        "hb_port": 5,
+        "key": uuid.uuid4().hex,
+        "signature_scheme": "hmac-sha256",
+        "kernel_name": "python3",
+    }
+    path = conn_dir / "kernel.json"
+    path.write_text(json.dumps(info))
+    if owner is not None:
+        os.chown(path, owner, owner)
+    path.chmod(0o600 if owner is not None else 0o644)
+    return {**info, "ip": str(conn_dir / "k")}
+
+
+class _ContainerKernel:
+    """The container as a ``KernelHost``: tini forwards SIGINT; a restart replaces the kernel."""
+
+    def __init__(self, container: Any, memory_mb: int) -> None:
+        self.container = container
+        self.memory_mb = memory_mb
+
+    def interrupt(self) -> None:
+        try:
+            self.container.kill(signal="SIGINT")
+        except Exception as exc:  # noqa: BLE001 - a container that just died cannot be interrupted
+            logger.debug("interrupt failed: %s", exc)
+
+    def restart(self) -> None:
+        self.container.restart(timeout=0)
+
+    def is_alive(self) -> bool:
+        try:
+            self.container.reload()
+        except Exception:  # noqa: BLE001 - gone means dead
+            return False
+        return self.container.status == "running"
+
+    def death_cause(self) -> str:
+        try:
+            self.container.reload()
+        except Exception:  # noqa: BLE001
+            return "container removed"
+        state = self.container.attrs.get("State", {})
+        if state.get("OOMKilled"):
+            return f"killed for using more than the {self.memory_mb} MB memory limit"
+        code = state.get("ExitCode")
+        return f"exit code {code}" + (
+            f" (signal {code - 128})" if isinstance(code, int) and code > 128 else ""
+        )
+
+
+class DockerSandbox(Sandbox):
+    """A hardened container running an IPython kernel (see the module docstring).
+
+    Args:
+        config: Limits and image.
+        start_timeout: Seconds to wait for a new kernel to answer.
+
+    Raises:
+        SandboxUnavailable: no daemon or no image (the message says how to fix it).
+        SandboxError: the container starts but its kernel does not answer.
+    """
+
+    backend = "docker"
+
+    def __init__(self, config: SandboxConfig | None = None, *, start_timeout: float = 60.0) -> None:
+        super().__init__(config)
+        self.start_timeout = start_timeout
+        self._closed = False
+        self.container: Any = None
+        self._driver: KernelDriver | None = None
+        self._client = docker_client()
+        # Short path under /tmp: unix socket paths must stay under ~100 characters.
+        self.dir = Path(tempfile.mkdtemp(prefix="stare-", dir="/tmp"))
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        import docker.errors
+
+        owner = int(self.config.user.split(":")[0]) if os.geteuid() == 0 else None
+        if owner is not None:
+            os.chown(self.dir, owner, owner)
+            self.dir.chmod(0o700)
+        else:
+            self.dir.chmod(0o777)  # the kernel's uid must create its sockets here
+        info = _write_connection_files(self.dir, owner)
+        try:
+            self.container = self._client.containers.run(
+                self.config.image, **container_options(self.config, self.dir)
+            )
+        except docker.errors.ImageNotFound as exc:
+            raise SandboxUnavailable(
+                f"sandbox image {self.config.image} not found: run `stare-agent sandbox build`"
+            ) from exc
+        except docker.errors.APIError as exc:
+            raise SandboxError(
+                f"could not start a sandbox container ({exc.explanation or exc}): run `stare-agent sandbox doctor`"
+            ) from exc
+        host = _ContainerKernel(self.container, self.config.memory_mb)
+        self._driver = KernelDriver(
+            info,
+            host,
+            max_output_chars=self.config.max_output_chars,
+            restart_grace_s=self.config.restart_grace_s,
+        )
+        self._driver.wait_ready(self.start_timeout)
+
+    def _live_driver(self) -> KernelDriver:
+        if self._closed or self._driver is None:
+            raise SandboxClosed("this sandbox was closed: create a new one")
+        return self._driver
+
+    def run(self, code: str, timeout: float | None = None) -> ExecResult:
+        driver = self._live_driver()
+        return driver.execute(
+            code, self.config.timeout_s if timeout is None else timeout, start_timeout=self.start_timeout
+        )
+
+    def reset(self, *, hard: bool = False) -> None:
+        """Forget all state: soft in place (default, milliseconds), or ``hard`` by restarting the
+        container (fresh process and tmpfs). A failed soft reset falls back to the hard one."""
+        driver = self._live_driver()
+        if not hard and driver.ready:
+            code = reset_code([WORK_DIR, "/tmp"], kill_all=True, keep=(IPYTHON_DIR,))
+            if driver.run_quiet(code, timeout=5.0):
+                return
+        driver.restart()
+        driver.wait_ready(self.start_timeout)
+
+    def is_alive(self) -> bool:
+        return not self._closed and self._driver is not None and self._driver.host.is_alive()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._driver is not None:
+            self._driver.close()
+        if self.container is not None:
+            try:
+                self.container.remove(force=True)
+            except Exception as exc:  # noqa: BLE001 - already gone is fine; anything else is logged
+                if getattr(getattr(exc, "response", None), "status_code", None) != 404:
+                    logger.warning("could not remove sandbox container %s: %s", self.container.short_id, exc)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close()

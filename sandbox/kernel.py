@@ -1,0 +1,431 @@
+"""Drive one Jupyter kernel with jupyter-client: run a cell under a deadline, collect what it
+printed, and recover the kernel when the code hangs or kills it.
+
+Both backends share this driver. A backend owns the kernel *process* (a container or a local
+subprocess) and exposes it through the small ``KernelHost`` protocol (interrupt, restart, liveness);
+the driver owns the *conversation* (messages, deadlines, output caps, usage accounting).
+
+Timeout policy of ``KernelDriver.execute``:
+
+1. At the deadline the kernel is interrupted (SIGINT): a Python-level loop raises
+   ``KeyboardInterrupt``, the kernel goes idle and all state survives (``timed_out=True``).
+2. If it is not idle after half of ``restart_grace_s`` (a C-level loop such as
+   ``sum(range(10**12))``, or code that ignores SIGINT), the kernel is killed and relaunched
+   (``timed_out=True, state_lost=True``). The relaunch is not waited for here; the next call does.
+3. A kernel that dies on its own (``os._exit``, SIGKILL, the OOM killer) is noticed by polling
+   ``KernelHost.is_alive`` while no message arrives, relaunched, and reported as a
+   ``KernelDied`` error with ``state_lost=True``.
+
+CPU seconds and peak memory come back without an extra round trip: the execute request carries a
+``user_expressions`` entry that the kernel evaluates after the cell (``resource.getrusage`` of the
+kernel and its reaped children). IPython skips user expressions when the cell raised, so only then
+a silent empty request fetches them.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import queue
+import re
+import time
+from typing import Any, Protocol
+
+from jupyter_client.blocking.client import BlockingKernelClient
+
+from sandbox.errors import SandboxError
+from sandbox.result import ExecError, ExecResult
+
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+"""CSI escape sequences (colours, cursor moves) that IPython puts in tracebacks."""
+
+KERNEL_ARGS = ("--HistoryManager.enabled=False",)
+"""ipykernel options of every sandbox kernel: no sqlite history (the work dir is wiped on reset)."""
+
+POLL_S = 0.2
+"""How often the kernel's liveness is checked while it sends nothing."""
+
+USAGE_KEY = "stare_usage"
+USAGE_EXPRESSION = (
+    "(lambda r: [(u.ru_utime + u.ru_stime, u.ru_maxrss) for u in "
+    "(r.getrusage(r.RUSAGE_SELF), r.getrusage(r.RUSAGE_CHILDREN))])(__import__('resource'))"
+)
+"""Evaluated by the kernel after each cell: [(cpu_s, maxrss_kib) of itself, of its reaped children]."""
+
+
+class KernelHost(Protocol):
+    """The process side of a kernel, implemented by each backend."""
+
+    def interrupt(self) -> None:
+        """Send SIGINT to the kernel process."""
+
+    def restart(self) -> None:
+        """Kill the kernel (and everything it started) and launch a fresh one with the same
+        connection file. Returns without waiting for the new kernel to answer."""
+
+    def is_alive(self) -> bool:
+        """True while the kernel process runs."""
+
+    def death_cause(self) -> str:
+        """One line on why the kernel process ended (exit code, signal, out of memory)."""
+
+
+class OutputBuffer:
+    """Text accumulated up to a cap: memory stays O(limit) however much is written.
+
+    ``text()`` equals ``truncate_text(everything_written, limit)``: the first ``limit // 2`` and
+    the last ``limit - limit // 2`` characters around a marker that says how many were cut.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.total = 0
+        self._head: list[str] = []
+        self._head_len = 0
+        self._tail: collections.deque[str] = collections.deque()
+        self._tail_len = 0
+
+    def write(self, text: str) -> None:
+        if not text:
+            return
+        self.total += len(text)
+        if self._head_len < self.limit:
+            part = text[: self.limit - self._head_len]
+            self._head.append(part)
+            self._head_len += len(part)
+        if len(text) >= self.limit:
+            self._tail.clear()
+            self._tail.append(text[len(text) - self.limit :])
+            self._tail_len = self.limit
+            return
+        self._tail.append(text)
+        self._tail_len += len(text)
+        while self._tail_len - len(self._tail[0]) >= self.limit:
+            self._tail_len -= len(self._tail.popleft())
+
+    def text(self) -> tuple[str, bool]:
+        """The kept text and whether anything was cut."""
+        head = "".join(self._head)
+        if self.total <= self.limit:
+            return head, False
+        keep_head = self.limit // 2
+        keep_tail = self.limit - keep_head
+        tail = "".join(self._tail)
+        cut = self.total - self.limit
+        return (
+            f"{head[:keep_head]}\n... [{cut} characters truncated] ...\n{tail[len(tail) - keep_tail :]}",
+            True,
+        )
+
+
+class KernelDriver:
+    """Executes cells on one kernel reached through a connection file's info.
+
+    Args:
+        connection_info: The kernel's connection info as seen from this process (for the ipc
+            transport, ``ip`` is the host path prefix of the socket files).
+        host: The backend's handle on the kernel process.
+        max_output_chars: Cap on stdout and on stderr of one call.
+        restart_grace_s: Time after a deadline to interrupt, then restart, the kernel.
+    """
+
+    def __init__(
+        self,
+        connection_info: dict[str, Any],
+        host: KernelHost,
+        *,
+        max_output_chars: int,
+        restart_grace_s: float,
+    ) -> None:
+        self.host = host
+        self.max_output_chars = max_output_chars
+        self.restart_grace_s = restart_grace_s
+        self.client = BlockingKernelClient()
+        self.client.load_connection_info(connection_info)
+        self.client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
+        self.ready = False
+        self._usage: tuple[float, int] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the kernel answers on shell *and* its iopub stream reaches us.
+
+        ``iopub`` is PUB/SUB: output published before our subscription is connected is lost, so
+        readiness means an iopub status message for one of our requests arrived.
+
+        Raises:
+            SandboxError: the kernel died or did not answer within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            msg_id = self.client.kernel_info()
+            resend = time.monotonic() + 0.5
+            while time.monotonic() < resend:
+                try:
+                    msg = self.client.get_iopub_msg(timeout=POLL_S / 2)
+                except queue.Empty:
+                    if not self.host.is_alive():
+                        raise SandboxError(
+                            f"the kernel exited while starting ({self.host.death_cause()}): "
+                            "run `stare-agent sandbox doctor`"
+                        ) from None
+                    continue
+                if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status":
+                    self._drain_shell()
+                    self.ready = True
+                    self.run_quiet(BOOT_SNAPSHOT, max(1.0, deadline - time.monotonic()))
+                    self._usage = None
+                    self._usage = self._fetch_usage(deadline)
+                    return
+            if time.monotonic() > deadline:
+                raise SandboxError(
+                    f"the kernel did not answer within {timeout:g} s: the machine may be overloaded; "
+                    "raise the start timeout or run `stare-agent sandbox doctor`"
+                )
+
+    def close(self) -> None:
+        self.client.stop_channels()
+
+    def restart(self) -> None:
+        """Kill and relaunch the kernel; the next ``execute`` waits for it."""
+        self.ready = False
+        self._usage = None
+        self.host.restart()
+
+    # -- execution ---------------------------------------------------------------------------
+
+    def execute(self, code: str, timeout: float, *, start_timeout: float = 60.0) -> ExecResult:
+        """Run ``code`` as one cell; never raises for anything the code does.
+
+        Raises:
+            SandboxError: a relaunched kernel does not come up within ``start_timeout``.
+        """
+        if not self.ready:
+            self.wait_ready(start_timeout)
+        started = time.monotonic()
+        deadline = started + timeout
+        msg_id = self.client.execute(
+            code,
+            silent=False,
+            store_history=True,
+            user_expressions={USAGE_KEY: USAGE_EXPRESSION},
+            allow_stdin=False,
+        )
+        stdout, stderr = OutputBuffer(self.max_output_chars), OutputBuffer(self.max_output_chars)
+        error: ExecError | None = None
+        timed_out = state_lost = False
+        give_up = float("inf")
+        while True:
+            now = time.monotonic()
+            if not timed_out and now >= deadline:
+                timed_out = True
+                self.host.interrupt()
+                give_up = now + self.restart_grace_s / 2
+            if timed_out and now >= give_up:
+                self.restart()
+                state_lost = True
+                break
+            try:
+                msg = self.client.get_iopub_msg(
+                    timeout=max(0.0, min(POLL_S, (give_up if timed_out else deadline) - now))
+                )
+            except queue.Empty:
+                if not self.host.is_alive():
+                    cause = self.host.death_cause()
+                    self.restart()
+                    state_lost = True
+                    error = ExecError(
+                        "KernelDied",
+                        f"the Python process died ({cause}); it was restarted and all state is lost",
+                    )
+                    break
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                (stderr if content.get("name") == "stderr" else stdout).write(content.get("text", ""))
+            elif kind in ("execute_result", "display_data"):
+                text = content.get("data", {}).get("text/plain")
+                if text is not None:
+                    if stdout.total and not stdout.text()[0].endswith("\n"):
+                        stdout.write("\n")
+                    stdout.write(text + "\n")
+            elif kind == "error":
+                error = self._error(content)
+            elif kind == "status" and content.get("execution_state") == "idle":
+                break
+        duration = time.monotonic() - started
+        cpu_s, peak = 0.0, None
+        if not state_lost:
+            usage = self._reply_usage(msg_id, deadline + self.restart_grace_s)
+            if usage is None:
+                usage = self._fetch_usage(time.monotonic() + self.restart_grace_s)
+            cpu_s, peak = self._account(usage)
+        if timed_out:
+            kept = "all state is lost" if state_lost else "variables are kept"
+            how = "the kernel was restarted" if state_lost else "it was interrupted"
+            error = ExecError(
+                "TimeoutError", f"the code ran past the {timeout:g} s timeout; {how} and {kept}"
+            )
+        out, out_cut = stdout.text()
+        err, err_cut = stderr.text()
+        return ExecResult(
+            stdout=out,
+            stderr=err,
+            error=error,
+            timed_out=timed_out,
+            state_lost=state_lost,
+            duration_s=duration,
+            cpu_s=cpu_s,
+            peak_memory_bytes=peak,
+            truncated=out_cut or err_cut,
+        )
+
+    def run_quiet(self, code: str, timeout: float) -> bool:
+        """Run housekeeping code without history or output; True when it finished without error."""
+        if not self.ready:
+            self.wait_ready(60.0)
+        msg_id = self.client.execute(code, silent=True, store_history=False, allow_stdin=False)
+        reply = self._shell_reply(msg_id, time.monotonic() + timeout)
+        return reply is not None and reply["content"].get("status") == "ok"
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _error(self, content: dict[str, Any]) -> ExecError:
+        traceback = ANSI_ESCAPE.sub("", "\n".join(content.get("traceback", [])))
+        buf = OutputBuffer(self.max_output_chars)
+        buf.write(traceback)
+        return ExecError(content.get("ename", "Error"), content.get("evalue", ""), buf.text()[0])
+
+    def _shell_reply(self, msg_id: str, deadline: float) -> dict[str, Any] | None:
+        while True:
+            try:
+                msg = self.client.get_shell_msg(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if msg["parent_header"].get("msg_id") == msg_id:
+                return msg
+
+    def _drain_shell(self) -> None:
+        while True:
+            try:
+                self.client.get_shell_msg(timeout=0.05)
+            except queue.Empty:
+                return
+
+    def _reply_usage(self, msg_id: str, deadline: float) -> tuple[float, int] | None:
+        reply = self._shell_reply(msg_id, deadline)
+        if reply is None:
+            return None
+        entry = reply["content"].get("user_expressions", {}).get(USAGE_KEY)
+        return _parse_usage(entry)
+
+    def _fetch_usage(self, deadline: float) -> tuple[float, int] | None:
+        msg_id = self.client.execute(
+            "",
+            silent=True,
+            store_history=False,
+            user_expressions={USAGE_KEY: USAGE_EXPRESSION},
+            allow_stdin=False,
+        )
+        return self._reply_usage(msg_id, deadline)
+
+    def _account(self, usage: tuple[float, int] | None) -> tuple[float, int | None]:
+        """CPU seconds since the previous reading, and the peak resident memory in bytes."""
+        if usage is None:
+            return 0.0, None
+        cpu_total, peak = usage
+        previous = self._usage[0] if self._usage else cpu_total
+        self._usage = usage
+        return max(0.0, cpu_total - previous), peak
+
+
+def _parse_usage(entry: dict[str, Any] | None) -> tuple[float, int] | None:
+    """(total cpu seconds, peak rss bytes) from the ``USAGE_EXPRESSION`` reply, or None."""
+    if not entry or entry.get("status") != "ok":
+        return None
+    try:
+        (self_cpu, self_rss), (child_cpu, child_rss) = ast.literal_eval(entry["data"]["text/plain"])
+    except (KeyError, ValueError, SyntaxError, TypeError):
+        return None
+    return float(self_cpu + child_cpu), int(max(self_rss, child_rss)) * 1024
+
+
+BOOT_SNAPSHOT = (
+    "exec('import os, sys, types\\n"
+    'boot = sys.modules["_stare_boot"] = types.ModuleType("_stare_boot")\\n'
+    "boot.environ = dict(os.environ)\\n"
+    "boot.path = list(sys.path)\\n', {})"
+)
+"""Run once after each kernel start: what ``reset_code`` restores (outside the user namespace)."""
+
+_RESET_SOURCE = """
+import gc, os, shutil, signal, sys
+from IPython import get_ipython
+get_ipython().run_line_magic("reset", "-f")
+boot = sys.modules.get("_stare_boot")
+if boot is not None:
+    os.environ.clear()
+    os.environ.update(boot.environ)
+    sys.path[:] = boot.path
+for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+    signal.signal(sig, signal.SIG_DFL)
+signal.setitimer(signal.ITIMER_REAL, 0)
+me = os.getpid()
+parents = {}
+for entry in os.listdir("/proc"):
+    if entry.isdigit():
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+if KILL_ALL:
+    victims = [pid for pid in parents if pid not in (1, me)]
+else:
+    victims, frontier = [], [me]
+    while frontier:
+        children = [pid for pid, ppid in parents.items() if ppid in frontier and pid != me]
+        victims += children
+        frontier = children
+for pid in victims:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+try:
+    while os.waitpid(-1, os.WNOHANG)[0] > 0:
+        pass
+except ChildProcessError:
+    pass
+for folder in SCRATCH:
+    for entry in os.listdir(folder):
+        path = os.path.join(folder, entry)
+        if path in KEEP:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+os.chdir(SCRATCH[0])
+gc.collect()
+"""
+
+
+def reset_code(scratch_dirs: list[str], *, kill_all: bool, keep: tuple[str, ...] = ()) -> str:
+    """Housekeeping cell for a soft reset, run outside the user namespace.
+
+    It clears the user namespace (``%reset -f``), restores ``os.environ`` and ``sys.path`` to
+    their values at kernel start, resets signal handlers and alarms, SIGKILLs stray processes
+    (every process but PID 1 and the kernel when ``kill_all``, else the kernel's descendants),
+    empties ``scratch_dirs`` (except the paths in ``keep``) and changes into the first. Modules already imported stay imported
+    (re-importing C extensions such as numpy in one process is unsafe), so a monkey-patch of a
+    module survives; ``reset(hard=True)`` starts a fresh process when that matters.
+    """
+    source = f"KILL_ALL = {kill_all!r}\nSCRATCH = {scratch_dirs!r}\nKEEP = {list(keep)!r}\n{_RESET_SOURCE}"
+    return f"exec({source!r}, {{}})"
