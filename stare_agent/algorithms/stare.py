@@ -210,9 +210,10 @@ def stare_weights(
     T_plus, T_minus = mask & (A > 0), mask & (A < 0)
 
     # --- selection: exact top-k by s (ties: smaller key first) inside each selection block
-    comm = group if scope == "global" and _distributed() else None  # None: no communication
-    if comm is None and scope == "global" and group is not None:
-        raise ValueError("a process group was passed but torch.distributed is not initialized: init it first")
+    # the process group to select over; None: this call's rows only (no communication)
+    comm = (
+        (group if group is not None else dist.group.WORLD) if scope == "global" and _distributed() else None
+    )
     seq_key = _sequence_keys(B, sequence_ids, s.device, comm)
     if scope == "global" or micro_batch_size is None:
         blocks = [(0, B)]
