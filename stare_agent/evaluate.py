@@ -1,0 +1,222 @@
+"""Tool-use evaluation: k sampled episodes per problem, scored by the environment's verifier.
+
+Metrics (n = samples per problem, c = correct samples of a problem, averaged over problems):
+
+    avg@n   = c / n                                   mean accuracy of single samples
+    pass@k  = 1 - C(n - c, k) / C(n, k)               unbiased estimator (Chen et al., 2021), k <= n
+    maj@n   = 1[the most frequent final answer is correct]   (ties: the answer seen first)
+
+Defaults follow the paper's validation setting: temperature 1.0, top-p 0.7.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from envs.code_interpreter import CodeInterpreterEnv
+from envs.problems import Problem, load_problems
+from envs.rollout import Engine, RolloutRunner, SamplingParams, Tokenizer
+from envs.trajectory import Trajectory
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: ``1 - C(n-c, k) / C(n, k)``.
+
+    >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 4), pass_at_k(4, 0, 2)
+    (0.25, 1.0, 0.0)
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_correct(answers: Sequence[str | None], correct: Sequence[bool]) -> bool:
+    """Whether the most frequent non-empty answer is correct (ties go to the answer seen first).
+
+    >>> majority_correct(["3", "5", "5", None], [True, False, False, False])
+    False
+    >>> majority_correct(["3", "5", None], [True, False, False])
+    True
+    """
+    normalized = [a.strip() if a else None for a in answers]
+    counts = Counter(a for a in normalized if a)
+    if not counts:
+        return False
+    top = max(counts.values())
+    winner = next(a for a in normalized if a and counts[a] == top)
+    return bool(correct[normalized.index(winner)])
+
+
+@dataclass
+class ProblemResult:
+    """All samples of one problem."""
+
+    problem_id: str
+    gold: str
+    answers: list[str | None] = field(default_factory=list)
+    correct: list[bool] = field(default_factory=list)
+    tool_calls: list[int] = field(default_factory=list)
+    response_tokens: list[int] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)
+    tool_timeouts: int = 0
+    tool_errors: int = 0
+
+    def add(self, trajectory: Trajectory) -> None:
+        info = trajectory.info
+        self.answers.append(info.get("answer"))
+        self.correct.append(bool(info.get("correct", False)))
+        self.tool_calls.append(int(info.get("num_tool_calls", 0)))
+        self.response_tokens.append(len(trajectory.response_ids))
+        self.truncated.append(bool(info.get("truncated", False)))
+        for call in info.get("all_tool_calls", info.get("tool_calls", [])):
+            self.tool_timeouts += bool(call.get("timed_out"))
+            self.tool_errors += bool(call.get("error_type"))
+
+
+@dataclass
+class EvalReport:
+    """Summary metrics and per-problem results of one evaluation."""
+
+    samples: int
+    metrics: dict[str, float]
+    problems: list[ProblemResult]
+
+    def table(self) -> str:
+        """The metrics as an aligned two-column text table."""
+        width = max(len(k) for k in self.metrics)
+        return "\n".join(f"{k:<{width}}  {v:.4f}" for k, v in self.metrics.items())
+
+    def write(self, out_dir: str | Path) -> Path:
+        """Write ``results.jsonl`` (one line per problem) and ``summary.json``; return the dir."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "results.jsonl", "w") as f:
+            for result in self.problems:
+                f.write(json.dumps(asdict(result)) + "\n")
+        (out / "summary.json").write_text(json.dumps({"samples": self.samples, **self.metrics}, indent=2))
+        return out
+
+
+def summarize(results: Sequence[ProblemResult], samples: int) -> dict[str, float]:
+    """avg@n, pass@k for k in 1, 2, 4, ... <= n, maj@n, and tool-use statistics, over problems."""
+    if not results:
+        raise ValueError("no problems were evaluated: check the problem source")
+    n_problems = len(results)
+    metrics: dict[str, float] = {
+        f"avg@{samples}": sum(sum(r.correct) / len(r.correct) for r in results) / n_problems,
+    }
+    k = 1
+    while k <= samples:
+        metrics[f"pass@{k}"] = sum(pass_at_k(len(r.correct), sum(r.correct), k) for r in results) / n_problems
+        k *= 2
+    if samples & (samples - 1):  # n itself when it is not a power of two
+        metrics[f"pass@{samples}"] = (
+            sum(pass_at_k(samples, sum(r.correct), samples) for r in results) / n_problems
+        )
+    metrics[f"maj@{samples}"] = sum(majority_correct(r.answers, r.correct) for r in results) / n_problems
+    episodes = [i for r in results for i in range(len(r.correct))]
+    n_episodes = len(episodes)
+    metrics["tool_calls_per_episode"] = sum(sum(r.tool_calls) for r in results) / n_episodes
+    metrics["response_tokens_mean"] = sum(sum(r.response_tokens) for r in results) / n_episodes
+    metrics["truncated_fraction"] = sum(sum(r.truncated) for r in results) / n_episodes
+    metrics["tool_timeouts_per_episode"] = sum(r.tool_timeouts for r in results) / n_episodes
+    metrics["tool_errors_per_episode"] = sum(r.tool_errors for r in results) / n_episodes
+    return metrics
+
+
+def evaluate(
+    problems: Sequence[Problem] | str | Path,
+    *,
+    engine: Engine,
+    tokenizer: Tokenizer,
+    samples: int = 4,
+    sampling: SamplingParams | None = None,
+    max_response_tokens: int = 2048,
+    batch_size: int = 16,
+    limit: int | None = None,
+    env_kwargs: dict[str, Any] | None = None,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+) -> EvalReport:
+    """Evaluate a policy with the code tool: ``samples`` episodes per problem.
+
+    Args:
+        problems: Problems, or a source for ``envs.problems.load_problems`` (JSONL/Parquet path or hub name).
+        engine: Any ``envs.rollout.Engine`` (transformers, SGLang, scripted).
+        tokenizer: The policy's Hugging Face tokenizer (its chat template renders the prompts).
+        samples: k, the number of sampled episodes per problem.
+        sampling: Sampling parameters; default temperature 1.0, top-p 0.7 (the paper's validation setting).
+        max_response_tokens: Response budget per episode (model turns and tool output).
+        batch_size: Episodes advanced together (one engine call per turn for all of them).
+        limit: Evaluate only the first ``limit`` problems.
+        env_kwargs: Passed to ``CodeInterpreterEnv`` (format, pool, sandbox_backend, max_turns, ...).
+        out_dir: When given, per-problem ``results.jsonl`` and ``summary.json`` are written there.
+        progress: Show a progress bar.
+    """
+    if samples < 1 or batch_size < 1:
+        raise ValueError(
+            f"samples and batch_size must be >= 1, got samples={samples}, batch_size={batch_size}"
+        )
+    problem_list = list(problems) if not isinstance(problems, (str, Path)) else load_problems(problems)
+    problem_list = problem_list[:limit] if limit is not None else problem_list
+    sampling = sampling or SamplingParams(temperature=1.0, top_p=0.7)
+    results = {p.id: ProblemResult(problem_id=p.id, gold=p.answer) for p in problem_list}
+    jobs = [(p, i) for p in problem_list for i in range(samples)]
+    runner = RolloutRunner(tokenizer, engine, max_response_tokens=max_response_tokens, sampling=sampling)
+
+    from sandbox import SandboxPool  # the pool is shared by all envs of the evaluation
+
+    kwargs = dict(env_kwargs or {})
+    own_pool = kwargs.get("pool") is None
+    if own_pool:
+        kwargs["pool"] = SandboxPool(
+            min(batch_size, len(jobs)),
+            backend=kwargs.pop("sandbox_backend", "auto"),
+            config=kwargs.pop("sandbox_config", None),
+        )
+    envs = [
+        CodeInterpreterEnv(problem_list, tokenizer=tokenizer, **kwargs)
+        for _ in range(min(batch_size, len(jobs)))
+    ]
+    bar = _progress(len(jobs), progress)
+    try:
+        for start in range(0, len(jobs), batch_size):
+            chunk = jobs[start : start + batch_size]
+            trajectories = runner.run(
+                envs[: len(chunk)],
+                seeds=[zlib.crc32(f"{p.id}/{i}".encode()) for p, i in chunk],
+                options=[{"problem": p} for p, _ in chunk],
+            )
+            for (problem, _), trajectory in zip(chunk, trajectories):
+                results[problem.id].add(trajectory)
+            if bar is not None:
+                bar.update(len(chunk))
+    finally:
+        if bar is not None:
+            bar.close()
+        for env in envs:
+            env.close()
+        if own_pool:
+            kwargs["pool"].close()
+    ordered = [results[p.id] for p in problem_list]
+    report = EvalReport(samples=samples, metrics=summarize(ordered, samples), problems=ordered)
+    if out_dir is not None:
+        report.write(out_dir)
+    return report
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="eval episodes", unit="ep")

@@ -1,0 +1,70 @@
+"""Evaluation metrics against scripted episodes whose answers are known; expected numbers by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from envs.problems import Problem
+from stare_agent.engines.scripted import ScriptedEngine
+from stare_agent.evaluate import evaluate, majority_correct, pass_at_k
+from tests.helpers_tokenizers import smollm2_tokenizer
+
+CODE_TURN = "I'll compute it.\n<code>\n```python\nprint(6 * 7)\n```\n</code>"
+
+
+def test_pass_at_k_by_hand():
+    # n=4, c=2, k=2: 1 - C(2,2)/C(4,2) = 1 - 1/6
+    assert pass_at_k(4, 2, 2) == pytest.approx(5 / 6)
+    # n=5, c=1, k=3: 1 - C(4,3)/C(5,3) = 1 - 4/10
+    assert pass_at_k(5, 1, 3) == pytest.approx(0.6)
+    assert pass_at_k(3, 0, 3) == 0.0
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(2, 1, 3)
+
+
+def test_majority_ties_go_to_first_seen_answer():
+    assert majority_correct(["1", "2", "2", "1"], [True, False, False, True]) is True
+    assert majority_correct([None, None], [False, False]) is False
+
+
+def test_scripted_evaluation_reproduces_hand_computed_metrics(tmp_path):
+    tokenizer = smollm2_tokenizer()
+    problems = [Problem("p1", "What is 6 times 7?", "42"), Problem("p2", "What is 3 + 4?", "7")]
+    # Episodes run in job order: p1 samples 0..3, then p2 samples 0..3.
+    scripts = [
+        [CODE_TURN, "<answer>\\boxed{42}</answer>"],  # p1: tool call, correct
+        ["<answer>\\boxed{42}</answer>"],  # p1: correct
+        ["<answer>\\boxed{41}</answer>"],  # p1: wrong
+        ["I do not know."],  # p1: no answer
+        ["<answer>\\boxed{8}</answer>"],  # p2: wrong
+        ["<answer>\\boxed{8}</answer>"],  # p2: wrong
+        ["<answer>\\boxed{7}</answer>"],  # p2: correct
+        ["<answer>\\boxed{3}</answer>"],  # p2: wrong
+    ]
+    report = evaluate(
+        problems,
+        engine=ScriptedEngine(tokenizer, scripts),
+        tokenizer=tokenizer,
+        samples=4,
+        batch_size=8,
+        env_kwargs={"format": "retool", "sandbox_backend": "local"},
+        out_dir=tmp_path,
+        progress=False,
+    )
+    m = report.metrics
+    # c = 2 of 4 for p1, 1 of 4 for p2.
+    assert m["avg@4"] == pytest.approx((2 / 4 + 1 / 4) / 2)  # 0.375
+    assert m["pass@1"] == pytest.approx(0.375)
+    # p1: 1 - C(2,2)/C(4,2) = 5/6; p2: 1 - C(3,2)/C(4,2) = 1/2
+    assert m["pass@2"] == pytest.approx((5 / 6 + 1 / 2) / 2)
+    assert m["pass@4"] == pytest.approx(1.0)
+    # p1 majority 42 (right); p2 majority 8 (wrong)
+    assert m["maj@4"] == pytest.approx(0.5)
+    assert m["tool_calls_per_episode"] == pytest.approx(1 / 8)
+    assert m["truncated_fraction"] == 0.0
+    assert report.problems[0].answers == ["42", "42", "41", None]
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["problem_id"] for r in rows] == ["p1", "p2"]
+    assert json.loads((tmp_path / "summary.json").read_text())["maj@4"] == pytest.approx(0.5)
