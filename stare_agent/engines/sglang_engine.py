@@ -1,0 +1,206 @@
+"""A rollout engine on SGLang's offline ``sglang.Engine`` (GPU only; an optional dependency).
+
+Written against SGLang's documented offline API:
+
+- ``Engine.generate(input_ids=..., sampling_params=..., return_logprob=True)`` returns one dict
+  per prompt whose ``meta_info["output_token_logprobs"]`` lists ``(logprob, token_id, text)`` for
+  every generated token, and ``meta_info["finish_reason"]`` is ``{"type": "stop" | "length" |
+  "abort", "matched": <token id or stop string>}``;
+- ``Engine.update_weights_from_tensor(named_tensors=[(name, tensor), ...], flush_cache=...)``
+  loads new weights into the running engine; we send them in buckets of bounded size and flush
+  the KV/prefix cache once, after the last bucket.
+
+Log-probs are SGLang's: ``log_softmax(logits / temperature)`` of the sampled token, before top-k /
+top-p truncation (for temperature 0, SGLang samples greedily and reports ``log_softmax(logits)``).
+With top-k off and top-p = 1, the training setting, this equals what
+:class:`~stare_agent.engines.transformers_engine.TransformersEngine` reports.
+
+SGLang is imported lazily: constructing :class:`SGLangEngine` without it raises
+:class:`SGLangUnavailableError` naming the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from envs.rollout import FinishReason, Generation, RolloutError, SamplingParams
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
+
+
+class SGLangUnavailableError(ImportError):
+    """SGLang (or the CUDA GPU it needs) is not available on this machine."""
+
+
+def import_sglang() -> Any:
+    """Import and return the ``sglang`` module, or raise :class:`SGLangUnavailableError` with the fix."""
+    try:
+        import sglang
+    except ImportError as exc:
+        raise SGLangUnavailableError(
+            f"SGLang is not installed ({exc}): pip install 'stare-agent[sglang]' on a machine with a CUDA GPU, "
+            "or use the transformers engine"
+        ) from exc
+    return sglang
+
+
+class SGLangEngine:
+    """Batched generation with an in-process ``sglang.Engine``.
+
+    Args:
+        model_path: checkpoint directory or Hugging Face id SGLang loads (for the embedded model,
+            ``stare_agent.models.embedded_model_path()``).
+        eos_token_ids: token ids reported as finish reason ``"eos"``; default: any token SGLang
+            matched as a stop token (its EOS ids).
+        bucket_bytes: the most bytes of weights sent per ``update_weights_from_tensor`` call.
+        **engine_kwargs: passed to ``sglang.Engine`` (``dtype``, ``mem_fraction_static``,
+            ``tp_size``, ``enable_deterministic_inference``, ...).
+
+    Raises:
+        SGLangUnavailableError: SGLang is not installed.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        eos_token_ids: Iterable[int] | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        **engine_kwargs: Any,
+    ) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}: pass a positive int")
+        sglang = import_sglang()
+        self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else None
+        self.bucket_bytes = bucket_bytes
+        self.engine = sglang.Engine(model_path=str(model_path), **engine_kwargs)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Sequence[str] = ()
+    ) -> list[Generation]:
+        """Sample one continuation per prompt (see :class:`envs.rollout.Engine`).
+
+        With ``params.seed`` set, prompt ``i`` gets SGLang's ``sampling_seed = seed + i``, so equal
+        prompts in one batch (a GRPO group) still draw different samples; SGLang honours it exactly
+        when started with ``enable_deterministic_inference=True``.
+        """
+        if not prompts:
+            return []
+        base = sglang_sampling_params(params, stop)
+        if params.seed is None:
+            sampling: dict[str, Any] | list[dict[str, Any]] = base
+        else:
+            sampling = [{**base, "sampling_seed": params.seed + i} for i in range(len(prompts))]
+        outputs = self.engine.generate(
+            input_ids=[list(p) for p in prompts], sampling_params=sampling, return_logprob=True
+        )
+        if isinstance(outputs, Mapping):
+            outputs = [outputs]
+        if len(outputs) != len(prompts):
+            raise RolloutError(
+                f"SGLang returned {len(outputs)} outputs for {len(prompts)} prompts: report this bug"
+            )
+        return [to_generation(out, self.eos_token_ids) for out in outputs]
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> None:
+        """Send new weights to the engine in buckets of at most ``bucket_bytes`` (one oversized
+        tensor travels alone), flushing SGLang's cache once after the last bucket.
+
+        Raises:
+            RolloutError: SGLang refused a bucket (its message is included).
+        """
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        pending: list[tuple[str, torch.Tensor]] | None = None
+        for bucket in weight_buckets(items, self.bucket_bytes):
+            if pending is not None:
+                self._send(pending, flush_cache=False)
+            pending = bucket
+        if pending is not None:
+            self._send(pending, flush_cache=True)
+
+    def _send(self, bucket: list[tuple[str, torch.Tensor]], *, flush_cache: bool) -> None:
+        result = self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=flush_cache)
+        success, message = (result[0], result[1]) if isinstance(result, tuple) else (True, "")
+        if not success:
+            names = ", ".join(name for name, _ in bucket[:3])
+            raise RolloutError(f"SGLang refused weights [{names}, ...]: {message}")
+
+    def close(self) -> None:
+        """Shut down SGLang's scheduler and detokenizer processes."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> SGLangEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def sglang_sampling_params(params: SamplingParams, stop: Sequence[str]) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` dict for our :class:`SamplingParams` and stop strings.
+
+    Stop strings are kept in the output (``no_stop_trim``) and special tokens are not skipped, so
+    the returned token ids run up to and including the token that completed a stop string or EOS.
+    """
+    return {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k is not None else -1,
+        "max_new_tokens": params.max_new_tokens,
+        "stop": [s for s in stop if s],
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+    }
+
+
+def to_generation(output: Mapping[str, Any], eos_token_ids: frozenset[int] | None = None) -> Generation:
+    """Convert one SGLang output dict into a :class:`Generation`.
+
+    Raises:
+        RolloutError: the request was aborted or came back without log-probs.
+    """
+    meta = output["meta_info"]
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type")
+    if kind == "abort":
+        raise RolloutError(f"SGLang aborted a request: {finish.get('message', finish)}")
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        raise RolloutError("SGLang returned no output_token_logprobs: call generate with return_logprob=True")
+    token_ids = [int(entry[1]) for entry in entries]
+    logprobs = [float(entry[0]) for entry in entries]
+    reason: FinishReason
+    if kind == "length":
+        reason = "length"
+    elif kind == "stop":
+        matched = finish.get("matched")
+        is_token = isinstance(matched, int) and not isinstance(matched, bool)
+        reason = "eos" if is_token and (eos_token_ids is None or matched in eos_token_ids) else "stop"
+    else:
+        raise RolloutError(f"unknown SGLang finish_reason {finish!r}: update stare_agent's SGLang engine")
+    return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+
+
+def weight_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group ``(name, tensor)`` pairs, in order, into lists of at most ``bucket_bytes`` bytes each.
+
+    A tensor larger than ``bucket_bytes`` forms a bucket of its own.
+    """
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor.detach()))
+        size += nbytes
+    if bucket:
+        yield bucket

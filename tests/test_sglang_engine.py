@@ -1,0 +1,161 @@
+"""SGLangEngine: output conversion and weight bucketing everywhere; the real engine on a CUDA GPU.
+
+The GPU tests need SGLang and a CUDA GPU (``benchmarks/gpu_check.sh`` installs SGLang and runs them);
+elsewhere they are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from envs.rollout import RolloutError, SamplingParams
+from stare_agent.engines.sglang_engine import (
+    SGLangEngine,
+    SGLangUnavailableError,
+    sglang_sampling_params,
+    to_generation,
+    weight_buckets,
+)
+
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+HAS_CUDA = torch.cuda.is_available()
+
+
+def sglang_output(entries, finish):
+    """A dict shaped like one of ``sglang.Engine.generate(..., return_logprob=True)``'s outputs."""
+    return {"text": "", "meta_info": {"output_token_logprobs": entries, "finish_reason": finish}}
+
+
+def test_to_generation_reads_tokens_logprobs_and_finish_reasons():
+    entries = [(-0.5, 11, None), (-1.25, 12, None), (-0.0, 2, None)]
+    eos = to_generation(sglang_output(entries, {"type": "stop", "matched": 2}), frozenset({2}))
+    assert (eos.token_ids, eos.logprobs, eos.finish_reason) == ([11, 12, 2], [-0.5, -1.25, -0.0], "eos")
+    stop = to_generation(sglang_output(entries[:2], {"type": "stop", "matched": "```"}))
+    assert (stop.token_ids, stop.finish_reason) == ([11, 12], "stop")
+    length = to_generation(sglang_output(entries[:2], {"type": "length", "length": 2}))
+    assert length.finish_reason == "length"
+    # a matched stop token that is not one of our EOS ids counts as a stop
+    assert (
+        to_generation(sglang_output(entries, {"type": "stop", "matched": 2}), frozenset({7})).finish_reason
+        == "stop"
+    )
+
+
+def test_to_generation_refuses_aborts_and_missing_logprobs():
+    with pytest.raises(RolloutError, match="SGLang aborted a request: out of memory"):
+        to_generation(sglang_output([], {"type": "abort", "message": "out of memory"}))
+    with pytest.raises(RolloutError, match="return_logprob=True"):
+        to_generation({"meta_info": {"finish_reason": {"type": "length"}}})
+
+
+def test_sampling_params_map_to_sglang_names():
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=None, max_new_tokens=33, seed=1)
+    assert sglang_sampling_params(params, ["```output", ""]) == {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "max_new_tokens": 33,
+        "stop": ["```output"],
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+    }
+    assert sglang_sampling_params(SamplingParams(top_k=20), [])["top_k"] == 20
+
+
+def test_weight_buckets_bound_bytes_and_keep_order():
+    tensors = [
+        ("a", torch.zeros(10)),  # 40 bytes
+        ("b", torch.zeros(10)),  # 40
+        ("c", torch.zeros(30)),  # 120: larger than the bucket, travels alone
+        ("d", torch.zeros(5)),  # 20
+        ("e", torch.zeros(10, dtype=torch.bfloat16)),  # 20
+    ]
+    buckets = list(weight_buckets(tensors, bucket_bytes=100))
+    assert [[name for name, _ in bucket] for bucket in buckets] == [["a", "b"], ["c"], ["d", "e"]]
+    assert list(weight_buckets([], 100)) == []
+
+
+@pytest.mark.skipif(HAS_SGLANG, reason="SGLang is installed here")
+def test_missing_sglang_names_the_fix():
+    with pytest.raises(
+        SGLangUnavailableError, match=r"pip install 'stare-agent\[sglang\]' on a machine with a CUDA GPU"
+    ):
+        SGLangEngine("/nonexistent")
+
+
+if not HAS_SGLANG:
+    GPU_SKIP = "SGLang not installed: pip install 'stare-agent[sglang]' (benchmarks/gpu_check.sh does it)"
+elif not HAS_CUDA:
+    GPU_SKIP = "no CUDA GPU on this machine"
+else:
+    GPU_SKIP = ""
+needs_sglang_gpu = pytest.mark.skipif(bool(GPU_SKIP), reason=GPU_SKIP)
+
+
+@pytest.fixture(scope="module")
+def sglang_setup():
+    from stare_agent.models import embedded_model_path, load_policy
+
+    path = embedded_model_path()
+    model, tokenizer = load_policy(path, device="cuda")
+    engine = SGLangEngine(
+        str(path), dtype="float32", mem_fraction_static=0.3, enable_deterministic_inference=True
+    )
+    yield engine, model, tokenizer
+    engine.close()
+
+
+def chat(tokenizer, text):
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+
+
+@pytest.mark.gpu
+@needs_sglang_gpu
+def test_sglang_logprobs_match_a_transformers_forward(sglang_setup):
+    engine, model, tokenizer = sglang_setup
+    prompts = [chat(tokenizer, "What is 2+2?"), chat(tokenizer, "Name a prime number larger than 10.")]
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=24, seed=0)
+    for prompt, out in zip(prompts, engine.generate(prompts, params, []), strict=True):
+        assert len(out.token_ids) == len(out.logprobs) > 0
+        ids = torch.tensor([prompt + out.token_ids], device="cuda")
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        expected = torch.log_softmax(logits, -1)[
+            torch.arange(len(out.token_ids)), torch.tensor(out.token_ids)
+        ]
+        assert torch.allclose(torch.tensor(out.logprobs), expected.cpu(), atol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_sglang_gpu
+def test_sglang_eos_and_stop_strings(sglang_setup):
+    engine, _model, tokenizer = sglang_setup
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=64)
+    out = engine.generate([chat(tokenizer, "What is 2+2? Answer in one sentence.")], greedy, [])[0]
+    assert out.finish_reason == "eos" and out.token_ids[-1] == tokenizer.eos_token_id
+    text = tokenizer.decode(out.token_ids)
+    stop = text[len(text) // 3 : len(text) // 3 + 3]
+    stopped = engine.generate([chat(tokenizer, "What is 2+2? Answer in one sentence.")], greedy, [stop])[0]
+    assert stopped.finish_reason == "stop"
+    assert stop in tokenizer.decode(stopped.token_ids)
+    assert stop not in tokenizer.decode(stopped.token_ids[:-1])
+    assert stopped.token_ids == out.token_ids[: len(stopped.token_ids)]
+
+
+@pytest.mark.gpu
+@needs_sglang_gpu
+def test_sglang_update_weights_in_buckets_round_trips(sglang_setup):
+    engine, model, tokenizer = sglang_setup
+    prompt = [chat(tokenizer, "Write a haiku about the sea.")]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
+    before = engine.generate(prompt, greedy, [])[0].token_ids
+    original = {name: p.detach().clone() for name, p in model.named_parameters()}
+    engine.bucket_bytes = 64 * 1024**2  # several buckets for a 540 MB model
+    engine.update_weights((name, torch.randn_like(p) * 0.02) for name, p in original.items())
+    assert engine.generate(prompt, greedy, [])[0].token_ids != before
+    engine.update_weights(original.items())
+    assert engine.generate(prompt, greedy, [])[0].token_ids == before
