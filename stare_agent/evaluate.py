@@ -196,7 +196,7 @@ def evaluate(
                 seeds=[zlib.crc32(f"{p.id}/{i}".encode()) for p, i in chunk],
                 options=[{"problem": p} for p, _ in chunk],
             )
-            for (problem, _), trajectory in zip(chunk, trajectories):
+            for (problem, _), trajectory in zip(chunk, trajectories, strict=True):
                 results[problem.id].add(trajectory)
             if bar is not None:
                 bar.update(len(chunk))
