@@ -247,7 +247,7 @@ class _Episode:
     turns: int = 0
     end: EpisodeEnd | None = None
     turn_ended_with_eos: bool = False
-    turn_texts: list[str] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
     def finish(self, end: EpisodeEnd) -> None:
         self.end = end
@@ -403,15 +403,13 @@ class RolloutRunner:
         if reason == "length" and len(ep.builder) >= self.max_response_tokens:
             ep.finish("budget")
             return None
-        text_ids = ids[:-1] if reason == "eos" else ids
-        text = _decode(self.tokenizer, text_ids)
-        ep.turn_texts.append(text)
-        return text
+        return _decode(self.tokenizer, ids[:-1] if reason == "eos" else ids)
 
     def _take_step(self, ep: _Episode, result: tuple[str, float, bool, bool, dict[str, Any]]) -> None:
         """Record the env's response; append the observation (mask 0) when the episode continues."""
         observation, reward, terminated, truncated, info = result
         ep.reward += float(reward)
+        ep.tool_calls.extend(info.get("tool_calls", ()))
         ep.info.update(info)
         if terminated or truncated:
             ep.finish("terminated" if terminated else "truncated")
@@ -442,6 +440,7 @@ class RolloutRunner:
     def _build(self, ep: _Episode) -> Trajectory:
         info = {k: v for k, v in ep.info.items() if k not in ("messages", "tools")}
         info.update(
+            tool_calls=ep.tool_calls,
             finish_reason=ep.end,
             truncated=ep.end != "terminated",
             num_turns=ep.turns,
