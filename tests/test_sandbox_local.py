@@ -1,0 +1,136 @@
+"""The local backend and the shared kernel driver, on a real local kernel."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sandbox import LocalSandbox, SandboxClosed, SandboxConfig, make_sandbox
+from sandbox.kernel import OutputBuffer
+from sandbox.result import truncate_text
+
+SECRET = "STARE_LOCAL_TEST_SECRET"
+
+
+@given(st.lists(st.text(max_size=40), max_size=30), st.integers(min_value=1, max_value=50))
+def test_output_buffer_keeps_what_truncate_text_keeps(chunks: list[str], limit: int) -> None:
+    buf = OutputBuffer(limit)
+    for chunk in chunks:
+        buf.write(chunk)
+    assert buf.text() == truncate_text("".join(chunks), limit)
+
+
+def test_output_buffer_memory_is_bounded() -> None:
+    buf = OutputBuffer(100)
+    for _ in range(10_000):
+        buf.write("y" * 1000)
+    assert buf._head_len == 100 and buf._tail_len <= 100 + 1000
+    text, cut = buf.text()
+    assert cut and f"[{10_000_000 - 100} characters truncated]" in text
+
+
+@pytest.fixture(scope="module")
+def sb():
+    os.environ[SECRET] = "hunter2"
+    try:
+        with LocalSandbox(SandboxConfig(max_output_chars=1000, memory_mb=1024)) as sandbox:
+            yield sandbox
+    finally:
+        del os.environ[SECRET]
+
+
+def test_state_persists_and_trailing_expression_is_shown(sb: LocalSandbox) -> None:
+    assert sb.run("x = 20").ok
+    result = sb.run("print('hi')\nx * 2 + 2")
+    assert result.stdout == "hi\n42\n"
+    assert result.cpu_s >= 0 and result.peak_memory_bytes > 10 * 2**20 and result.duration_s > 0
+
+
+def test_stderr_and_error_fields(sb: LocalSandbox) -> None:
+    result = sb.run("import sys\nprint('warn', file=sys.stderr)\n1/0")
+    assert result.stderr == "warn\n"
+    assert result.error.type == "ZeroDivisionError" and result.error.message == "division by zero"
+    assert "\x1b[" not in result.error.traceback and "1/0" in result.error.traceback
+    assert not result.ok and not result.timed_out
+
+
+def test_output_cap_has_marker(sb: LocalSandbox) -> None:
+    result = sb.run("print('a' * 5000)")
+    assert result.truncated and len(result.stdout) < 1100
+    assert "[4001 characters truncated]" in result.stdout  # 5000 a's + newline - 1000 kept
+
+
+def test_python_loop_timeout_keeps_state(sb: LocalSandbox) -> None:
+    sb.run("kept = 'yes'")
+    result = sb.run("print('before')\nwhile True: pass", timeout=1)
+    assert result.timed_out and not result.state_lost and result.stdout == "before\n"
+    assert result.error.type == "TimeoutError"
+    assert sb.run("kept").stdout == "'yes'\n"
+
+
+def test_c_loop_timeout_restarts_within_timeout_plus_2s(sb: LocalSandbox) -> None:
+    sb.run("kept = 1")
+    start = time.monotonic()
+    result = sb.run("sum(range(10**12))", timeout=1)
+    assert time.monotonic() - start < 1 + 2 + 0.5
+    assert result.timed_out and result.state_lost
+    assert sb.run("kept").error.type == "NameError"
+    assert sb.run("1 + 1").stdout == "2\n"
+
+
+@pytest.mark.parametrize("code", ["import os; os.kill(os.getpid(), 9)", "import os; os._exit(1)"])
+def test_killed_kernel_is_reported_and_replaced(sb: LocalSandbox, code: str) -> None:
+    result = sb.run(code)
+    assert result.error.type == "KernelDied" and result.state_lost
+    assert sb.run("2 + 2").stdout == "4\n"
+
+
+def test_reset_clears_namespace_files_env_and_children(sb: LocalSandbox) -> None:
+    sb.run("import os, subprocess\nv = 1\nopen('f.txt', 'w').write('x')\nos.environ['E'] = '1'")
+    pid = int(sb.run("subprocess.Popen(['sleep', '300']).pid").stdout)
+    sb.reset()
+    assert sb.run("v").error.type == "NameError"
+    assert sb.run("import os\nos.listdir('.'), os.environ.get('E')").stdout == "([], None)\n"
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    sb.run("v = 2")
+    sb.reset(hard=True)
+    assert sb.run("v").error.type == "NameError"
+
+
+def test_host_environment_is_scrubbed(sb: LocalSandbox) -> None:
+    assert sb.run(f"import os\nprint(os.environ.get({SECRET!r}))").stdout == "None\n"
+    assert sb.run("os.getcwd()").stdout.strip("'\n") == str(sb.work_dir)
+
+
+def test_memory_limit_raises_memory_error(sb: LocalSandbox) -> None:
+    result = sb.run("b = bytearray(3 * 1024**3)")
+    assert result.error.type == "MemoryError"
+    assert sb.run("1").stdout == "1\n"
+
+
+def test_network_namespace_has_only_loopback(sb: LocalSandbox) -> None:
+    if not sb.network_isolated:
+        pytest.skip("this process may not unshare a network namespace (not root)")
+    # /sys/class/net shows the namespace sysfs was mounted in; if_nameindex asks the kernel.
+    assert sb.run("import socket\n[name for _, name in socket.if_nameindex()]").stdout == "['lo']\n"
+
+
+def test_close_removes_everything_and_is_idempotent() -> None:
+    sandbox = make_sandbox("local")
+    assert isinstance(sandbox, LocalSandbox) and sandbox.is_alive()
+    pid, folder = sandbox._kernel.process.pid, sandbox.dir
+    sandbox.close()
+    sandbox.close()
+    assert not folder.exists() and not Path(f"/proc/{pid}").exists()
+    with pytest.raises(SandboxClosed):
+        sandbox.run("1")
+
+
+def test_unknown_backend_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="use 'auto', 'docker' or 'local'"):
+        make_sandbox("podman")  # type: ignore[arg-type]
