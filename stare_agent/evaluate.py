@@ -77,7 +77,7 @@ class ProblemResult:
         self.tool_calls.append(int(info.get("num_tool_calls", 0)))
         self.response_tokens.append(len(trajectory.response_ids))
         self.truncated.append(bool(info.get("truncated", False)))
-        for call in info.get("all_tool_calls", info.get("tool_calls", [])):
+        for call in info.get("tool_calls", []):
             self.tool_timeouts += bool(call.get("timed_out"))
             self.tool_errors += bool(call.get("error_type"))
 

@@ -1,0 +1,117 @@
+"""Per-step training metrics: rollout statistics and a logger that writes JSONL and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from envs.trajectory import Trajectory
+
+# Words whose frequency tracks "reflective" reasoning in RLVR papers (counted case-insensitively,
+# as whole words, in the model-written text of each response).
+REFLECTION_WORDS = ("wait", "verify", "check", "recheck", "however", "but", "alternatively", "mistake")
+_WORD_RE = re.compile(r"\b(" + "|".join(REFLECTION_WORDS) + r")\b", re.IGNORECASE)
+
+
+def reflection_counts(texts: Sequence[str]) -> dict[str, float]:
+    """Mean occurrences per response of each reflection word.
+
+    >>> reflection_counts(["Wait, let me check. wait", "ok"])["wait"]
+    1.0
+    """
+    totals = dict.fromkeys(REFLECTION_WORDS, 0)
+    for text in texts:
+        for match in _WORD_RE.finditer(text):
+            totals[match.group(1).lower()] += 1
+    n = max(len(texts), 1)
+    return {word: count / n for word, count in totals.items()}
+
+
+def rollout_metrics(
+    trajectories: Sequence[Trajectory], model_texts: Sequence[str] | None = None
+) -> dict[str, float]:
+    """Reward, accuracy, response length, tool use and reflection statistics of a batch of episodes.
+
+    ``model_texts`` are the decoded model-written parts of each response (for the reflection counts).
+    """
+    n = len(trajectories)
+    if n == 0:
+        return {}
+    calls = [c for t in trajectories for c in t.info.get("tool_calls", [])]
+    metrics = {
+        "reward_mean": sum(t.reward for t in trajectories) / n,
+        "accuracy": sum(bool(t.info.get("correct")) for t in trajectories) / n,
+        "response_length_mean": sum(len(t.response_ids) for t in trajectories) / n,
+        "response_length_max": float(max(len(t.response_ids) for t in trajectories)),
+        "sampled_tokens_mean": sum(sum(t.loss_mask) for t in trajectories) / n,
+        "tool_calls_per_episode": sum(int(t.info.get("num_tool_calls", 0)) for t in trajectories) / n,
+        "tool_errors_per_episode": sum(bool(c.get("error_type")) for c in calls) / n,
+        "tool_timeouts_per_episode": sum(bool(c.get("timed_out")) for c in calls) / n,
+        "truncated_fraction": sum(bool(t.info.get("truncated")) for t in trajectories) / n,
+    }
+    if model_texts is not None:
+        metrics.update({f"reflection/{k}": v for k, v in reflection_counts(model_texts).items()})
+    return metrics
+
+
+class StepLogger:
+    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
+
+    The JSONL file is flushed at every step, so a killed run loses nothing it logged.
+    """
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.run_dir / "metrics.jsonl", "a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> StepLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The logged steps of a run, last record per step winning (a resumed run may re-log a step)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: pass the run directory of a `stare-agent train` run")
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step[int(record["step"])] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, bool):
+        return int(value)
+    return value
