@@ -46,8 +46,42 @@ def _sandbox_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from envs.rollout import SamplingParams
+    from stare_agent.engines import TransformersEngine
+    from stare_agent.evaluate import evaluate
+    from stare_agent.models import load_policy
+
+    model, tokenizer = load_policy(args.model, device=args.device)
+    engine = TransformersEngine(model, tokenizer)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    report = evaluate(
+        args.data,
+        engine=engine,
+        tokenizer=tokenizer,
+        samples=args.samples,
+        sampling=sampling,
+        max_response_tokens=args.max_response_tokens,
+        batch_size=args.batch_size,
+        limit=args.limit,
+        env_kwargs={"format": args.format, "sandbox_backend": args.backend, "max_turns": args.max_turns},
+        out_dir=args.out,
+    )
+    print(report.table())
+    print(f"per-problem results: {args.out}/results.jsonl")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from stare_agent.plots import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stare-agent", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="stare-agent", description="Train and evaluate tool-using LLM agents with STARE.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sandbox = sub.add_parser("sandbox", help="build, check or try the code sandbox")
@@ -63,6 +97,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sandbox_sub.add_parser("demo", help="run a few cells in a sandbox")
     p.add_argument("--backend", default="auto", choices=["auto", "docker", "local"])
     p.set_defaults(func=_sandbox_demo)
+
+    p = sub.add_parser("eval", help="tool-use accuracy (avg@k, pass@k, maj@k) on a problem set")
+    p.add_argument("--model", default="embedded:smollm2-135m-instruct", help="HF id, local path or embedded:NAME")
+    p.add_argument("--data", required=True, help="JSONL/Parquet file of {id, problem, answer}, or a hub name")
+    p.add_argument("--samples", type=int, default=4, help="k: sampled episodes per problem")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N problems")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-response-tokens", type=int, default=1024)
+    p.add_argument("--max-turns", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--format", default="retool", choices=["retool", "hermes"])
+    p.add_argument("--backend", default="auto", choices=["auto", "docker", "local"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default="runs/eval", help="directory for results.jsonl and summary.json")
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser("plot", help="draw a run's training dynamics as PNG files")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="output directory (default RUN_DIR/plots)")
+    p.set_defaults(func=_plot)
 
     p = sub.add_parser("quickstart", help="the main job on the embedded default model")
     p.add_argument("--backend", default="auto", choices=["auto", "docker", "local"])
