@@ -1,0 +1,97 @@
+"""The Docker backend on the real daemon and image: semantics, timeouts, resets, hardening, cleanup."""
+
+from __future__ import annotations
+
+import time
+
+import docker
+import pytest
+
+from sandbox import DockerSandbox, SandboxClosed, SandboxConfig, make_sandbox
+from sandbox.docker import LABEL
+
+pytestmark = pytest.mark.docker
+
+
+@pytest.fixture(scope="module")
+def sb(docker_ready):
+    with DockerSandbox(SandboxConfig(max_output_chars=1000)) as sandbox:
+        yield sandbox
+
+
+def test_state_persists_and_trailing_expression_is_shown(sb: DockerSandbox) -> None:
+    assert sb.run("x = 20").ok
+    result = sb.run("print('hi')\nx * 2 + 2")
+    assert result.stdout == "hi\n42\n"
+    assert result.peak_memory_bytes > 10 * 2**20 and result.duration_s > 0
+
+
+def test_stderr_and_error_fields(sb: DockerSandbox) -> None:
+    result = sb.run("import sys\nprint('warn', file=sys.stderr)\nraise KeyError('k')")
+    assert result.stderr == "warn\n"
+    assert (result.error.type, result.error.message) == ("KeyError", "'k'")
+    assert "\x1b[" not in result.error.traceback and "raise KeyError" in result.error.traceback
+
+
+def test_output_cap_has_marker(sb: DockerSandbox) -> None:
+    result = sb.run("print('a' * 5000)")
+    assert result.truncated and "[4001 characters truncated]" in result.stdout
+
+
+def test_python_loop_timeout_keeps_state(sb: DockerSandbox) -> None:
+    sb.run("kept = 'yes'")
+    result = sb.run("print('before')\nwhile True: pass", timeout=1)
+    assert result.timed_out and not result.state_lost and result.stdout == "before\n"
+    assert sb.run("kept").stdout == "'yes'\n"
+
+
+def test_c_loop_timeout_replaces_kernel_within_timeout_plus_2s(sb: DockerSandbox) -> None:
+    start = time.monotonic()
+    result = sb.run("sum(range(10**12))", timeout=1)
+    assert time.monotonic() - start < 1 + 2 + 0.5
+    assert result.timed_out and result.state_lost
+    assert sb.run("kept").error.type == "NameError"
+    assert sb.run("1 + 1").stdout == "2\n"
+
+
+def test_soft_and_hard_reset_clear_state(sb: DockerSandbox) -> None:
+    sb.run(
+        "import os\nv = 1\nopen('/work/f', 'w').write('x')\nopen('/tmp/g', 'w').write('x')\nos.environ['E'] = '1'"
+    )
+    start = time.monotonic()
+    sb.reset()
+    assert time.monotonic() - start < 1.0
+    assert sb.run("v").error.type == "NameError"
+    assert sb.run("import os\nos.listdir('/work'), os.path.exists('/tmp/g'), os.environ.get('E')").stdout == (
+        "([], False, None)\n"
+    )
+    sb.run("w = 1")
+    sb.reset(hard=True)
+    assert sb.run("w").error.type == "NameError"
+
+
+def test_container_is_hardened(sb: DockerSandbox) -> None:
+    sb.container.reload()
+    host = sb.container.attrs["HostConfig"]
+    assert host["NetworkMode"] == "none" and host["ReadonlyRootfs"] and not host["Privileged"]
+    assert host["CapDrop"] == ["ALL"] and "no-new-privileges" in host["SecurityOpt"]
+    assert host["Memory"] == host["MemorySwap"] == 1024 * 2**20
+    assert host["PidsLimit"] == 128 and host["NanoCpus"] == 10**9
+    assert sb.container.attrs["Config"]["User"] == "1000:1000"
+    mounts = [m["Source"] for m in sb.container.attrs["Mounts"]]
+    assert mounts == [str(sb.dir)] and not any("docker.sock" in m for m in mounts)
+    result = sb.run("import os\nopen('/proc/1/cmdline').read().split('\\0')[0], os.getuid()")
+    assert result.stdout == "('/usr/bin/tini', 1000)\n"
+
+
+def test_close_leaves_no_container_or_temp_dir(docker_ready) -> None:
+    sandbox = make_sandbox("docker")
+    assert isinstance(sandbox, DockerSandbox)
+    cid, folder = sandbox.container.id, sandbox.dir
+    sandbox.close()
+    sandbox.close()
+    client = docker.from_env()
+    assert cid not in [c.id for c in client.containers.list(all=True, filters={"label": f"{LABEL}=1"})]
+    assert not folder.exists()
+    with pytest.raises(SandboxClosed):
+        sandbox.run("1")
