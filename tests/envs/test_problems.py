@@ -141,7 +141,9 @@ def test_unknown_suffix_and_unreadable_parquet(tmp_path):
         load_problems(tmp_path / "junk.parquet")
 
 
-def test_hub_name_without_datasets_or_network_fails_in_one_line():
+def test_hub_name_without_datasets_or_network_fails_in_one_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # fail fast where `datasets` is installed, never go online
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(ProblemSourceError) as error:
         load_problems("no-such-owner/no-such-dataset")
     message = str(error.value)
