@@ -24,6 +24,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 from sandbox.base import Sandbox
 from sandbox.config import SandboxConfig
@@ -34,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TIMEOUT_S = 60.0
 """How long ``acquire`` waits for a free sandbox unless told otherwise."""
+
+Rearm = Literal["reset", "replace", "retire", "start"]
+"""What a background thread does with a sandbox that comes back (see ``SandboxPool._rearm``)."""
 
 CLOSE_JOIN_TIMEOUT_S = 30.0
 """How long ``close`` waits for in-flight resets and replacements before closing anyway."""
@@ -196,7 +200,7 @@ class SandboxPool:
                     continue  # close() took it; the loop raises SandboxClosed
                 logger.warning("sandbox %r failed its health check; replacing it", inner)
                 self._replaced += 1
-                self._spawn(inner, replace=True)
+                self._spawn(inner, "replace")
 
     def release(self, sandbox: PooledSandbox, *, broken: bool = False) -> None:
         """Give a leased sandbox back; it is reset (or replaced) in the background. Idempotent.
@@ -209,27 +213,25 @@ class SandboxPool:
             raise ValueError(
                 f"{sandbox!r} was not leased from this pool: release it to the pool it came from"
             )
-        with self._cond:
-            inner = sandbox._inner
-            if inner is None:
-                return
-            sandbox._inner = None
-            self._leases.discard(sandbox)
-            if self._closed:
-                return  # close() has taken (or is taking) care of it
-            replace = broken or sandbox.tainted
-            if replace:
-                self._replaced += 1
-            self._spawn(inner, replace=replace)
+        self._give_back(sandbox, "replace" if broken or sandbox.tainted else "reset")
 
     @contextlib.contextmanager
     def lease(self, timeout: float | None = None) -> Iterator[PooledSandbox]:
-        """``acquire`` as a context manager that always releases, also on exceptions and Ctrl-C."""
+        """``acquire`` as a context manager that always gives the sandbox back.
+
+        On a normal exit or an ordinary exception the sandbox is reset (or replaced, if tainted);
+        on ``KeyboardInterrupt``/``SystemExit`` it is closed without starting a replacement, so an
+        interrupted program shuts down promptly; the next ``acquire`` refills the slot.
+        """
         sandbox = self.acquire(timeout)
         try:
             yield sandbox
-        finally:
-            self.release(sandbox)
+        except BaseException as exc:
+            # Ctrl-C or interpreter exit: close this sandbox without starting a replacement now (the
+            # next acquire refills the slot). Any other exception: the usual reset or replacement.
+            self._give_back(sandbox, "retire" if not isinstance(exc, Exception) else None)
+            raise
+        self._give_back(sandbox, None)
 
     def stats(self) -> PoolStats:
         """A consistent snapshot of the pool's counters."""
@@ -288,7 +290,7 @@ class SandboxPool:
     def _start_all(self) -> None:
         with self._cond:
             for _ in range(self.size):
-                self._spawn(None, replace=False)
+                self._spawn(None, "start")
             while self._rearming and not self._closed:
                 self._cond.wait()
             if self._last_error is not None:
@@ -308,7 +310,7 @@ class SandboxPool:
                     "(`stare-agent sandbox doctor`) and lease again"
                 ) from self._last_error
             if not start_failed and len(self._leases) + self._rearming < self.size:
-                self._spawn(None, replace=False)  # a slot was lost to a failed start: refill it once
+                self._spawn(None, "start")  # a slot was lost (failed start, retired): refill it once
                 continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -320,24 +322,42 @@ class SandboxPool:
                 )
             self._cond.wait(remaining)
 
-    def _spawn(self, inner: Sandbox | None, *, replace: bool) -> None:
-        """Re-arm ``inner`` (reset, or replace) or start a new sandbox, on a daemon thread.
+    def _give_back(self, sandbox: PooledSandbox, action: Rearm | None) -> None:
+        """End a lease and re-arm its sandbox (``None``: reset, or replace when tainted)."""
+        with self._cond:
+            inner, sandbox._inner = sandbox._inner, None
+            if inner is None:
+                return  # released before, or taken by close()
+            self._leases.discard(sandbox)
+            if not self._closed:
+                if action is None:
+                    action = "replace" if sandbox.tainted else "reset"
+                if action == "replace":
+                    self._replaced += 1
+                self._spawn(inner, action)
+                return
+        _close_quietly(inner)
 
-        Call with the lock held. Daemon threads never block interpreter exit; ``close`` joins them.
+    def _spawn(self, inner: Sandbox | None, action: Rearm) -> None:
+        """Run ``_rearm`` on a daemon thread; call with the lock held.
+
+        Daemon threads never block interpreter exit; ``close`` joins them.
         """
         self._rearming += 1
         thread = threading.Thread(
-            target=self._rearm, args=(inner, replace), name="sandbox-pool-rearm", daemon=True
+            target=self._rearm, args=(inner, action), name="sandbox-pool-rearm", daemon=True
         )
         self._threads.add(thread)
         thread.start()
 
-    def _rearm(self, inner: Sandbox | None, replace: bool) -> None:
+    def _rearm(self, inner: Sandbox | None, action: Rearm) -> None:
+        """Reset ``inner``, or close it and start a new one ("replace"), or only close it ("retire"),
+        or only start a new one ("start", ``inner`` None). A ready sandbox joins the idle queue."""
         ready: Sandbox | None = None
         error: BaseException | None = None
         reset_ok = False
         try:
-            if inner is not None and not replace and not self._closed:
+            if inner is not None and action == "reset" and not self._closed:
                 try:
                     inner.reset()
                     ready, reset_ok = inner, True
@@ -348,7 +368,7 @@ class SandboxPool:
             if ready is None:
                 if inner is not None:
                     _close_quietly(inner)
-                if not self._closed:
+                if action != "retire" and not self._closed:
                     ready = self._factory()
                     with self._cond:
                         self._created += 1

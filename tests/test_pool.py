@@ -245,16 +245,45 @@ def test_timeout_without_state_loss_is_reset_not_replaced():
     assert (stats.created, stats.replaced, stats.resets) == (1, 0, 1)
 
 
-def test_interrupted_run_marks_the_sandbox_for_replacement():
-    class Exploding(FakeSandbox):
-        def run(self, code, timeout=None):
-            raise KeyboardInterrupt
+class Exploding(FakeSandbox):
+    """Its ``run`` is interrupted by Ctrl-C."""
 
+    def run(self, code, timeout=None):
+        raise KeyboardInterrupt
+
+
+def test_interrupted_run_marks_the_sandbox_for_replacement():
     with SandboxPool(1, factory=Exploding) as pool:
-        with pytest.raises(KeyboardInterrupt), pool.lease() as sb:
+        sb = pool.acquire()
+        with pytest.raises(KeyboardInterrupt):
             sb.run("x = 1")
+        pool.release(sb)
         stats = settled(pool)
     assert (stats.created, stats.replaced, stats.leased) == (2, 1, 0)
+
+
+def test_ctrl_c_in_a_lease_closes_the_sandbox_and_the_next_lease_refills_the_slot():
+    factory = Factory()
+    with SandboxPool(2, factory=factory) as pool:
+        with pytest.raises(KeyboardInterrupt), pool.lease() as sb:
+            first = sb.inner
+            raise KeyboardInterrupt
+        stats = settled(pool)
+        assert first.closed
+        # Retired, not replaced: nothing new starts while the program is being interrupted.
+        assert (stats.created, stats.replaced, stats.idle, stats.leased) == (2, 0, 1, 0)
+        with pool.lease() as a, pool.lease() as b:
+            assert {a.inner, b.inner} == {factory.made[1], factory.made[2]}
+        assert settled(pool).created == 3
+
+
+def test_an_ordinary_exception_in_a_lease_resets_the_sandbox():
+    with SandboxPool(1, factory=Factory()) as pool:
+        with pytest.raises(ValueError), pool.lease() as sb:
+            sb.run("x = 1")
+            raise ValueError("the caller's own bug")
+        stats = settled(pool)
+    assert (stats.created, stats.replaced, stats.resets) == (1, 0, 1)
 
 
 def test_health_check_skips_a_sandbox_that_died_while_idle():
