@@ -395,9 +395,12 @@ for pid in victims:
         os.kill(pid, signal.SIGKILL)
     except OSError:
         pass
+import time
+reap_until = time.monotonic() + 1.0
 try:
-    while os.waitpid(-1, os.WNOHANG)[0] > 0:
-        pass
+    while time.monotonic() < reap_until:
+        if os.waitpid(-1, os.WNOHANG)[0] == 0:
+            time.sleep(0.002)
 except ChildProcessError:
     pass
 for folder in SCRATCH:

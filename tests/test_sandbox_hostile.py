@@ -1,0 +1,138 @@
+"""Hostile code on the Docker backend: each attack is contained, comes back as a clear ExecResult,
+and leaves the host and a second sandbox unaffected. Never aims at any non-loopback address."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+
+import pytest
+
+from sandbox import DockerSandbox, SandboxConfig
+
+pytestmark = pytest.mark.docker
+
+SECRET = "STARE_HOSTILE_TEST_SECRET"
+CONFIG = SandboxConfig(memory_mb=512, tmpfs_mb=64, pids_limit=64, max_output_chars=2000)
+
+
+@pytest.fixture(scope="module")
+def pair(docker_ready):
+    """(attacked sandbox, bystander sandbox); the host's secret is set before they start."""
+    os.environ[SECRET] = "hunter2"
+    try:
+        with DockerSandbox(CONFIG) as attacked, DockerSandbox(CONFIG) as bystander:
+            bystander.run("canary = 7")
+            yield attacked, bystander
+    finally:
+        del os.environ[SECRET]
+
+
+@pytest.fixture
+def sb(pair):
+    attacked, bystander = pair
+    yield attacked
+    assert bystander.run("canary").stdout == "7\n", "the second sandbox was affected"
+    assert attacked.run("6 * 7").stdout == "42\n", "the attacked sandbox did not recover"
+
+
+def test_network_only_loopback_and_host_listener_unreachable(sb: DockerSandbox) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        assert sb.run("import os\nsorted(os.listdir('/sys/class/net'))").stdout == "['lo']\n"
+        result = sb.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)")
+        assert result.error.type == "ConnectionRefusedError"
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+
+
+def test_fork_bomb_stops_at_pids_limit(sb: DockerSandbox) -> None:
+    code = (
+        "import os, time\nn = 0\ntry:\n    for _ in range(10000):\n        if os.fork() == 0:\n"
+        "            time.sleep(60)\n            os._exit(0)\n        n += 1\n"
+        "except OSError as e:\n    print('blocked', type(e).__name__)\nn"
+    )
+    result = sb.run(code, timeout=20)
+    assert result.stdout.startswith("blocked") and int(result.stdout.split()[-1]) < CONFIG.pids_limit
+    sb.reset()
+    assert sb.run("import os\nsum(p.isdigit() for p in os.listdir('/proc'))").stdout == "2\n"
+
+
+def test_memory_bomb_is_killed_and_reported(sb: DockerSandbox) -> None:
+    result = sb.run("b = bytearray(2 * 1024**3)")
+    assert result.error.type in ("KernelDied", "MemoryError") and result.state_lost == (
+        result.error.type == "KernelDied"
+    )
+    if result.error.type == "KernelDied":
+        assert "512 MB memory limit" in result.error.message
+
+
+def test_disk_fill_hits_tmpfs_limit_not_host(sb: DockerSandbox) -> None:
+    free_before = shutil.disk_usage("/tmp").free
+    code = (
+        "n = 0\ntry:\n    with open('/work/fill', 'wb') as f:\n        while True:\n"
+        "            f.write(b'x' * 2**20); f.flush(); n += 1\nexcept OSError as e:\n    print(e.errno, n)"
+    )
+    result = sb.run(code, timeout=20)
+    errno_, megabytes = map(int, result.stdout.split())
+    assert errno_ == 28 and megabytes <= CONFIG.tmpfs_mb
+    assert free_before - shutil.disk_usage("/tmp").free < 32 * 2**20
+    sb.reset()
+
+
+def test_huge_output_is_capped(sb: DockerSandbox) -> None:
+    result = sb.run("print('x' * 10**7)\nimport sys\nsys.stderr.write('y' * 10**6)")
+    assert result.truncated and len(result.stdout) < 2100 and len(result.stderr) < 2100
+    assert "characters truncated" in result.stdout
+
+
+def test_host_files_and_environment_are_invisible(sb: DockerSandbox, tmp_path) -> None:
+    secret_file = tmp_path / "secret.txt"
+    secret_file.write_text("top secret")
+    result = sb.run(f"open({str(secret_file)!r}).read()")
+    assert result.error.type == "FileNotFoundError"
+    assert sb.run(f"import os\nprint(os.environ.get({SECRET!r}))").stdout == "None\n"
+
+
+def test_writing_outside_work_dir_fails(sb: DockerSandbox) -> None:
+    for path in ("/etc/evil", "/usr/lib/python3/evil.py", "/evil"):
+        result = sb.run(f"open({path!r}, 'w').write('x')")
+        assert result.error.type in ("OSError", "PermissionError"), path
+        assert "Read-only file system" in result.error.message or "Permission denied" in result.error.message
+
+
+@pytest.mark.parametrize("code", ["import os; os.kill(os.getpid(), 9)", "import os; os._exit(1)"])
+def test_killing_the_kernel(sb: DockerSandbox, code: str) -> None:
+    result = sb.run(code)
+    assert result.error.type == "KernelDied" and result.state_lost
+
+
+def test_ignoring_sigint_is_ended_by_restart(sb: DockerSandbox) -> None:
+    start = time.monotonic()
+    result = sb.run(
+        "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass", timeout=1
+    )
+    assert time.monotonic() - start < 1 + 2 + 0.5
+    assert result.timed_out and result.state_lost
+
+
+def test_background_process_is_killed_on_reset(sb: DockerSandbox) -> None:
+    sb.run("import subprocess\np = subprocess.Popen(['sleep', '1000'])")
+    assert sb.run("p.poll() is None").stdout == "True\n"  # it outlives the call...
+    sb.reset()  # ...but not the episode
+    result = sb.run(
+        "import os\n[open(f'/proc/{p}/cmdline').read() for p in os.listdir('/proc') if p.isdigit()]"
+    )
+    assert "sleep" not in result.stdout
+
+
+def test_sleeping_past_the_timeout_is_interrupted(sb: DockerSandbox) -> None:
+    sb.run("kept = 1")
+    result = sb.run("import time\nprint('zz')\ntime.sleep(100)", timeout=1)
+    assert result.timed_out and not result.state_lost and result.stdout == "zz\n"
+    assert sb.run("kept").stdout == "1\n"
