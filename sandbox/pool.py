@@ -72,8 +72,9 @@ class PooledSandbox(Sandbox):
 
     It behaves like the sandbox it wraps, except ``close()``: that gives it back to the pool (which
     resets it), so code that treats it as a plain sandbox never leaks it. After release every call
-    raises ``SandboxClosed``. A ``run`` that timed out with state loss, or that was interrupted
-    (e.g. by Ctrl-C), marks it for replacement instead of a reset.
+    raises ``SandboxClosed``. A ``run`` that lost the kernel's state (killed after a timeout, or
+    the kernel died) or that was interrupted (e.g. by Ctrl-C) marks it for replacement instead of
+    a reset.
     """
 
     def __init__(self, pool: SandboxPool, inner: Sandbox) -> None:
@@ -97,7 +98,7 @@ class PooledSandbox(Sandbox):
         except BaseException:
             self.tainted = True  # the kernel may still be busy with this code
             raise
-        if result.timed_out and result.state_lost:
+        if result.state_lost:  # killed after a timeout, or died: start over in a fresh sandbox
             self.tainted = True
         return result
 
@@ -358,11 +359,9 @@ class SandboxPool:
         reset_ok = False
         try:
             if inner is not None and action == "reset" and not self._closed:
-                try:
-                    inner.reset()
-                    ready, reset_ok = inner, True
-                except Exception as exc:  # noqa: BLE001 - any reset failure means: replace it
-                    logger.warning("resetting %r failed (%s); replacing it", inner, exc)
+                ready = self._reset_or_none(inner)
+                reset_ok = ready is not None
+                if not reset_ok:
                     with self._cond:
                         self._replaced += 1
             if ready is None:
@@ -390,6 +389,19 @@ class SandboxPool:
                 self._cond.notify_all()
             if ready is not None:  # the pool closed meanwhile
                 _close_quietly(ready)
+
+    @staticmethod
+    def _reset_or_none(inner: Sandbox) -> Sandbox | None:
+        """``inner`` reset and alive, or None when it died or its reset failed (replace it then)."""
+        if not _healthy(inner):
+            logger.warning("sandbox %r died during its lease; replacing it", inner)
+            return None
+        try:
+            inner.reset()
+        except Exception as exc:  # noqa: BLE001 - any reset failure means: replace it
+            logger.warning("resetting %r failed (%s); replacing it", inner, exc)
+            return None
+        return inner
 
 
 def _backend_factory(backend: str, config: SandboxConfig | None) -> Callable[[], Sandbox]:

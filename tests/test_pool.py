@@ -7,12 +7,20 @@ Docker backends, including a process killed with SIGINT mid-lease.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
 from sandbox.base import Sandbox
+from sandbox.config import SandboxConfig
 from sandbox.errors import PoolExhausted, SandboxClosed, SandboxUnavailable
 from sandbox.pool import PooledSandbox, PoolStats, SandboxPool
 from sandbox.result import ExecError, ExecResult
@@ -434,3 +442,127 @@ def test_waiters_are_woken_by_close():
     waiter.join(5)
     assert not waiter.is_alive()
     assert isinstance(outcome[0], SandboxClosed)
+
+
+# ---------------------------------------------------------------------------- real backends
+
+REPO = Path(__file__).resolve().parents[1]
+BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker)]
+
+
+@pytest.fixture
+def backend(request) -> str:
+    if request.param == "docker":
+        request.getfixturevalue("docker_ready")
+    return request.param
+
+
+def processes_with(token: str) -> list[int]:
+    """PIDs whose environment holds ``token`` (kernels, local or in containers: the host sees both)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                if token.encode() in Path(f"/proc/{entry}/environ").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def containers_with(token: str) -> list[str]:
+    """Sandbox containers (running or not) whose environment holds ``token``."""
+    try:
+        import docker
+    except ImportError:
+        return []
+    try:
+        client = docker.from_env(timeout=10)
+        containers = client.containers.list(all=True, filters={"label": "org.stare-agent.sandbox=1"})
+    except Exception:  # noqa: BLE001 - no daemon: no containers
+        return []
+    return [c.short_id for c in containers if any(token in e for e in c.attrs["Config"].get("Env") or [])]
+
+
+def assert_nothing_left(token: str, dirs: list[str]) -> None:
+    deadline = time.monotonic() + 10  # the kernel processes' parent may still be reaping them
+    while processes_with(token) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with(token) == [], "kernel processes outlived the pool"
+    assert containers_with(token) == [], "containers outlived the pool"
+    assert [d for d in dirs if Path(d).exists()] == [], "temp dirs outlived the pool"
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_real_pool_hands_out_clean_sandboxes_replaces_dead_ones_and_leaves_nothing(backend):
+    token = f"STARE_POOL_TEST_{uuid.uuid4().hex}"
+    config = SandboxConfig(env={"STARE_POOL_PROBE": token}, timeout_s=30)
+    pool = SandboxPool(2, backend=backend, config=config)
+    dirs: list[str] = []
+    try:
+        with pool.lease() as a:
+            dirs.append(str(a.inner.dir))
+            assert a.run("x = 1\nopen('note.txt', 'w').write('hi')").ok
+        with pool.lease() as a, pool.lease() as b:  # one of them is the sandbox just reset
+            dirs += [str(a.inner.dir), str(b.inner.dir)]
+            for sb in (a, b):
+                assert sb.run("x").error.type == "NameError"
+                assert sb.run("import os\nos.path.exists('note.txt')").stdout == "False\n"
+            dead = a.inner
+            a.run("import os\nos._exit(1)")  # the kernel dies: the pool starts over with a new one
+        stats = settled(pool)
+        assert dead.is_alive() is False
+        assert (stats.created, stats.replaced, stats.idle) == (3, 1, 2)
+        with pool.lease() as a, pool.lease() as b:
+            dirs += [str(a.inner.dir), str(b.inner.dir)]
+            assert {a.run("1 + 1").stdout, b.run("2 + 2").stdout} == {"2\n", "4\n"}
+        assert processes_with(token) != []
+    finally:
+        pool.close()
+    assert_nothing_left(token, dirs)
+
+
+CHILD = """
+import json, sys, time
+from sandbox.config import SandboxConfig
+from sandbox.pool import SandboxPool
+
+backend, token, mode = sys.argv[1:]
+pool = SandboxPool(2, backend=backend, config=SandboxConfig(env={"STARE_POOL_PROBE": token}, timeout_s=120))
+with pool.lease() as a, pool.lease() as b:
+    dirs = [str(a.inner.dir), str(b.inner.dir)]
+sb = pool.acquire()  # held, never released: only the pool's exit handling can clean up
+print(json.dumps(dirs), flush=True)
+if mode == "sigint":
+    with pool.lease() as other:
+        other.run("import time\\ntime.sleep(120)")  # Ctrl-C arrives here
+"""
+
+
+@pytest.mark.parametrize("mode", ["sigint", "exit"])
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_ctrl_c_or_exit_while_leased_leaks_nothing(backend, mode, tmp_path):
+    token = f"STARE_POOL_TEST_{uuid.uuid4().hex}"
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen(
+        [sys.executable, str(script), backend, token, mode],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        dirs = json.loads(child.stdout.readline() or "null")
+        assert dirs, f"child failed to start: {child.stderr.read()}"
+        assert len(processes_with(token)) >= 2
+        if mode == "sigint":
+            time.sleep(0.5)  # inside run()
+            child.send_signal(signal.SIGINT)
+        _, stderr = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    if mode == "sigint":
+        assert "KeyboardInterrupt" in stderr
+    else:
+        assert child.returncode == 0, stderr
+    assert_nothing_left(token, dirs)
