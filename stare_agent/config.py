@@ -1,0 +1,504 @@
+"""One typed config per run: a dataclass per component, loaded from YAML with dotted overrides.
+
+``load_config("configs/quickstart.yaml", ["algorithm.W=1.2"])`` merges, in order, the defaults of
+:class:`RunConfig` (the paper's settings), the YAML file and the ``key=value`` overrides, using
+OmegaConf structured configs (so types are checked and unknown keys are refused), then builds the
+dataclasses (so each section validates its ranges in ``__post_init__``). Every problem raises
+:class:`ConfigError` with one line naming the key, the rule and the fix. ``RunConfig.save(run_dir)``
+writes the resolved config beside the run's results.
+
+Defaults follow STARE (arXiv 2606.19236, ../shared/STARE.md): lr 1e-6, 64 prompts x 8 samples,
+clip 0.2 / 0.28, dual clip c = 10, W 1.1, M 0.9, P 0.1, H_tgt 0.3, no KL term, no entropy bonus,
+one optimizer step per batch. (There are deliberately no KL or entropy-bonus fields: the method has
+neither, and a field that did nothing would lie.)
+
+Example:
+    >>> cfg = load_config(None, ["algorithm.W=1.2", "data.prompts_per_step=4"])
+    >>> cfg.algorithm.W, cfg.data.prompts_per_step, cfg.optim.lr
+    (1.2, 4, 1e-06)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from sandbox.config import SandboxConfig
+from stare_agent.algorithms.losses import AGGREGATIONS
+from stare_agent.algorithms.stare import SCOPES, VARIANTS, check_stare_options
+
+CONFIG_FILENAME = "config.yaml"
+ALGORITHMS = ("grpo_ds", "stare")
+PRECISIONS = ("auto", "bf16", "fp32")
+SCHEDULES = ("constant", "cosine", "linear")
+SANDBOX_BACKENDS = ("auto", "docker", "local")
+ENGINES = ("transformers", "sglang")
+SFT_FORMATS = ("auto", "retool", "openai", "tora")
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key, the rule and the fix."""
+
+
+def _one_of(section: str, name: str, value: Any, valid: Sequence[Any]) -> None:
+    if value not in valid:
+        raise ConfigError(f"{section}.{name}={value!r} is not valid: use one of {', '.join(map(str, valid))}")
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not value > 0:
+            raise ConfigError(f"{section}.{name}={value!r} must be > 0")
+
+
+@dataclass
+class ModelConfig:
+    """The policy.
+
+    Attributes:
+        name_or_path: ``embedded:smollm2-135m-instruct`` (shipped with the package, CPU-friendly), a
+            Hugging Face model id, or a local checkpoint directory (e.g. the output of ``stare-agent sft``).
+        gradient_checkpointing: Recompute activations in backward (less memory, ~30% more compute).
+    """
+
+    name_or_path: str = "embedded:smollm2-135m-instruct"
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class SandboxSection:
+    """Where the model's code runs.
+
+    Attributes:
+        backend: ``docker`` (isolated), ``local`` (a local kernel process: weaker isolation) or ``auto``
+            (Docker when the daemon and image are there, else local).
+        pool_size: Sandboxes kept warm; one is leased per live episode.
+        limits: Per-sandbox limits (memory, CPU, time per call, output size, image); see ``sandbox.config``.
+    """
+
+    backend: str = "auto"
+    pool_size: int = 8
+    limits: SandboxConfig = field(default_factory=SandboxConfig)
+
+    def __post_init__(self) -> None:
+        _one_of("sandbox", "backend", self.backend, SANDBOX_BACKENDS)
+        _positive("sandbox", self, "pool_size")
+
+
+@dataclass
+class EnvConfig:
+    """Episodes and sampling (the rollout).
+
+    Attributes:
+        format: Tool-call format, ``retool`` (``<code>``/``<interpreter>``, the paper's) or ``hermes``.
+        engine: Rollout engine, ``transformers`` (in process) or ``sglang`` (GPU server).
+        max_turns: Model turns per episode (the paper: 16).
+        max_tool_calls: Tool calls per episode.
+        max_response_tokens: Response-token budget per episode: model turns, tool output and glue
+            (the paper: 16K).
+        max_output_chars: Tool output beyond this many characters is cut (head and tail kept).
+        max_output_tokens: Tool output beyond this many tokens is cut.
+        temperature: Sampling temperature (the paper: 1.0); log-probs and entropies are computed at it.
+        top_p: Nucleus mass (the paper: 1.0, i.e. off).
+        system_prompt: None for the format's own instructions, "" for none, or a text.
+        prompt_template: The user message; ``{problem}`` is replaced by the problem.
+    """
+
+    format: str = "retool"
+    engine: str = "transformers"
+    max_turns: int = 16
+    max_tool_calls: int = 16
+    max_response_tokens: int = 16384
+    max_output_chars: int = 4096
+    max_output_tokens: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    system_prompt: str | None = None
+    prompt_template: str = "{problem}"
+
+    def __post_init__(self) -> None:
+        _one_of("env", "format", self.format, ("retool", "hermes"))
+        _one_of("env", "engine", self.engine, ENGINES)
+        _positive("env", self, "max_turns", "max_tool_calls", "max_response_tokens", "temperature")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(
+                f"env.top_p={self.top_p} must be in (0, 1]: use 1.0 to disable nucleus sampling"
+            )
+        if "{problem}" not in self.prompt_template:
+            raise ConfigError("env.prompt_template must contain {problem}: e.g. prompt_template='{problem}'")
+
+
+@dataclass
+class AlgorithmConfig:
+    """GRPO-ds or STARE (arXiv 2606.19236; formulas in stare_agent/algorithms and ../shared/STARE.md).
+
+    Attributes:
+        name: ``grpo_ds`` (GRPO with dynamic sampling, the baseline) or ``stare``.
+        variant: ``O1`` amplifies L+ only (the paper's default); ``C2`` also attenuates L-.
+        scope: Where L+/L- are selected: ``micro_batch`` (inside each micro-batch on each rank, as the
+            authors' released code does) or ``global`` (exact top-k over the whole batch on all ranks).
+        P: Fraction of T+ (and T-) tokens, ranked by surprisal, reweighted (paper: 0.10).
+        W: Weight on L+, >= 1 (paper: 1.1; 1.05 for 14B-32B models).
+        M: Weight on L- (C2), in (0, 1] (paper: 0.9; 0.95 for 14B-32B models).
+        H_tgt: Target entropy; STARE weights apply only while the batch mean entropy is below it
+            (paper: 0.3).
+        adaptive: Adapt W and M once per step toward H_tgt (the paper's optional schedule; off by default).
+        alpha: Step of the adaptive schedule (paper: 0.01).
+        W_max: Upper bound of the adaptive W (paper: 1.5).
+        M_min: Lower bound of the adaptive M (paper: 0.5).
+        eps_low: Lower clip of the ratio, 1 - eps_low (paper: 0.2).
+        eps_high: Upper clip of the ratio, 1 + eps_high ("clip-higher", paper: 0.28).
+        clip_c: Dual-clip bound c for negative advantages (paper: 10).
+        loss_agg: Loss aggregation; ``token-mean`` over all model-generated tokens of the batch is the
+            paper's (see stare_agent/algorithms/losses.py for the others).
+    """
+
+    name: str = "stare"
+    variant: str = "O1"
+    scope: str = "micro_batch"
+    P: float = 0.1
+    W: float = 1.1
+    M: float = 0.9
+    H_tgt: float = 0.3
+    adaptive: bool = False
+    alpha: float = 0.01
+    W_max: float = 1.5
+    M_min: float = 0.5
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    clip_c: float = 10.0
+    loss_agg: str = "token-mean"
+
+    def __post_init__(self) -> None:
+        _one_of("algorithm", "name", self.name, ALGORITHMS)
+        _one_of("algorithm", "variant", self.variant, VARIANTS)
+        _one_of("algorithm", "scope", self.scope, SCOPES)
+        _one_of("algorithm", "loss_agg", self.loss_agg, AGGREGATIONS)
+        try:
+            check_stare_options(variant=self.variant, scope=self.scope, P=self.P, W=self.W, M=self.M)
+        except ValueError as exc:
+            raise ConfigError(f"algorithm: {exc}") from None
+        if not self.H_tgt > 0:
+            raise ConfigError(f"algorithm.H_tgt={self.H_tgt} must be > 0 (nats): the paper uses 0.3")
+        if self.adaptive and not (self.alpha > 0 and self.W_max >= self.W and 0 < self.M_min <= self.M):
+            raise ConfigError(
+                f"algorithm adaptive schedule needs alpha > 0, W_max >= W, 0 < M_min <= M (got alpha="
+                f"{self.alpha}, W_max={self.W_max}, M_min={self.M_min}): use 0.01, 1.5, 0.5"
+            )
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0 and self.clip_c > 1):
+            raise ConfigError(
+                f"algorithm needs 0 <= eps_low < 1, eps_high >= 0, clip_c > 1 (got {self.eps_low}, "
+                f"{self.eps_high}, {self.clip_c}): use the paper's 0.2, 0.28, 10"
+            )
+
+
+@dataclass
+class DataConfig:
+    """Problems for training and validation.
+
+    Attributes:
+        train: Training problems: a JSONL/JSON/Parquet file, a Hugging Face dataset name, or a
+            procedural family (``mixed``, ``multiplication``, ...; see ``envs.problems``). The paper
+            trains on DAPO-Math-17k.
+        eval: Validation problems (same kinds), or None. The paper validates on AIME 2024 / 2025.
+        eval_samples: Samples per validation problem, reported as avg@k (the paper: 32).
+        eval_limit: Use at most this many validation problems (None: all).
+        difficulty: Difficulty (1-3) of procedurally generated problems.
+        prompts_per_step: Prompts (groups) per optimizer step after dynamic sampling (paper: 64).
+        samples_per_prompt: Responses per prompt, the group size G (paper: 8).
+        dynamic_sampling: Drop groups whose rewards are all equal and resample (the "-ds" of GRPO-ds).
+        max_sampling_batches: Most prompt batches sampled for one step before giving up on filling it
+            (the paper's cap: 10).
+    """
+
+    train: str = "mixed"
+    eval: str | None = None
+    eval_samples: int = 32
+    eval_limit: int | None = None
+    difficulty: int = 1
+    prompts_per_step: int = 64
+    samples_per_prompt: int = 8
+    dynamic_sampling: bool = True
+    max_sampling_batches: int = 10
+
+    def __post_init__(self) -> None:
+        _positive("data", self, "eval_samples", "prompts_per_step", "max_sampling_batches")
+        _one_of("data", "difficulty", self.difficulty, (1, 2, 3))
+        if self.samples_per_prompt < 2:
+            raise ConfigError(
+                f"data.samples_per_prompt={self.samples_per_prompt}: GRPO needs a group of >= 2 samples "
+                "per prompt (the paper: 8)"
+            )
+        if self.eval_limit is not None and self.eval_limit < 1:
+            raise ConfigError(f"data.eval_limit={self.eval_limit} must be >= 1, or null for all problems")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule (the RL phase; SFT overrides lr and warmup in ``sft``).
+
+    Attributes:
+        lr: Peak learning rate (paper: 1e-6).
+        betas: AdamW (beta1, beta2).
+        eps: AdamW epsilon.
+        weight_decay: Decoupled weight decay.
+        grad_clip: Max global gradient norm (paper: 1.0); 0 disables clipping.
+        warmup_steps: Linear warmup from 0 over this many optimizer steps.
+        schedule: After warmup: ``constant`` (paper), ``cosine`` or ``linear`` decay to ``min_lr_ratio * lr``.
+        min_lr_ratio: Final learning rate of the decaying schedules, as a fraction of ``lr``.
+    """
+
+    lr: float = 1e-6
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("optim", self, "lr", "eps")
+        _one_of("optim", "schedule", self.schedule, SCHEDULES)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(
+                f"optim.betas={list(self.betas)} must be two numbers in [0, 1): e.g. [0.9, 0.999]"
+            )
+        if self.weight_decay < 0 or self.grad_clip < 0 or self.warmup_steps < 0:
+            raise ConfigError("optim.weight_decay, optim.grad_clip and optim.warmup_steps must be >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+
+
+@dataclass
+class DeepSpeedConfig:
+    """How the learner runs (``stare_agent.learner``).
+
+    Attributes:
+        zero_stage: ZeRO stage 0-3 (3 partitions parameters too; the 7B configs use it).
+        precision: ``bf16``, ``fp32`` or ``auto`` (bf16 on GPU, fp32 on CPU).
+        micro_batch_tokens: Token budget of one micro-batch (padded rows x width); a batch is split
+            into as many micro-batches as this needs, with gradient accumulation, and still takes ONE
+            optimizer step.
+        logprob_chunk_size: Tokens whose full-vocabulary logits exist at once when scoring.
+        dist_backend: ``auto`` (NCCL on GPU, gloo on CPU), ``nccl`` or ``gloo``.
+    """
+
+    zero_stage: int = 0
+    precision: str = "auto"
+    micro_batch_tokens: int = 16384
+    logprob_chunk_size: int = 1024
+    dist_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        _one_of("deepspeed", "zero_stage", self.zero_stage, (0, 1, 2, 3))
+        _one_of("deepspeed", "precision", self.precision, PRECISIONS)
+        _one_of("deepspeed", "dist_backend", self.dist_backend, ("auto", "nccl", "gloo"))
+        _positive("deepspeed", self, "micro_batch_tokens", "logprob_chunk_size")
+
+
+@dataclass
+class TrainerConfig:
+    """The RL loop.
+
+    Attributes:
+        steps: Optimizer steps (one per batch; the paper runs about 2,000).
+        checkpoint_every: Write a checkpoint every N steps (and at the end); 0: only at the end.
+        keep_checkpoints: Complete checkpoints kept on disk (older ones are deleted).
+        eval_every: Validate every N steps (and at the end); 0: never.
+        log_every: Print a progress line every N steps (JSONL/TensorBoard get every step).
+        run_dir: Directory for the config, logs, checkpoints and plots of this run.
+        seed: Seed of problem order, sampling and initialisation.
+    """
+
+    steps: int = 2000
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    eval_every: int = 0
+    log_every: int = 1
+    run_dir: str = "runs/stare"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("trainer", self, "steps", "log_every", "keep_checkpoints")
+        if self.checkpoint_every < 0 or self.eval_every < 0:
+            raise ConfigError("trainer.checkpoint_every and trainer.eval_every must be >= 0 (0 = off)")
+
+
+@dataclass
+class SFTConfig:
+    """Cold-start SFT (``stare_agent.sft``): only model-written tokens are trained.
+
+    Attributes:
+        data: Traces: a JSONL/Parquet file, a Hugging Face dataset name (the paper's cold start is
+            ReTool's 2,000 traces, ``JoeYing/ReTool-SFT``), or ``procedural:<family>`` to generate
+            ``procedural_rows`` traces by running each problem's solution code in the sandbox.
+        format: Trace format: ``retool`` (``messages`` = [user, assistant] with ``<code>``/``<interpreter>``),
+            ``openai`` (messages with ``tool_calls`` and ``tool`` messages, rendered as hermes), ``tora``
+            (fenced ```` ```output ```` blocks), or ``auto`` (detected from the first row).
+        procedural_rows: Traces generated for ``procedural:<family>``.
+        limit: Use at most this many traces (None: all).
+        max_tokens: Traces longer than this (prompt + response) are dropped, and counted.
+        epochs: Passes over the traces.
+        batch_size: Traces per optimizer step (split into micro-batches by ``deepspeed.micro_batch_tokens``).
+        lr: Peak learning rate of SFT.
+        warmup_ratio: Fraction of the steps with linear warmup; the rest decays with ``schedule``.
+        schedule: ``constant``, ``cosine`` or ``linear`` after warmup.
+        output_dir: Where the fine-tuned model is exported (HF format); None: ``<trainer.run_dir>/sft_model``.
+    """
+
+    data: str = "procedural:mixed"
+    format: str = "auto"
+    procedural_rows: int = 64
+    limit: int | None = None
+    max_tokens: int = 16384
+    epochs: int = 2
+    batch_size: int = 32
+    lr: float = 1e-5
+    warmup_ratio: float = 0.03
+    schedule: str = "cosine"
+    output_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        _one_of("sft", "format", self.format, SFT_FORMATS)
+        _one_of("sft", "schedule", self.schedule, SCHEDULES)
+        _positive("sft", self, "procedural_rows", "max_tokens", "epochs", "batch_size", "lr")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"sft.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"sft.limit={self.limit} must be >= 1, or null for all traces")
+
+
+@dataclass
+class RunConfig:
+    """Everything one run needs; each component reads only its own section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sandbox: SandboxSection = field(default_factory=SandboxSection)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML (loadable by :func:`load_config`)."""
+        return OmegaConf.to_yaml(OmegaConf.structured(self))
+
+    def save(self, run_dir: str | os.PathLike[str]) -> Path:
+        """Write the resolved config to ``run_dir/config.yaml`` (atomically) and return its path."""
+        path = Path(run_dir) / CONFIG_FILENAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(self.to_yaml(), encoding="utf-8")
+        tmp.replace(path)
+        return path
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides.
+
+    Args:
+        path: A YAML file (e.g. ``configs/quickstart.yaml``) or None for the defaults alone.
+        overrides: Dotted overrides such as ``["algorithm.W=1.2", "trainer.steps=3"]``.
+
+    Raises:
+        ConfigError: missing file, unknown key, wrong type, malformed override or out-of-range value.
+    """
+    merged = OmegaConf.structured(RunConfig)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(
+                f"config file {path} not found: pass an existing YAML file, e.g. configs/quickstart.yaml"
+            )
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as exc:  # noqa: BLE001 - yaml errors come in several types
+            raise ConfigError(
+                f"{path} is not valid YAML ({str(exc).splitlines()[0]}): fix the file"
+            ) from None
+        merged = _merge(merged, loaded, f"in {path}")
+    if overrides:
+        bad = [o for o in overrides if "=" not in o or o.startswith("=")]
+        if bad:
+            raise ConfigError(f"override {bad[0]!r} is not key=value: write e.g. algorithm.W=1.2")
+        try:
+            dotlist = OmegaConf.from_dotlist(list(overrides))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(
+                f"cannot parse overrides {list(overrides)}: {str(exc).splitlines()[0]}"
+            ) from None
+        merged = _merge(merged, dotlist, "in the overrides")
+    try:
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:  # a section's own validation (e.g. SandboxConfig)
+        raise ConfigError(str(exc).splitlines()[0]) from None
+
+
+def _merge(base: Any, other: Any, where: str) -> Any:
+    try:
+        return OmegaConf.merge(base, other)
+    except ConfigKeyError as exc:
+        key = exc.full_key or str(exc.key)
+        parent, _, _ = key.rpartition(".")
+        valid = ", ".join(_keys_of(parent))
+        raise ConfigError(
+            f"unknown config key {key!r} {where}: valid keys of {parent or 'the top level'} are {valid}"
+        ) from None
+    except ValidationError as exc:
+        message = str(exc).splitlines()[0]
+        if exc.full_key:
+            parent, _, name = exc.full_key.rpartition(".")
+            expected = _declared_type(parent, name)
+            raise ConfigError(
+                f"config key {exc.full_key!r} {where}: {message.rstrip('.')}; expected {expected}"
+            ) from None
+        raise ConfigError(f"config {where}: {message}: a section must be a mapping of its keys") from None
+
+
+def _section_class(dotted: str) -> Any:
+    cls: Any = RunConfig
+    for part in filter(None, dotted.split(".")):
+        cls = typing.get_type_hints(cls).get(part)
+        if not dataclasses.is_dataclass(cls):
+            return None
+    return cls
+
+
+def _declared_type(section: str, name: str) -> str:
+    cls = _section_class(section)
+    hint = typing.get_type_hints(cls).get(name) if cls is not None else None
+    return (
+        getattr(hint, "__name__", None) or str(hint).replace("typing.", "") if hint else "the declared type"
+    )
+
+
+def _keys_of(dotted: str) -> list[str]:
+    """Field names of the section at ``dotted`` ('' = the top level)."""
+    cls = _section_class(dotted)
+    return [f.name for f in dataclasses.fields(cls)] if cls is not None else []
+
+
+def resolve_precision(precision: str, device_type: str) -> str:
+    """``auto`` -> ``bf16`` on a GPU, ``fp32`` on CPU; ``bf16`` on CPU is refused (DeepSpeed's CPU path is fp32)."""
+    if precision == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    if precision == "bf16" and device_type != "cuda":
+        raise ConfigError(
+            "deepspeed.precision=bf16 needs a GPU: use deepspeed.precision=fp32 (or auto) on CPU"
+        )
+    return precision
