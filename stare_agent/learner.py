@@ -1,0 +1,550 @@
+"""The DeepSpeed learner: scores trajectories, applies the GRPO-ds / STARE loss or SFT, checkpoints.
+
+One call of :meth:`Learner.update` (or :meth:`Learner.sft_step`) is ONE optimizer step over the whole
+batch, however many micro-batches the token budget ``deepspeed.micro_batch_tokens`` splits it into:
+
+- Gradients accumulate over the micro-batches (DeepSpeed's accumulation boundary is set by hand, so
+  gradients are reduced across ranks once, at the last micro-batch).
+- The loss is exact for the whole batch. For token-mean over the N mask-1 tokens of the batch on all
+  R ranks, micro-batch m contributes ``sum_{t in m} mask_t * w_t * l_t * R / N``; DeepSpeed then
+  averages gradients over the R ranks, so the step follows ``sum_all mask * w * l / N``, exactly the
+  gradient of one big batch (the other aggregations scale the same way, see ``_loss_scale``).
+- Every rank runs the same number of micro-batches (ranks with fewer run zero-weight repeats), so
+  ZeRO's collectives always pair up.
+- A step whose loss or gradient norm is NaN/inf is never applied: gradients are dropped, the
+  optimizer, scheduler and parameters are left untouched, and the metrics say ``skipped = 1``.
+
+The learner runs with ``torch.distributed``: gloo on CPU (fp32) and NCCL on GPUs (bf16), launched by
+``deepspeed``/``torchrun``; a plain single process works too (it sets up a world of one on a free
+loopback port).
+
+Example:
+    >>> from stare_agent.config import load_config
+    >>> from stare_agent.models import tiny_model
+    >>> model, tokenizer = tiny_model()
+    >>> learner = Learner.from_config(model, tokenizer, load_config())  # doctest: +SKIP
+    >>> logp, entropy = learner.compute_logprobs_and_entropy(trajectories)  # doctest: +SKIP
+    >>> metrics = learner.update(trajectories, advantages, weights)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from envs.trajectory import Trajectory
+from stare_agent.algorithms.logprobs import causal_lm_logprobs_and_entropy, logprobs_and_entropy_from_logits
+from stare_agent.algorithms.losses import policy_loss
+from stare_agent.batch import collate, split_by_token_budget
+from stare_agent.config import AlgorithmConfig, DeepSpeedConfig, OptimConfig, RunConfig, resolve_precision
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_TAG = "learner"
+
+
+def init_distributed(backend: str = "auto") -> None:
+    """Initialise ``torch.distributed`` through DeepSpeed once per process.
+
+    Under a launcher (``RANK``/``WORLD_SIZE`` set) its rendezvous is used; a plain process becomes a
+    world of one on a free loopback port. ``auto`` picks NCCL when CUDA is available, else gloo.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    import deepspeed
+
+    if "WORLD_SIZE" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """Learning-rate multiplier after ``step`` optimizer steps: linear warmup, then the schedule.
+
+    ``constant`` stays at 1; ``linear`` and ``cosine`` decay from 1 at the end of warmup to
+    ``min_lr_ratio`` at ``total_steps``.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(total_steps - warmup_steps, 1)
+    progress = min(max(step - warmup_steps, 0) / span, 1.0)
+    if schedule == "linear":
+        decay = 1.0 - progress
+    else:
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+
+class Learner:
+    """A causal LM wrapped by ``deepspeed.initialize``: scoring, RL and SFT steps, checkpoints, export.
+
+    Args:
+        model: A Hugging Face causal LM (moved to the learner's device and dtype here).
+        tokenizer: Its tokenizer (padding id; saved by :meth:`export_hf`).
+        ds: The ``deepspeed`` config section (ZeRO stage, precision, micro-batch token budget).
+        optim: The optimizer section (AdamW, clipping, schedule).
+        total_steps: Optimizer steps planned (for decaying schedules).
+        loss: The ``algorithm`` section (clip range, dual clip, aggregation) used by :meth:`update`;
+            None for an SFT-only learner.
+        temperature: Sampling temperature; logits are divided by it when scoring.
+        norm_length: Constant divisor of ``seq-mean-token-sum-norm`` (the response budget).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        ds: DeepSpeedConfig,
+        optim: OptimConfig,
+        *,
+        total_steps: int,
+        loss: AlgorithmConfig | None = None,
+        temperature: float = 1.0,
+        norm_length: int | None = None,
+    ) -> None:
+        import deepspeed
+
+        init_distributed(ds.dist_backend)
+        self.ds_config, self.optim_config, self.loss_config = ds, optim, loss
+        self.tokenizer = tokenizer
+        self.temperature = temperature
+        self.norm_length = norm_length
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.precision = resolve_precision(ds.precision, self.device.type)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = int(pad)
+        if getattr(model.config, "use_cache", None):
+            model.config.use_cache = False  # no KV cache while training
+        model.to(self.device)
+        model.train()
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=optim.lr,
+            betas=(float(optim.betas[0]), float(optim.betas[1])),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+
+        def make_scheduler(opt: Any) -> torch.optim.lr_scheduler.LambdaLR:
+            return torch.optim.lr_scheduler.LambdaLR(
+                opt,
+                lambda step: lr_lambda(
+                    step,
+                    warmup_steps=optim.warmup_steps,
+                    total_steps=total_steps,
+                    schedule=optim.schedule,
+                    min_lr_ratio=optim.min_lr_ratio,
+                ),
+            )
+
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=make_scheduler, config=self._deepspeed_dict()
+        )
+        self.module = self.engine.module
+        self.steps_applied = 0
+        self.steps_skipped = 0
+
+    @classmethod
+    def from_config(cls, model: Any, tokenizer: Any, config: RunConfig) -> Learner:
+        """The RL learner of a run: its ``deepspeed``, ``optim`` and ``algorithm`` sections."""
+        return cls(
+            model,
+            tokenizer,
+            config.deepspeed,
+            config.optim,
+            total_steps=config.trainer.steps,
+            loss=config.algorithm,
+            temperature=config.env.temperature,
+            norm_length=config.env.max_response_tokens,
+        )
+
+    def _deepspeed_dict(self) -> dict[str, Any]:
+        stage = self.ds_config.zero_stage
+        zero: dict[str, Any] = {"stage": stage}
+        if stage == 3:
+            zero["stage3_gather_16bit_weights_on_model_save"] = True
+        return {
+            # One optimizer step per call: micro-batching and accumulation are ours (token budget).
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": self.optim_config.grad_clip,
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": self.precision == "bf16", "check_grad_overflow": True},
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+
+    # ------------------------------------------------------------------ batching
+
+    def micro_batches(self, trajectories: Sequence[Trajectory]) -> list[list[int]]:
+        """How this rank's batch is split (lists of indices), by the padded-token budget.
+
+        The trainer uses the same split for STARE's ``micro_batch`` scope.
+        """
+        return split_by_token_budget(trajectories, self.ds_config.micro_batch_tokens, padded=True)
+
+    def _padded_split(self, trajectories: Sequence[Trajectory]) -> list[tuple[list[int], bool]]:
+        """Micro-batches plus zero-weight repeats so every rank runs the same count: (indices, real)."""
+        split = self.micro_batches(trajectories)
+        count = torch.tensor([len(split)], dtype=torch.long, device=self._comm_device)
+        if self.world_size > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return [(idx, True) for idx in split] + [(split[0], False)] * (int(count) - len(split))
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _all_reduce(self, values: list[float], op: Any = None) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device)
+        if self.world_size > 1:
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+        return t.tolist()
+
+    # ------------------------------------------------------------------ forward
+
+    def _forward(self, micro: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """(logp, entropy) [b, l-1] of one collated micro-batch, with gradient through logp."""
+        ids, attention = micro["input_ids"], micro["attention_mask"]
+        if self.ds_config.zero_stage == 3:
+            # ZeRO-3 partitions the LM head, so score from the logits the model itself computes.
+            logits = self.engine(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
+            return logprobs_and_entropy_from_logits(
+                logits, ids[:, 1:], chunk_size=self.ds_config.logprob_chunk_size, temperature=self.temperature
+            )
+        return causal_lm_logprobs_and_entropy(
+            self.module,
+            ids,
+            attention,
+            chunk_size=self.ds_config.logprob_chunk_size,
+            temperature=self.temperature,
+            use_cache=False,
+        )
+
+    def _collate(self, trajectories: Sequence[Trajectory], idx: list[int]) -> dict[str, Tensor]:
+        return collate([trajectories[i] for i in idx], self.pad_id, self.device)
+
+    @torch.no_grad()
+    def compute_logprobs_and_entropy(self, trajectories: Sequence[Trajectory]) -> tuple[Tensor, Tensor]:
+        """Log-probs and full-vocabulary entropies of every scored position under the current policy.
+
+        Returns:
+            (logp, entropy), float32 [B, L-1] on the learner's device, aligned with
+            ``stare_agent.batch.collate(trajectories)`` (column t scores token t + 1); 0 on padding.
+        """
+        B, L = len(trajectories), max(t.num_tokens for t in trajectories)
+        logp = torch.zeros(B, L - 1, dtype=torch.float32, device=self.device)
+        entropy = torch.zeros_like(logp)
+        self.engine.eval()
+        try:
+            for idx, real in self._padded_split(trajectories):
+                micro = self._collate(trajectories, idx)
+                lp, ent = self._forward(micro)
+                if not real:
+                    continue
+                valid = micro["attention_mask"][:, 1:].bool()
+                width = lp.shape[1]
+                rows = torch.tensor(idx, device=self.device)
+                logp[rows, :width] = torch.where(valid, lp.float(), 0.0)
+                entropy[rows, :width] = torch.where(valid, ent.float(), 0.0)
+        finally:
+            self.engine.train()
+        return logp, entropy
+
+    # ------------------------------------------------------------------ steps
+
+    def update(
+        self,
+        trajectories: Sequence[Trajectory],
+        advantages: Tensor | Sequence[float],
+        weights: Tensor | None = None,
+        old_logprobs: Tensor | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step of the dual-clip policy loss (GRPO-ds; STARE when ``weights`` are given).
+
+        Args:
+            trajectories: This rank's batch.
+            advantages: One advantage per trajectory (broadcast to its mask-1 tokens) or a
+                [B, L-1] per-token tensor aligned with ``collate(trajectories)``.
+            weights: STARE token weights [B, L-1] (same alignment), or None for GRPO-ds.
+            old_logprobs: Log-probs of the policy that sampled the batch [B, L-1]; None is on-policy
+                (``logp.detach()``, so rho = 1, the paper's setting of one step per batch).
+
+        Returns:
+            Metrics: ``loss`` (the whole batch's), ``grad_norm``, ``lr``, ``skipped`` (1 when the step
+            was dropped for a non-finite loss or gradient), ``micro_batches``, ``tokens`` and the
+            loss's clip fractions (token-weighted over the batch).
+        """
+        if self.loss_config is None:
+            raise RuntimeError(
+                "this learner was built without an algorithm section: pass loss=AlgorithmConfig()"
+            )
+        cfg = self.loss_config
+        B, L = len(trajectories), max(t.num_tokens for t in trajectories)
+        if not isinstance(advantages, Tensor) or advantages.dim() == 1:
+            per_seq = torch.as_tensor(advantages, dtype=torch.float32, device=self.device)
+            if per_seq.shape != (B,):
+                raise ValueError(
+                    f"got {per_seq.numel()} advantages for {B} trajectories: pass one per trajectory"
+                )
+            advantages = per_seq[:, None].expand(B, L - 1)
+        for name, tensor in (
+            ("advantages", advantages),
+            ("weights", weights),
+            ("old_logprobs", old_logprobs),
+        ):
+            if tensor is not None and tuple(tensor.shape) != (B, L - 1):
+                raise ValueError(
+                    f"{name} has shape {tuple(tensor.shape)}, expected {(B, L - 1)}: align it with "
+                    "stare_agent.batch.collate(trajectories)"
+                )
+        denominators = self._global_denominators(trajectories)
+
+        def micro_loss(micro: dict[str, Tensor], idx: list[int]) -> tuple[Tensor, dict[str, float]]:
+            logp, _ = self._forward(micro)
+            width = logp.shape[1]
+            rows = torch.tensor(idx, device=self.device)
+            take = lambda t: None if t is None else t.to(self.device)[rows, :width].to(logp.dtype)  # noqa: E731
+            old = take(old_logprobs) if old_logprobs is not None else logp.detach()
+            mask = micro["response_mask"]
+            raw, metrics = policy_loss(
+                logp,
+                old,
+                take(advantages),
+                mask,
+                take(weights),
+                eps_low=cfg.eps_low,
+                eps_high=cfg.eps_high,
+                clip_c=cfg.clip_c,
+                agg=cfg.loss_agg,  # type: ignore[arg-type]
+                norm_length=self.norm_length,
+            )
+            return raw * self._loss_scale(mask, denominators), metrics
+
+        return self._step(trajectories, micro_loss)
+
+    def sft_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """One optimizer step of masked NLL: ``-sum mask_t * logp_t / sum mask_t`` over the whole batch.
+
+        Only mask-1 tokens (what the model writes) count; prompt, tool output, template glue and
+        padding never reach the loss.
+        """
+        denominators = self._global_denominators(trajectories)
+
+        def micro_loss(micro: dict[str, Tensor], idx: list[int]) -> tuple[Tensor, dict[str, float]]:
+            logp, _ = self._forward(micro)
+            mask = micro["response_mask"].to(logp.dtype)
+            nll = -(torch.where(mask.bool(), logp, 0.0) * mask).sum()
+            return nll * self.world_size / max(denominators["tokens"], 1.0), {}
+
+        return self._step(trajectories, micro_loss)
+
+    def _global_denominators(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        tokens = sum(t.num_sampled_tokens for t in trajectories)
+        seqs = sum(1 for t in trajectories if t.num_sampled_tokens > 0)
+        total_tokens, total_seqs = self._all_reduce([float(tokens), float(seqs)])
+        return {"tokens": total_tokens, "seqs": total_seqs}
+
+    def _loss_scale(self, mask: Tensor, denominators: dict[str, float]) -> float:
+        """Factor turning policy_loss's micro-batch value into its share of the whole batch's loss.
+
+        policy_loss divides by the micro-batch's own denominator d_m (tokens, or sequences with a
+        mask-1 token, or the constant norm_length); the batch loss divides by the global D and
+        DeepSpeed averages over R ranks, so the factor is d_m * R / D.
+        """
+        agg = self.loss_config.loss_agg  # type: ignore[union-attr]
+        R = self.world_size
+        if agg == "token-mean":
+            return float(mask.sum()) * R / max(denominators["tokens"], 1.0)
+        if agg in ("seq-mean-token-sum", "seq-mean-token-mean"):
+            d_m = max(int((mask.sum(dim=-1) > 0).sum()), 1)
+            return d_m * R / max(denominators["seqs"], 1.0)
+        return float(R)  # seq-mean-token-sum-norm: a constant divisor already
+
+    def _step(self, trajectories: Sequence[Trajectory], micro_loss: Any) -> dict[str, float]:
+        """Accumulate ``micro_loss`` over the micro-batches and take one optimizer step (or skip it)."""
+        if not trajectories:
+            raise ValueError("cannot take a step on an empty batch: pass at least one trajectory")
+        split = self._padded_split(trajectories)
+        total_loss = 0.0
+        finite = True
+        weighted: dict[str, float] = {}
+        tokens = 0.0
+        for i, (idx, real) in enumerate(split):
+            self.engine.set_gradient_accumulation_boundary(i == len(split) - 1)
+            micro = self._collate(trajectories, idx)
+            loss, metrics = micro_loss(micro, idx)
+            if not real:
+                loss = loss * 0.0
+            if not torch.isfinite(loss.detach()).all():
+                finite = False
+                # Poison the gradients so that every path (ours and ZeRO's overflow check) drops the step.
+                loss = loss.detach().nan_to_num(0.0) + float("nan") * loss
+            else:
+                total_loss += float(loss.detach())
+            self.engine.backward(loss)
+            if real:
+                n = float(micro["response_mask"].sum())
+                tokens += n
+                for key, value in metrics.items():
+                    weighted[key] = weighted.get(key, 0.0) + value * n
+        finite = self._all_reduce([0.0 if finite else 1.0])[0] == 0.0
+        loss_sum, tokens_sum = self._all_reduce([total_loss, tokens])
+        grad_norm = self._apply_or_skip(finite)
+        out = {key: value / max(tokens, 1.0) for key, value in weighted.items()}
+        out.update(
+            loss=loss_sum / self.world_size,
+            grad_norm=grad_norm,
+            lr=float(self.scheduler.get_last_lr()[0]),
+            skipped=float(not self._last_applied),
+            micro_batches=float(len(split)),
+            tokens=tokens_sum,
+        )
+        if not self._last_applied:
+            logger.warning(
+                "skipped a step with a non-finite loss or gradient norm (loss=%s, grad_norm=%s): "
+                "parameters unchanged; if this repeats, lower optim.lr or check the rewards/advantages",
+                out["loss"],
+                grad_norm,
+            )
+        return out
+
+    def _apply_or_skip(self, finite_loss: bool) -> float:
+        """Step when loss and gradient are finite; otherwise drop the gradients. Returns the grad norm."""
+        engine = self.engine
+        wrapped = hasattr(engine.optimizer, "overflow")  # ZeRO and bf16 optimizers check overflow themselves
+        if not wrapped:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            norm = (
+                float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])))
+                if grads
+                else 0.0
+            )
+            if not (finite_loss and math.isfinite(norm)):
+                engine.zero_grad()
+                self._last_applied = False
+                self.steps_skipped += 1
+                return norm
+            engine.step()
+            self._last_applied = True
+            self.steps_applied += 1
+            return norm
+        engine.step()  # a poisoned (NaN) gradient makes DeepSpeed discard the step and its gradients
+        self._last_applied = bool(engine.was_step_applied()) and finite_loss
+        if self._last_applied:
+            self.steps_applied += 1
+        else:
+            self.steps_skipped += 1
+        norm = engine.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
+
+    _last_applied: bool = True
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def _gathered(self) -> Any:
+        """Context in which every parameter is whole on every rank (a no-op below ZeRO-3)."""
+        if self.ds_config.zero_stage != 3:
+            return nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """``(name, tensor)`` for every parameter, whole (ZeRO-3 gathers one at a time), for engine sync.
+
+        The tensors are the live parameters below ZeRO-3 (an in-process engine sharing this module is
+        already in sync); detached copies under ZeRO-3.
+        """
+        if self.ds_config.zero_stage != 3:
+            for name, param in self.module.named_parameters():
+                yield name, param.detach()
+            return
+        import deepspeed
+
+        for name, param in self.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                yield name, param.detach().clone()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The model's full state dict on CPU (gathered under ZeRO-3), in the training dtype."""
+        with self._gathered():
+            return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def export_hf(self, directory: str | os.PathLike[str]) -> Path:
+        """Write the model and tokenizer in Hugging Face format (``from_pretrained``-loadable).
+
+        Collective: every rank must call it; rank 0 writes. Returns the directory.
+        """
+        directory = Path(directory)
+        state = self.state_dict()
+        if self.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            self.tokenizer.save_pretrained(directory)
+        if self.world_size > 1:
+            dist.barrier()
+        return directory
+
+    def save_checkpoint(
+        self, directory: str | os.PathLike[str], client_state: dict[str, Any] | None = None
+    ) -> Path:
+        """Save model, optimizer and scheduler (DeepSpeed's sharded format) plus ``client_state``.
+
+        Collective. Writes straight into ``directory``; atomicity (write to a temporary directory,
+        then rename) is the caller's.
+        """
+        directory = Path(directory)
+        state = dict(client_state or {})
+        state["learner"] = {"steps_applied": self.steps_applied, "steps_skipped": self.steps_skipped}
+        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state=state, save_latest=True)
+        return directory
+
+    def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restore model, optimizer and scheduler from :meth:`save_checkpoint`; return the client state.
+
+        Raises:
+            FileNotFoundError: ``directory`` holds no learner checkpoint.
+        """
+        directory = Path(directory)
+        if not (directory / CHECKPOINT_TAG).is_dir():
+            raise FileNotFoundError(
+                f"no learner checkpoint in {directory} (expected {directory / CHECKPOINT_TAG}/): "
+                "pass a directory written by Learner.save_checkpoint"
+            )
+        path, client = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG)
+        if path is None:
+            raise FileNotFoundError(
+                f"DeepSpeed could not load the checkpoint in {directory}: it is incomplete"
+            )
+        client = dict(client or {})
+        counters = client.pop("learner", {})
+        self.steps_applied = int(counters.get("steps_applied", 0))
+        self.steps_skipped = int(counters.get("steps_skipped", 0))
+        return client
