@@ -262,8 +262,11 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def render_exec_result(result: ExecResult, timeout_s: float | None = None) -> str:
-    """What the model reads after running code: output, the error, and timeout/state notes."""
-    parts = [text.rstrip("\n") for text in (result.stdout, result.stderr) if text.strip()]
+    """What the model reads after running code: output, the error, and timeout/state notes.
+
+    ANSI color codes (tracebacks, colored prints) are removed: they are noise to a model.
+    """
+    parts = [text.rstrip("\r\n") for text in (result.stdout, result.stderr) if text.strip()]
     if result.error is not None:
         trace = _ANSI.sub("", result.error.traceback).strip()
         parts.append(trace or f"{result.error.type}: {result.error.message}")
