@@ -1,0 +1,224 @@
+"""Sandbox latency: warm round trips, pool throughput and cold starts, against two baselines.
+
+Measures, in one run on this machine:
+
+- warm round trip of a trivial statement (``x = 1``) on a started Docker sandbox and a started
+  local sandbox, beside the two ways other RL projects run code: a fresh ``python -c`` subprocess
+  per call, and ``docker exec <container> python3 -c`` per call on a container of our image;
+- throughput of a ``SandboxPool`` of 4 with 8 concurrent callers, each leasing a sandbox for an
+  episode of short statements (so lease, health check and reset are included);
+- cold start: a new sandbox until its kernel has answered a first call.
+
+Targets (issue 2): Docker warm p50 <= 10 ms and >= 5x faster than the fresh subprocess;
+pool throughput >= 150 executions/s.
+
+Usage: python benchmarks/sandbox_latency.py [--quick] [--backends docker,local]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sandbox import Sandbox, make_sandbox  # noqa: E402
+from sandbox.config import DEFAULT_IMAGE  # noqa: E402
+from sandbox.pool import SandboxPool  # noqa: E402
+
+STATEMENT = "x = 1"
+
+
+@dataclass
+class Row:
+    name: str
+    samples_ms: list[float]
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.samples_ms)
+
+    @property
+    def p99(self) -> float:
+        ordered = sorted(self.samples_ms)
+        return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+
+
+class Contender:
+    """One way to run ``STATEMENT``: ``call()`` runs it once; ``per_round`` calls per round."""
+
+    def __init__(self, name: str, call: Callable[[], object], per_round: int) -> None:
+        self.name, self.call, self.per_round = name, call, per_round
+        self.row = Row(name, [])
+
+
+def interleaved(contenders: list[Contender], rounds: int) -> list[Row]:
+    """Time every contender in alternating rounds, so that load from other processes on this
+    shared machine falls on all of them alike (the ratios are what matter)."""
+    for contender in contenders:  # warm-up, untimed
+        for _ in range(max(2, contender.per_round // 5)):
+            contender.call()
+    for _ in range(rounds):
+        for contender in contenders:
+            for _ in range(contender.per_round):
+                t0 = time.perf_counter()
+                contender.call()
+                contender.row.samples_ms.append((time.perf_counter() - t0) * 1e3)
+    return [c.row for c in contenders]
+
+
+def sandbox_call(sb: Sandbox) -> Callable[[], None]:
+    def call() -> None:
+        result = sb.run(STATEMENT)
+        if not result.ok:
+            raise RuntimeError(f"{sb.backend} sandbox failed on {STATEMENT!r}: {result}")
+
+    return call
+
+
+def fresh_subprocess_call() -> None:
+    """What many RL code tools do: a new interpreter per call, output captured."""
+    subprocess.run([sys.executable, "-c", STATEMENT], check=True, capture_output=True)
+
+
+@contextlib.contextmanager
+def exec_container() -> Iterator[Callable[[], None]]:
+    """``docker exec <c> python3 -c`` per call, on a container of our image (network none)."""
+    docker = shutil.which("docker")
+    if docker is None:
+        raise RuntimeError("docker CLI not found: install docker.io or pass --backends local")
+    container = subprocess.run(
+        [docker, "run", "-d", "--rm", "--network", "none", "--label", "org.stare-agent.sandbox=1",
+         DEFAULT_IMAGE, "sleep", "infinity"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+
+    def call() -> None:
+        subprocess.run(
+            [docker, "exec", container, "python3", "-c", STATEMENT], check=True, capture_output=True
+        )
+
+    try:
+        yield call
+    finally:
+        subprocess.run([docker, "rm", "-f", container], check=False, capture_output=True)
+
+
+def cold_start(backend: str, n: int) -> Row:
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sb = make_sandbox(backend, None)
+        try:
+            sb.run("1")
+            samples.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            sb.close()
+    return Row(f"{backend} cold start (to first result)", samples)
+
+
+def pool_throughput(
+    backend: str, size: int, callers: int, seconds: float, episode_len: int
+) -> tuple[float, Row]:
+    """Executions per second with ``callers`` threads sharing a pool of ``size``; per-call latency."""
+    with SandboxPool(size, backend=backend) as pool:
+        stop = time.monotonic() + seconds
+        latencies: list[list[float]] = [[] for _ in range(callers)]
+        failures: list[str] = []
+
+        def caller(mine: list[float]) -> None:
+            while time.monotonic() < stop:
+                with pool.lease(timeout=60) as sb:
+                    for i in range(episode_len):
+                        t0 = time.perf_counter()
+                        result = sb.run(f"x = {i}")
+                        mine.append((time.perf_counter() - t0) * 1e3)
+                        if not result.ok:
+                            failures.append(repr(result))
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=caller, args=(latencies[i],)) for i in range(callers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        elapsed = time.monotonic() - t0
+        if failures:
+            raise RuntimeError(f"{len(failures)} pool executions failed, first: {failures[0]}")
+    samples = [s for mine in latencies for s in mine]
+    return len(samples) / elapsed, Row(f"{backend} pool {size}, {callers} callers (per call)", samples)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples (about 30 s in all)")
+    parser.add_argument("--backends", default="docker,local", help="comma-separated: docker,local")
+    args = parser.parse_args(argv)
+    backends = [b for b in args.backends.split(",") if b]
+    # Calls per round of each contender, rounds, cold starts, seconds of pool throughput.
+    n_warm, n_sub, n_exec = 50, 5, 2
+    rounds, n_cold, seconds = (4, 2, 3.0) if args.quick else (10, 5, 10.0)
+
+    with contextlib.ExitStack() as stack:
+        contenders = [
+            Contender(f"{b} sandbox, warm", sandbox_call(stack.enter_context(make_sandbox(b))), n_warm)
+            for b in backends
+        ]
+        baseline = Contender("baseline: fresh `python -c`", fresh_subprocess_call, n_sub)
+        contenders.append(baseline)
+        if "docker" in backends:
+            exec_call = stack.enter_context(exec_container())
+            contenders.append(Contender("baseline: `docker exec python3 -c`", exec_call, n_exec))
+        rows = interleaved(contenders, rounds)
+
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(
+        f"\nWarm round trip of {STATEMENT!r} (python {sys.version.split()[0]}, {_cpus()} CPUs, load {load})"
+    )
+    print(f"{'':40s} {'n':>5s} {'p50 ms':>9s} {'p99 ms':>9s} {'fresh-subprocess p50 / p50':>27s}")
+    for row in rows:
+        ratio = baseline.row.p50 / row.p50
+        print(f"{row.name:40s} {len(row.samples_ms):5d} {row.p50:9.2f} {row.p99:9.2f} {ratio:26.1f}x")
+
+    print("\nPool throughput (episodes of 10 statements; lease + health check + reset included)")
+    print(f"{'':40s} {'exec/s':>9s} {'p50 ms':>9s} {'p99 ms':>9s}")
+    rates = {}
+    for backend in backends:
+        rates[backend], row = pool_throughput(backend, size=4, callers=8, seconds=seconds, episode_len=10)
+        print(f"{row.name:40s} {rates[backend]:9.0f} {row.p50:9.2f} {row.p99:9.2f}")
+
+    print("\nCold start (new sandbox until its first result)")
+    print(f"{'':40s} {'n':>5s} {'p50 ms':>9s} {'p99 ms':>9s}")
+    for backend in backends:
+        row = cold_start(backend, n_cold)
+        print(f"{row.name:40s} {len(row.samples_ms):5d} {row.p50:9.0f} {row.p99:9.0f}")
+
+    if "docker" in backends:
+        docker_p50 = rows[backends.index("docker")].p50
+        checks = [
+            (f"docker warm p50 {docker_p50:.2f} ms <= 10 ms", docker_p50 <= 10),
+            (f"docker warm {baseline.row.p50 / docker_p50:.1f}x faster than fresh subprocess >= 5x",
+             baseline.row.p50 / docker_p50 >= 5),
+            (f"docker pool {rates['docker']:.0f} exec/s >= 150", rates["docker"] >= 150),
+        ]  # fmt: skip
+        print("\nTargets")
+        for text, met in checks:
+            print(f"  {'met   ' if met else 'MISSED'}  {text}")
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+
+
+if __name__ == "__main__":
+    main()
