@@ -107,20 +107,30 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _chunk_logits(z: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
+    """One chunk's logits in the math dtype, divided by the temperature; z must be ours to overwrite."""
+    z = z.to(dtype)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
 def _scores(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp, entropy, logsumexp) of one chunk of logits z [c, V]."""
-    lse = torch.logsumexp(z, dim=-1)
-    p = torch.exp(z - lse[:, None])
-    entropy = lse - (p * z).sum(dim=-1)
-    logp = z.gather(1, targets[:, None]).squeeze(1) - lse
+    """(logp, entropy, logsumexp) of one chunk of logits z [c, V]; z is overwritten."""
+    log_p = torch.log_softmax(z, dim=-1)
+    logp = log_p.gather(1, targets[:, None]).squeeze(1)
+    lse = z.gather(1, targets[:, None]).squeeze(1) - logp
+    p = torch.exp(log_p, out=z)  # reuse z's memory
+    entropy = -torch.linalg.vecdot(p, log_p)  # H = -sum_j p_j log p_j = logsumexp(z) - sum_j p_j z_j
     return logp, entropy, lse
 
 
 def _dlogp_dz(z: Tensor, lse: Tensor, targets: Tensor, grad: Tensor, temperature: float) -> Tensor:
-    """d logp / d(unscaled logits) of one chunk: ``(onehot(o) - softmax(z)) * grad / temperature``."""
-    g = -torch.exp(z - lse[:, None]) * grad[:, None]
-    g.scatter_add_(1, targets[:, None], grad[:, None])
-    return g / temperature
+    """d logp / d(unscaled logits) of one chunk: ``(onehot(o) - softmax(z)) * grad / temperature``.
+
+    z is overwritten with the result.
+    """
+    scale = grad / temperature
+    g = z.sub_(lse[:, None]).exp_().mul_(-scale[:, None])
+    return g.scatter_add_(1, targets[:, None], scale[:, None])
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -133,7 +143,7 @@ class _LinearLogprobs(torch.autograd.Function):
         lse = torch.empty_like(logp)
         for lo in range(0, S, chunk_size):
             hi = min(lo + chunk_size, S)
-            z = F.linear(h[lo:hi], weight, bias).to(dtype) / temperature
+            z = _chunk_logits(F.linear(h[lo:hi], weight, bias), dtype, temperature)
             logp[lo:hi], entropy[lo:hi], lse[lo:hi] = _scores(z, targets[lo:hi])
         ctx.save_for_backward(h, weight, bias, targets, lse)
         ctx.chunk_size, ctx.temperature = chunk_size, temperature
@@ -150,13 +160,12 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None
         for lo in range(0, h.shape[0], ctx.chunk_size):
             hi = min(lo + ctx.chunk_size, h.shape[0])
-            z = F.linear(h[lo:hi], weight, bias).to(dtype) / ctx.temperature
+            z = _chunk_logits(F.linear(h[lo:hi], weight, bias), dtype, ctx.temperature)
             g = _dlogp_dz(z, lse[lo:hi], targets[lo:hi], grad_logp[lo:hi].to(dtype), ctx.temperature)
-            del z
             if grad_h is not None:
                 grad_h[lo:hi] = (g.to(weight.dtype) @ weight).to(h.dtype)
             if grad_w is not None:
-                grad_w += g.T.to(h.dtype) @ h[lo:hi]
+                grad_w.addmm_(g.T, h[lo:hi].to(dtype))
             if grad_b is not None:
                 grad_b += g.sum(dim=0)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
@@ -174,7 +183,7 @@ class _LogitsLogprobs(torch.autograd.Function):
         lse = torch.empty_like(logp)
         for lo in range(0, S, chunk_size):
             hi = min(lo + chunk_size, S)
-            z = logits[lo:hi].to(dtype) / temperature
+            z = _chunk_logits(logits[lo:hi].to(dtype, copy=True), dtype, temperature)
             logp[lo:hi], entropy[lo:hi], lse[lo:hi] = _scores(z, targets[lo:hi])
         ctx.save_for_backward(logits, targets, lse)
         ctx.chunk_size, ctx.temperature = chunk_size, temperature
@@ -188,7 +197,7 @@ class _LogitsLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for lo in range(0, logits.shape[0], ctx.chunk_size):
             hi = min(lo + ctx.chunk_size, logits.shape[0])
-            z = logits[lo:hi].to(dtype) / ctx.temperature
+            z = _chunk_logits(logits[lo:hi].to(dtype, copy=True), dtype, ctx.temperature)
             grad[lo:hi] = _dlogp_dz(
                 z, lse[lo:hi], targets[lo:hi], grad_logp[lo:hi].to(dtype), ctx.temperature
             )
