@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -356,13 +357,16 @@ class ToolEnv(gymnasium.Env[str, str]):
 
     def _score(self, answer: str | None) -> tuple[float, dict[str, Any]]:
         assert self.problem is not None
-        return compute_reward(
+        start = time.perf_counter()
+        reward, info = compute_reward(
             answer,
             self.problem.answer,
             config=self.reward_config,
             checker=self.checker,
             num_tool_calls=self._num_tool_calls,
         )
+        info["check_s"] = time.perf_counter() - start
+        return reward, info
 
     def _append_message(self, role: str, content: str) -> None:
         last = self.messages[-1] if self.messages else None
