@@ -269,7 +269,13 @@ class RolloutRunner:
             already lists them).
         max_workers: Threads for the parallel ``env.reset``/``env.step`` calls (default: one per env, at most 64).
 
-    After :meth:`run`, ``last_stats`` holds a :class:`RolloutStats`.
+    Each trajectory's ``info`` is the env's last step info (without ``messages`` and ``tools``) with
+    ``tool_calls`` gathered over all steps, plus ``finish_reason`` (``"terminated"``/``"truncated"``: the
+    env ended the episode; ``"budget"``: the token budget did), ``truncated`` (not terminated by the
+    env), ``num_turns`` and ``response_tokens``. Its reward is the sum of the env's step rewards, so an
+    episode cut by the budget before the env scored it has reward 0.0; like Gymnasium's ``TimeLimit``,
+    the runner leaves such an episode open in its env (the next ``reset`` or ``close`` ends it and
+    returns its sandbox). After :meth:`run`, ``last_stats`` holds a :class:`RolloutStats`.
     """
 
     def __init__(

@@ -15,9 +15,9 @@ from helpers_tokenizers import TOKENIZERS
 
 from envs.code_interpreter import CodeInterpreterEnv
 from envs.problems import Problem
-from envs.rollout import Generation, RolloutRunner, SamplingParams, render_chat
+from envs.rollout import Engine, Generation, RolloutError, RolloutRunner, SamplingParams, render_chat
 from envs.trajectory import Trajectory
-from stare_agent.engines.scripted import ScriptedEngine
+from stare_agent.engines.scripted import ScriptedEngine, ScriptError
 
 PROBLEMS = [
     Problem(id="mul", problem="What is 6 * 7?", answer="42"),
@@ -93,9 +93,9 @@ def make_envs(pool):
     test (an episode cut by the budget keeps its sandbox until its env is reset or closed)."""
     made: list[CodeInterpreterEnv] = []
 
-    def make(fmt: str, tokenizer, n: int = 3, **kwargs) -> list[CodeInterpreterEnv]:
+    def make(fmt: str, tokenizer, n: int = 3, problems=PROBLEMS, **kwargs) -> list[CodeInterpreterEnv]:
         envs = [
-            CodeInterpreterEnv(PROBLEMS, format=fmt, pool=pool, tokenizer=tokenizer, timeout_s=10, **kwargs)
+            CodeInterpreterEnv(problems, format=fmt, pool=pool, tokenizer=tokenizer, timeout_s=10, **kwargs)
             for _ in range(n)
         ]
         made.extend(envs)
@@ -293,3 +293,96 @@ def test_env_steps_of_a_turn_run_in_parallel(play):
     trajectories, _, _, runner = play("retool", tokenizer, [[sleep, "\\boxed{42}"]] * 3)
     assert [t.info["num_tool_calls"] for t in trajectories] == [1, 1, 1]
     assert runner.last_stats.env_s < 2.5  # three 1-second calls, run side by side
+
+
+# ----------------------------------------------------------------------------- the scripted engine
+
+
+def test_scripted_engine_stops_like_a_real_engine():
+    tokenizer = TOKENIZERS["smollm2"]()
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    engine = ScriptedEngine(
+        tokenizer, [["a <code>x</code>. tail", "final"], ["b<|im_end|>ignored"], ["long " * 50]]
+    )
+    params = SamplingParams(max_new_tokens=20)
+    stop_gen, eos_gen, length_gen = engine.generate([[1], [2], [3]], params, ["</code>"])
+    # the stop string is completed by the token ">." which reaches past it; the tail is never returned
+    assert stop_gen.finish_reason == "stop"
+    assert stop_gen.token_ids == enc("a <code>x</code>. tail")[: len(stop_gen.token_ids)]
+    assert _decode(tokenizer, stop_gen.token_ids) == "a <code>x</code>."
+    # an EOS written in the text ends the turn there
+    assert eos_gen.finish_reason == "eos" and eos_gen.token_ids == enc("b") + [tokenizer.eos_token_id]
+    # max_new_tokens cuts the turn
+    assert length_gen.finish_reason == "length" and length_gen.token_ids == enc("long " * 50)[:20]
+    # the next call continues each episode by context, whatever the order of the prompts
+    (final,) = engine.generate([[1, *stop_gen.token_ids, 99]], params, ["</code>"])
+    assert final.finish_reason == "eos" and final.token_ids == enc("final") + [tokenizer.eos_token_id]
+    # log-probs are deterministic, one per token, in [-1, 0)
+    again = ScriptedEngine(tokenizer, [["a <code>x</code>. tail"]]).generate([[1]], params, ["</code>"])[0]
+    assert again.logprobs == stop_gen.logprobs and all(-1.0 <= lp < 0 for lp in stop_gen.logprobs)
+
+
+def test_scripted_engine_callable_scripts_and_errors():
+    tokenizer = TOKENIZERS["smollm2"]()
+    seen = []
+
+    def script(prompt_text: str, turn: int) -> str:
+        seen.append((prompt_text, turn))
+        return f"turn {turn}"
+
+    engine = ScriptedEngine(tokenizer, script)
+    prompt = tokenizer.encode("hello", add_special_tokens=False)
+    first, other = engine.generate([prompt, prompt], SamplingParams(), [])  # two episodes, same prompt
+    engine.generate([prompt + first.token_ids], SamplingParams(), [])
+    assert [turn for _, turn in seen] == [0, 0, 1]
+    assert seen[2][0] == "hello" + "turn 0" + tokenizer.eos_token
+
+    listed = ScriptedEngine(tokenizer, [["only turn"]])
+    (gen,) = listed.generate([[5]], SamplingParams(), [])
+    with pytest.raises(ScriptError, match="asked for turn 1 but its script has 1 turns"):
+        listed.generate([[5, *gen.token_ids]], SamplingParams(), [])
+    with pytest.raises(ScriptError, match="only 1 scripts were given"):
+        listed.generate([[6]], SamplingParams(), [])
+    listed.update_weights([("w", object())])
+    assert listed.weight_version == 1
+
+
+def test_runner_rejects_an_engine_that_breaks_the_protocol(make_envs):
+    tokenizer = TOKENIZERS["smollm2"]()
+
+    class Short:
+        def generate(self, prompts, params, stop):
+            return []
+
+        def update_weights(self, named_tensors):
+            pass
+
+    envs = make_envs("retool", tokenizer, n=1)
+    with pytest.raises(RolloutError, match="one Generation per prompt"):
+        RolloutRunner(tokenizer, Short(), max_response_tokens=8).run(envs)
+    with pytest.raises(RolloutError, match="one log-prob per sampled token"):
+        Generation([1, 2], [-0.1], "stop")
+    with pytest.raises(ValueError, match="pass one per env"):
+        RolloutRunner(tokenizer, Short(), max_response_tokens=8).run(envs, seeds=[1, 2])
+    assert isinstance(ScriptedEngine(tokenizer, []), Engine)
+
+
+def test_runner_passes_seeds_and_per_turn_sampling_seeds(make_envs):
+    tokenizer = TOKENIZERS["smollm2"]()
+    seeds_seen = []
+
+    class Seeds(RecordingEngine):
+        def generate(self, prompts, params, stop):
+            seeds_seen.append(params.seed)
+            return super().generate(prompts, params, stop)
+
+    envs = make_envs("retool", tokenizer, n=2, problems="multiplication")
+    engine = Seeds(ScriptedEngine(tokenizer, [[_retool_code("print(1)"), "\\boxed{1}"], ["\\boxed{1}"]]))
+    runner = RolloutRunner(tokenizer, engine, max_response_tokens=256, sampling=SamplingParams(seed=100))
+    first = runner.run(envs, seeds=7)
+    assert seeds_seen == [100, 101]
+    # reset seeds 7 and 8 draw the same problems again
+    engine = ScriptedEngine(tokenizer, [[_retool_code("print(1)"), "\\boxed{1}"], ["\\boxed{1}"]])
+    again = RolloutRunner(tokenizer, engine, max_response_tokens=256).run(envs, seeds=[7, 8])
+    assert [t.prompt_ids for t in first] == [t.prompt_ids for t in again]
+    assert [t.info["problem_id"] for t in first] == [t.info["problem_id"] for t in again]
