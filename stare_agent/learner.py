@@ -365,6 +365,14 @@ class Learner:
 
         return self._step(trajectories, micro_loss)
 
+    @torch.no_grad()
+    def sft_loss(self, trajectories: Sequence[Trajectory]) -> float:
+        """The masked NLL of :meth:`sft_step` without a step (e.g. a validation loss), over all ranks."""
+        logp, _ = self.compute_logprobs_and_entropy(trajectories)
+        mask = collate(trajectories, self.pad_id, self.device)["response_mask"]
+        nll, tokens = self._all_reduce([float(-(logp * mask).sum()), float(mask.sum())])
+        return nll / max(tokens, 1.0)
+
     def _global_denominators(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         tokens = sum(t.num_sampled_tokens for t in trajectories)
         seqs = sum(1 for t in trajectories if t.num_sampled_tokens > 0)

@@ -1,0 +1,226 @@
+"""The DeepSpeed learner on CPU (real DeepSpeed, gloo, the tiny Llama with the real SmolLM2 tokenizer).
+
+The learner under test uses AdamW with betas (0, 0) and eps = lr = 1e3, so one step moves every
+parameter by ``-lr * g / (|g| + eps) = -g / (1 + |g| / 1e3)``, i.e. by minus its gradient to within
+0.1% for the gradients here: parameter deltas then show the gradient itself, scale included.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from envs.trajectory import Trajectory, TrajectoryBuilder
+from stare_agent.algorithms.logprobs import causal_lm_logprobs_and_entropy
+from stare_agent.algorithms.losses import policy_loss
+from stare_agent.batch import collate
+from stare_agent.config import load_config
+from stare_agent.learner import Learner, lr_lambda
+from stare_agent.models import tiny_model
+
+LINEAR_ADAM = [
+    "optim.lr=1000.0",
+    "optim.eps=1000.0",
+    "optim.betas=[0.0,0.0]",
+    "optim.weight_decay=0.0",
+    "optim.grad_clip=0.0",
+    "deepspeed.micro_batch_tokens=100000",
+]
+
+
+def _trajectory(
+    seed: int, prompt: int, first: int, tool: int, last: int, trailing_tool: int = 0
+) -> Trajectory:
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(100, 5000, (n,), generator=g).tolist()  # noqa: E731
+    b = TrajectoryBuilder(ids(prompt))
+    b.append(ids(first), 1, [-1.0] * first)
+    b.append(ids(tool), 0)
+    b.append(ids(last), 1, [-1.0] * last)
+    if trailing_tool:
+        b.append(ids(trailing_tool), 0)
+    return b.build(reward=1.0)
+
+
+@pytest.fixture(scope="module")
+def batch() -> list[Trajectory]:
+    shapes = [(4, 6, 3, 2), (7, 3, 5, 4), (3, 9, 2, 1), (6, 2, 4, 6), (5, 5, 1, 3)]
+    return [_trajectory(i, *s) for i, s in enumerate(shapes)]
+
+
+@pytest.fixture(scope="module")
+def learner() -> Learner:
+    model, tokenizer = tiny_model(seed=0)
+    return Learner.from_config(model, tokenizer, load_config(None, LINEAR_ADAM))
+
+
+def _params(learner: Learner) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in learner.module.named_parameters()}
+
+
+def _restore(learner: Learner, params: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, p in learner.module.named_parameters():
+            p.copy_(params[name])
+
+
+def _reference_gradient(batch, advantages, weights) -> dict[str, torch.Tensor]:
+    """The gradient of the token-mean loss of the WHOLE batch, by plain autograd on a fresh copy."""
+    model, tokenizer = tiny_model(seed=0)
+    model.train()
+    full = collate(batch, tokenizer.pad_token_id, advantages=advantages)
+    logp, _ = causal_lm_logprobs_and_entropy(model, full["input_ids"], full["attention_mask"])
+    loss, _ = policy_loss(logp, logp.detach(), full["advantages"], full["response_mask"], weights)
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_split_update_equals_one_big_batch(learner, batch):
+    advantages = [1.0, -0.5, 0.25, -1.5, 0.75]
+    L = max(t.num_tokens for t in batch)
+    weights = 0.9 + 0.2 * torch.rand(len(batch), L - 1, generator=torch.Generator().manual_seed(3))
+    reference = _reference_gradient(batch, advantages, weights)
+    start = _params(learner)
+
+    learner.ds_config.micro_batch_tokens = 100_000
+    assert len(learner.micro_batches(batch)) == 1
+    whole = learner.update(batch, advantages, weights)
+    delta_whole = {k: v - start[k] for k, v in _params(learner).items()}
+    _restore(learner, start)
+
+    learner.ds_config.micro_batch_tokens = 40  # padded budget: several micro-batches
+    split = learner.micro_batches(batch)
+    assert len(split) >= 3
+    parts = learner.update(batch, advantages, weights)
+    delta_split = {k: v - start[k] for k, v in _params(learner).items()}
+    _restore(learner, start)
+    learner.ds_config.micro_batch_tokens = 100_000
+
+    assert whole["skipped"] == parts["skipped"] == 0.0
+    assert parts["micro_batches"] == len(split)
+    assert whole["tokens"] == parts["tokens"] == sum(t.num_sampled_tokens for t in batch)
+    assert parts["loss"] == pytest.approx(whole["loss"], abs=1e-6)
+    assert parts["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-4)
+    changed = sum(int((d != 0).sum()) for d in delta_whole.values())
+    assert changed > 0.5 * sum(d.numel() for d in delta_whole.values())  # the update moved the weights
+    for name, g in reference.items():
+        scale = float(g.abs().max()) + 1e-12
+        # delta = -g / (1 + |g| / 1e3): the same gradient, whole or split, equal to plain autograd's.
+        torch.testing.assert_close(
+            delta_split[name], delta_whole[name], atol=1e-5 * scale + 2.4e-7, rtol=0
+        )  # + fp32 ulp of weights ~1
+        torch.testing.assert_close(-delta_whole[name], g, atol=2e-3 * scale + 2.4e-7, rtol=2e-3)
+
+
+def test_nan_or_inf_step_is_skipped_and_params_unchanged(learner, batch, caplog):
+    start = _params(learner)
+    L = max(t.num_tokens for t in batch)
+    weights = torch.ones(len(batch), L - 1)
+    weights[1, 8] = float("nan")  # a mask-1 position of trajectory 1 (prompt 7 tokens, then its turn)
+    learner.ds_config.micro_batch_tokens = 40
+    skipped_before = learner.steps_skipped
+    with caplog.at_level("WARNING"):
+        metrics = learner.update(batch, [1.0, -0.5, 0.25, -1.5, 0.75], weights)
+    assert metrics["skipped"] == 1.0
+    assert learner.steps_skipped == skipped_before + 1
+    assert "skipped a step" in caplog.text and "lower optim.lr" in caplog.text
+    for name, p in _params(learner).items():
+        assert torch.equal(p, start[name]), name
+    inf = learner.update(batch, [float("inf"), -0.5, 0.25, -1.5, 0.75])
+    assert inf["skipped"] == 1.0
+    for name, p in _params(learner).items():
+        assert torch.equal(p, start[name]), name
+    # gradients were dropped, not carried into the next step: a clean step equals a fresh one
+    learner.ds_config.micro_batch_tokens = 100_000
+    learner.update(batch, [1.0, -0.5, 0.25, -1.5, 0.75])
+    after_clean = _params(learner)
+    _restore(learner, start)
+    learner.update(batch, [1.0, -0.5, 0.25, -1.5, 0.75])
+    for name, p in _params(learner).items():
+        torch.testing.assert_close(p, after_clean[name], atol=1e-7, rtol=0)
+    _restore(learner, start)
+
+
+def test_sft_loss_ignores_mask0_tokens(learner):
+    a = _trajectory(11, 4, 6, 3, 5, trailing_tool=4)
+    ids = list(a.response_ids)
+    ids[-1] = 7  # the last token is trailing tool output: mask 0, and nothing comes after it
+    ids[6] = 9  # inside the tool segment: mask 0, but it is context for the later model tokens
+    b_last = Trajectory(
+        a.prompt_ids, ids[:6] + list(a.response_ids[6:-1]) + [7], a.loss_mask, a.logprobs, a.turn_spans
+    )
+    b_mid = Trajectory(
+        a.prompt_ids, ids[:7] + list(a.response_ids[7:]), a.loss_mask, a.logprobs, a.turn_spans
+    )
+    assert a.loss_mask[-1] == 0 and a.loss_mask[6] == 0
+    base = learner.sft_loss([a])
+    assert learner.sft_loss([b_last]) == base  # its own prediction is masked
+    assert learner.sft_loss([b_mid]) != base  # but as context it still matters
+    # by hand: the mean of -log p over the 11 mask-1 tokens, from the scored positions
+    logp, _ = learner.compute_logprobs_and_entropy([a])
+    mask = torch.tensor([0] * (len(a.prompt_ids) - 1) + a.loss_mask, dtype=torch.float32)
+    assert base == pytest.approx(float(-(logp[0] * mask).sum() / 11), rel=1e-6)
+    start = _params(learner)
+    step = learner.sft_step([a])
+    assert step["loss"] == pytest.approx(base, rel=1e-5) and step["tokens"] == 11
+    _restore(learner, start)
+
+
+def test_logprobs_match_plain_forward_and_ignore_padding(learner, batch):
+    learner.ds_config.micro_batch_tokens = 40
+    logp, entropy = learner.compute_logprobs_and_entropy(batch)
+    learner.ds_config.micro_batch_tokens = 100_000
+    model = copy.deepcopy(learner.module).eval()
+    for i, t in enumerate(batch):
+        ids = torch.tensor([t.input_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1].float()
+        expected = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+        n = t.num_tokens - 1
+        torch.testing.assert_close(logp[i, :n], expected, atol=1e-5, rtol=1e-5)
+        assert torch.all(logp[i, n:] == 0) and torch.all(entropy[i, n:] == 0)
+        p = torch.softmax(logits, -1)
+        torch.testing.assert_close(entropy[i, :n], -(p * torch.log(p)).sum(-1), atol=1e-4, rtol=1e-4)
+
+
+def test_checkpoint_round_trip(learner, batch, tmp_path):
+    start = _params(learner)
+    learner.update(batch, [1.0, -1.0, 0.5, -0.5, 0.25])
+    saved = _params(learner)
+    applied = learner.steps_applied
+    learner.save_checkpoint(tmp_path / "ckpt", client_state={"step": 7})
+    learner.update(batch, [1.0, -1.0, 0.5, -0.5, 0.25])
+    assert any(not torch.equal(p, saved[n]) for n, p in _params(learner).items())
+    client = learner.load_checkpoint(tmp_path / "ckpt")
+    assert client["step"] == 7 and learner.steps_applied == applied
+    for name, p in _params(learner).items():
+        assert torch.equal(p, saved[name]), name
+    with pytest.raises(FileNotFoundError, match="pass a directory written by Learner.save_checkpoint"):
+        learner.load_checkpoint(tmp_path / "nothing")
+    _restore(learner, start)
+
+
+def test_export_hf_loads_with_from_pretrained(learner, tmp_path):
+    out = learner.export_hf(tmp_path / "hf")
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.chat_template == learner.tokenizer.chat_template
+    ours = learner.state_dict()
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, ours[name]), name
+    names = dict(learner.named_weights())
+    assert set(names) == {n for n, _ in learner.module.named_parameters()}
+
+
+def test_lr_schedule_by_hand():
+    kw = dict(warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    assert [lr_lambda(s, schedule="constant", **kw) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    # linear: 1 at the end of warmup (step 2) down to 0.1 at step 6 -> 1 - 0.9 * (s - 2) / 4
+    assert [lr_lambda(s, schedule="linear", **kw) for s in (2, 4, 6, 9)] == pytest.approx(
+        [1.0, 0.55, 0.1, 0.1]
+    )
+    # cosine half way: 0.1 + 0.9 * 0.5 * (1 + cos(pi / 2)) = 0.55
+    assert lr_lambda(4, schedule="cosine", **kw) == pytest.approx(0.55)
