@@ -1,0 +1,349 @@
+"""Rollout speed, in sections.
+
+Run: ``python benchmarks/rollout.py [--section all|throughput|...]``.
+
+Sections (each a function registered in ``SECTIONS``):
+
+- ``throughput`` (:func:`bench_engine_throughput`): sampled tokens/s of the rollout engines on the
+  embedded model (SmolLM2-135M-Instruct, float32) at batch 1, 16 and 64, with 64 new tokens per
+  sequence (EOS and stop strings off, so every sequence generates exactly that many), AIME 2024
+  problems rendered with the chat template as prompts; median of ``--repeats`` runs. The baseline,
+  in the same run, is ``model.generate`` of transformers with the same sampling settings. With
+  ``--engines ...,sglang`` on a CUDA machine (``benchmarks/gpu_check.sh``) the SGLang engine is timed
+  too. Also reported: the embedded model's first conversion (fresh cache, new process) and its
+  cached load (new process).
+- ``overhead`` (:func:`bench_runner_overhead`): wall time of the rollout runner outside the engine and
+  the sandboxes, as a fraction of rollout time, for ReTool episodes on local sandboxes driven by the
+  scripted engine (no-model baseline) and by a tiny random Llama through the transformers engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data"
+BASELINE = "model.generate (baseline)"
+FALLBACK_PROBLEMS = [
+    "Find the number of positive divisors of 2024.",
+    "What is the remainder when 7^100 is divided by 13?",
+    "How many ordered pairs of integers (x, y) satisfy x^2 + y^2 = 50?",
+    "Compute the sum of all primes below 50.",
+]
+
+
+# --------------------------------------------------------------------------- engine throughput
+
+
+def _prompts(tokenizer, n: int) -> list[list[int]]:
+    path = DATA / "aime2024.jsonl"
+    problems = [json.loads(line)["problem"] for line in path.open()] if path.is_file() else FALLBACK_PROBLEMS
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": problems[i % len(problems)]}],
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+        for i in range(n)
+    ]
+
+
+def _engine_call(engine, params) -> Callable[[list[list[int]], int], None]:
+    """One ``engine.generate`` over the batch; checks every sequence ran to ``max_new_tokens``."""
+
+    def call(prompts: list[list[int]], seed: int) -> None:
+        outs = engine.generate(prompts, replace(params, seed=seed), [])
+        if any(len(o.token_ids) != params.max_new_tokens for o in outs):
+            raise RuntimeError("a sequence ended before max_new_tokens: EOS must be off for this benchmark")
+
+    return call
+
+
+def _hf_generate_call(model, tokenizer, params) -> Callable[[list[list[int]], int], None]:
+    """The baseline: ``model.generate`` with left padding and the same sampling settings."""
+    import torch
+
+    def call(prompts: list[list[int]], seed: int) -> None:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids.to(model.device),
+                attention_mask=mask.to(model.device),
+                do_sample=True,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=0,
+                max_new_tokens=params.max_new_tokens,
+                min_new_tokens=params.max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        if out.shape[1] != width + params.max_new_tokens:
+            raise RuntimeError("model.generate stopped early")
+
+    return call
+
+
+def _median_seconds(
+    calls: dict[str, Callable], prompts: list[list[int]], repeats: int, sync
+) -> dict[str, float]:
+    """Median wall time per call; one untimed warm-up each, then repeats interleaved across calls so
+    that load from other processes on the machine hits every engine alike."""
+    for call in calls.values():
+        call(prompts, seed=10_000)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for repeat in range(repeats):
+        for name, call in calls.items():
+            sync()
+            start = time.perf_counter()
+            call(prompts, seed=repeat)
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _load_times() -> tuple[float, float]:
+    """(first conversion in a fresh cache, cached load), each in a new process, without imports."""
+    script = (
+        "import time; from stare_agent import models; t = time.perf_counter(); {call}; "
+        "print(time.perf_counter() - t)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with tempfile.TemporaryDirectory() as cache:
+        fresh = {**env, "STARE_CACHE_DIR": cache}
+        convert = script.format(call="models.embedded_model_path()")
+        first = subprocess.run(
+            [sys.executable, "-c", convert], env=fresh, capture_output=True, text=True, check=True
+        )
+    load = script.format(call="models.load_policy()")
+    cached = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, check=True)
+    return float(first.stdout.split()[-1]), float(cached.stdout.split()[-1])
+
+
+def bench_engine_throughput(args: argparse.Namespace) -> None:
+    """Tokens/s of the rollout engines vs ``model.generate`` on the embedded model."""
+    import torch
+
+    from envs.rollout import SamplingParams
+    from stare_agent.engines import TransformersEngine
+    from stare_agent.models import embedded_model_path, load_policy
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    model, tokenizer = load_policy(device=args.device)
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=None, max_new_tokens=args.new_tokens)
+    calls: dict[str, Callable[[list[list[int]], int], None]] = {}
+    if "transformers" in args.engines:
+        engine = TransformersEngine(model, tokenizer, eos_token_ids=[], max_batch_size=max(args.batch_sizes))
+        calls["TransformersEngine"] = _engine_call(engine, params)
+    if "hf-generate" in args.engines:
+        calls[BASELINE] = _hf_generate_call(model, tokenizer, params)
+    if "sglang" in args.engines:
+        from stare_agent.engines import SGLangEngine
+
+        sglang_engine = SGLangEngine(
+            str(embedded_model_path()),
+            sampling_overrides={"ignore_eos": True},
+            dtype="float32",
+            mem_fraction_static=0.3,
+        )
+        calls["SGLangEngine"] = _engine_call(sglang_engine, params)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+
+    print(
+        f"\nEngine throughput: embedded SmolLM2-135M-Instruct (float32) on {args.device}, "
+        f"{args.new_tokens} new tokens per sequence, AIME 2024 prompts, median of {args.repeats} "
+        f"(torch threads: {torch.get_num_threads()})\n"
+    )
+    print(f"| {'engine':<30} | " + " | ".join(f"batch {b:>3} tok/s" for b in args.batch_sizes) + " |")
+    print("|" + "-" * 32 + "|" + "|".join("-" * 17 for _ in args.batch_sizes) + "|")
+    rates: dict[str, list[float]] = {name: [] for name in calls}
+    for batch in args.batch_sizes:
+        seconds = _median_seconds(calls, _prompts(tokenizer, batch), args.repeats, sync)
+        for name, secs in seconds.items():
+            rates[name].append(batch * args.new_tokens / secs)
+    for name, row in rates.items():
+        print(f"| {name:<30} | " + " | ".join(f"{r:>15.1f}" for r in row) + " |")
+    for name, row in rates.items():
+        if name != BASELINE and BASELINE in rates:
+            ratios = [r / base for r, base in zip(row, rates[BASELINE], strict=True)]
+            label = f"{name} / baseline"
+            print(f"| {label:<30} | " + " | ".join(f"{r:>14.2f}x" for r in ratios) + " |")
+    if "sglang" in args.engines:
+        sglang_engine.close()
+    if args.load_times:
+        first, cached = _load_times()
+        print(
+            f"\nEmbedded model: first conversion {first:.1f} s (fresh cache, new process); "
+            f"cached load_policy() {cached:.2f} s (new process, imports excluded)"
+        )
+
+
+# --------------------------------------------------------------------------- runner overhead
+
+_OVERHEAD_SCRIPTS = [
+    ["6 × 7 = 42, so the answer is <answer>\\boxed{42}</answer>"],
+    [
+        "Let me compute it.\n<code>\n```python\nx = 12\nprint(x * x)\n```\n</code>",
+        "Check with a loop: <code>\n```python\nprint(sum(12 for _ in range(12)))\n```\n</code>",
+        "Both agree: <answer>\\boxed{144}</answer>",
+    ],
+    [
+        "<code>\n```python\nimport sympy\nprint(sympy.factorint(2024))\n```\n</code>",
+        "So the answer is \\boxed{2024}.",
+    ],
+]
+
+
+def _overhead_problems():
+    from envs.problems import Problem
+
+    return [
+        Problem(id="mul", problem="What is 6 * 7?", answer="42"),
+        Problem(id="sq", problem="What is 12 squared?", answer="144"),
+        Problem(id="fac", problem="Factor 2024.", answer="2024"),
+    ]
+
+
+def _runner_rows(name: str, make_engine, tokenizer, pool, args: argparse.Namespace, budget: int) -> list[str]:
+    """Median timings of ``args.repeats`` runs of one batch of ``args.episodes`` episodes."""
+    from envs.code_interpreter import CodeInterpreterEnv
+    from envs.rollout import RolloutRunner, SamplingParams
+
+    n = args.episodes
+    envs = [
+        CodeInterpreterEnv(
+            _overhead_problems(), format="retool", pool=pool, tokenizer=tokenizer, timeout_s=10
+        )
+        for _ in range(n)
+    ]
+    options = [{"problem_index": i % 3} for i in range(n)]
+    runs = []
+    try:
+        for repeat in range(args.repeats + 1):  # the first run warms up kernels and caches
+            runner = RolloutRunner(
+                tokenizer, make_engine(), max_response_tokens=budget, sampling=SamplingParams(seed=repeat)
+            )
+            runner.run(envs, options=options)
+            if repeat:
+                runs.append(runner.last_stats)
+    finally:
+        for env in envs:
+            env.close()
+    med = {
+        key: statistics.median(getattr(s, key) for s in runs)
+        for key in ("total_s", "engine_s", "env_s", "overhead_s", "overhead_fraction", "turns")
+    }
+    per_turn_ms = 1000 * statistics.median(s.overhead_s / s.turns for s in runs)
+    return [
+        f"| {name:<34} | {n:>8} | {med['turns']:>5.0f} | {med['total_s']:>8.3f} | {med['engine_s']:>8.3f} | "
+        f"{med['env_s']:>8.3f} | {med['overhead_s']:>9.4f} | {100 * med['overhead_fraction']:>8.2f} % | "
+        f"{per_turn_ms:>13.3f} |"
+    ]
+
+
+def bench_runner_overhead(args: argparse.Namespace) -> None:
+    """Wall time the rollout runner spends outside the engine and the sandboxes, per batch.
+
+    ReTool episodes on the real ``CodeInterpreterEnv`` with local-kernel sandboxes (one per episode),
+    driven by (a) the scripted engine, a no-model baseline whose engine time is ~0, so the runner's
+    share is an upper bound, and (b) a tiny random Llama (2 layers, hidden 64) through the
+    transformers engine with the real SmolLM2 tokenizer (its turns rarely call a tool, so most
+    episodes are one long turn). Target: runner overhead <= 5 % of rollout time.
+    """
+    from sandbox.pool import SandboxPool
+    from stare_agent.engines.scripted import ScriptedEngine
+    from stare_agent.models import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    scripts = [_OVERHEAD_SCRIPTS[i % 3] for i in range(args.episodes)]
+    print(
+        f"\nRunner overhead: {args.episodes} ReTool episodes per batch, CodeInterpreterEnv on local sandboxes, "
+        f"median of {args.repeats} batches (runner = total - engine - env)\n"
+    )
+    header = (
+        f"| {'engine':<34} | episodes | turns | total s  | engine s | env s    | runner s  | runner %   "
+        f"| runner ms/turn |"
+    )
+    print(header)
+    print("|" + "|".join("-" * (len(c) + 0) for c in header.split("|")[1:-1]) + "|")
+    with SandboxPool(args.episodes, backend="local") as pool:
+        rows = _runner_rows(
+            "ScriptedEngine (no model)",
+            lambda: ScriptedEngine(tokenizer, scripts),
+            tokenizer,
+            pool,
+            args,
+            4096,
+        )
+        try:
+            import torch
+
+            from stare_agent.engines import TransformersEngine
+            from stare_agent.models import tiny_model
+        except ImportError as exc:  # the transformers engine is optional for this section
+            print(f"(tiny-model row skipped: {exc})")
+        else:
+            torch.set_num_threads(args.threads or torch.get_num_threads())
+            model, _ = tiny_model(tokenizer)
+            rows += _runner_rows(
+                f"TransformersEngine (tiny, {args.new_tokens} tok)",
+                lambda: TransformersEngine(model, tokenizer),
+                tokenizer,
+                pool,
+                args,
+                args.new_tokens,
+            )
+    print("\n".join(rows))
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "throughput": bench_engine_throughput,
+    "overhead": bench_runner_overhead,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--section", choices=["all", *SECTIONS], default="all")
+    parser.add_argument("--device", default="cpu", help="throughput: cpu or cuda")
+    parser.add_argument(
+        "--engines",
+        default="transformers,hf-generate",
+        help="throughput: comma list of transformers, hf-generate, sglang",
+    )
+    parser.add_argument("--batch-sizes", default="1,16,64", help="throughput: comma list")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--episodes", type=int, default=16, help="overhead: episodes per batch")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument(
+        "--no-load-times",
+        dest="load_times",
+        action="store_false",
+        help="throughput: skip timing the embedded model's conversion and cached load",
+    )
+    args = parser.parse_args(argv)
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    for name, section in SECTIONS.items():
+        if args.section in ("all", name):
+            section(args)
+
+
+if __name__ == "__main__":
+    main()
