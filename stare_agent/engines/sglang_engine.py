@@ -56,6 +56,8 @@ class SGLangEngine:
         eos_token_ids: token ids reported as finish reason ``"eos"``; default: any token SGLang
             matched as a stop token (its EOS ids).
         bucket_bytes: the most bytes of weights sent per ``update_weights_from_tensor`` call.
+        sampling_overrides: extra SGLang ``sampling_params`` entries for every request (e.g.
+            ``{"ignore_eos": True}`` for benchmarks, ``{"min_p": 0.05}``); they win over ours.
         **engine_kwargs: passed to ``sglang.Engine`` (``dtype``, ``mem_fraction_static``,
             ``tp_size``, ``enable_deterministic_inference``, ...).
 
@@ -69,6 +71,7 @@ class SGLangEngine:
         *,
         eos_token_ids: Iterable[int] | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        sampling_overrides: Mapping[str, Any] | None = None,
         **engine_kwargs: Any,
     ) -> None:
         if bucket_bytes < 1:
@@ -76,6 +79,7 @@ class SGLangEngine:
         sglang = import_sglang()
         self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else None
         self.bucket_bytes = bucket_bytes
+        self.sampling_overrides = dict(sampling_overrides or {})
         self.engine = sglang.Engine(model_path=str(model_path), **engine_kwargs)
 
     def generate(
@@ -89,7 +93,7 @@ class SGLangEngine:
         """
         if not prompts:
             return []
-        base = sglang_sampling_params(params, stop)
+        base = {**sglang_sampling_params(params, stop), **self.sampling_overrides}
         if params.seed is None:
             sampling: dict[str, Any] | list[dict[str, Any]] = base
         else:
