@@ -7,6 +7,7 @@ elsewhere they are skipped with the reason.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -92,11 +93,18 @@ elif not HAS_CUDA:
     GPU_SKIP = "no CUDA GPU on this machine"
 else:
     GPU_SKIP = ""
-needs_sglang_gpu = pytest.mark.skipif(bool(GPU_SKIP), reason=GPU_SKIP)
 
 
 @pytest.fixture(scope="module")
 def sglang_setup():
+    """The embedded model in SGLang (float32) and in transformers on the GPU, for every GPU test.
+
+    Skips when SGLang or a CUDA GPU is missing, or fails then when STARE_REQUIRE_GPU=1 (gpu_check.sh).
+    """
+    if GPU_SKIP:
+        if os.environ.get("STARE_REQUIRE_GPU") == "1":
+            pytest.fail(f"STARE_REQUIRE_GPU=1 but {GPU_SKIP}")
+        pytest.skip(GPU_SKIP)
     from stare_agent.models import embedded_model_path, load_policy
 
     path = embedded_model_path()
@@ -114,7 +122,6 @@ def chat(tokenizer, text):
 
 
 @pytest.mark.gpu
-@needs_sglang_gpu
 def test_sglang_logprobs_match_a_transformers_forward(sglang_setup):
     engine, model, tokenizer = sglang_setup
     prompts = [chat(tokenizer, "What is 2+2?"), chat(tokenizer, "Name a prime number larger than 10.")]
@@ -131,7 +138,6 @@ def test_sglang_logprobs_match_a_transformers_forward(sglang_setup):
 
 
 @pytest.mark.gpu
-@needs_sglang_gpu
 def test_sglang_eos_and_stop_strings(sglang_setup):
     engine, _model, tokenizer = sglang_setup
     greedy = SamplingParams(temperature=0.0, max_new_tokens=64)
@@ -147,7 +153,6 @@ def test_sglang_eos_and_stop_strings(sglang_setup):
 
 
 @pytest.mark.gpu
-@needs_sglang_gpu
 def test_sglang_update_weights_in_buckets_round_trips(sglang_setup):
     engine, model, tokenizer = sglang_setup
     prompt = [chat(tokenizer, "Write a haiku about the sea.")]

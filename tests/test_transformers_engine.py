@@ -198,3 +198,19 @@ def test_sample_next_tokens_top_p_keeps_smallest_prefix_reaching_p():
     for token, logprob in zip(tokens.tolist(), logprobs.tolist(), strict=True):
         assert logprob == pytest.approx(float(expected[token]), abs=1e-6)
     assert (tokens == 0).float().mean().item() == pytest.approx(0.625, abs=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_cuda_generation_matches_cpu(prompts):
+    model, tokenizer = tiny_model(seed=0)
+    on_cpu = TransformersEngine(model, tokenizer, eos_token_ids=[]).generate(prompts, GREEDY, [])
+    gpu_model, _ = tiny_model(tokenizer, seed=0)
+    on_gpu = TransformersEngine(gpu_model, tokenizer, device="cuda", eos_token_ids=[]).generate(
+        prompts, GREEDY, []
+    )
+    assert [g.token_ids for g in on_gpu] == [g.token_ids for g in on_cpu]
+    sampled = TransformersEngine(gpu_model, tokenizer, device="cuda").generate(
+        prompts, SamplingParams(seed=1), []
+    )
+    assert all(len(g.token_ids) == len(g.logprobs) > 0 for g in sampled)
