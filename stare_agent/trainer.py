@@ -1,0 +1,544 @@
+"""The STARE / GRPO-ds RL loop: ``Trainer(config).fit()`` and ``stare-agent train``.
+
+One step, in the paper's order (../shared/STARE.md, "One training step"):
+
+    1. rollout      G episodes per prompt, multi-turn and token-exact (envs.rollout)
+    2. reward       binary accuracy of the final answer (scored by the environment)
+    3. dynamic      drop groups whose G rewards are all equal; draw more prompt batches (capped)
+       sampling     until ``data.prompts_per_step`` groups remain; truncate to exactly that
+    4. advantages   A_i = (r_i - mean_group) / (std_group + 1e-6), broadcast to mask-1 tokens
+    5. log-probs    pre-update log pi(o_t) and full-vocabulary entropy H_t of every response token
+    6. gate         gate_on = Hbar < H_tgt, Hbar the masked token mean over the batch on all ranks
+    7. weights      STARE: W on L+, M on L- (C2), 1 elsewhere; GRPO-ds: none
+    8. update       one optimizer step of the dual-clip surrogate x weights, token-mean
+    9. sync         hand the new weights to the rollout engine
+
+Distributed (torchrun / the deepspeed launcher, gloo on CPU, NCCL on GPU): every rank draws the
+same prompt batch and plays the groups it owns (group g on rank g mod world); rewards and
+trajectories are exchanged so that dynamic sampling, advantages and the kept groups agree on all
+ranks; kept groups are dealt to ranks round-robin; the gate and STARE's global scope reduce over
+all ranks inside the algorithm functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from envs.code_interpreter import CodeInterpreterEnv
+from envs.problems import PROBLEM_FAMILIES, Problem, generate_problems, load_problems
+from envs.rollout import RolloutRunner, SamplingParams
+from envs.trajectory import Trajectory
+from stare_agent.algorithms import (
+    AdaptiveController,
+    broadcast_to_tokens,
+    dynamic_sampling,
+    entropy_gate,
+    grpo_advantages,
+    stare_weights,
+)
+from stare_agent.batch import collate
+from stare_agent.config import RunConfig
+from stare_agent.learner import Learner
+from stare_agent.metrics import StepLogger, rollout_metrics
+
+CHECKPOINT_PREFIX = "step-"
+
+
+class ProblemStream:
+    """A reproducible, resumable stream of training problems.
+
+    Files are read in a fresh seeded permutation per epoch; a procedural family (``mixed``,
+    ``multiplication``, ...) yields problem i from seed ``(seed, i)``. ``position`` is all the
+    state there is, so a checkpoint stores it and resumes the stream exactly.
+    """
+
+    def __init__(self, source: str, *, seed: int, difficulty: int = 1) -> None:
+        self.source, self.seed, self.difficulty = source, seed, difficulty
+        self.position = 0
+        family = source.removeprefix("procedural:")
+        self.family = family if family == "mixed" or family in PROBLEM_FAMILIES else None
+        self.problems: list[Problem] = [] if self.family else load_problems(source)
+        if not self.family and not self.problems:
+            raise ValueError(f"data.train={source!r} holds no problems: point it at a non-empty file")
+
+    def take(self, n: int) -> list[Problem]:
+        out = [self._at(self.position + i) for i in range(n)]
+        self.position += n
+        return out
+
+    def _at(self, i: int) -> Problem:
+        if self.family:
+            seed = zlib.crc32(f"train/{self.seed}/{i}".encode())
+            return generate_problems(self.family, 1, seed=seed, difficulty=self.difficulty)[0]
+        epoch, index = divmod(i, len(self.problems))
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.problems))
+        return self.problems[int(order[index])]
+
+
+@dataclass
+class Group:
+    """The G episodes of one prompt. ``rewards`` are known on every rank; ``trajectories`` too once
+    exchanged (``global_ids`` are the episodes' batch-wide ids, used as STARE's tie-break key)."""
+
+    index: int
+    problem: Problem
+    rewards: list[float]
+    trajectories: list[Trajectory] = field(default_factory=list)
+    global_ids: list[int] = field(default_factory=list)
+
+
+class Trainer:
+    """RL training of a tool-using policy with GRPO-ds or STARE.
+
+    Args:
+        config: The run's config (``stare_agent.config.load_config``).
+        model, tokenizer: An already loaded policy (default: ``config.model.name_or_path``).
+        resume: Continue from the last complete checkpoint in ``config.trainer.run_dir``.
+        engine: A rollout engine to use instead of the one ``env.engine`` names (e.g. a scripted
+            engine in tests); it receives the new weights after every update.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        model: Any = None,
+        tokenizer: Any = None,
+        resume: bool = False,
+        engine: Any = None,
+    ) -> None:
+        self.config = config
+        self.run_dir = Path(config.trainer.run_dir)
+        self.resume = resume
+        if model is None or tokenizer is None:
+            from stare_agent.models import load_policy
+
+            model, tokenizer = load_policy(config.model.name_or_path)
+        if config.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        _seed_everything(config.trainer.seed)
+        self.tokenizer = tokenizer
+        self.learner = Learner.from_config(model, tokenizer, config)
+        self.rank, self.world = self.learner.rank, self.learner.world_size
+        self.engine = engine if engine is not None else self._make_engine()
+        self.stream = ProblemStream(
+            config.data.train, seed=config.trainer.seed, difficulty=config.data.difficulty
+        )
+        alg = config.algorithm
+        self.controller = AdaptiveController(
+            W=alg.W,
+            M=alg.M,
+            H_tgt=alg.H_tgt,
+            alpha=alg.alpha if alg.adaptive else 0.0,
+            W_max=max(alg.W_max, alg.W),
+            M_min=min(alg.M_min, alg.M),
+        )
+        self.step = 0
+        self._pool: Any = None
+        self._envs: list[CodeInterpreterEnv] = []
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict[str, Any]:
+        """Train ``trainer.steps`` steps (from the last checkpoint with ``resume``); return a summary."""
+        cfg = self.config.trainer
+        if self.resume:
+            self._restore()
+        if self.rank == 0:
+            self.config.save(self.run_dir)
+        logger = StepLogger(self.run_dir) if self.rank == 0 else None
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="RL steps", unit="step", disable=self.rank != 0)
+        last: dict[str, Any] = {}
+        try:
+            while self.step < cfg.steps:
+                self.step += 1
+                last = self.train_step()
+                if (
+                    cfg.eval_every
+                    and self.config.data.eval
+                    and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
+                ):
+                    last.update({f"eval/{k}": v for k, v in self.evaluate().metrics.items()})
+                if logger is not None:
+                    logger.log(self.step, last)
+                bar.update(1)
+                bar.set_postfix(
+                    reward=f"{last['reward_mean']:.2f}", H=f"{last['entropy']:.3f}", gate=int(last["gate_on"])
+                )
+                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or self.step == cfg.steps:
+                    self.save_checkpoint()
+        finally:
+            bar.close()
+            if logger is not None:
+                logger.close()
+            self.close()
+        return {"steps": self.step, "run_dir": str(self.run_dir), "last": last}
+
+    def train_step(self) -> dict[str, Any]:
+        """One RL step (see the module docstring); returns its metrics."""
+        alg, data = self.config.algorithm, self.config.data
+        t0 = time.perf_counter()
+        # 1-3. rollout, reward, dynamic sampling
+        drawn: list[Group] = []
+
+        def draw_batch() -> list[Group]:
+            groups = self._rollout_groups(
+                self.stream.take(data.prompts_per_step), draw=len(drawn) // data.prompts_per_step + 1
+            )
+            drawn.extend(groups)
+            return groups
+
+        if data.dynamic_sampling:
+            kept, ds_metrics = dynamic_sampling(
+                draw_batch, target_groups=data.prompts_per_step, max_batches=data.max_sampling_batches
+            )
+        else:
+            kept, ds_metrics = draw_batch(), {}
+        t_rollout = time.perf_counter() - t0
+        episodes = [t for g in drawn for t in g.trajectories]
+        metrics: dict[str, Any] = {**rollout_metrics(episodes, self._model_texts(episodes)), **ds_metrics}
+        metrics["time/rollout_s"] = t_rollout
+        metrics["time/reward_check_s"] = sum(
+            t.info.get("reward_info", {}).get("check_s", 0.0) for t in episodes
+        )
+        if len(kept) < self.world:
+            # Every rank needs a group to take part in the update; all ranks see the same count.
+            metrics.update(skipped=1, skip_reason="fewer groups with reward variance than ranks")
+            return {**metrics, "entropy": float("nan"), "gate_on": 0}
+
+        # 4. advantages over all kept groups (identical on every rank), then this rank's share
+        rewards = torch.tensor([r for g in kept for r in g.rewards], dtype=torch.float32)
+        group_index = torch.tensor([i for i, g in enumerate(kept) for _ in g.rewards])
+        A_all, adv_metrics = grpo_advantages(rewards, group_index=group_index)
+        mine = [i for i, g in enumerate(kept) if i % self.world == self.rank]
+        offsets = np.cumsum([0] + [len(g.rewards) for g in kept])
+        rows = [r for i in mine for r in range(offsets[i], offsets[i + 1])]
+        trajectories = [t for i in mine for t in kept[i].trajectories]
+        sequence_ids = torch.tensor([gid for i in mine for gid in kept[i].global_ids])
+        A = A_all[rows]
+
+        # 5. pre-update log-probs and entropy ([B, L-1], column t scores token t+1)
+        t1 = time.perf_counter()
+        logp, entropy = self.learner.compute_logprobs_and_entropy(trajectories)
+        mask = collate(trajectories, self.learner.pad_id)["response_mask"].to(logp.device)
+        A_tok = broadcast_to_tokens(A.to(logp.device), mask)
+
+        # 6. gate (global over ranks) and the optional adaptive schedule
+        gate_on, Hbar, gate_metrics = entropy_gate(entropy, mask, alg.H_tgt)
+        if alg.adaptive:
+            self.controller.update(Hbar)
+        W, M = self.controller.W, self.controller.M
+
+        # 7. STARE weights on mask-1 tokens (GRPO-ds: none)
+        weights, stare_metrics = None, {}
+        if alg.name == "stare":
+            weights, stare_metrics = self._stare_weights(
+                trajectories, A_tok, logp, mask, gate_on, W, M, sequence_ids
+            )
+        t_logprob = time.perf_counter() - t1
+
+        # 8. update, 9. sync
+        t2 = time.perf_counter()
+        update_metrics = self.learner.update(trajectories, A, weights)
+        if not update_metrics.get("skipped"):
+            self.engine.update_weights(self.learner.named_weights())
+        t_update = time.perf_counter() - t2
+
+        metrics.update(adv_metrics)
+        metrics.update(gate_metrics)
+        metrics.update(stare_metrics)
+        metrics.update(update_metrics)
+        metrics.update(
+            entropy=Hbar,
+            gate_on=int(gate_on),
+            H_tgt=alg.H_tgt,
+            W=W,
+            M=M,
+            frac_reweighted=stare_metrics.get("stare/frac_reweighted", 0.0),
+            kept_groups=len(kept),
+        )
+        metrics["time/logprob_s"] = t_logprob
+        metrics["time/update_s"] = t_update
+        metrics["time/step_s"] = time.perf_counter() - t0
+        return metrics
+
+    # ------------------------------------------------------------------ pieces
+
+    def _stare_weights(
+        self,
+        trajectories: list[Trajectory],
+        A_tok: torch.Tensor,
+        logp: torch.Tensor,
+        mask: torch.Tensor,
+        gate_on: bool,
+        W: float,
+        M: float,
+        sequence_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        alg = self.config.algorithm
+        kwargs = dict(gate_on=gate_on, variant=alg.variant, P=alg.P, W=W, M=M)
+        if alg.scope == "global":
+            weights, _, _, metrics = stare_weights(
+                A_tok, logp, mask, scope="global", sequence_ids=sequence_ids.to(logp.device), **kwargs
+            )
+            return weights, metrics
+        # micro_batch scope: select inside each of the learner's own micro-batches, as the
+        # authors' code does, so the split must be the learner's.
+        weights = torch.ones_like(logp)
+        counts = {"stare/L_plus": 0.0, "stare/L_minus": 0.0}
+        for idx in self.learner.micro_batches(trajectories):
+            rows = torch.tensor(idx, device=logp.device)
+            w, _, _, m = stare_weights(A_tok[rows], logp[rows], mask[rows], scope="micro_batch", **kwargs)
+            weights[rows] = w
+            for key in counts:
+                counts[key] += m[key]
+        sel = mask.bool()
+        n = max(int(sel.sum()), 1)
+        n_plus = int((sel & (A_tok > 0)).sum())
+        n_minus = int((sel & (A_tok < 0)).sum())
+        s = -logp[sel].float()
+        metrics = {
+            "stare/gate_on": float(gate_on),
+            "stare/W": W,
+            "stare/M": M,
+            "stare/frac_T_plus": n_plus / n,
+            "stare/frac_T_minus": n_minus / n,
+            **counts,
+            "stare/frac_reweighted": float((weights[sel] != 1).sum()) / n,
+            "stare/mean_weight": float(weights[sel].mean()) if sel.any() else 1.0,
+        }
+        for q in (0.5, 0.9, 0.99):
+            metrics[f"stare/surprisal_p{round(q * 100)}"] = float(torch.quantile(s, q)) if s.numel() else 0.0
+        return weights, metrics
+
+    def _rollout_groups(self, problems: list[Problem], *, draw: int) -> list[Group]:
+        """Play G episodes per problem (this rank's groups), then share rewards and trajectories."""
+        G = self.config.data.samples_per_prompt
+        mine = [i for i in range(len(problems)) if i % self.world == self.rank]
+        jobs = [(i, k) for i in mine for k in range(G)]
+        runner = self._runner(draw)
+        # Episodes hold a leased sandbox from reset to end: play them in waves of the pool's size.
+        wave = self.config.sandbox.pool_size
+        envs = self._get_envs(min(wave, len(jobs)))
+        trajectories: list[Trajectory] = []
+        for start in range(0, len(jobs), wave):
+            chunk = jobs[start : start + wave]
+            trajectories += runner.run(
+                envs[: len(chunk)], options=[{"problem": problems[i]} for i, _ in chunk]
+            )
+        local = {i: trajectories[n * G : (n + 1) * G] for n, i in enumerate(mine)}
+        if self.world > 1:
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, {i: [t.to_dict() for t in ts] for i, ts in local.items()})
+            local = {i: [Trajectory.from_dict(d) for d in ts] for part in gathered for i, ts in part.items()}
+        base = (draw - 1) * len(problems) * G
+        groups = [
+            Group(i, p, [t.reward for t in local[i]], local[i], [base + i * G + k for k in range(G)])
+            for i, p in enumerate(problems)
+        ]
+        self._last_drawn = (
+            [t for g in groups for t in g.trajectories]
+            if draw == 1
+            else self._last_drawn + [t for g in groups for t in g.trajectories]
+        )
+        return groups
+
+    def _runner(self, draw: int) -> RolloutRunner:
+        env = self.config.env
+        seed = zlib.crc32(f"rollout/{self.config.trainer.seed}/{self.step}/{draw}/{self.rank}".encode())
+        sampling = SamplingParams(temperature=env.temperature, top_p=env.top_p, seed=seed)
+        return RolloutRunner(
+            self.tokenizer, self.engine, max_response_tokens=env.max_response_tokens, sampling=sampling
+        )
+
+    def _get_envs(self, n: int) -> list[CodeInterpreterEnv]:
+        if self._pool is None:
+            from sandbox import SandboxPool
+
+            sb = self.config.sandbox
+            self._pool = SandboxPool(sb.pool_size, backend=sb.backend, config=sb.limits)
+        env = self.config.env
+        while len(self._envs) < n:
+            self._envs.append(
+                CodeInterpreterEnv(
+                    [Problem("placeholder", "-", "0")],
+                    format=env.format,
+                    pool=self._pool,
+                    tokenizer=self.tokenizer,
+                    max_turns=env.max_turns,
+                    max_tool_calls=env.max_tool_calls,
+                    max_output_chars=env.max_output_chars,
+                    max_output_tokens=env.max_output_tokens,
+                    system_prompt=env.system_prompt,
+                    prompt_template=env.prompt_template,
+                )
+            )
+        return self._envs
+
+    def _model_texts(self, trajectories: list[Trajectory]) -> list[str]:
+        texts = []
+        for t in trajectories:
+            ids = [i for i, m in zip(t.response_ids, t.loss_mask, strict=True) if m]
+            texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))
+        return texts
+
+    def _make_engine(self) -> Any:
+        if self.config.env.engine == "sglang":
+            from stare_agent.engines import SGLangEngine
+
+            return SGLangEngine(self.config.model.name_or_path)
+        from stare_agent.engines import TransformersEngine
+
+        return TransformersEngine(self.learner.module, self.tokenizer)
+
+    def evaluate(self) -> Any:
+        """Validation on ``data.eval`` with the current policy (avg@k etc.)."""
+        from stare_agent.evaluate import evaluate
+
+        data, env = self.config.data, self.config.env
+        return evaluate(
+            eval_problems(
+                data.eval, seed=self.config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
+            ),
+            engine=self.engine,
+            tokenizer=self.tokenizer,
+            samples=data.eval_samples,
+            sampling=SamplingParams(temperature=env.temperature, top_p=0.7, seed=self.config.trainer.seed),
+            max_response_tokens=env.max_response_tokens,
+            env_kwargs={
+                "format": env.format,
+                "pool": self._pool,
+                "max_turns": env.max_turns,
+                "system_prompt": env.system_prompt,
+                "prompt_template": env.prompt_template,
+            },
+            progress=False,
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> Path:
+        """Write ``run_dir/checkpoints/step-N`` atomically: into a temporary directory, then rename.
+
+        Holds the learner (model, optimizer, scheduler), the HF model + tokenizer, the data position,
+        the W/M controller and every RNG state; keeps the newest ``trainer.keep_checkpoints``.
+        """
+        root = self.run_dir / "checkpoints"
+        final = root / f"{CHECKPOINT_PREFIX}{self.step:06d}"
+        tmp = root / f".tmp-{final.name}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        state = {
+            "step": self.step,
+            "data_position": self.stream.position,
+            "controller": self.controller.state_dict(),
+        }
+        self.learner.save_checkpoint(tmp / "learner", client_state={"trainer": state})
+        self.learner.export_hf(tmp / "hf")
+        torch.save(_rng_state(), tmp / f"rng-rank{self.rank}.pt")
+        self._barrier()
+        if self.rank == 0:
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+            if final.exists():  # a resumed run redoing this step
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in sorted(root.glob(f"{CHECKPOINT_PREFIX}*"))[: -self.config.trainer.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        self._barrier()
+        return final
+
+    def _restore(self) -> None:
+        last = latest_checkpoint(self.run_dir)
+        if last is None:
+            if self.rank == 0:
+                print(f"no checkpoint in {self.run_dir}/checkpoints: starting from step 0")
+            return
+        client = self.learner.load_checkpoint(last / "learner")
+        state = client["trainer"]
+        self.step = int(state["step"])
+        self.stream.position = int(state["data_position"])
+        self.controller.load_state_dict(state["controller"])
+        _set_rng_state(torch.load(last / f"rng-rank{self.rank}.pt", weights_only=False))
+        if self.rank == 0:
+            _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+            print(f"resumed from {last} (step {self.step})")
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        for env in self._envs:
+            env.close()
+        self._envs = []
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+def eval_problems(source: str | None, *, seed: int, difficulty: int, limit: int | None) -> list[Problem]:
+    """Validation problems: a file/hub source, or a procedural family with a held-out seed."""
+    if source is None:
+        raise ValueError(
+            "data.eval is not set: give a problem file (e.g. ../shared/data/aime2024.jsonl) or a family"
+        )
+    family = source.removeprefix("procedural:")
+    if family == "mixed" or family in PROBLEM_FAMILIES:
+        # Held out: the training stream never uses this seed space.
+        return generate_problems(
+            family, limit or 32, seed=zlib.crc32(f"eval/{seed}".encode()), difficulty=difficulty
+        )
+    problems = load_problems(source)
+    return problems[:limit] if limit else problems
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint (renamed into place, so complete by construction), or None."""
+    found = sorted((Path(run_dir) / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*"))
+    return found[-1] if found else None
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after ``step``: they belong to work the checkpoint does not hold."""
+    if not path.is_file():
+        return
+    kept = [
+        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
+    ]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
