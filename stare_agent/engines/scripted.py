@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from envs.rollout import Generation, SamplingParams, Tokenizer
+from envs.rollout import FinishReason, Generation, SamplingParams, Tokenizer
 
 Script = Sequence[str] | Callable[[str, int], str]
 
@@ -58,9 +58,10 @@ class ScriptedEngine:
     ) -> None:
         self.tokenizer = tokenizer
         self._scripts = scripts
-        self.eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
-        if self.eos_token_id is None:
+        eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        if eos is None:
             raise ValueError("the tokenizer has no eos_token_id: pass eos_token_id= to ScriptedEngine")
+        self.eos_token_id: int = eos
         self._replays: list[_Replay] = []
         self.weight_version = 0
         self.calls: list[int] = []  # batch size of each generate call
@@ -129,7 +130,7 @@ class ScriptedEngine:
 
     def _emulate(self, text: str, max_new_tokens: int, stop: Sequence[str]) -> Generation:
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        reason = "eos"
+        reason: FinishReason = "eos"
         if self.eos_token_id in ids:
             ids = ids[: ids.index(self.eos_token_id) + 1]
         else:
