@@ -252,10 +252,9 @@ class ToolEnv(gymnasium.Env[str, str]):
         }
         if terminated or truncated:
             reward, reward_info = self._score(parsed.final_answer if terminated else None)
-            info.update(
-                answer=reward_info["answer"], correct=reward_info["correct"], gold=self.problem.answer
-            )
-            info["reward_info"] = reward_info
+            info.update(answer=reward_info["answer"], correct=reward_info["correct"], gold=self._gold())
+            # Timings (e.g. the checker's ``check_s``) stay out: a seeded replay must give equal infos.
+            info["reward_info"] = {k: v for k, v in reward_info.items() if not k.endswith("_s")}
             self._end_episode()
             return "", reward, terminated, truncated, info
         observation = self.format.render_observation(results, notes)
@@ -367,6 +366,11 @@ class ToolEnv(gymnasium.Env[str, str]):
         )
         info["check_s"] = time.perf_counter() - start
         return reward, info
+
+    def _gold(self) -> str:
+        if self.problem is None:
+            raise EnvStateError("no problem drawn yet: call reset() first")
+        return self.problem.answer
 
     def _append_message(self, role: str, content: str) -> None:
         last = self.messages[-1] if self.messages else None

@@ -25,7 +25,7 @@ import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from sandbox.base import Sandbox
 from sandbox.result import ExecResult
@@ -143,7 +143,8 @@ class ToolSpec:
             raise ValueError(f"tool {self.name!r} needs a sandbox: bind it with sandbox=<leased sandbox>")
         extra = {"sandbox": sandbox} if self.needs_sandbox else {}
         if inspect.isclass(self.impl):
-            return BoundTool(self, self.impl(**extra, **options), {})
+            instance = cast(Callable[..., Any], self.impl(**extra, **options))
+            return BoundTool(self, instance, {})
         return BoundTool(self, self.impl, {**extra, **options})
 
 
