@@ -1,6 +1,6 @@
 """A pool of warm sandboxes leased one per episode.
 
-Starting a sandbox (a container plus a kernel) takes about a second; resetting a warm one takes
+Starting a sandbox (a container plus a kernel) takes seconds; resetting a warm one takes
 milliseconds. ``SandboxPool`` starts ``size`` sandboxes at construction (in parallel), hands one out
 per episode and, when the episode gives it back, re-arms it on a background thread: a reset, or a
 replacement when the sandbox died, lost its state to a timeout, was marked broken, or failed to
@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TIMEOUT_S = 60.0
 """How long ``acquire`` waits for a free sandbox unless told otherwise."""
+
+Backend = Literal["auto", "docker", "local"]
 
 Rearm = Literal["reset", "replace", "retire", "start"]
 """What a background thread does with a sandbox that comes back (see ``SandboxPool._rearm``)."""
@@ -139,12 +141,14 @@ class SandboxPool:
     def __init__(
         self,
         size: int,
-        backend: str = "auto",
+        backend: Backend = "auto",
         config: SandboxConfig | None = None,
         *,
         factory: Callable[[], Sandbox] | None = None,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT_S,
     ) -> None:
+        if backend not in ("auto", "docker", "local"):
+            raise ValueError(f"unknown sandbox backend {backend!r}: use 'auto', 'docker' or 'local'")
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"pool size must be an int >= 1, got {size!r}")
         if lease_timeout <= 0:
@@ -197,8 +201,11 @@ class SandboxPool:
             with self._cond:
                 inner, lease._inner = lease._inner, None
                 self._leases.discard(lease)
-                if inner is None or self._closed:
+                if inner is None:
                     continue  # close() took it; the loop raises SandboxClosed
+                if self._closed:
+                    _close_quietly(inner)
+                    continue
                 logger.warning("sandbox %r failed its health check; replacing it", inner)
                 self._replaced += 1
                 self._spawn(inner, "replace")
@@ -404,7 +411,7 @@ class SandboxPool:
         return inner
 
 
-def _backend_factory(backend: str, config: SandboxConfig | None) -> Callable[[], Sandbox]:
+def _backend_factory(backend: Backend, config: SandboxConfig | None) -> Callable[[], Sandbox]:
     def make() -> Sandbox:
         from sandbox import make_sandbox  # imported late: sandbox/__init__ re-exports this module
 

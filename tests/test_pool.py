@@ -145,6 +145,11 @@ def test_rejects_bad_size(size):
         SandboxPool(size, factory=Factory())
 
 
+def test_rejects_unknown_backend():
+    with pytest.raises(ValueError, match="unknown sandbox backend 'podman': use 'auto', 'docker' or 'local'"):
+        SandboxPool(1, backend="podman")
+
+
 def test_factory_and_backend_are_exclusive():
     with pytest.raises(ValueError, match="either factory or backend/config"):
         SandboxPool(1, backend="local", factory=Factory())
