@@ -266,3 +266,35 @@ def test_aime_scripted_policies_on_local_kernels(local_pool, shared_data, settle
 def test_aime_scripted_policies_in_docker(docker_pool, shared_data, settled):
     _check_aime(*_aime_episodes(docker_pool, shared_data))
     assert settled(docker_pool).leased == 0
+
+
+def test_infrastructure_failure_raises_and_replaces_the_sandbox(make_env, fake_pool, settled):
+    @register_tool("flaky_demo", needs_sandbox=True)
+    def flaky(sandbox, n: int) -> str:
+        raise RuntimeError("the sandbox backend broke")  # not a model error: it must propagate
+
+    try:
+        env = make_env(ToolEnv, [PROBLEM], tools=["flaky_demo"], pool=fake_pool)
+        env.reset(seed=0)
+        replaced = fake_pool.stats().replaced
+        with pytest.raises(RuntimeError, match="the sandbox backend broke"):
+            env.step(hermes_call("flaky_demo", n=1))
+        stats = settled(fake_pool)
+        assert stats.leased == 0 and stats.replaced == replaced + 1
+        with pytest.raises(EnvStateError):
+            env.step("after the failure")
+    finally:
+        unregister_tool("flaky_demo")
+
+
+def test_private_pool_is_started_on_demand_and_closed_with_the_env(make_env):
+    pytest.importorskip("sandbox.local")
+    env = make_env(CodeInterpreterEnv, [PROBLEM], sandbox_backend="local", render_mode="ansi")
+    env.reset(seed=0)
+    assert env.pool is None  # reset never starts or leases a sandbox
+    obs, *_ = env.step(code("print(6 * 7)"))
+    assert obs == "\n<interpreter>\n42\n</interpreter>\n" and env.pool.stats().leased == 1
+    assert env.render().endswith("[assistant]\n" + code("print(6 * 7)") + obs)
+    pool = env.pool
+    env.close()
+    assert pool.closed and env.pool is None
