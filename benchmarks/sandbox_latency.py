@@ -29,12 +29,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sandbox import Sandbox, make_sandbox  # noqa: E402
 from sandbox.config import DEFAULT_IMAGE  # noqa: E402
-from sandbox.pool import PoolStats, SandboxPool  # noqa: E402
+from sandbox.pool import Backend, PoolStats, SandboxPool  # noqa: E402
 
 STATEMENT = "x = 1"
 
@@ -114,7 +115,7 @@ def exec_container() -> Iterator[Callable[[], None]]:
         subprocess.run([docker, "rm", "-f", container], check=False, capture_output=True)
 
 
-def cold_start(backend: str, n: int) -> Row:
+def cold_start(backend: Backend, n: int) -> Row:
     samples = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -135,7 +136,9 @@ class Throughput:
     stats: PoolStats
 
 
-def pool_throughput(backend: str, size: int, callers: int, seconds: float, episode_len: int) -> Throughput:
+def pool_throughput(
+    backend: Backend, size: int, callers: int, seconds: float, episode_len: int
+) -> Throughput:
     """``callers`` threads share a pool of ``size``; each leases a sandbox per episode of
     ``episode_len`` short statements, for ``seconds``."""
     with SandboxPool(size, backend=backend) as pool:
@@ -176,7 +179,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer samples (about 30 s in all)")
     parser.add_argument("--backends", default="docker,local", help="comma-separated: docker,local")
     args = parser.parse_args(argv)
-    backends = [b for b in args.backends.split(",") if b]
+    backends: list[Backend] = []
+    for name in filter(None, args.backends.split(",")):
+        if name not in ("docker", "local"):
+            parser.error(f"unknown backend {name!r}: use docker and/or local")
+        backends.append(cast(Backend, name))
     # Calls per round of each contender, rounds, cold starts, seconds of pool throughput.
     n_warm, n_sub, n_exec = 50, 5, 2
     rounds, n_cold, seconds = (4, 2, 3.0) if args.quick else (10, 5, 8.0)

@@ -219,17 +219,28 @@ def test_release_rejects_a_sandbox_from_elsewhere():
         other.release(sb)
 
 
-@pytest.mark.parametrize(
-    "spoil",
-    [
-        pytest.param(lambda pool, sb: (setattr(sb.inner, "alive", False), pool.release(sb)), id="died"),
-        pytest.param(lambda pool, sb: (sb.run("hang"), pool.release(sb)), id="timeout-state-lost"),
-        pytest.param(lambda pool, sb: pool.release(sb, broken=True), id="broken"),
-        pytest.param(
-            lambda pool, sb: (setattr(sb.inner, "fail_reset", True), pool.release(sb)), id="reset-failed"
-        ),
-    ],
-)
+def die(pool: SandboxPool, sb: PooledSandbox) -> None:
+    assert isinstance(sb.inner, FakeSandbox)
+    sb.inner.alive = False
+    pool.release(sb)
+
+
+def time_out_losing_state(pool: SandboxPool, sb: PooledSandbox) -> None:
+    assert sb.run("hang").state_lost
+    pool.release(sb)
+
+
+def mark_broken(pool: SandboxPool, sb: PooledSandbox) -> None:
+    pool.release(sb, broken=True)
+
+
+def fail_the_reset(pool: SandboxPool, sb: PooledSandbox) -> None:
+    assert isinstance(sb.inner, FakeSandbox)
+    sb.inner.fail_reset = True
+    pool.release(sb)
+
+
+@pytest.mark.parametrize("spoil", [die, time_out_losing_state, mark_broken, fail_the_reset])
 def test_spoiled_sandbox_is_replaced(spoil):
     factory = Factory()
     with SandboxPool(1, factory=factory) as pool:
