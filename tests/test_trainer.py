@@ -3,38 +3,30 @@ whose rewards are known, so that every group has reward variance."""
 
 from __future__ import annotations
 
-import itertools
 import json
-import re
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from stare_agent.config import load_config
 from stare_agent.engines.scripted import ScriptedEngine
 from stare_agent.models import tiny_model
 from stare_agent.trainer import ProblemStream, Trainer, latest_checkpoint
+from tests.scripted_training import overrides, scripted_policy
+
+SCRIPT = Path(__file__).with_name("scripted_training.py")
 
 PROBLEMS = [
     {"id": f"add-{a}-{b}", "problem": f"What is {a} + {b}?", "answer": str(a + b)}
     for a, b in [(2, 3), (10, 7), (40, 2), (6, 6), (9, 1), (8, 5)]
 ]
-
-
-def scripted_policy():
-    """Turn 0 runs code, which is right on even episodes and off by one on odd ones; turn 1 boxes
-    what the interpreter printed (so the episode's state lives in its own context)."""
-    episodes = itertools.count()
-
-    def turn(prompt_text: str, turn_index: int) -> str:
-        if turn_index == 0:
-            a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", prompt_text)[-1])
-            extra = " + 1" if next(episodes) % 2 else ""
-            return f"Let me compute.\n<code>\n```python\nprint({a} + {b}{extra})\n```\n</code>"
-        printed = re.findall(r"<interpreter>\s*(\d+)", prompt_text)[-1]
-        return f"The interpreter says so.\n<answer>\\boxed{{{printed}}}</answer>"
-
-    return turn
 
 
 @pytest.fixture
@@ -45,26 +37,7 @@ def problem_file(tmp_path):
 
 
 def make_config(tmp_path, problem_file, *extra):
-    return load_config(
-        None,
-        [
-            f"data.train={problem_file}",
-            "data.prompts_per_step=2",
-            "data.samples_per_prompt=2",
-            "data.max_sampling_batches=2",
-            "env.max_turns=3",
-            "env.max_response_tokens=256",
-            "sandbox.backend=local",
-            "sandbox.pool_size=2",
-            "optim.lr=1e-3",
-            "trainer.steps=2",
-            "trainer.checkpoint_every=1",
-            f"trainer.run_dir={tmp_path / 'run'}",
-            "deepspeed.micro_batch_tokens=512",
-            "algorithm.H_tgt=100.0",  # a random model's entropy (~10.8 nats) is below it: the gate is on
-            *extra,
-        ],
-    )
+    return load_config(None, overrides(str(tmp_path / "run"), str(problem_file), 2) + list(extra))
 
 
 def test_problem_stream_is_reproducible_and_resumable(problem_file):
@@ -103,8 +76,56 @@ def test_two_stare_steps_update_weights_log_and_checkpoint(tmp_path, problem_fil
     assert last is not None and last.name == "step-000002"
     state = json.loads((last / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["data_position"] == 4
-    from transformers import AutoModelForCausalLM
-
     reloaded = AutoModelForCausalLM.from_pretrained(last / "hf")
     assert torch.equal(reloaded.state_dict()["lm_head.weight"], after["lm_head.weight"])
     assert (tmp_path / "run" / "config.yaml").is_file()
+
+
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _run(*args: str) -> subprocess.Popen:
+    # A fresh process world: this process's own world-of-one rendezvous must not leak into it.
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigkill_then_resume_loses_and_repeats_no_step(tmp_path, problem_file):
+    """Kill a run after its second checkpoint, resume it, and compare with an uninterrupted run."""
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    p = _run(str(whole), str(problem_file), "4")
+    assert p.wait(timeout=600) == 0, p.stderr.read()[-2000:]
+
+    p = _run(str(broken), str(problem_file), "4")
+    deadline = time.monotonic() + 600
+    while not (broken / "checkpoints" / "step-000002").is_dir():
+        assert p.poll() is None, p.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "no second checkpoint within 10 minutes"
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    done = latest_checkpoint(broken)
+    assert done is not None and done.name in ("step-000002", "step-000003")
+    assert not (broken / "checkpoints" / "step-000004").exists()
+
+    p = _run(str(broken), str(problem_file), "4", "--resume")
+    assert p.wait(timeout=600) == 0, p.stderr.read()[-2000:]
+
+    a, b = _records(whole), _records(broken)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]  # none lost, none repeated
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("reward_mean", "loss", "grad_norm", "entropy", "stare/L_plus"):
+            assert ra[key] == rb[key], (ra["step"], key)
+    wa = AutoModelForCausalLM.from_pretrained(whole / "checkpoints" / "step-000004" / "hf").state_dict()
+    wb = AutoModelForCausalLM.from_pretrained(broken / "checkpoints" / "step-000004" / "hf").state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
