@@ -162,19 +162,33 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sections", default="1,2,3", help="comma-separated sections to run")
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         variant, mode, tokens, vocab, dim, repeats = args.worker
         print(json.dumps(logprob_worker(variant, mode, int(tokens), int(vocab), int(dim), int(repeats))))
         return
-    torch.set_num_threads(torch.get_num_threads())
+    sections = {int(s) for s in args.sections.split(",")}
     loss_tokens, weight_tokens, lp_tokens, vocab = (2048, 100_000, 2048, 8192) if args.quick else (
         16_384, 1_000_000, 16_384, 49_152
     )  # fmt: skip
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, repeats {args.repeats}\n")
 
-    rows = bench_loss(loss_tokens, args.repeats)
+    if 1 in sections:
+        _print_loss(loss_tokens, args.repeats)
+    if 2 in sections:
+        print(
+            f"\n2. STARE weights alone (global scope, with metrics), {weight_tokens} tokens (target <= 50 ms)"
+        )
+        for name, ms in bench_weights(weight_tokens, args.repeats * 2):
+            print(f"   {name:<20}{ms:>10.1f} ms")
+    if 3 in sections:
+        _print_logprobs(lp_tokens, vocab, args.repeats)
+
+
+def _print_loss(loss_tokens: int, repeats: int) -> None:
+    rows = bench_loss(loss_tokens, repeats)
     base = rows[0][1]
     print(
         f"1. policy loss forward+backward, small Llama, {loss_tokens} response tokens (target overhead <= 3 %)"
@@ -183,17 +197,15 @@ def main() -> None:
     for name, ms in rows:
         print(f"   {name:<12}{ms:>12.1f}{(ms / base - 1) * 100:>+11.1f}%")
 
-    print(f"\n2. STARE weights alone (global scope, with metrics), {weight_tokens} tokens (target <= 50 ms)")
-    for name, ms in bench_weights(weight_tokens, args.repeats * 2):
-        print(f"   {name:<20}{ms:>10.1f} ms")
 
+def _print_logprobs(lp_tokens: int, vocab: int, repeats: int) -> None:
     dim = 128
     print(f"\n3. log-prob + entropy, {lp_tokens} tokens x {vocab} vocab, hidden {dim}, chunk 1024")
     print("   (targets: peak >= 8x lower, time within 15 %)")
     print(
         f"   {'mode':<9}{'variant':<9}{'peak MiB':>10}{'median ms':>11}{'peak ratio':>12}{'time ratio':>12}"
     )
-    lp_rows = bench_logprobs(lp_tokens, vocab, dim, max(args.repeats // 2, 2))
+    lp_rows = bench_logprobs(lp_tokens, vocab, dim, max(repeats // 2, 2))
     for i in range(0, len(lp_rows), 2):
         (mode, _, naive_mib, naive_ms), (_, _, chunk_mib, chunk_ms) = lp_rows[i], lp_rows[i + 1]
         print(f"   {mode:<9}{'naive':<9}{naive_mib:>10.0f}{naive_ms:>11.0f}")
