@@ -121,7 +121,7 @@ def test_tiny_model_is_fast_deterministic_and_uses_the_real_tokenizer():
     tokenizer = load_tokenizer()
     start = time.perf_counter()
     model, same_tokenizer = tiny_model(tokenizer, seed=0)
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 5.0  # ~0.05 s on an idle 2-core machine; slack for shared CPUs
     assert same_tokenizer is tokenizer
     assert model.config.vocab_size == 49152 and model.config.num_hidden_layers == 2
     again, _ = tiny_model(tokenizer, seed=0)
