@@ -377,21 +377,24 @@ def trace_to_trajectory(
     )
     builder = TrajectoryBuilder(_encode(tokenizer, prompt))
     glue = ToolTurnGlue(tokenizer) if trace.format == "hermes" else None
-    for kind, text in trace.steps:
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise SFTDataError(
+            "the tokenizer has no eos_token_id: SFT must teach the model where to stop; set one"
+        )
+    steps = list(trace.steps)
+    if not steps or steps[-1][0] != "model":
+        steps.append(("model", ""))
+    for index, (kind, text) in enumerate(steps):
         if kind == "model":
-            ids = _encode(tokenizer, text)
+            # the final turn ends with EOS, which the model samples in RL: part of that turn, mask 1
+            ids = _encode(tokenizer, text) + ([eos] if index == len(steps) - 1 else [])
             if ids:
                 builder.append(ids, 1, [0.0] * len(ids))
         else:
             ids = glue(text, turn_ended_with_eos=False) if glue is not None else _encode(tokenizer, text)
             if ids:
                 builder.append(ids, 0)
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise SFTDataError(
-            "the tokenizer has no eos_token_id: SFT must teach the model where to stop; set one"
-        )
-    builder.append([eos], 1, [0.0])
     return builder.build(info={"id": trace.id, "answer": trace.answer})
 
 
