@@ -197,15 +197,11 @@ def load_policy(
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, config: AutoConfig) -> torch.dtype:
+    """``dtype`` as a torch dtype; None or "auto" mean the checkpoint's (float32 if it names none)."""
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype is None or dtype == "auto":
-        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        if stored is None:
-            return torch.float32
-        dtype = stored if isinstance(stored, torch.dtype) else str(stored)
-        if isinstance(dtype, torch.dtype):
-            return dtype
     resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
     if not isinstance(resolved, torch.dtype):
         raise ModelLoadError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
