@@ -81,9 +81,12 @@ class Factory:
         self.fake_kwargs = fake_kwargs
         self.made: list[FakeSandbox] = []
         self.fail: Exception | None = None
+        self.calls = 0
         self._lock = threading.Lock()
 
     def __call__(self) -> FakeSandbox:
+        with self._lock:
+            self.calls += 1
         time.sleep(self.start_delay_s)
         if self.fail is not None:
             raise self.fail
@@ -175,17 +178,17 @@ def test_lease_hands_out_a_clean_sandbox_and_resets_it_on_release():
 
 
 def test_release_returns_at_once_and_the_next_lease_waits_for_the_reset():
-    factory = Factory(reset_delay_s=0.4)
+    factory = Factory(reset_delay_s=1.0)
     with SandboxPool(1, factory=factory) as pool:
         sb = pool.acquire()
         sb.run("x = 1")
         t0 = time.monotonic()
         pool.release(sb)
-        assert time.monotonic() - t0 < 0.1  # the reset runs in the background
+        assert time.monotonic() - t0 < 0.5  # the reset runs in the background
         assert pool.stats().rearming == 1
         t0 = time.monotonic()
         with pool.lease() as sb:
-            assert time.monotonic() - t0 > 0.2  # waited for the reset, not handed a dirty sandbox
+            assert time.monotonic() - t0 > 0.4  # waited for the reset, not handed a dirty sandbox
             assert sb.run("x").error.type == "NameError"
 
 
@@ -434,7 +437,7 @@ def test_close_while_a_replacement_starts_closes_the_new_one_too():
     pool = SandboxPool(1, factory=factory)
     factory.start_delay_s = 0.3
     pool.release(pool.acquire(), broken=True)
-    time.sleep(0.05)  # the replacement is starting
+    wait_until(lambda: factory.calls == 2)  # the replacement is starting
     pool.close()
     assert pool.stats().rearming == 0
     assert len(factory.made) == 2 and all(s.closed for s in factory.made)
