@@ -163,8 +163,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sections", default="1,2,3", help="comma-separated sections to run")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.worker:
         variant, mode, tokens, vocab, dim, repeats = args.worker
         print(json.dumps(logprob_worker(variant, mode, int(tokens), int(vocab), int(dim), int(repeats))))
