@@ -58,11 +58,17 @@ def main(argv: list[str]) -> None:
 
     run_dir, problems, steps, *rest = argv
     resume = "--resume" in rest
-    extra = [a for a in rest if a != "--resume"]
+    dump = "--dump-weights" in rest
+    extra = [a for a in rest if a not in ("--resume", "--dump-weights")]
     config = load_config(None, overrides(run_dir, problems, int(steps)) + extra)
     model, tokenizer = tiny_model()
     engine = ScriptedEngine(tokenizer, scripted_policy())
-    Trainer(config, model=model, tokenizer=tokenizer, engine=engine, resume=resume).fit()
+    trainer = Trainer(config, model=model, tokenizer=tokenizer, engine=engine, resume=resume)
+    trainer.fit()
+    if dump:  # this rank's final weights, to compare ranks
+        import torch
+
+        torch.save(trainer.learner.state_dict(), Path(run_dir) / f"weights-rank{trainer.rank}.pt")
 
 
 if __name__ == "__main__":

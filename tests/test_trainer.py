@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -96,6 +97,12 @@ def _run(*args: str) -> subprocess.Popen:
     )
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -129,3 +136,36 @@ def test_sigkill_then_resume_loses_and_repeats_no_step(tmp_path, problem_file):
     wa = AutoModelForCausalLM.from_pretrained(whole / "checkpoints" / "step-000004" / "hf").state_dict()
     wb = AutoModelForCausalLM.from_pretrained(broken / "checkpoints" / "step-000004" / "hf").state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_two_ranks_on_cpu_agree_with_each_other_and_with_one_process(tmp_path, problem_file):
+    """torchrun, 2 ranks, gloo: groups split across ranks, global STARE scope and gate over both."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    args = [str(problem_file), "2", "--dump-weights", "algorithm.scope=global"]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(SCRIPT),
+        str(two),
+        *args,
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    p = _run(str(one), *args)
+    assert p.wait(timeout=600) == 0, p.stderr.read()[-2000:]
+
+    w0 = torch.load(two / "weights-rank0.pt")
+    w1 = torch.load(two / "weights-rank1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "ranks diverged"
+    a, b = _records(two), _records(one)
+    for ra, rb in zip(a, b, strict=True):
+        # same episodes, same kept groups, same global gate and L+ selection as one process
+        for key in ("reward_mean", "kept_groups", "gate_on", "stare/L_plus", "stare/frac_T_plus"):
+            assert ra[key] == rb[key], (ra["step"], key)
+        assert ra["entropy"] == pytest.approx(rb["entropy"], rel=1e-5)
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4, abs=1e-7)
