@@ -224,3 +224,75 @@ def test_lr_schedule_by_hand():
     )
     # cosine half way: 0.1 + 0.9 * 0.5 * (1 + cos(pi / 2)) = 0.55
     assert lr_lambda(4, schedule="cosine", **kw) == pytest.approx(0.55)
+
+
+# ------------------------------------------------------------------ two ranks (gloo, torchrun)
+
+
+def _two_rank_worker(out_dir: str, zero_stage: int) -> None:
+    """Run by each torchrun rank: rank 0 gets trajectories 0-2, rank 1 gets 3-4 (uneven micro-batch counts)."""
+    import torch.distributed as dist
+
+    model, tokenizer = tiny_model(seed=0)
+    overrides = [*LINEAR_ADAM, f"deepspeed.zero_stage={zero_stage}", "deepspeed.micro_batch_tokens=40"]
+    learner = Learner.from_config(model, tokenizer, load_config(None, overrides))
+    shapes = [(4, 6, 3, 2), (7, 3, 5, 4), (3, 9, 2, 1), (6, 2, 4, 6), (5, 5, 1, 3)]
+    everything = [_trajectory(i, *s) for i, s in enumerate(shapes)]
+    advantages = [1.0, -0.5, 0.25, -1.5, 0.75]
+    mine = slice(0, 3) if dist.get_rank() == 0 else slice(3, 5)
+    start = _params(learner)
+    metrics = learner.update(everything[mine], advantages[mine])
+    after = _params(learner)
+    L = max(t.num_tokens for t in everything[mine])
+    weights = torch.ones(len(everything[mine]), L - 1)
+    if dist.get_rank() == 1:
+        weights[0, 5] = float("nan")  # a mask-1 column of trajectory 3, on one rank only: every rank skips
+    skipped = learner.update(everything[mine], advantages[mine], weights)
+    unchanged = all(torch.equal(p, after[n]) for n, p in _params(learner).items())
+    torch.save(
+        {
+            "delta": {k: v - start[k] for k, v in after.items()},
+            "metrics": metrics,
+            "skipped": skipped["skipped"],
+            "unchanged": unchanged,
+            "micro_batches": len(learner.micro_batches(everything[mine])),
+        },
+        f"{out_dir}/rank{dist.get_rank()}.pt",
+    )
+
+
+@pytest.mark.parametrize("zero_stage", [2])
+def test_two_ranks_take_the_whole_batch_gradient(zero_stage, batch, tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1"]
+    command += [f"--master_port={port}"]
+    command += [__file__, str(tmp_path), str(zero_stage)]
+    done = subprocess.run(command, env=env, cwd=repo, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert ranks[0]["micro_batches"] != ranks[1]["micro_batches"]  # uneven: zero-weight repeats pair them up
+    reference = _reference_gradient(batch, [1.0, -0.5, 0.25, -1.5, 0.75], None)
+    for name, g in reference.items():
+        scale = float(g.abs().max()) + 1e-12
+        torch.testing.assert_close(ranks[0]["delta"][name], ranks[1]["delta"][name], atol=0, rtol=0)
+        torch.testing.assert_close(-ranks[0]["delta"][name], g, atol=2e-3 * scale + 2.4e-7, rtol=2e-3)
+    assert ranks[0]["metrics"]["tokens"] == sum(t.num_sampled_tokens for t in batch)
+    assert [r["skipped"] for r in ranks] == [1.0, 1.0] and all(r["unchanged"] for r in ranks)
+
+
+if __name__ == "__main__":  # torchrun entry point of test_two_ranks_take_the_whole_batch_gradient
+    import sys
+
+    _two_rank_worker(sys.argv[1], int(sys.argv[2]))
