@@ -41,7 +41,9 @@ def _sandbox_demo(args: argparse.Namespace) -> int:
         print(f"backend: {sb.backend}")
         for code in cells:
             result = sb.run(code)
-            shown = result.stdout.strip() or (f"{result.error.type}: {result.error.message}" if result.error else "")
+            shown = result.stdout.strip() or (
+                f"{result.error.type}: {result.error.message}" if result.error else ""
+            )
             print(f">>> {code.splitlines()[-1]}\n{shown}   [{result.duration_s * 1000:.1f} ms]")
     return 0
 
@@ -72,6 +74,16 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from stare_agent.config import load_config
+    from stare_agent.trainer import Trainer
+
+    config = load_config(args.config, args.overrides)
+    summary = Trainer(config, resume=args.resume).fit()
+    print(f"trained {summary['steps']} steps; run directory: {summary['run_dir']}")
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from stare_agent.plots import plot_run
 
@@ -81,7 +93,9 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stare-agent", description="Train and evaluate tool-using LLM agents with STARE.")
+    parser = argparse.ArgumentParser(
+        prog="stare-agent", description="Train and evaluate tool-using LLM agents with STARE."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     sandbox = sub.add_parser("sandbox", help="build, check or try the code sandbox")
@@ -99,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_sandbox_demo)
 
     p = sub.add_parser("eval", help="tool-use accuracy (avg@k, pass@k, maj@k) on a problem set")
-    p.add_argument("--model", default="embedded:smollm2-135m-instruct", help="HF id, local path or embedded:NAME")
+    p.add_argument(
+        "--model", default="embedded:smollm2-135m-instruct", help="HF id, local path or embedded:NAME"
+    )
     p.add_argument("--data", required=True, help="JSONL/Parquet file of {id, problem, answer}, or a hub name")
     p.add_argument("--samples", type=int, default=4, help="k: sampled episodes per problem")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N problems")
@@ -115,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/eval", help="directory for results.jsonl and summary.json")
     p.set_defaults(func=_eval)
 
+    p = sub.add_parser(
+        "train", help="RL training with GRPO-ds or STARE (launch with torchrun/deepspeed for >1 rank)"
+    )
+    p.add_argument("--config", default=None, help="YAML config, e.g. configs/quickstart.yaml")
+    p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.W=1.2 trainer.steps=10")
+    p.set_defaults(func=_train)
+
     p = sub.add_parser("plot", help="draw a run's training dynamics as PNG files")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="output directory (default RUN_DIR/plots)")
@@ -126,6 +150,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Failures whose message already names the cause and the fix: shown as one line."""
+    from envs.problems import ProblemSourceError
+    from sandbox.errors import SandboxError
+
+    errors: list[type[BaseException]] = [ProblemSourceError, SandboxError, FileNotFoundError]
+    try:  # these need torch; a broken torch install must not hide the original error
+        from stare_agent.config import ConfigError
+        from stare_agent.engines.sglang_engine import SGLangUnavailableError
+        from stare_agent.models import ModelLoadError
+
+        errors += [ConfigError, ModelLoadError, SGLangUnavailableError]
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -133,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if isinstance(exc, _user_errors()):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":
