@@ -49,16 +49,18 @@ def _sandbox_demo(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from envs.problems import load_problems
     from envs.rollout import SamplingParams
     from stare_agent.engines import TransformersEngine
     from stare_agent.evaluate import evaluate
     from stare_agent.models import load_policy
 
+    problems = load_problems(args.data)  # fail on a bad path before loading a model
     model, tokenizer = load_policy(args.model, device=args.device)
     engine = TransformersEngine(model, tokenizer)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     report = evaluate(
-        args.data,
+        problems,
         engine=engine,
         tokenizer=tokenizer,
         samples=args.samples,
