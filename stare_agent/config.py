@@ -129,6 +129,11 @@ class EnvConfig:
         _one_of("env", "format", self.format, ("retool", "hermes"))
         _one_of("env", "engine", self.engine, ENGINES)
         _positive("env", self, "max_turns", "max_tool_calls", "max_response_tokens", "temperature")
+        for name in ("max_output_chars", "max_output_tokens"):
+            if getattr(self, name) < 64:
+                raise ConfigError(
+                    f"env.{name}={getattr(self, name)} must be >= 64 so the truncation marker fits"
+                )
         if not 0 < self.top_p <= 1:
             raise ConfigError(
                 f"env.top_p={self.top_p} must be in (0, 1]: use 1.0 to disable nucleus sampling"

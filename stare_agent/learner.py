@@ -258,6 +258,8 @@ class Learner:
             (logp, entropy), float32 [B, L-1] on the learner's device, aligned with
             ``stare_agent.batch.collate(trajectories)`` (column t scores token t + 1); 0 on padding.
         """
+        if not trajectories:
+            raise ValueError("cannot score an empty batch: pass at least one trajectory")
         B, L = len(trajectories), max(t.num_tokens for t in trajectories)
         logp = torch.zeros(B, L - 1, dtype=torch.float32, device=self.device)
         entropy = torch.zeros_like(logp)
@@ -306,6 +308,8 @@ class Learner:
                 "this learner was built without an algorithm section: pass loss=AlgorithmConfig()"
             )
         cfg = self.loss_config
+        if not trajectories:
+            raise ValueError("cannot take a step on an empty batch: pass at least one trajectory")
         B, L = len(trajectories), max(t.num_tokens for t in trajectories)
         if not isinstance(advantages, Tensor) or advantages.dim() == 1:
             per_seq = torch.as_tensor(advantages, dtype=torch.float32, device=self.device)

@@ -236,3 +236,20 @@ def test_procedural_sft_data_from_config():
         t.id.startswith("modpow-") and t.steps[1][1] == f"\n<interpreter>\n{t.answer}\n</interpreter>\n"
         for t in traces
     )
+
+
+def test_model_too_large_for_memory_gives_one_line(tmp_path):
+    from transformers import LlamaConfig
+
+    from stare_agent.models import ModelTooLargeError
+
+    LlamaConfig(
+        hidden_size=16384, intermediate_size=65536, num_hidden_layers=400, vocab_size=32000
+    ).save_pretrained(tmp_path / "huge")
+    cfg = load_config(
+        None, [f"model.name_or_path={tmp_path / 'huge'}", f"trainer.run_dir={tmp_path / 'run'}"]
+    )
+    with pytest.raises(ModelTooLargeError) as info:
+        sft(cfg)
+    assert "pick a smaller model, a smaller dtype, or a device with more memory" in str(info.value)
+    assert "\n" not in str(info.value)
