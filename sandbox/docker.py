@@ -32,6 +32,7 @@ from sandbox.config import SandboxConfig
 from sandbox.errors import SandboxClosed, SandboxError, SandboxUnavailable
 from sandbox.kernel import KERNEL_ARGS, KernelDriver, reset_code
 from sandbox.result import ExecResult
+from sandbox.usage import CgroupUsage
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,15 @@ class _ContainerKernel:
     def __init__(self, container: Any, memory_mb: int) -> None:
         self.container = container
         self.memory_mb = memory_mb
+        # The cgroup path survives restarts (the counters start again), so it is looked up once,
+        # through the host pid of the container's init (``containers.run`` returns the container
+        # as created, without it).
+        container.reload()
+        pid = container.attrs.get("State", {}).get("Pid") or 0
+        self.usage = CgroupUsage(pid) if pid > 0 else None
+
+    def meter(self) -> CgroupUsage | None:
+        return self.usage
 
     def interrupt(self) -> None:
         try:

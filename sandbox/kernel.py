@@ -16,15 +16,13 @@ Timeout policy of ``KernelDriver.execute``:
    ``KernelHost.is_alive`` while no message arrives, relaunched, and reported as a
    ``KernelDied`` error with ``state_lost=True``.
 
-CPU seconds and peak memory come back without an extra round trip: the execute request carries a
-``user_expressions`` entry that the kernel evaluates after the cell (``resource.getrusage`` of the
-kernel and its reaped children). IPython skips user expressions when the cell raised, so only then
-a silent empty request fetches them.
+CPU seconds and peak memory are read on the host (``sandbox.usage``: the container's cgroup, or
+``/proc`` of the local kernel), never by asking the kernel, so an execution costs one request and
+the messages it sends back.
 """
 
 from __future__ import annotations
 
-import ast
 import collections
 import queue
 import re
@@ -39,22 +37,33 @@ from sandbox.result import ExecError, ExecResult
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 """CSI escape sequences (colours, cursor moves) that IPython puts in tracebacks."""
 
-KERNEL_ARGS = ("--HistoryManager.enabled=False",)
-"""ipykernel options of every sandbox kernel: no sqlite history (the work dir is wiped on reset)."""
+KERNEL_ARGS = ("--HistoryManager.enabled=False", "--IPythonKernel._execute_sleep=0")
+"""ipykernel options of every sandbox kernel: no sqlite history (the work dir is wiped on reset),
+and no 0.5 ms sleep after each cell before the reply (ipykernel's guard for clients that stop
+reading output at the reply; we read iopub until the kernel's "idle", which follows the output)."""
 
 POLL_S = 0.2
 """How often the kernel's liveness is checked while it sends nothing."""
 
-USAGE_KEY = "stare_usage"
-USAGE_EXPRESSION = (
-    "(lambda r: [(u.ru_utime + u.ru_stime, u.ru_maxrss) for u in "
-    "(r.getrusage(r.RUSAGE_SELF), r.getrusage(r.RUSAGE_CHILDREN))])(__import__('resource'))"
-)
-"""Evaluated by the kernel after each cell: [(cpu_s, maxrss_kib) of itself, of its reaped children]."""
+
+class UsageMeter(Protocol):
+    """Host-side readings of a kernel's resource use (``sandbox.usage``); None when unknown."""
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds used so far (a counter; only differences are meaningful)."""
+
+    def peak_bytes(self) -> int | None:
+        """Peak memory since the last successful ``reset_peak`` (else since the kernel started)."""
+
+    def reset_peak(self) -> bool:
+        """Restart the peak from the current usage; False when that is not possible here."""
 
 
 class KernelHost(Protocol):
     """The process side of a kernel, implemented by each backend."""
+
+    def meter(self) -> UsageMeter | None:
+        """Resource readings of the current kernel process, or None when they are unavailable."""
 
     def interrupt(self) -> None:
         """Send SIGINT to the kernel process."""
@@ -143,8 +152,11 @@ class KernelDriver:
         self.client = BlockingKernelClient()
         self.client.load_connection_info(connection_info)
         self.client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
+        # The channels themselves, not BlockingKernelClient.get_*_msg: those run each read through
+        # an asyncio loop (jupyter_core.run_sync), about 0.1 ms a message.
+        self._iopub = self.client.iopub_channel
+        self._shell = self.client.shell_channel
         self.ready = False
-        self._usage: tuple[float, int] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -163,7 +175,7 @@ class KernelDriver:
             resend = time.monotonic() + 0.5
             while time.monotonic() < resend:
                 try:
-                    msg = self.client.get_iopub_msg(timeout=POLL_S / 2)
+                    msg = self._iopub.get_msg(timeout=POLL_S / 2)
                 except queue.Empty:
                     if not self.host.is_alive():
                         raise SandboxError(
@@ -175,8 +187,6 @@ class KernelDriver:
                     self._drain_shell()
                     self.ready = True
                     self.run_quiet(BOOT_SNAPSHOT, max(1.0, deadline - time.monotonic()))
-                    self._usage = None
-                    self._usage = self._fetch_usage(deadline)
                     return
             if time.monotonic() > deadline:
                 raise SandboxError(
@@ -190,7 +200,6 @@ class KernelDriver:
     def restart(self) -> None:
         """Kill and relaunch the kernel; the next ``execute`` waits for it."""
         self.ready = False
-        self._usage = None
         self.host.restart()
 
     # -- execution ---------------------------------------------------------------------------
@@ -203,15 +212,15 @@ class KernelDriver:
         """
         if not self.ready:
             self.wait_ready(start_timeout)
+        self._discard_shell_replies()
+        meter = self.host.meter()
+        cpu_before = None
+        if meter is not None:
+            meter.reset_peak()
+            cpu_before = meter.cpu_seconds()
         started = time.monotonic()
         deadline = started + timeout
-        msg_id = self.client.execute(
-            code,
-            silent=False,
-            store_history=True,
-            user_expressions={USAGE_KEY: USAGE_EXPRESSION},
-            allow_stdin=False,
-        )
+        msg_id = self.client.execute(code, silent=False, store_history=True, allow_stdin=False)
         stdout, stderr = OutputBuffer(self.max_output_chars), OutputBuffer(self.max_output_chars)
         error: ExecError | None = None
         timed_out = state_lost = False
@@ -227,7 +236,7 @@ class KernelDriver:
                 state_lost = True
                 break
             try:
-                msg = self.client.get_iopub_msg(
+                msg = self._iopub.get_msg(
                     timeout=max(0.0, min(POLL_S, (give_up if timed_out else deadline) - now))
                 )
             except queue.Empty:
@@ -258,11 +267,11 @@ class KernelDriver:
                 break
         duration = time.monotonic() - started
         cpu_s, peak = 0.0, None
-        if not state_lost:
-            usage = self._reply_usage(msg_id, deadline + self.restart_grace_s)
-            if usage is None:
-                usage = self._fetch_usage(time.monotonic() + self.restart_grace_s)
-            cpu_s, peak = self._account(usage)
+        if meter is not None and not state_lost:
+            cpu_after = meter.cpu_seconds()
+            if cpu_before is not None and cpu_after is not None:
+                cpu_s = max(0.0, cpu_after - cpu_before)
+            peak = meter.peak_bytes()
         if timed_out:
             kept = "all state is lost" if state_lost else "variables are kept"
             how = "the kernel was restarted" if state_lost else "it was interrupted"
@@ -302,7 +311,7 @@ class KernelDriver:
     def _shell_reply(self, msg_id: str, deadline: float) -> dict[str, Any] | None:
         while True:
             try:
-                msg = self.client.get_shell_msg(timeout=max(0.0, deadline - time.monotonic()))
+                msg = self._shell.get_msg(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 return None
             if msg["parent_header"].get("msg_id") == msg_id:
@@ -311,46 +320,16 @@ class KernelDriver:
     def _drain_shell(self) -> None:
         while True:
             try:
-                self.client.get_shell_msg(timeout=0.05)
+                self._shell.get_msg(timeout=0.05)
             except queue.Empty:
                 return
 
-    def _reply_usage(self, msg_id: str, deadline: float) -> tuple[float, int] | None:
-        reply = self._shell_reply(msg_id, deadline)
-        if reply is None:
-            return None
-        entry = reply["content"].get("user_expressions", {}).get(USAGE_KEY)
-        return _parse_usage(entry)
-
-    def _fetch_usage(self, deadline: float) -> tuple[float, int] | None:
-        msg_id = self.client.execute(
-            "",
-            silent=True,
-            store_history=False,
-            user_expressions={USAGE_KEY: USAGE_EXPRESSION},
-            allow_stdin=False,
-        )
-        return self._reply_usage(msg_id, deadline)
-
-    def _account(self, usage: tuple[float, int] | None) -> tuple[float, int | None]:
-        """CPU seconds since the previous reading, and the peak resident memory in bytes."""
-        if usage is None:
-            return 0.0, None
-        cpu_total, peak = usage
-        previous = self._usage[0] if self._usage else cpu_total
-        self._usage = usage
-        return max(0.0, cpu_total - previous), peak
-
-
-def _parse_usage(entry: dict[str, Any] | None) -> tuple[float, int] | None:
-    """(total cpu seconds, peak rss bytes) from the ``USAGE_EXPRESSION`` reply, or None."""
-    if not entry or entry.get("status") != "ok":
-        return None
-    try:
-        (self_cpu, self_rss), (child_cpu, child_rss) = ast.literal_eval(entry["data"]["text/plain"])
-    except (KeyError, ValueError, SyntaxError, TypeError):
-        return None
-    return float(self_cpu + child_cpu), int(max(self_rss, child_rss)) * 1024
+    def _discard_shell_replies(self) -> None:
+        """Drop replies already received, unread. ``execute`` takes everything from iopub and
+        does not wait for its reply; the replies pile up here instead (one per call)."""
+        socket = self._shell.socket
+        while socket is not None and socket.poll(0):
+            socket.recv_multipart()
 
 
 BOOT_SNAPSHOT = (

@@ -40,6 +40,7 @@ from sandbox.config import SandboxConfig
 from sandbox.errors import SandboxClosed
 from sandbox.kernel import KERNEL_ARGS, KernelDriver, reset_code
 from sandbox.result import ExecResult
+from sandbox.usage import ProcessUsage
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,7 @@ class _LocalKernel:
             **config.env,
         }
         self.process: subprocess.Popen | None = None
+        self.usage: ProcessUsage | None = None
         self.launch()
 
     def _write_connection_file(self, sandbox_dir: Path) -> dict:
@@ -162,6 +164,10 @@ class _LocalKernel:
             self.process = launch_kernel(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(self.env), cwd=str(self.work_dir)
             )
+        self.usage = ProcessUsage(self.process.pid)
+
+    def meter(self) -> ProcessUsage | None:
+        return self.usage
 
     def interrupt(self) -> None:
         if self.process is not None and self.process.poll() is None:

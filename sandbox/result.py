@@ -28,8 +28,16 @@ class ExecResult:
             partial output produced before the deadline.
         state_lost: True when the kernel had to be restarted (variables and imports are gone).
         duration_s: Wall time of the call as seen by the host.
-        cpu_s: CPU seconds the kernel process spent on this call (user + system).
-        peak_memory_bytes: Peak resident memory of the kernel (high-water mark), or None if unknown.
+        cpu_s: CPU seconds (user + system) used while the call ran, read on the host: by every
+            process in the container (Docker), or by the kernel process and the children it
+            reaped (local). 0.0 when unknown or when the kernel was restarted (``state_lost``).
+        peak_memory_bytes: High-water mark of memory during this call, or None when unknown
+            (also after a restart). Docker: the container's memory charge (the number its
+            memory limit is checked against: process memory, files in its tmpfs dirs, page
+            cache). Local: the kernel process's peak resident set size (children not included).
+            It is reset before each call where the host may do so (Docker on cgroup v1 with a
+            root host; local on Linux); elsewhere (cgroup v2, a non-root Docker host) it is the
+            peak since the container or kernel last (re)started.
         truncated: True when stdout or stderr was cut; the text then ends with a marker that says
             how many characters were cut.
     """
@@ -65,4 +73,4 @@ def truncate_text(text: str, limit: int) -> tuple[str, bool]:
     head = limit // 2
     tail = limit - head
     cut = len(text) - limit
-    return f"{text[:head]}\n... [{cut} characters truncated] ...\n{text[len(text) - tail:]}", True
+    return f"{text[:head]}\n... [{cut} characters truncated] ...\n{text[len(text) - tail :]}", True

@@ -26,6 +26,16 @@ def test_state_persists_and_trailing_expression_is_shown(sb: DockerSandbox) -> N
     assert result.peak_memory_bytes > 10 * 2**20 and result.duration_s > 0
 
 
+def test_cpu_and_peak_memory_are_measured_per_call(sb: DockerSandbox) -> None:
+    busy = sb.run("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass")
+    assert busy.cpu_s >= 0.29 and busy.cpu_s < busy.duration_s + 0.1  # one busy thread: CPU <= wall
+    big = sb.run("b = b'x' * (200 * 2**20)\ndel b")  # touches 200 MiB, then frees it
+    after = sb.run("1")
+    assert big.peak_memory_bytes > 200 * 2**20
+    if sb._driver.host.usage.peak_resettable:  # cgroup v1 and a root host: reset before each call
+        assert big.peak_memory_bytes - after.peak_memory_bytes > 150 * 2**20
+
+
 def test_stderr_and_error_fields(sb: DockerSandbox) -> None:
     result = sb.run("import sys\nprint('warn', file=sys.stderr)\nraise KeyError('k')")
     assert result.stderr == "warn\n"

@@ -59,6 +59,14 @@ def test_stderr_and_error_fields(sb: LocalSandbox) -> None:
     assert not result.ok and not result.timed_out
 
 
+def test_cpu_and_peak_memory_are_measured_per_call(sb: LocalSandbox) -> None:
+    busy = sb.run("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass")
+    assert busy.cpu_s >= 0.29 and busy.cpu_s < busy.duration_s + 0.1  # one thread: CPU <= wall
+    big = sb.run("b = b'x' * (200 * 2**20)\ndel b")  # touches 200 MiB, then frees it
+    after = sb.run("1")  # the high-water mark was reset before this call
+    assert big.peak_memory_bytes - after.peak_memory_bytes > 150 * 2**20
+
+
 def test_output_cap_has_marker(sb: LocalSandbox) -> None:
     result = sb.run("print('a' * 5000)")
     assert result.truncated and len(result.stdout) < 1100
