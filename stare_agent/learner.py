@@ -168,6 +168,7 @@ class Learner:
         self.module = self.engine.module
         self.steps_applied = 0
         self.steps_skipped = 0
+        self._last_applied = True
 
     @classmethod
     def from_config(cls, model: Any, tokenizer: Any, config: RunConfig) -> Learner:
@@ -475,8 +476,6 @@ class Learner:
             self.steps_skipped += 1
         norm = engine.get_global_grad_norm()
         return float("nan") if norm is None else float(norm)
-
-    _last_applied: bool = True
 
     # ------------------------------------------------------------------ weights and checkpoints
 

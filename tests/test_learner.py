@@ -8,6 +8,7 @@ parameter by ``-lr * g / (|g| + eps) = -g / (1 + |g| / 1e3)``, i.e. by minus its
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ LINEAR_ADAM = [
     "optim.weight_decay=0.0",
     "optim.grad_clip=0.0",
     "deepspeed.micro_batch_tokens=100000",
+    "deepspeed.precision=fp32",
 ]
 
 
@@ -270,7 +272,7 @@ def test_two_ranks_take_the_whole_batch_gradient(zero_stage, batch, tmp_path):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     with socket.socket() as s:
@@ -290,6 +292,23 @@ def test_two_ranks_take_the_whole_batch_gradient(zero_stage, batch, tmp_path):
         torch.testing.assert_close(-ranks[0]["delta"][name], g, atol=2e-3 * scale + 2.4e-7, rtol=2e-3)
     assert ranks[0]["metrics"]["tokens"] == sum(t.num_sampled_tokens for t in batch)
     assert [r["skipped"] for r in ranks] == [1.0, 1.0] and all(r["unchanged"] for r in ranks)
+
+
+@pytest.mark.gpu
+def test_bf16_zero3_on_gpu(batch, tmp_path):
+    """On a GPU: bf16 weights, ZeRO-3, one update moves the weights and the export loads."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model, tokenizer = tiny_model(seed=0)
+    overrides = ["deepspeed.zero_stage=3", "deepspeed.precision=bf16", "optim.lr=1e-3"]
+    learner = Learner.from_config(model, tokenizer, load_config(None, overrides))
+    start = _params(learner)
+    assert all(t.dtype == torch.bfloat16 for t in start.values())
+    metrics = learner.update(batch, [1.0, -0.5, 0.25, -1.5, 0.75])
+    assert metrics["skipped"] == 0.0 and math.isfinite(metrics["grad_norm"])
+    assert any(not torch.equal(p, start[n]) for n, p in _params(learner).items())
+    reloaded = AutoModelForCausalLM.from_pretrained(learner.export_hf(tmp_path / "hf"))
+    assert reloaded.model.embed_tokens.weight.shape == start["model.embed_tokens.weight"].shape
 
 
 if __name__ == "__main__":  # torchrun entry point of test_two_ranks_take_the_whole_batch_gradient
