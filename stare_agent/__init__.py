@@ -1,0 +1,35 @@
+"""stare-agent: RL training of tool-using LLM agents with STARE (arXiv 2606.19236).
+
+The learner side: engines, collation, the algorithm, the DeepSpeed learner, SFT, evaluation.
+Heavy submodules load on first use, so ``import stare_agent`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stare_agent.config import RunConfig, load_config
+    from stare_agent.evaluate import evaluate
+    from stare_agent.learner import Learner
+    from stare_agent.sft import sft
+    from stare_agent.trainer import Trainer
+
+__all__ = ["Learner", "RunConfig", "Trainer", "evaluate", "load_config", "sft"]
+
+_LAZY = {
+    "RunConfig": "stare_agent.config",
+    "load_config": "stare_agent.config",
+    "evaluate": "stare_agent.evaluate",
+    "Learner": "stare_agent.learner",
+    "sft": "stare_agent.sft",
+    "Trainer": "stare_agent.trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'stare_agent' has no attribute {name!r}")

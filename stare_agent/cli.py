@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -86,6 +87,15 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sft(args: argparse.Namespace) -> int:
+    from stare_agent.config import load_config
+    from stare_agent.sft import sft
+
+    summary = sft(load_config(args.config, args.overrides))
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from stare_agent.plots import plot_run
 
@@ -162,8 +172,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         from stare_agent.config import ConfigError
         from stare_agent.engines.sglang_engine import SGLangUnavailableError
         from stare_agent.models import ModelLoadError
+        from stare_agent.sft_data import SFTDataError
 
-        errors += [ConfigError, ModelLoadError, SGLangUnavailableError]
+        errors += [ConfigError, ModelLoadError, SGLangUnavailableError, SFTDataError]
     except ImportError:
         pass
     return tuple(errors)
