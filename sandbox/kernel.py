@@ -186,6 +186,7 @@ class KernelDriver:
                 if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status":
                     self._drain_shell()
                     self.ready = True
+                    self.run_quiet(WARM_TRACEBACKS, max(1.0, deadline - time.monotonic()))
                     self.run_quiet(BOOT_SNAPSHOT, max(1.0, deadline - time.monotonic()))
                     return
             if time.monotonic() > deadline:
@@ -220,7 +221,11 @@ class KernelDriver:
             cpu_before = meter.cpu_seconds()
         started = time.monotonic()
         deadline = started + timeout
-        msg_id = self.client.execute(code, silent=False, store_history=True, allow_stdin=False)
+        # stop_on_error=False: after an error ipykernel otherwise aborts every request that reaches
+        # it before its event loop turns once more, which a fast next call does.
+        msg_id = self.client.execute(
+            code, silent=False, store_history=True, allow_stdin=False, stop_on_error=False
+        )
         stdout, stderr = OutputBuffer(self.max_output_chars), OutputBuffer(self.max_output_chars)
         error: ExecError | None = None
         timed_out = state_lost = False
@@ -336,9 +341,18 @@ BOOT_SNAPSHOT = (
     "exec('import os, sys, types\\n"
     'boot = sys.modules["_stare_boot"] = types.ModuleType("_stare_boot")\\n'
     "boot.environ = dict(os.environ)\\n"
-    "boot.path = list(sys.path)\\n', {})"
+    "boot.path = list(sys.path)\\n"
+    'for name in ("last_type", "last_value", "last_traceback", "last_exc"):\\n'
+    "    sys.__dict__.pop(name, None)\\n', {})"
 )
-"""Run once after each kernel start: what ``reset_code`` restores (outside the user namespace)."""
+"""Run once after each kernel start (outside the user namespace): records what ``reset_code``
+restores, and forgets the error of ``WARM_TRACEBACKS`` (``sys.last_*``)."""
+
+WARM_TRACEBACKS = "1/0"
+"""Run once after each kernel start, and fails on purpose: the first error in a kernel pays for
+the lazy imports of IPython's traceback machinery (~100-150 ms here), so it is paid before the
+sandbox is handed out. ``BOOT_SNAPSHOT``, run next, forgets it (``sys.last_*``)."""
+
 
 _RESET_SOURCE = """
 import os, shutil, signal, sys

@@ -43,6 +43,12 @@ def test_stderr_and_error_fields(sb: DockerSandbox) -> None:
     assert "\x1b[" not in result.error.traceback and "raise KeyError" in result.error.traceback
 
 
+def test_call_right_after_an_error_runs(sb: DockerSandbox) -> None:
+    for i in range(10):  # ipykernel's stop-on-error abort window must not swallow the next call
+        assert sb.run("1/0").error.type == "ZeroDivisionError"
+        assert sb.run(f"{i} * 2").stdout == f"{i * 2}\n"
+
+
 def test_output_cap_has_marker(sb: DockerSandbox) -> None:
     result = sb.run("print('a' * 5000)")
     assert result.truncated and "[4001 characters truncated]" in result.stdout

@@ -139,6 +139,13 @@ def test_close_removes_everything_and_is_idempotent() -> None:
         sandbox.run("1")
 
 
+def test_start_warms_tracebacks_without_leaving_a_trace() -> None:
+    with LocalSandbox() as fresh:  # its start ran one failing cell (sandbox.kernel.WARM_TRACEBACKS)
+        result = fresh.run("import sys\nhasattr(sys, 'last_value'), len(In), len(Out), _")
+        assert result.stdout == "(False, 2, 0, '')\n"
+        assert "stack_data" in fresh.run("import sys\nsorted(sys.modules)").stdout
+
+
 def test_unknown_backend_names_the_choices() -> None:
     with pytest.raises(ValueError, match="use 'auto', 'docker' or 'local'"):
         make_sandbox("podman")  # type: ignore[arg-type]
