@@ -283,6 +283,15 @@ class SandboxPool:
     def closed(self) -> bool:
         return self._closed
 
+    def __copy__(self) -> SandboxPool:
+        """The pool itself: a pool is a shared resource, never duplicated (Gymnasium deep-copies
+        ``make`` kwargs such as ``pool=`` when it reads ``env.spec``)."""
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> SandboxPool:
+        """The pool itself (see ``__copy__``)."""
+        return self
+
     def __enter__(self) -> SandboxPool:
         return self
 

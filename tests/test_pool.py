@@ -7,6 +7,7 @@ Docker backends, including a process killed with SIGINT mid-lease.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,24 @@ def settled(pool: SandboxPool) -> PoolStats:
 
 
 # ---------------------------------------------------------------------------- construction
+
+
+def test_copies_are_the_pool_itself_so_gymnasium_make_can_take_it():
+    import gymnasium
+
+    import envs  # noqa: F401 - registers stare/CodeInterpreter-v0
+
+    with SandboxPool(1, factory=Factory()) as pool:
+        assert copy.copy(pool) is pool and copy.deepcopy({"pool": pool})["pool"] is pool
+        env = gymnasium.make("stare/CodeInterpreter-v0", pool=pool)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # Gymnasium warns when it cannot copy the spec
+                assert env.spec is not None and env.spec.kwargs["pool"] is pool
+            assert env.unwrapped.pool is pool
+        finally:
+            env.close()
+        assert not pool.closed and pool.stats().idle == 1  # the env does not close a pool it was given
 
 
 def test_starts_size_sandboxes_in_parallel():
