@@ -10,6 +10,17 @@ filesystem, size-limited tmpfs ``/work`` (and a small ``/tmp``), ``cap_drop=ALL`
 ``no-new-privileges``, memory limit == memory+swap limit, pids limit, CPU quota, container log
 capped at 1 MB, never privileged, never the Docker socket, never the host's environment.
 
+The connection dir ``/conn`` (host: ``DockerSandbox.dir``): owned by the host user, its group
+is one the kernel belongs to (the kernel's own gid when the host runs as root; else the host
+user's gid, added to the kernel with ``group_add``), and the kernel runs under ``umask 007``, so
+its socket files are group-connectable whoever the host user is. The kernel may write there only
+while it starts (mode 2770); once it has answered, the dir is locked (2750) until the next
+restart. So code in the sandbox can neither create, delete nor replace (e.g. by a symlink to a
+host socket) the files the host connects to: zmq reconnects by path, on its own, whenever a
+connection drops, so checking the paths before connecting would not be enough. A restart (kill,
+rewrite ``kernel.json``, unlock, start) happens only while no process of the old container is
+left, and the new kernel runs no user code before the lock.
+
 Resets: ``reset()`` is soft by default (clear the namespace, env, ``/work`` and ``/tmp``, kill
 every process but tini and the kernel; milliseconds), ``reset(hard=True)`` restarts the container
 (a fresh kernel process and fresh tmpfs mounts; about a second). A kernel that hangs in C code or
@@ -43,6 +54,18 @@ CONN_DIR = "/conn"
 WORK_DIR = "/work"
 TMP_MB = 16
 IPYTHON_DIR = "/tmp/.ipython"
+CONN_OPEN = 0o2770
+"""Mode of the connection dir while a kernel starts (setgid: its sockets get the dir's group)."""
+CONN_LOCKED = 0o2750
+"""Mode of the connection dir while user code can run: read-only for the kernel's group."""
+
+KERNEL_COMMAND = (
+    "python3",
+    "-c",
+    "import os, runpy; os.umask(0o007); "
+    "runpy.run_module('ipykernel_launcher', run_name='__main__', alter_sys=True)",
+)
+"""The kernel under ``umask 007``: its socket files are mode 0770, connectable through the group."""
 
 
 def docker_client(timeout: float = 30.0) -> Any:
@@ -66,8 +89,9 @@ def docker_client(timeout: float = 30.0) -> Any:
     return client
 
 
-def container_options(config: SandboxConfig, conn_dir: Path) -> dict[str, Any]:
-    """Keyword arguments of ``containers.run`` for one hardened sandbox container."""
+def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``containers.run`` for one hardened sandbox container; ``conn_group``
+    is a supplementary group for the kernel (the host user's, when the host is not root)."""
     uid, _, gid = config.user.partition(":")
     gid = gid or uid
     env = {
@@ -80,7 +104,8 @@ def container_options(config: SandboxConfig, conn_dir: Path) -> dict[str, Any]:
     }
     memory = f"{config.memory_mb}m"
     return {
-        "command": ["python3", "-m", "ipykernel_launcher", "-f", f"{CONN_DIR}/kernel.json", *KERNEL_ARGS],
+        "command": [*KERNEL_COMMAND, "-f", f"{CONN_DIR}/kernel.json", *KERNEL_ARGS],
+        "group_add": [str(conn_group)] if conn_group is not None else [],
         "detach": True,
         "environment": env,
         "user": config.user,
@@ -106,9 +131,9 @@ def container_options(config: SandboxConfig, conn_dir: Path) -> dict[str, Any]:
     }
 
 
-def _write_connection_files(conn_dir: Path, owner: int | None) -> dict[str, Any]:
-    """The kernel's connection file (container paths) and the host's view of it."""
-    info = {
+def _connection_info() -> dict[str, Any]:
+    """A new kernel's connection info, with container paths."""
+    return {
         "transport": "ipc",
         "ip": f"{CONN_DIR}/k",
         "shell_port": 1,
@@ -120,20 +145,29 @@ def _write_connection_files(conn_dir: Path, owner: int | None) -> dict[str, Any]
         "signature_scheme": "hmac-sha256",
         "kernel_name": "python3",
     }
+
+
+def _write_connection_file(conn_dir: Path, info: dict[str, Any], group: int) -> None:
+    """(Re)write ``kernel.json``, readable by the owner and ``group`` only. The kernel rewrites
+    it as its own at start, so the old file is removed first."""
     path = conn_dir / "kernel.json"
-    path.write_text(json.dumps(info))
-    if owner is not None:
-        os.chown(path, owner, owner)
-    path.chmod(0o600 if owner is not None else 0o644)
-    return {**info, "ip": str(conn_dir / "k")}
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(info))
+    os.chown(path, -1, group)
+    path.chmod(0o640)
 
 
 class _ContainerKernel:
     """The container as a ``KernelHost``: tini forwards SIGINT; a restart replaces the kernel."""
 
-    def __init__(self, container: Any, memory_mb: int) -> None:
+    def __init__(
+        self, container: Any, memory_mb: int, conn_dir: Path, info: dict[str, Any], group: int
+    ) -> None:
         self.container = container
         self.memory_mb = memory_mb
+        self.conn_dir, self.info, self.group = conn_dir, info, group
         # The cgroup path survives restarts (the counters start again), so it is looked up once,
         # through the host pid of the container's init (``containers.run`` returns the container
         # as created, without it).
@@ -151,7 +185,13 @@ class _ContainerKernel:
             logger.debug("interrupt failed: %s", exc)
 
     def restart(self) -> None:
-        self.container.restart(timeout=0)
+        self.container.stop(timeout=0)  # waits until every process of the container is gone
+        _write_connection_file(self.conn_dir, self.info, self.group)
+        self.conn_dir.chmod(CONN_OPEN)
+        self.container.start()
+
+    def ready(self) -> None:
+        self.conn_dir.chmod(CONN_LOCKED)
 
     def is_alive(self) -> bool:
         try:
@@ -206,17 +246,18 @@ class DockerSandbox(Sandbox):
     def _start(self) -> None:
         import docker.errors
 
-        owner = int(self.config.user.split(":")[0]) if os.geteuid() == 0 else None
-        if owner is not None:
-            os.chown(self.dir, owner, owner)
-            self.dir.chmod(0o700)
-        else:
-            self.dir.chmod(0o777)  # the kernel's uid must create its sockets here
-        info = _write_connection_files(self.dir, owner)
+        # Root reaches any socket; the kernel's gid then suffices. A user reaches the sockets
+        # through its own group, which the kernel is given.
+        uid, _, gid = self.config.user.partition(":")
+        root = os.geteuid() == 0
+        group = int(gid or uid) if root else os.getegid()
+        os.chown(self.dir, -1, group)
+        self.dir.chmod(CONN_OPEN)
+        info = _connection_info()
+        _write_connection_file(self.dir, info, group)
+        options = container_options(self.config, self.dir, None if root else group)
         try:
-            self.container = self._client.containers.run(
-                self.config.image, **container_options(self.config, self.dir)
-            )
+            self.container = self._client.containers.run(self.config.image, **options)
         except docker.errors.ImageNotFound as exc:
             raise SandboxUnavailable(
                 f"sandbox image {self.config.image} not found: run `stare-agent sandbox build`"
@@ -225,9 +266,9 @@ class DockerSandbox(Sandbox):
             raise SandboxError(
                 f"could not start a sandbox container ({exc.explanation or exc}): run `stare-agent sandbox doctor`"
             ) from exc
-        host = _ContainerKernel(self.container, self.config.memory_mb)
+        host = _ContainerKernel(self.container, self.config.memory_mb, self.dir, info, group)
         self._driver = KernelDriver(
-            info,
+            {**info, "ip": str(self.dir / "k")},
             host,
             max_output_chars=self.config.max_output_chars,
             restart_grace_s=self.config.restart_grace_s,

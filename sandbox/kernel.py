@@ -72,6 +72,9 @@ class KernelHost(Protocol):
         """Kill the kernel (and everything it started) and launch a fresh one with the same
         connection file. Returns without waiting for the new kernel to answer."""
 
+    def ready(self) -> None:
+        """Called when a (re)started kernel has answered, before any code runs in it."""
+
     def is_alive(self) -> bool:
         """True while the kernel process runs."""
 
@@ -185,6 +188,7 @@ class KernelDriver:
                     continue
                 if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status":
                     self._drain_shell()
+                    self.host.ready()
                     self.ready = True
                     self.run_quiet(WARM_TRACEBACKS, max(1.0, deadline - time.monotonic()))
                     self.run_quiet(BOOT_SNAPSHOT, max(1.0, deadline - time.monotonic()))

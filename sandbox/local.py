@@ -198,6 +198,9 @@ class _LocalKernel:
         self.kill()
         self.launch()
 
+    def ready(self) -> None:
+        pass
+
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 

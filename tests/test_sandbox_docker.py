@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import docker
 import pytest
@@ -111,3 +116,26 @@ def test_close_leaves_no_container_or_temp_dir(docker_ready) -> None:
     assert not folder.exists()
     with pytest.raises(SandboxClosed):
         sandbox.run("1")
+
+
+NON_ROOT_CHILD = """
+import os
+from sandbox import DockerSandbox
+with DockerSandbox(start_timeout=60) as sb:
+    print(os.geteuid(), sb.run("6 * 7").stdout.strip(), sb.run("import os; os._exit(1)").error.type,
+          sb.run("1 + 1").stdout.strip())
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None or not Path("/var/run/docker.sock").exists(),
+    reason="needs root (to start a child as another user), setpriv and a local Docker socket",
+)
+def test_a_non_root_host_user_other_than_the_kernels_uid_connects(docker_ready) -> None:
+    docker_gid = os.stat("/var/run/docker.sock").st_gid
+    child = subprocess.run(
+        ["setpriv", "--reuid=4242", "--regid=4242", f"--groups={docker_gid}", sys.executable, "-c", NON_ROOT_CHILD],
+        cwd="/tmp", env={"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HOME": "/tmp", "PATH": os.environ["PATH"]},
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert child.stdout.split() == ["4242", "42", "KernelDied", "2"], child.stderr[-2000:]

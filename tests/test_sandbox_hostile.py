@@ -131,6 +131,16 @@ def test_background_process_is_killed_on_reset(sb: DockerSandbox) -> None:
     assert r"sleep\x001000" not in result.stdout and "python3" in result.stdout
 
 
+def test_connection_sockets_cannot_be_replaced(sb: DockerSandbox) -> None:
+    # A symlink in place of a socket would send the host's (re)connection to a host socket.
+    result = sb.run("import os\nos.unlink('/conn/k-1')\nos.symlink('/var/run/docker.sock', '/conn/k-1')")
+    assert result.error.type == "PermissionError"
+    assert sb.run("import os\nos.rename('/conn/k-2', '/conn/x')").error.type == "PermissionError"
+    assert sb.run("open('/conn/k-9', 'w')").error.type == "PermissionError"
+    assert sb.run("import os; os._exit(1)").error.type == "KernelDied"  # restart: unlock, start, lock
+    assert sb.run("import os\nos.unlink('/conn/k-1')").error.type == "PermissionError"
+
+
 def test_sleeping_past_the_timeout_is_interrupted(sb: DockerSandbox) -> None:
     sb.run("kept = 1")
     result = sb.run("import time\nprint('zz')\ntime.sleep(100)", timeout=1)
