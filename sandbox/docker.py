@@ -75,7 +75,7 @@ def docker_client(timeout: float = 30.0) -> Any:
         SandboxUnavailable: the SDK is missing or the daemon does not answer.
     """
     try:
-        import docker
+        import docker  # type: ignore[import-untyped]  # no stubs without types-docker
     except ImportError as exc:
         raise SandboxUnavailable("the docker SDK is not installed: pip install docker") from exc
     try:
@@ -244,7 +244,7 @@ class DockerSandbox(Sandbox):
             raise
 
     def _start(self) -> None:
-        import docker.errors
+        import docker.errors  # type: ignore[import-untyped]
 
         # Root reaches any socket; the kernel's gid then suffices. A user reaches the sockets
         # through its own group, which the kernel is given.

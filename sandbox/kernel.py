@@ -27,9 +27,10 @@ import collections
 import queue
 import re
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.connect import KernelConnectionInfo
 
 from sandbox.errors import SandboxError
 from sandbox.result import ExecError, ExecResult
@@ -153,7 +154,7 @@ class KernelDriver:
         self.max_output_chars = max_output_chars
         self.restart_grace_s = restart_grace_s
         self.client = BlockingKernelClient()
-        self.client.load_connection_info(connection_info)
+        self.client.load_connection_info(cast(KernelConnectionInfo, connection_info))
         self.client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
         # The channels themselves, not BlockingKernelClient.get_*_msg: those run each read through
         # an asyncio loop (jupyter_core.run_sync), about 0.1 ms a message.

@@ -162,7 +162,7 @@ class _LocalKernel:
         ]
         with open(self.log_file, "ab") as log:
             self.process = launch_kernel(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(self.env), cwd=str(self.work_dir)
+                cmd, stdout=log.fileno(), stderr=subprocess.STDOUT, env=dict(self.env), cwd=str(self.work_dir)
             )
         self.usage = ProcessUsage(self.process.pid)
 
