@@ -512,7 +512,7 @@ def processes_with(token: str) -> list[int]:
 def containers_with(token: str) -> list[str]:
     """Sandbox containers (running or not) whose environment holds ``token``."""
     try:
-        import docker
+        import docker  # type: ignore[import-untyped]
     except ImportError:
         return []
     try:
