@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers_tokenizers import TOKENIZERS
+from tests.helpers_tokenizers import TOKENIZERS
 
 from envs.code_interpreter import CodeInterpreterEnv
 from envs.problems import Problem
