@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if TYPE_CHECKING:
+    from stare_agent.cold_start import sft
     from stare_agent.config import RunConfig, load_config
-    from stare_agent.evaluate import evaluate
+    from stare_agent.evaluation import evaluate
     from stare_agent.learner import Learner
-    from stare_agent.sft import sft
     from stare_agent.trainer import Trainer
 
 __all__ = ["Learner", "RunConfig", "Trainer", "evaluate", "load_config", "sft"]
@@ -27,9 +27,9 @@ __all__ = ["Learner", "RunConfig", "Trainer", "evaluate", "load_config", "sft"]
 _LAZY = {
     "RunConfig": "stare_agent.config",
     "load_config": "stare_agent.config",
-    "evaluate": "stare_agent.evaluate",
+    "evaluate": "stare_agent.evaluation",
     "Learner": "stare_agent.learner",
-    "sft": "stare_agent.sft",
+    "sft": "stare_agent.cold_start",
     "Trainer": "stare_agent.trainer",
 }
 

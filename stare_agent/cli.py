@@ -53,7 +53,7 @@ def _eval(args: argparse.Namespace) -> int:
     from envs.problems import load_problems
     from envs.rollout import SamplingParams
     from stare_agent.engines import TransformersEngine
-    from stare_agent.evaluate import evaluate
+    from stare_agent.evaluation import evaluate
     from stare_agent.models import load_policy
 
     problems = load_problems(args.data)  # fail on a bad path before loading a model
@@ -88,8 +88,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _sft(args: argparse.Namespace) -> int:
+    from stare_agent.cold_start import sft
     from stare_agent.config import load_config
-    from stare_agent.sft import sft
 
     summary = sft(load_config(args.config, args.overrides))
     print(json.dumps(summary, indent=2, default=str))

@@ -341,7 +341,7 @@ class TrainerConfig:
 
 @dataclass
 class SFTConfig:
-    """Cold-start SFT (``stare_agent.sft``): only model-written tokens are trained.
+    """Cold-start SFT (``stare_agent.cold_start``): only model-written tokens are trained.
 
     Attributes:
         data: Traces: a JSONL/Parquet file, a Hugging Face dataset name (the paper's cold start is

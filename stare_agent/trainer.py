@@ -406,7 +406,7 @@ class Trainer:
 
     def evaluate(self) -> Any:
         """Validation on ``data.eval`` with the current policy (avg@k etc.)."""
-        from stare_agent.evaluate import evaluate
+        from stare_agent.evaluation import evaluate
 
         data, env = self.config.data, self.config.env
         return evaluate(

@@ -8,7 +8,7 @@ import pytest
 
 from envs.problems import Problem
 from stare_agent.engines.scripted import ScriptedEngine
-from stare_agent.evaluate import evaluate, majority_correct, pass_at_k
+from stare_agent.evaluation import evaluate, majority_correct, pass_at_k
 from tests.helpers_tokenizers import smollm2_tokenizer
 
 CODE_TURN = "I'll compute it.\n<code>\n```python\nprint(6 * 7)\n```\n</code>"

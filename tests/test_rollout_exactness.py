@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from tests.helpers_tokenizers import TOKENIZERS
 
 from envs.code_interpreter import CodeInterpreterEnv
 from envs.problems import Problem
 from envs.rollout import Engine, Generation, RolloutError, RolloutRunner, SamplingParams, render_chat
 from envs.trajectory import Trajectory
 from stare_agent.engines.scripted import ScriptedEngine, ScriptError
+from tests.helpers_tokenizers import TOKENIZERS
 
 PROBLEMS = [
     Problem(id="mul", problem="What is 6 * 7?", answer="42"),

@@ -10,10 +10,10 @@ from transformers import AutoModelForCausalLM
 
 from envs.problems import generate_problems
 from sandbox import make_sandbox
+from stare_agent.cold_start import load_sft_traces, sft
 from stare_agent.config import load_config
 from stare_agent.learner import Learner
 from stare_agent.models import load_tokenizer, tiny_model
-from stare_agent.sft import load_sft_traces, sft
 from stare_agent.sft_data import (
     SFTDataError,
     openai_trace,

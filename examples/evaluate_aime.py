@@ -1,0 +1,48 @@
+"""Tool-use evaluation on AIME 2024 (or any problem file / hub dataset) with the code interpreter.
+
+python examples/evaluate_aime.py                                   # embedded SmolLM2-135M, 5 problems
+python examples/evaluate_aime.py --model Qwen/Qwen2.5-7B-Instruct --limit 30 --samples 32
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from stare_agent import evaluate
+from stare_agent.engines import TransformersEngine
+from stare_agent.models import load_policy, tiny_model
+
+AIME_2024 = Path(__file__).resolve().parents[2] / "shared" / "data" / "aime2024.jsonl"
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", default="embedded:smollm2-135m-instruct", help="HF id, path, or 'tiny' (tests)"
+    )
+    parser.add_argument("--data", default=str(AIME_2024), help="JSONL/Parquet file or hub dataset name")
+    parser.add_argument("--samples", type=int, default=2, help="k sampled episodes per problem")
+    parser.add_argument("--limit", type=int, default=5, help="first N problems")
+    parser.add_argument("--max-response-tokens", type=int, default=512)
+    parser.add_argument("--backend", default="auto", choices=["auto", "docker", "local"])
+    parser.add_argument("--out", default="runs/eval_aime")
+    args = parser.parse_args(argv)
+
+    model, tokenizer = tiny_model() if args.model == "tiny" else load_policy(args.model)
+    report = evaluate(
+        args.data,
+        engine=TransformersEngine(model, tokenizer),
+        tokenizer=tokenizer,
+        samples=args.samples,
+        limit=args.limit,
+        max_response_tokens=args.max_response_tokens,
+        env_kwargs={"format": "retool", "sandbox_backend": args.backend, "max_turns": 4},
+        out_dir=args.out,
+    )
+    print(report.table())
+    return report
+
+
+if __name__ == "__main__":
+    main()
