@@ -89,6 +89,7 @@ class EvalReport:
     samples: int
     metrics: dict[str, float]
     problems: list[ProblemResult]
+    trajectories: list[Trajectory] = field(default_factory=list, repr=False)  # with keep_trajectories
 
     def table(self) -> str:
         """The metrics as an aligned two-column text table."""
@@ -146,6 +147,7 @@ def evaluate(
     env_kwargs: dict[str, Any] | None = None,
     out_dir: str | Path | None = None,
     progress: bool = True,
+    keep_trajectories: bool = False,
 ) -> EvalReport:
     """Evaluate a policy with the code tool: ``samples`` episodes per problem.
 
@@ -161,6 +163,7 @@ def evaluate(
         env_kwargs: Passed to ``CodeInterpreterEnv`` (format, pool, sandbox_backend, max_turns, ...).
         out_dir: When given, per-problem ``results.jsonl`` and ``summary.json`` are written there.
         progress: Show a progress bar.
+        keep_trajectories: Return every episode's ``Trajectory`` in ``report.trajectories``.
     """
     if samples < 1 or batch_size < 1:
         raise ValueError(
@@ -188,6 +191,7 @@ def evaluate(
         for _ in range(min(batch_size, len(jobs)))
     ]
     bar = _progress(len(jobs), progress)
+    kept: list[Trajectory] = []
     try:
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]
@@ -198,6 +202,8 @@ def evaluate(
             )
             for (problem, _), trajectory in zip(chunk, trajectories, strict=True):
                 results[problem.id].add(trajectory)
+            if keep_trajectories:
+                kept.extend(trajectories)
             if bar is not None:
                 bar.update(len(chunk))
     finally:
@@ -208,7 +214,9 @@ def evaluate(
         if own_pool:
             kwargs["pool"].close()
     ordered = [results[p.id] for p in problem_list]
-    report = EvalReport(samples=samples, metrics=summarize(ordered, samples), problems=ordered)
+    report = EvalReport(
+        samples=samples, metrics=summarize(ordered, samples), problems=ordered, trajectories=kept
+    )
     if out_dir is not None:
         report.write(out_dir)
     return report

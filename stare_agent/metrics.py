@@ -58,6 +58,30 @@ def rollout_metrics(
     return metrics
 
 
+def policy_entropy(
+    model: Any, trajectories: Sequence[Trajectory], pad_id: int, *, batch_size: int = 8
+) -> float:
+    """Mean full-vocabulary entropy of ``model`` over the model-written (mask-1) tokens of trajectories.
+
+    The same quantity as the STARE gate's Hbar, for a policy outside training (e.g. before/after tables).
+    """
+    import torch
+
+    from stare_agent.algorithms import causal_lm_logprobs_and_entropy
+    from stare_agent.batch import collate
+
+    total, count = 0.0, 0.0
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for start in range(0, len(trajectories), batch_size):
+            batch = collate(list(trajectories[start : start + batch_size]), pad_id, device)
+            _, entropy = causal_lm_logprobs_and_entropy(model, batch["input_ids"], batch["attention_mask"])
+            mask = batch["response_mask"]
+            total += float((entropy.float() * mask).sum())
+            count += float(mask.sum())
+    return total / count if count else float("nan")
+
+
 class StepLogger:
     """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
 
