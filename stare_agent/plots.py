@@ -25,6 +25,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     records = read_metrics(run_dir)
     if not records:
@@ -45,6 +46,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             targets = [r["H_tgt"] for r in records if "H_tgt" in r]
             if targets:
                 ax.axhline(float(targets[-1]), ls="--", color="gray", label=f"H_tgt = {targets[-1]:g}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
