@@ -217,6 +217,8 @@ class DataConfig:
         eval: Validation problems (same kinds), or None. The paper validates on AIME 2024 / 2025.
         eval_samples: Samples per validation problem, reported as avg@k (the paper: 32).
         eval_limit: Use at most this many validation problems (None: all).
+        eval_temperature: Sampling temperature of validation (the paper: 1.0; 0 = greedy).
+        eval_top_p: Nucleus mass of validation (the paper: 0.7).
         difficulty: Difficulty (1-3) of procedurally generated problems.
         prompts_per_step: Prompts (groups) per optimizer step after dynamic sampling (paper: 64).
         samples_per_prompt: Responses per prompt, the group size G (paper: 8).
@@ -229,6 +231,8 @@ class DataConfig:
     eval: str | None = None
     eval_samples: int = 32
     eval_limit: int | None = None
+    eval_temperature: float = 1.0
+    eval_top_p: float = 0.7
     difficulty: int = 1
     prompts_per_step: int = 64
     samples_per_prompt: int = 8
@@ -242,6 +246,11 @@ class DataConfig:
             raise ConfigError(
                 f"data.samples_per_prompt={self.samples_per_prompt}: GRPO needs a group of >= 2 samples "
                 "per prompt (the paper: 8)"
+            )
+        if self.eval_temperature < 0 or not 0 < self.eval_top_p <= 1:
+            raise ConfigError(
+                f"data.eval_temperature={self.eval_temperature} must be >= 0 and data.eval_top_p="
+                f"{self.eval_top_p} in (0, 1]: the paper validates at 1.0 / 0.7"
             )
         if self.eval_limit is not None and self.eval_limit < 1:
             raise ConfigError(f"data.eval_limit={self.eval_limit} must be >= 1, or null for all problems")

@@ -416,7 +416,9 @@ class Trainer:
             engine=self.engine,
             tokenizer=self.tokenizer,
             samples=data.eval_samples,
-            sampling=SamplingParams(temperature=env.temperature, top_p=0.7, seed=self.config.trainer.seed),
+            sampling=SamplingParams(
+                temperature=data.eval_temperature, top_p=data.eval_top_p, seed=self.config.trainer.seed
+            ),
             max_response_tokens=env.max_response_tokens,
             env_kwargs={
                 "format": env.format,
