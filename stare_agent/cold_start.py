@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import random
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from envs.trajectory import Trajectory
 from stare_agent.config import RunConfig, resolve_precision
@@ -39,7 +39,6 @@ from stare_agent.sft_data import (
     trace_to_trajectory,
 )
 
-logger = logging.getLogger(__name__)
 LOG_FILENAME = "sft_log.jsonl"
 
 
@@ -132,7 +131,8 @@ def sft(config: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[
     rng = random.Random(config.trainer.seed)
     losses: list[float] = []
     skipped = step = 0
-    with _JsonlLog(log_path, rank == 0) as log:
+    bar = tqdm(total=total_steps, desc="SFT steps", unit="step", disable=rank != 0)
+    with _JsonlLog(log_path, rank == 0) as log, bar:
         for epoch in range(sft_cfg.epochs):
             order = list(range(len(trajectories)))
             rng.shuffle(order)
@@ -151,10 +151,8 @@ def sft(config: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[
                         **{k: metrics[k] for k in ("loss", "grad_norm", "lr", "skipped", "tokens")},
                     }
                 )
-                if rank == 0:
-                    logger.info(
-                        "sft step %d/%d loss %.4f lr %.2e", step, total_steps, metrics["loss"], metrics["lr"]
-                    )
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}")
         output_dir = Path(sft_cfg.output_dir) if sft_cfg.output_dir else run_dir / "sft_model"
         learner.export_hf(output_dir)
         summary = {
