@@ -96,6 +96,13 @@ def _sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quickstart(args: argparse.Namespace) -> int:
+    from stare_agent.quickstart import CONFIG, quickstart
+
+    quickstart(args.config or CONFIG, args.overrides)
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from stare_agent.plots import plot_run
 
@@ -156,9 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output directory (default RUN_DIR/plots)")
     p.set_defaults(func=_plot)
 
-    p = sub.add_parser("quickstart", help="the main job on the embedded default model")
-    p.add_argument("--backend", default="auto", choices=["auto", "docker", "local"])
-    p.set_defaults(func=_sandbox_demo)
+    p = sub.add_parser("quickstart", help="the main job: baseline eval, cold-start SFT, STARE RL, eval again")
+    p.add_argument("--config", default=None, help="default: configs/quickstart.yaml")
+    p.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=5 sandbox.backend=local"
+    )
+    p.set_defaults(func=_quickstart)
     return parser
 
 

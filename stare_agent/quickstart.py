@@ -1,0 +1,205 @@
+"""`stare-agent quickstart`: the main job on the embedded SmolLM2-135M-Instruct, on a CPU.
+
+1. sandbox   Docker when a daemon and the image are there (the image is built if only it is
+             missing), else the local backend with its warning
+2. model     the embedded model (converted from GGUF once, then cached)
+3. baseline  tool-use evaluation on held-out procedural problems
+4. SFT       ReTool traces made by running solution code in the sandbox; cold-start SFT
+5. RL        a few STARE-O1 steps
+6. after     the same evaluation; a before/after table and where everything was written
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from stare_agent.config import load_config
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+
+
+def pick_backend(requested: str) -> str:
+    """``docker`` when usable (building the image if only it is missing), else ``local`` for ``auto``."""
+    if requested != "auto":
+        return requested
+    from sandbox import docker_available
+    from sandbox.build import build_image, image_exists
+    from sandbox.config import DEFAULT_IMAGE
+    from sandbox.docker import docker_client
+
+    if docker_available():
+        return "docker"
+    try:
+        docker_client(timeout=5).ping()
+        daemon = True
+    except Exception:  # noqa: BLE001 - any failure means "no daemon here"
+        daemon = False
+    if daemon and not image_exists(DEFAULT_IMAGE):
+        print(f"building the sandbox image {DEFAULT_IMAGE} (once, about 2 minutes)")
+        try:
+            build_image(DEFAULT_IMAGE)
+            return "docker"
+        except Exception as exc:  # noqa: BLE001 - fall back, loudly
+            print(f"could not build the sandbox image ({exc}); falling back to the local backend")
+    print(
+        "Docker is not usable here (`stare-agent sandbox doctor` says why): using the local backend, "
+        "whose isolation is weaker: run only trusted models with it"
+    )
+    return "local"
+
+
+def quickstart(
+    config_path: str | Path = CONFIG, overrides: tuple[str, ...] | list[str] = ()
+) -> dict[str, Any]:
+    """Run the main job (see the module docstring); returns the before/after numbers and paths."""
+    import torch
+
+    from envs.rollout import SamplingParams
+    from sandbox import SandboxPool
+    from stare_agent.cold_start import sft
+    from stare_agent.engines import TransformersEngine
+    from stare_agent.evaluation import evaluate
+    from stare_agent.metrics import policy_entropy, read_metrics
+    from stare_agent.models import load_policy
+    from stare_agent.plots import plot_run
+    from stare_agent.trainer import Trainer, eval_problems, latest_checkpoint
+
+    start = time.perf_counter()
+    times: dict[str, float] = {}
+    config = load_config(config_path, list(overrides))
+    run_dir = Path(config.trainer.run_dir)
+
+    def phase(name: str, t0: float) -> None:
+        times[name] = time.perf_counter() - t0
+        print(f"[{name}] done in {times[name]:.0f} s", flush=True)
+
+    # 1. sandbox
+    t0 = time.perf_counter()
+    backend = pick_backend(config.sandbox.backend)
+    config = replace(config, sandbox=replace(config.sandbox, backend=backend))
+    print(f"[sandbox] backend: {backend}")
+    phase("sandbox", t0)
+
+    # 2. model
+    t0 = time.perf_counter()
+    torch.manual_seed(config.trainer.seed)
+    model, tokenizer = load_policy(config.model.name_or_path)
+    phase("model", t0)
+
+    data, env = config.data, config.env
+    problems = eval_problems(
+        data.eval or "mixed", seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
+    )
+    pool = SandboxPool(config.sandbox.pool_size, backend=backend, config=config.sandbox.limits)
+    try:
+
+        def run_eval(tag: str) -> dict[str, float]:
+            t = time.perf_counter()
+            report = evaluate(
+                problems,
+                engine=TransformersEngine(model, tokenizer),
+                tokenizer=tokenizer,
+                samples=data.eval_samples,
+                sampling=SamplingParams(
+                    temperature=data.eval_temperature, top_p=data.eval_top_p, seed=config.trainer.seed
+                ),
+                max_response_tokens=env.max_response_tokens,
+                batch_size=max(config.sandbox.pool_size, 1),
+                env_kwargs={
+                    "format": env.format,
+                    "pool": pool,
+                    "max_turns": env.max_turns,
+                    "max_tool_calls": env.max_tool_calls,
+                    "system_prompt": env.system_prompt,
+                    "prompt_template": env.prompt_template,
+                },
+                out_dir=run_dir / f"eval_{tag}",
+                keep_trajectories=True,
+            )
+            metrics = dict(report.metrics)
+            metrics["entropy"] = policy_entropy(model, report.trajectories, tokenizer.pad_token_id or 0)
+            phase(f"eval {tag}", t)
+            return metrics
+
+        # 3. baseline
+        before = run_eval("before")
+    finally:
+        pool.close()
+
+    # 4. cold-start SFT (trains `model` in place and exports it)
+    t0 = time.perf_counter()
+    sft_summary = sft(config, model=model, tokenizer=tokenizer)
+    phase("sft", t0)
+
+    # 5. STARE-O1 RL, starting from the SFT model
+    t0 = time.perf_counter()
+    rl_config = replace(config, model=replace(config.model, name_or_path=sft_summary["output_dir"]))
+    Trainer(rl_config, model=model, tokenizer=tokenizer).fit()
+    phase("rl", t0)
+    steps = read_metrics(run_dir)
+    gate_activity = sum(float(r.get("gate_on", 0)) for r in steps) / max(len(steps), 1)
+
+    # 6. after
+    pool = SandboxPool(config.sandbox.pool_size, backend=backend, config=config.sandbox.limits)
+    try:
+        after = run_eval("after")
+    finally:
+        pool.close()
+    plots = plot_run(run_dir)
+    checkpoint = latest_checkpoint(run_dir)
+    result = {
+        "backend": backend,
+        "problems": len(problems),
+        "samples": data.eval_samples,
+        "before": before,
+        "after": after,
+        "gate_activity": gate_activity,
+        "rl_steps": len(steps),
+        "sft": sft_summary,
+        "times_s": times,
+        "total_s": time.perf_counter() - start,
+        "run_dir": str(run_dir),
+        "plots": [str(p) for p in plots],
+        "checkpoint_hf": str(checkpoint / "hf") if checkpoint else None,
+    }
+    (run_dir / "quickstart.json").write_text(json.dumps(result, indent=2, default=str))
+    print(format_table(result))
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The before/after table and the paths, as plain text."""
+    k = result["samples"]
+    b, a = result["before"], result["after"]
+    rows = [
+        (f"tool-use accuracy (avg@{k})", f"{b[f'avg@{k}']:.3f}", f"{a[f'avg@{k}']:.3f}"),
+        (f"pass@{k}", f"{b[f'pass@{k}']:.3f}", f"{a[f'pass@{k}']:.3f}"),
+        (
+            "tool calls per episode",
+            f"{b['tool_calls_per_episode']:.2f}",
+            f"{a['tool_calls_per_episode']:.2f}",
+        ),
+        ("policy entropy (nats/token)", f"{b['entropy']:.3f}", f"{a['entropy']:.3f}"),
+        ("STARE gate on (fraction of RL steps)", "-", f"{result['gate_activity']:.2f}"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    lines = [
+        f"\n{result['problems']} held-out procedural problems x {k} samples, sandbox: {result['backend']}",
+        f"{'':<{width}}  {'before':>8}  {'after':>8}",
+        *(f"{name:<{width}}  {x:>8}  {y:>8}" for name, x, y in rows),
+        "",
+        f"total time: {result['total_s'] / 60:.1f} min  ("
+        + ", ".join(f"{name} {secs:.0f} s" for name, secs in result["times_s"].items())
+        + ")",
+        f"run directory: {result['run_dir']}",
+        f"plots: {Path(result['plots'][0]).parent if result['plots'] else '-'}",
+        f"HF checkpoint: {result['checkpoint_hf']}",
+    ]
+    return "\n".join(lines)
+
+
+__all__ = ["format_table", "pick_backend", "quickstart"]
