@@ -78,6 +78,7 @@ SETTINGS = {
         Setting("bf16-short-lr2e-4-s30", steps=30, lr=2e-4, bf16=True),
         Setting("bf16-bare-lr1e-4-s30", template="bare", steps=30, bf16=True),
         Setting("bf16-explained-lr1e-4-s30", template="explained", steps=30, bf16=True),
+        Setting("bf16-short-lr1e-4-s20", steps=20, bf16=True),
         Setting("bf16-short-lr1e-4-s20-bs12", steps=20, batch_size=12, bf16=True),
         Setting("short-lr3e-5-s40", lr=3e-5),
         Setting("short-lr2e-4-s40", lr=2e-4),
