@@ -232,6 +232,12 @@ class Learner:
 
     def _forward(self, micro: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """(logp, entropy) [b, l-1] of one collated micro-batch, with gradient through logp."""
+        with torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16-autocast"
+        ):
+            return self._forward_inner(micro)
+
+    def _forward_inner(self, micro: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         ids, attention = micro["input_ids"], micro["attention_mask"]
         if self.ds_config.zero_stage == 3:
             # ZeRO-3 partitions the LM head, so score from the logits the model itself computes.

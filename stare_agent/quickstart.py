@@ -91,6 +91,7 @@ def quickstart(
     phase("model", t0)
 
     data, env = config.data, config.env
+    autocast = torch.bfloat16 if config.deepspeed.precision == "bf16-autocast" else None
     problems = eval_problems(
         data.eval or "mixed", seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
     )
@@ -101,7 +102,7 @@ def quickstart(
             t = time.perf_counter()
             report = evaluate(
                 problems,
-                engine=TransformersEngine(model, tokenizer),
+                engine=TransformersEngine(model, tokenizer, autocast_dtype=autocast),
                 tokenizer=tokenizer,
                 samples=data.eval_samples,
                 sampling=SamplingParams(

@@ -402,7 +402,8 @@ class Trainer:
             return SGLangEngine(self.config.model.name_or_path)
         from stare_agent.engines import TransformersEngine
 
-        return TransformersEngine(self.learner.module, self.tokenizer)
+        autocast = torch.bfloat16 if self.learner.precision == "bf16-autocast" else None
+        return TransformersEngine(self.learner.module, self.tokenizer, autocast_dtype=autocast)
 
     def evaluate(self) -> Any:
         """Validation on ``data.eval`` with the current policy (avg@k etc.)."""

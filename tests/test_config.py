@@ -94,7 +94,7 @@ def test_precision_resolution():
     assert resolve_precision("auto", "cpu") == "fp32"
     assert resolve_precision("auto", "cuda") == "bf16"
     with pytest.raises(
-        ConfigError, match="deepspeed.precision=bf16 needs a GPU: use deepspeed.precision=fp32"
+        ConfigError, match="deepspeed.precision=bf16 needs a GPU: use deepspeed.precision=bf16-autocast, fp32"
     ):
         resolve_precision("bf16", "cpu")
 

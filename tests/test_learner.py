@@ -315,3 +315,29 @@ if __name__ == "__main__":  # torchrun entry point of test_two_ranks_take_the_wh
     import sys
 
     _two_rank_worker(sys.argv[1], int(sys.argv[2]))
+
+
+def test_bf16_autocast_on_cpu_keeps_fp32_weights_and_tracks_fp32_scores(batch):
+    """`deepspeed.precision=bf16-autocast`: fp32 master weights, bf16 forward passes."""
+    model, tokenizer = tiny_model(seed=0)
+    fp32_logp = causal_lm_logprobs_and_entropy(model, *_ids_and_mask(batch, tokenizer))[0]
+    learner = Learner.from_config(
+        model, tokenizer, load_config(None, [*LINEAR_ADAM, "deepspeed.precision=bf16-autocast"])
+    )
+    logp, _ = learner.compute_logprobs_and_entropy(batch)
+    mask = collate(batch, learner.pad_id)["attention_mask"][:, 1:].bool()
+    # bf16 activations: close to the fp32 scores, not equal
+    assert torch.allclose(logp[mask], fp32_logp.detach()[mask], atol=0.1)
+    assert not torch.equal(logp[mask], fp32_logp.detach()[mask])
+    before = {k: v.clone() for k, v in learner.module.state_dict().items()}
+    metrics = learner.update(batch, [1.0, -1.0, 0.5, -0.5, 1.0])
+    assert metrics["skipped"] == 0 and math.isfinite(metrics["loss"])
+    after = learner.module.state_dict()
+    assert all(v.dtype == torch.float32 for v in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def _ids_and_mask(batch, tokenizer):
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    b = collate(batch, pad)
+    return b["input_ids"], b["attention_mask"]

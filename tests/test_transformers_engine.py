@@ -214,3 +214,17 @@ def test_cuda_generation_matches_cpu(prompts):
         prompts, SamplingParams(seed=1), []
     )
     assert all(len(g.token_ids) == len(g.logprobs) > 0 for g in sampled)
+
+
+def test_bf16_autocast_generation_returns_float32_logprobs_of_the_sampled_tokens():
+    from envs.rollout import SamplingParams
+    from stare_agent.engines import TransformersEngine
+    from stare_agent.models import tiny_model
+
+    model, tokenizer = tiny_model(seed=0)
+    engine = TransformersEngine(model, tokenizer, autocast_dtype=torch.bfloat16)
+    prompt = tokenizer.encode("What is 2 + 2?", add_special_tokens=False)
+    (gen,) = engine.generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=8, seed=0), [])
+    assert len(gen.token_ids) == len(gen.logprobs) == 8
+    assert all(isinstance(x, float) and x <= 0.0 for x in gen.logprobs)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast leaves weights alone

@@ -41,6 +41,8 @@ class TransformersEngine:
         eos_token_ids: token ids that end a sequence (returned, finish reason ``"eos"``); default
             the model's generation config EOS ids plus the tokenizer's EOS id.
         max_batch_size: prompts are generated in chunks of at most this many sequences.
+        autocast_dtype: run forward passes under ``torch.autocast`` in this dtype (e.g.
+            ``torch.bfloat16`` on a CPU with bf16 support); None: the model's own dtype.
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class TransformersEngine:
         device: str | torch.device | None = None,
         eos_token_ids: Iterable[int] | None = None,
         max_batch_size: int = 64,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}: pass a positive int")
@@ -64,6 +67,7 @@ class TransformersEngine:
             eos_token_ids if eos_token_ids is not None else _default_eos(model, tokenizer)
         )
         self.max_batch_size = max_batch_size
+        self.autocast_dtype = autocast_dtype
         # transformers >= 5.x names the cache argument `cache`; older releases `past_key_values`.
         forward_args = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
@@ -90,7 +94,12 @@ class TransformersEngine:
         results: list[Generation] = []
         for start in range(0, len(prompts), self.max_batch_size):
             chunk = prompts[start : start + self.max_batch_size]
-            results.extend(self._generate_batch(chunk, params, stop, generator))
+            with torch.autocast(
+                self.device.type,
+                dtype=self.autocast_dtype or torch.bfloat16,
+                enabled=self.autocast_dtype is not None,
+            ):
+                results.extend(self._generate_batch(chunk, params, stop, generator))
         return results
 
     @torch.inference_mode()
