@@ -122,7 +122,9 @@ def quickstart(
                 keep_trajectories=True,
             )
             metrics = dict(report.metrics)
-            metrics["entropy"] = policy_entropy(model, report.trajectories, tokenizer.pad_token_id or 0)
+            device = next(model.parameters()).device.type
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast is not None):
+                metrics["entropy"] = policy_entropy(model, report.trajectories, tokenizer.pad_token_id or 0)
             phase(f"eval {tag}", t)
             return metrics
 
