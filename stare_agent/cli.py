@@ -150,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/eval", help="directory for results.jsonl and summary.json")
     p.set_defaults(func=_eval)
 
+    p = sub.add_parser("sft", help="cold-start SFT on ReTool-format traces (model-written tokens only)")
+    p.add_argument("--config", default=None, help="YAML config, e.g. configs/quickstart.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.epochs=3 sft.data=traces.jsonl")
+    p.set_defaults(func=_sft)
+
     p = sub.add_parser(
         "train", help="RL training with GRPO-ds or STARE (launch with torchrun/deepspeed for >1 rank)"
     )
