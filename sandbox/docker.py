@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 from pathlib import Path
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 LABEL = "org.stare-agent.sandbox"
 """Label on every sandbox container (value "1"): ``docker ps -f label=org.stare-agent.sandbox``."""
+OWNER_LABEL = "org.stare-agent.owner"
+"""``host:pid:start`` of the process that made the container, so orphans can be found and removed."""
 
 CONN_DIR = "/conn"
 WORK_DIR = "/work"
@@ -127,8 +130,54 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
         "privileged": False,
         "ipc_mode": "private",
         "log_config": {"type": "json-file", "config": {"max-size": "1m", "max-file": "1"}},
-        "labels": {LABEL: "1"},
+        "labels": {LABEL: "1", OWNER_LABEL: owner_id()},
     }
+
+
+def owner_id(pid: int | None = None) -> str:
+    """``host:pid:start-time`` of a process (start time in clock ticks since boot, so a reused pid
+    never looks like the old owner); "" for the start time when it cannot be read."""
+    pid = os.getpid() if pid is None else pid
+    return f"{socket.gethostname()}:{pid}:{_start_ticks(pid)}"
+
+
+def _start_ticks(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22 of proc(5), counted after the comm field
+
+
+def reap_orphans(client: Any = None) -> int:
+    """Remove sandbox containers (and their connection dirs) whose owner process on this host is
+    gone, e.g. after the owner was killed with SIGKILL and could not clean up. Returns how many."""
+    client = client or docker_client()
+    host = socket.gethostname()
+    removed = 0
+    for container in client.containers.list(all=True, filters={"label": OWNER_LABEL}):
+        owner_host, _, rest = container.labels.get(OWNER_LABEL, "").partition(":")
+        pid, _, start = rest.partition(":")
+        if owner_host != host or not pid.isdigit() or owner_id(int(pid)) == f"{host}:{pid}:{start}":
+            continue  # another host's, or its owner is alive
+        dirs = [m["Source"] for m in container.attrs.get("Mounts", []) if m.get("Destination") == CONN_DIR]
+        try:
+            container.remove(force=True)
+        except Exception as exc:  # noqa: BLE001 - already gone or being removed: nothing to do
+            logger.debug("could not remove orphan %s: %s", container.short_id, exc)
+            continue
+        for path in dirs:
+            if Path(path).name.startswith("stare-"):
+                shutil.rmtree(path, ignore_errors=True)
+        removed += 1
+    if removed:
+        logger.warning(
+            "removed %d sandbox container(s) left behind by processes that no longer exist", removed
+        )
+    return removed
+
+
+_reaped = False
 
 
 def _connection_info() -> dict[str, Any]:
@@ -235,6 +284,10 @@ class DockerSandbox(Sandbox):
         self.container: Any = None
         self._driver: KernelDriver | None = None
         self._client = docker_client()
+        global _reaped
+        if not _reaped:  # once per process: containers of killed owners hold memory and pids
+            _reaped = True
+            reap_orphans(self._client)
         # Short path under /tmp: unix socket paths must stay under ~100 characters.
         self.dir = Path(tempfile.mkdtemp(prefix="stare-", dir="/tmp"))
         try:

@@ -139,3 +139,34 @@ def test_a_non_root_host_user_other_than_the_kernels_uid_connects(docker_ready) 
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert child.stdout.split() == ["4242", "42", "KernelDied", "2"], child.stderr[-2000:]
+
+
+@pytest.mark.docker
+def test_containers_of_a_killed_owner_are_reaped(docker_ready, tmp_path):
+    """SIGKILL leaves no chance to clean up; the next process that starts a sandbox removes them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from sandbox.docker import OWNER_LABEL, docker_client, reap_orphans
+
+    ready = tmp_path / "ready"
+    code = (
+        "import sys, time; from sandbox import DockerSandbox; sb = DockerSandbox(); "
+        f"open({str(ready)!r}, 'w').write(sb.container.id + ' ' + str(sb.dir)); time.sleep(600)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 120
+    while not ready.exists() or not ready.read_text():
+        assert child.poll() is None and time.monotonic() < deadline, "the child never started a sandbox"
+        time.sleep(0.1)
+    container_id, conn_dir = ready.read_text().split()
+    client = docker_client()
+    assert client.containers.get(container_id).labels[OWNER_LABEL].split(":")[1] == str(child.pid)
+    assert reap_orphans(client) == 0  # the owner is alive: nothing to reap
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert reap_orphans(client) >= 1
+    assert not client.containers.list(all=True, filters={"id": container_id})
+    assert not os.path.exists(conn_dir)
