@@ -188,6 +188,7 @@ class ToolEnv(gymnasium.Env[str, str]):
         self.action_space = UnicodeText(MAX_ACTION_CHARS)
         self.messages: list[dict[str, Any]] = []
         self.problem: Problem | None = None
+        self.check_time_s = 0.0  # cumulative seconds spent verifying final answers (for step timing)
         self._sandbox: PooledSandbox | None = None
         self._bound: dict[str, BoundTool] = {}
         self._active = False
@@ -364,7 +365,8 @@ class ToolEnv(gymnasium.Env[str, str]):
             checker=self.checker,
             num_tool_calls=self._num_tool_calls,
         )
-        info["check_s"] = time.perf_counter() - start
+        info["check_s"] = elapsed = time.perf_counter() - start
+        self.check_time_s += elapsed
         return reward, info
 
     def _gold(self) -> str:

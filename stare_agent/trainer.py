@@ -191,7 +191,9 @@ class Trainer:
         """One RL step (see the module docstring); returns its metrics."""
         alg, data = self.config.algorithm, self.config.data
         t0 = time.perf_counter()
-        # 1-3. rollout, reward, dynamic sampling
+        # 1-3. rollout, reward, dynamic sampling (answers are verified inside env.step: time/reward_s
+        # is the checking part of time/rollout_s, summed over episodes)
+        check_before = sum(env.check_time_s for env in self._envs)
         drawn: list[Group] = []
 
         def draw_batch() -> list[Group]:
@@ -211,9 +213,7 @@ class Trainer:
         episodes = [t for g in drawn for t in g.trajectories]
         metrics: dict[str, Any] = {**rollout_metrics(episodes, self._model_texts(episodes)), **ds_metrics}
         metrics["time/rollout_s"] = t_rollout
-        metrics["time/reward_check_s"] = sum(
-            t.info.get("reward_info", {}).get("check_s", 0.0) for t in episodes
-        )
+        metrics["time/reward_s"] = sum(env.check_time_s for env in self._envs) - check_before
         if len(kept) < self.world:
             # Every rank needs a group to take part in the update; all ranks see the same count.
             metrics.update(skipped=1, skip_reason="fewer groups with reward variance than ranks")
