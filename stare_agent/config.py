@@ -519,3 +519,13 @@ def resolve_precision(precision: str, device_type: str) -> str:
             "deepspeed.precision=bf16 needs a GPU: use deepspeed.precision=bf16-autocast, fp32 or auto on CPU"
         )
     return precision
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX); without it bf16 autocast is slow."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
