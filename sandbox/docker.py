@@ -39,11 +39,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sandbox.base import Sandbox
 from sandbox.config import SandboxConfig
-from sandbox.errors import SandboxClosed, SandboxError, SandboxUnavailable
-from sandbox.kernel import KERNEL_ARGS, KernelDriver, reset_code
-from sandbox.result import ExecResult
+from sandbox.errors import SandboxError, SandboxUnavailable
+from sandbox.kernel import KERNEL_ARGS, KernelDriver, KernelSandbox, reset_code
 from sandbox.usage import CgroupUsage
 
 logger = logging.getLogger(__name__)
@@ -263,7 +261,7 @@ class _ContainerKernel:
         )
 
 
-class DockerSandbox(Sandbox):
+class DockerSandbox(KernelSandbox):
     """A hardened container running an IPython kernel (see the module docstring).
 
     Args:
@@ -327,17 +325,6 @@ class DockerSandbox(Sandbox):
             restart_grace_s=self.config.restart_grace_s,
         )
         self._driver.wait_ready(self.start_timeout)
-
-    def _live_driver(self) -> KernelDriver:
-        if self._closed or self._driver is None:
-            raise SandboxClosed("this sandbox was closed: create a new one")
-        return self._driver
-
-    def run(self, code: str, timeout: float | None = None) -> ExecResult:
-        driver = self._live_driver()
-        return driver.execute(
-            code, self.config.timeout_s if timeout is None else timeout, start_timeout=self.start_timeout
-        )
 
     def reset(self, *, hard: bool = False) -> None:
         """Forget all state: soft in place (default, milliseconds), or ``hard`` by restarting the

@@ -32,7 +32,8 @@ from typing import Any, Protocol, cast
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.connect import KernelConnectionInfo
 
-from sandbox.errors import SandboxError
+from sandbox.base import Sandbox
+from sandbox.errors import SandboxClosed, SandboxError
 from sandbox.result import ExecError, ExecResult
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
@@ -438,3 +439,26 @@ def reset_code(scratch_dirs: list[str], *, kill_all: bool, keep: tuple[str, ...]
     """
     source = f"KILL_ALL = {kill_all!r}\nSCRATCH = {scratch_dirs!r}\nKEEP = {list(keep)!r}\n{_RESET_SOURCE}"
     return f"exec({source!r}, {{}})"
+
+
+class KernelSandbox(Sandbox):
+    """What the Docker and local backends share: a :class:`KernelDriver` that runs the code.
+
+    Subclasses set ``self._driver`` once their kernel is up, ``self._closed`` on close, and
+    ``self.start_timeout``.
+    """
+
+    _driver: KernelDriver | None = None
+    _closed: bool = False
+    start_timeout: float = 60.0
+
+    def _live_driver(self) -> KernelDriver:
+        if self._closed or self._driver is None:
+            raise SandboxClosed("this sandbox was closed: create a new one")
+        return self._driver
+
+    def run(self, code: str, timeout: float | None = None) -> ExecResult:
+        driver = self._live_driver()
+        return driver.execute(
+            code, self.config.timeout_s if timeout is None else timeout, start_timeout=self.start_timeout
+        )

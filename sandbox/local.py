@@ -35,11 +35,8 @@ from pathlib import Path
 from jupyter_client.connect import write_connection_file
 from jupyter_client.launcher import launch_kernel
 
-from sandbox.base import Sandbox
 from sandbox.config import SandboxConfig
-from sandbox.errors import SandboxClosed
-from sandbox.kernel import KERNEL_ARGS, KernelDriver, reset_code
-from sandbox.result import ExecResult
+from sandbox.kernel import KERNEL_ARGS, KernelDriver, KernelSandbox, reset_code
 from sandbox.usage import ProcessUsage
 
 logger = logging.getLogger(__name__)
@@ -215,7 +212,7 @@ class _LocalKernel:
         return f"exit code {code}"
 
 
-class LocalSandbox(Sandbox):
+class LocalSandbox(KernelSandbox):
     """A kernel subprocess in a fresh temp work dir under rlimits (see the module docstring).
 
     Args:
@@ -252,17 +249,6 @@ class LocalSandbox(Sandbox):
         except BaseException:
             self.close()
             raise
-
-    def _live_driver(self) -> KernelDriver:
-        if self._closed or self._driver is None:
-            raise SandboxClosed("this sandbox was closed: create a new one")
-        return self._driver
-
-    def run(self, code: str, timeout: float | None = None) -> ExecResult:
-        driver = self._live_driver()
-        return driver.execute(
-            code, self.config.timeout_s if timeout is None else timeout, start_timeout=self.start_timeout
-        )
 
     def reset(self, *, hard: bool = False) -> None:
         """Forget all state. Soft (default, milliseconds): clear the namespace, env, work dir and
