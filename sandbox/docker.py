@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import uuid
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import Any
 from sandbox.config import SandboxConfig
 from sandbox.errors import SandboxError, SandboxUnavailable
 from sandbox.kernel import KERNEL_ARGS, KernelDriver, KernelSandbox, reset_code
+from sandbox.owner import owner_gone, owner_id
 from sandbox.usage import CgroupUsage
 
 logger = logging.getLogger(__name__)
@@ -132,31 +132,13 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
     }
 
 
-def owner_id(pid: int | None = None) -> str:
-    """``host:pid:start-time`` of a process (start time in clock ticks since boot, so a reused pid
-    never looks like the old owner); "" for the start time when it cannot be read."""
-    pid = os.getpid() if pid is None else pid
-    return f"{socket.gethostname()}:{pid}:{_start_ticks(pid)}"
-
-
-def _start_ticks(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22 of proc(5), counted after the comm field
-
-
 def reap_orphans(client: Any = None) -> int:
     """Remove sandbox containers (and their connection dirs) whose owner process on this host is
     gone, e.g. after the owner was killed with SIGKILL and could not clean up. Returns how many."""
     client = client or docker_client()
-    host = socket.gethostname()
     removed = 0
     for container in client.containers.list(all=True, filters={"label": OWNER_LABEL}):
-        owner_host, _, rest = container.labels.get(OWNER_LABEL, "").partition(":")
-        pid, _, start = rest.partition(":")
-        if owner_host != host or not pid.isdigit() or owner_id(int(pid)) == f"{host}:{pid}:{start}":
+        if not owner_gone(container.labels.get(OWNER_LABEL, "")):
             continue  # another host's, or its owner is alive
         dirs = [m["Source"] for m in container.attrs.get("Mounts", []) if m.get("Destination") == CONN_DIR]
         try:

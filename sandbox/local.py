@@ -37,6 +37,7 @@ from jupyter_client.launcher import launch_kernel
 
 from sandbox.config import SandboxConfig
 from sandbox.kernel import KERNEL_ARGS, KernelDriver, KernelSandbox, reset_code
+from sandbox.owner import OWNER_FILE, owner_id, reap_local_dirs
 from sandbox.usage import ProcessUsage
 
 logger = logging.getLogger(__name__)
@@ -212,6 +213,9 @@ class _LocalKernel:
         return f"exit code {code}"
 
 
+_reaped = False
+
+
 class LocalSandbox(KernelSandbox):
     """A kernel subprocess in a fresh temp work dir under rlimits (see the module docstring).
 
@@ -231,7 +235,12 @@ class LocalSandbox(KernelSandbox):
         self.start_timeout = start_timeout
         self.network_isolated = network_isolated()
         # Short path under /tmp: unix socket paths must stay under ~100 characters.
+        global _reaped
+        if not _reaped:  # once per process: dirs of killed owners (SIGKILL runs no cleanup)
+            _reaped = True
+            reap_local_dirs("/tmp")
         self.dir = Path(tempfile.mkdtemp(prefix="stare-", dir="/tmp"))
+        (self.dir / OWNER_FILE).write_text(owner_id())
         self.work_dir = self.dir / "work"
         self.work_dir.mkdir()
         self._closed = False

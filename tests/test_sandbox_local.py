@@ -149,3 +149,31 @@ def test_start_warms_tracebacks_without_leaving_a_trace() -> None:
 def test_unknown_backend_names_the_choices() -> None:
     with pytest.raises(ValueError, match="use 'auto', 'docker' or 'local'"):
         make_sandbox("podman")  # type: ignore[arg-type]
+
+
+def test_dirs_of_a_killed_owner_are_reaped(tmp_path):
+    """SIGKILL leaves no chance to clean up; the next process that starts a sandbox removes them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from sandbox.owner import reap_local_dirs
+
+    ready = tmp_path / "ready"
+    code = (
+        "import time; from sandbox import LocalSandbox; sb = LocalSandbox(); "
+        f"open({str(ready)!r}, 'w').write(str(sb.dir)); time.sleep(600)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 120
+    while not ready.exists() or not ready.read_text():
+        assert child.poll() is None and time.monotonic() < deadline, "the child never started a sandbox"
+        time.sleep(0.1)
+    sandbox_dir = ready.read_text()
+    reap_local_dirs()
+    assert os.path.isdir(sandbox_dir)  # its owner is alive: kept
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert reap_local_dirs() >= 1
+    assert not os.path.exists(sandbox_dir)
