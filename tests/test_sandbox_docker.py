@@ -145,23 +145,14 @@ def test_a_non_root_host_user_other_than_the_kernels_uid_connects(docker_ready) 
 def test_containers_of_a_killed_owner_are_reaped(docker_ready, tmp_path):
     """SIGKILL leaves no chance to clean up; the next process that starts a sandbox removes them."""
     import signal
-    import subprocess
-    import sys
-    import time
 
     from sandbox.docker import OWNER_LABEL, docker_client, reap_orphans
+    from tests.helpers_processes import start_sandbox_owner
 
-    ready = tmp_path / "ready"
-    code = (
-        "import sys, time; from sandbox import DockerSandbox; sb = DockerSandbox(); "
-        f"open({str(ready)!r}, 'w').write(sb.container.id + ' ' + str(sb.dir)); time.sleep(600)"
+    child, written = start_sandbox_owner(
+        "DockerSandbox", "sb.container.id + ' ' + str(sb.dir)", tmp_path / "ready"
     )
-    child = subprocess.Popen([sys.executable, "-c", code])
-    deadline = time.monotonic() + 120
-    while not ready.exists() or not ready.read_text():
-        assert child.poll() is None and time.monotonic() < deadline, "the child never started a sandbox"
-        time.sleep(0.1)
-    container_id, conn_dir = ready.read_text().split()
+    container_id, conn_dir = written.split()
     client = docker_client()
     assert client.containers.get(container_id).labels[OWNER_LABEL].split(":")[1] == str(child.pid)
     reap_orphans(client)

@@ -154,23 +154,11 @@ def test_unknown_backend_names_the_choices() -> None:
 def test_dirs_of_a_killed_owner_are_reaped(tmp_path):
     """SIGKILL leaves no chance to clean up; the next process that starts a sandbox removes them."""
     import signal
-    import subprocess
-    import sys
-    import time
 
     from sandbox.owner import reap_local_dirs
+    from tests.helpers_processes import start_sandbox_owner
 
-    ready = tmp_path / "ready"
-    code = (
-        "import time; from sandbox import LocalSandbox; sb = LocalSandbox(); "
-        f"open({str(ready)!r}, 'w').write(str(sb.dir)); time.sleep(600)"
-    )
-    child = subprocess.Popen([sys.executable, "-c", code])
-    deadline = time.monotonic() + 120
-    while not ready.exists() or not ready.read_text():
-        assert child.poll() is None and time.monotonic() < deadline, "the child never started a sandbox"
-        time.sleep(0.1)
-    sandbox_dir = ready.read_text()
+    child, sandbox_dir = start_sandbox_owner("LocalSandbox", "str(sb.dir)", tmp_path / "ready")
     reap_local_dirs()
     assert os.path.isdir(sandbox_dir)  # its owner is alive: kept
     child.send_signal(signal.SIGKILL)
