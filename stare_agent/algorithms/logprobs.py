@@ -10,6 +10,14 @@ Only ``chunk_size`` rows of the [tokens, vocab] logits exist at any time, in the
 the backward (a custom autograd.Function recomputes each chunk's logits in backward). Gradients
 flow through ``logp`` into the hidden states and the LM head; the entropy is returned detached
 (it feeds the gate, never the loss). Math runs in at least float32 (float64 stays float64).
+
+Mixed precision. Under ``torch.autocast`` (``deepspeed.precision=bf16-autocast``) the LM-head
+matmul runs in the autocast dtype, as a plain ``F.linear`` would, and the softmax in float32. The
+backward pass does not run under the caller's autocast, so both passes fix their dtypes explicitly:
+the forward records the dtype its logits were computed in and the backward recomputes the SAME
+logits (same dtype, same rounding) before normalising them with the forward's logsumexp. (Logits
+recomputed in float32 against a logsumexp of bf16 logits mis-normalise the softmax by a few percent,
+enough to flip the sign of the gradient of a confident token's log-prob.)
 """
 
 from __future__ import annotations
@@ -107,6 +115,19 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _matmul_dtype(h: Tensor) -> torch.dtype:
+    """The dtype of the LM-head matmul: autocast's when it is on (as for a plain F.linear), else h's."""
+    device_type = h.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return h.dtype
+
+
+def _no_autocast(device: torch.device) -> torch.autocast:
+    """A region where dtypes are exactly the ones written (the backward may run inside autocast too)."""
+    return torch.autocast(device.type, enabled=False)
+
+
 def _chunk_logits(z: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
     """One chunk's logits in the math dtype, divided by the temperature; z must be ours to overwrite."""
     z = z.to(dtype)
@@ -136,17 +157,19 @@ def _dlogp_dz(z: Tensor, lse: Tensor, targets: Tensor, grad: Tensor, temperature
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, targets, chunk_size, temperature):  # type: ignore[override]
-        dtype = _math_dtype(h.dtype)
+        dtype, mm_dtype = _math_dtype(h.dtype), _matmul_dtype(h)
         S = h.shape[0]
         logp = torch.empty(S, dtype=dtype, device=h.device)
         entropy = torch.empty_like(logp)
         lse = torch.empty_like(logp)
-        for lo in range(0, S, chunk_size):
-            hi = min(lo + chunk_size, S)
-            z = _chunk_logits(F.linear(h[lo:hi], weight, bias), dtype, temperature)
-            logp[lo:hi], entropy[lo:hi], lse[lo:hi] = _scores(z, targets[lo:hi])
+        with _no_autocast(h.device):
+            w, b = weight.to(mm_dtype), bias.to(mm_dtype) if bias is not None else None
+            for lo in range(0, S, chunk_size):
+                hi = min(lo + chunk_size, S)
+                z = _chunk_logits(F.linear(h[lo:hi].to(mm_dtype), w, b), dtype, temperature)
+                logp[lo:hi], entropy[lo:hi], lse[lo:hi] = _scores(z, targets[lo:hi])
         ctx.save_for_backward(h, weight, bias, targets, lse)
-        ctx.chunk_size, ctx.temperature = chunk_size, temperature
+        ctx.chunk_size, ctx.temperature, ctx.mm_dtype = chunk_size, temperature, mm_dtype
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -154,20 +177,23 @@ class _LinearLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, _grad_entropy):  # type: ignore[override]
         h, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        dtype = _math_dtype(h.dtype)
+        dtype, mm_dtype = _math_dtype(h.dtype), ctx.mm_dtype
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None
-        for lo in range(0, h.shape[0], ctx.chunk_size):
-            hi = min(lo + ctx.chunk_size, h.shape[0])
-            z = _chunk_logits(F.linear(h[lo:hi], weight, bias), dtype, ctx.temperature)
-            g = _dlogp_dz(z, lse[lo:hi], targets[lo:hi], grad_logp[lo:hi].to(dtype), ctx.temperature)
-            if grad_h is not None:
-                grad_h[lo:hi] = (g.to(weight.dtype) @ weight).to(h.dtype)
-            if grad_w is not None:
-                grad_w.addmm_(g.T, h[lo:hi].to(dtype))
-            if grad_b is not None:
-                grad_b += g.sum(dim=0)
+        with _no_autocast(h.device):
+            # The forward's logits exactly: same matmul dtype, so they match the saved logsumexp.
+            w, b = weight.to(mm_dtype), bias.to(mm_dtype) if bias is not None else None
+            for lo in range(0, h.shape[0], ctx.chunk_size):
+                hi = min(lo + ctx.chunk_size, h.shape[0])
+                z = _chunk_logits(F.linear(h[lo:hi].to(mm_dtype), w, b), dtype, ctx.temperature)
+                g = _dlogp_dz(z, lse[lo:hi], targets[lo:hi], grad_logp[lo:hi].to(dtype), ctx.temperature)
+                if grad_h is not None:
+                    grad_h[lo:hi] = (g.to(mm_dtype) @ w).to(h.dtype)
+                if grad_w is not None:
+                    grad_w.addmm_(g.T, h[lo:hi].to(dtype))
+                if grad_b is not None:
+                    grad_b += g.sum(dim=0)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         return grad_h, grad_w, grad_b, None, None, None
@@ -181,10 +207,11 @@ class _LogitsLogprobs(torch.autograd.Function):
         logp = torch.empty(S, dtype=dtype, device=logits.device)
         entropy = torch.empty_like(logp)
         lse = torch.empty_like(logp)
-        for lo in range(0, S, chunk_size):
-            hi = min(lo + chunk_size, S)
-            z = _chunk_logits(logits[lo:hi].to(dtype, copy=True), dtype, temperature)
-            logp[lo:hi], entropy[lo:hi], lse[lo:hi] = _scores(z, targets[lo:hi])
+        with _no_autocast(logits.device):
+            for lo in range(0, S, chunk_size):
+                hi = min(lo + chunk_size, S)
+                z = _chunk_logits(logits[lo:hi].to(dtype, copy=True), dtype, temperature)
+                logp[lo:hi], entropy[lo:hi], lse[lo:hi] = _scores(z, targets[lo:hi])
         ctx.save_for_backward(logits, targets, lse)
         ctx.chunk_size, ctx.temperature = chunk_size, temperature
         ctx.mark_non_differentiable(entropy)
@@ -195,10 +222,11 @@ class _LogitsLogprobs(torch.autograd.Function):
         logits, targets, lse = ctx.saved_tensors
         dtype = _math_dtype(logits.dtype)
         grad = torch.empty_like(logits)
-        for lo in range(0, logits.shape[0], ctx.chunk_size):
-            hi = min(lo + ctx.chunk_size, logits.shape[0])
-            z = _chunk_logits(logits[lo:hi].to(dtype, copy=True), dtype, ctx.temperature)
-            grad[lo:hi] = _dlogp_dz(
-                z, lse[lo:hi], targets[lo:hi], grad_logp[lo:hi].to(dtype), ctx.temperature
-            )
+        with _no_autocast(logits.device):
+            for lo in range(0, logits.shape[0], ctx.chunk_size):
+                hi = min(lo + ctx.chunk_size, logits.shape[0])
+                z = _chunk_logits(logits[lo:hi].to(dtype, copy=True), dtype, ctx.temperature)
+                grad[lo:hi] = _dlogp_dz(
+                    z, lse[lo:hi], targets[lo:hi], grad_logp[lo:hi].to(dtype), ctx.temperature
+                )
         return grad, None, None, None
