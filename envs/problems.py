@@ -1,5 +1,5 @@
-"""Problem sources: files (JSONL, JSON, Parquet, the verl schema), Hugging Face hub datasets, and
-seeded generators of exact-computation problems.
+"""Problem sources: files (JSONL, JSON, Parquet, the verl schema), Hugging Face hub datasets, the
+evaluation sets shipped with this package, and seeded generators of exact-computation problems.
 
 A ``Problem`` is what an environment needs to run one episode: the problem text and the gold
 answer. Generated problems are the embedded default data: they ask for exact integers large enough
@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "BUILTIN_SETS",
     "PROBLEM_FAMILIES",
     "DIFFICULTIES",
     "Problem",
     "ProblemSourceError",
+    "builtin_set_path",
     "generate_problems",
     "load_problems",
     "register_family",
@@ -60,6 +62,33 @@ class Problem:
 # Files and the hub
 # --------------------------------------------------------------------------------------------------
 
+BUILTIN_SETS = ("aime2024", "aime2025", "amc23", "math500")
+"""Evaluation sets shipped inside this package (``envs/data/<name>.jsonl``), loadable by these short
+names; their sources and licences are in ``envs/data/SOURCES.md``. Training sets are not shipped."""
+
+_DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
+def builtin_set_path(name: str) -> Path:
+    """The file of a shipped evaluation set.
+
+    Example:
+        >>> builtin_set_path("aime2024").name
+        'aime2024.jsonl'
+
+    Raises:
+        ProblemSourceError: ``name`` is not one of ``BUILTIN_SETS``, or the installation lacks the file.
+    """
+    if name not in BUILTIN_SETS:
+        raise ProblemSourceError(f"unknown built-in set {name!r}: use one of {', '.join(BUILTIN_SETS)}")
+    path = _DATA_DIR / f"{name}.jsonl"
+    if not path.is_file():
+        raise ProblemSourceError(
+            f"{path}: the built-in set {name!r} is missing from this installation: reinstall stare-agent"
+        )
+    return path
+
+
 _PROBLEM_KEYS = ("problem", "question", "prompt", "messages")  # flat, ReTool, verl, chat-style
 _ANSWER_KEYS = ("answer", "ground_truth", "gt", "final_answer")
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -78,11 +107,13 @@ def load_problems(source: str | os.PathLike[str], *, limit: int | None = None) -
     - chat: ``messages`` (the last user message is the problem).
 
     Rows without an id get ``<file stem>-<row index>``; other fields are kept in ``meta``.
-    Anything else that is not an existing path and looks like ``owner/name`` (optionally
-    ``owner/name:split``, default split ``train``) is loaded with the ``datasets`` package.
+    A short name of ``BUILTIN_SETS`` (``aime2024``, ``aime2025``, ``amc23``, ``math500``) that is not
+    an existing file loads the set shipped with this package. Anything else that is not an existing
+    path and looks like ``owner/name`` (optionally ``owner/name:split``, default split ``train``) is
+    loaded with the ``datasets`` package.
 
     Args:
-        source: A path, or a hub dataset name.
+        source: A path, a built-in set name, or a hub dataset name.
         limit: Read at most this many problems.
 
     Raises:
@@ -92,6 +123,8 @@ def load_problems(source: str | os.PathLike[str], *, limit: int | None = None) -
     if limit is not None and limit < 0:
         raise ProblemSourceError(f"limit must be >= 0 or None, got {limit}")
     path = Path(source)
+    if not path.is_file() and isinstance(source, str) and source in BUILTIN_SETS:
+        path = builtin_set_path(source)
     if path.is_file():
         rows = _read_rows(path)
     elif isinstance(source, os.PathLike) or str(source).endswith(_FILE_SUFFIXES) or path.exists():
@@ -104,8 +137,8 @@ def load_problems(source: str | os.PathLike[str], *, limit: int | None = None) -
         path = Path(str(source).replace("/", "__"))
     else:
         raise ProblemSourceError(
-            f"{source!r} is neither an existing file nor a hub name: pass a .jsonl, .json or .parquet "
-            "path, or a Hugging Face dataset name such as 'owner/name'"
+            f"{source!r} is neither an existing file nor a hub name: pass a .jsonl, .json or .parquet path, "
+            f"a Hugging Face dataset name such as 'owner/name', or a built-in set ({', '.join(BUILTIN_SETS)})"
         )
     problems: list[Problem] = []
     for where, index, row in rows:

@@ -5,9 +5,9 @@ Built-in ids (registered when ``envs`` is imported):
 
 - ``stare/CodeInterpreter-v0``: generated exact-computation problems of every family.
 - ``stare/CodeInterpreter-<Family>-v0``: one generator family, e.g. ``stare/CodeInterpreter-Multiplication-v0``.
-- ``stare/AIME2024-v0``, ``stare/AIME2025-v0``, ``stare/AMC23-v0``, ``stare/MATH500-v0``: benchmark
-  files, read from ``data_path`` (a file or the folder holding ``aime2024.jsonl`` etc.), else from
-  ``$STARE_DATA_DIR``, else from ``../shared/data`` next to the repository.
+- ``stare/AIME2024-v0``, ``stare/AIME2025-v0``, ``stare/AMC23-v0``, ``stare/MATH500-v0``: the
+  evaluation sets shipped with this package (``envs.problems.BUILTIN_SETS``), or your own copy:
+  ``data_path`` (a file or the folder holding ``aime2024.jsonl`` etc.) or ``$STARE_DATA_DIR``.
 
 Third-party packages declare entry points in the groups ``stare_agent.tools`` (the object is loaded,
 which runs its ``@register_tool``; a ``ToolSpec`` is registered) and ``stare_agent.envs`` (a callable
@@ -33,19 +33,14 @@ from typing import Any
 import gymnasium
 
 from envs.code_interpreter import CodeInterpreterEnv
-from envs.problems import PROBLEM_FAMILIES, load_problems
+from envs.problems import PROBLEM_FAMILIES, builtin_set_path, load_problems
 from envs.tools import ToolSpec, add_tool, get_tool
 
 TOOL_GROUP = "stare_agent.tools"
 ENV_GROUP = "stare_agent.envs"
 DATA_DIR_VAR = "STARE_DATA_DIR"
-BENCHMARKS = {
-    "AIME2024": "aime2024.jsonl",
-    "AIME2025": "aime2025.jsonl",
-    "AMC23": "amc23.jsonl",
-    "MATH500": "math500.jsonl",
-}
-_FALLBACK_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+BENCHMARKS = {"AIME2024": "aime2024", "AIME2025": "aime2025", "AMC23": "amc23", "MATH500": "math500"}
+"""Benchmark environment name -> built-in set (``envs.problems.BUILTIN_SETS``)."""
 
 
 class EnvRegistrationError(ValueError):
@@ -58,27 +53,26 @@ def family_env_id(family: str) -> str:
 
 
 def benchmark_path(benchmark: str, data_path: str | os.PathLike[str] | None = None) -> Path:
-    """Where the ``benchmark`` file is: ``data_path`` (file or folder), ``$STARE_DATA_DIR``, ``../shared/data``.
+    """Where the ``benchmark`` file is: ``data_path`` (file or folder), else ``$STARE_DATA_DIR``, else
+    the set shipped with this package.
 
     Raises:
-        FileNotFoundError: naming the places looked at and how to point at the file.
+        FileNotFoundError: ``data_path`` or ``$STARE_DATA_DIR`` lacks the file (the message says how
+            to point at it, or to use the shipped set).
     """
-    name = BENCHMARKS[benchmark]
-    candidates: list[Path] = []
+    name = f"{BENCHMARKS[benchmark]}.jsonl"
     if data_path is not None:
         path = Path(data_path)
-        candidates.append(path / name if path.is_dir() else path)
+        candidate = path / name if path.is_dir() else path
+        fix = f"pass data_path='/path/to/{name}' to gymnasium.make, or leave it out to use the shipped set"
+    elif os.environ.get(DATA_DIR_VAR):
+        candidate = Path(os.environ[DATA_DIR_VAR]) / name
+        fix = f"it is {DATA_DIR_VAR}'s folder: put {name} there, or unset {DATA_DIR_VAR} for the shipped set"
     else:
-        if os.environ.get(DATA_DIR_VAR):
-            candidates.append(Path(os.environ[DATA_DIR_VAR]) / name)
-        candidates.append(_FALLBACK_DATA_DIR / name)
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"{benchmark} problems not found (looked at {', '.join(map(str, candidates))}): pass "
-        f"data_path='/path/to/{name}' to gymnasium.make, or set {DATA_DIR_VAR} to the folder holding it"
-    )
+        return builtin_set_path(BENCHMARKS[benchmark])
+    if not candidate.is_file():
+        raise FileNotFoundError(f"{benchmark} problems not found at {candidate}: {fix}")
+    return candidate
 
 
 def make_benchmark_env(

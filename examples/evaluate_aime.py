@@ -7,13 +7,10 @@ python examples/evaluate_aime.py --model Qwen/Qwen2.5-7B-Instruct --limit 30 --s
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from stare_agent import evaluate
 from stare_agent.engines import TransformersEngine
 from stare_agent.models import load_policy, tiny_model
-
-AIME_2024 = Path(__file__).resolve().parents[2] / "shared" / "data" / "aime2024.jsonl"
 
 
 def main(argv: list[str] | None = None):
@@ -21,7 +18,11 @@ def main(argv: list[str] | None = None):
     parser.add_argument(
         "--model", default="embedded:smollm2-135m-instruct", help="HF id, path, or 'tiny' (tests)"
     )
-    parser.add_argument("--data", default=str(AIME_2024), help="JSONL/Parquet file or hub dataset name")
+    parser.add_argument(
+        "--data",
+        default="aime2024",
+        help="built-in set (aime2024, aime2025, amc23, math500), file or hub name",
+    )
     parser.add_argument("--samples", type=int, default=2, help="k sampled episodes per problem")
     parser.add_argument("--limit", type=int, default=5, help="first N problems")
     parser.add_argument("--max-response-tokens", type=int, default=512)

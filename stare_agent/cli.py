@@ -135,7 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default="embedded:smollm2-135m-instruct", help="HF id, local path or embedded:NAME"
     )
-    p.add_argument("--data", required=True, help="JSONL/Parquet file of {id, problem, answer}, or a hub name")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="a built-in set (aime2024, aime2025, amc23, math500), a JSONL/Parquet file of "
+        "{id, problem, answer}, or a hub name",
+    )
     p.add_argument("--samples", type=int, default=4, help="k: sampled episodes per problem")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N problems")
     p.add_argument("--temperature", type=float, default=1.0)

@@ -498,7 +498,7 @@ def eval_problems(source: str | None, *, seed: int, difficulty: int, limit: int 
     """Validation problems: a file/hub source, or a procedural family with a held-out seed."""
     if source is None:
         raise ValueError(
-            "data.eval is not set: give a problem file (e.g. ../shared/data/aime2024.jsonl) or a family"
+            "data.eval is not set: give a problem file, a built-in set (e.g. aime2024) or a family"
         )
     family = source.removeprefix("procedural:")
     if family == "mixed" or family in PROBLEM_FAMILIES:
