@@ -27,6 +27,7 @@ __all__ = [
     "SandboxUnavailable",
     "docker_available",
     "make_sandbox",
+    "resolve_backend",
 ]
 
 
@@ -40,19 +41,34 @@ def docker_available(image: str = DEFAULT_IMAGE) -> bool:
     return True
 
 
+def resolve_backend(
+    backend: Literal["auto", "docker", "local"], config: SandboxConfig | None = None
+) -> Literal["docker", "local"]:
+    """The concrete backend for ``backend``: ``"auto"`` is ``"docker"`` when a daemon answers and
+    the image is present, else ``"local"``. Resolve once per run (``SandboxPool`` does): a Docker
+    hiccup later on must be an error, never model code started on the host instead.
+
+    Raises:
+        ValueError: unknown ``backend``.
+    """
+    if backend == "auto":
+        return "docker" if docker_available((config or SandboxConfig()).image) else "local"
+    if backend in ("docker", "local"):
+        return backend
+    raise ValueError(f"unknown sandbox backend {backend!r}: use 'auto', 'docker' or 'local'")
+
+
 def make_sandbox(
     backend: Literal["auto", "docker", "local"] = "auto", config: SandboxConfig | None = None
 ) -> Sandbox:
     """A started sandbox. ``"auto"`` is Docker when a daemon answers and the image is present,
-    else the local backend (which warns that its isolation is weaker).
+    else the local backend (which warns that its isolation is weaker); see ``resolve_backend``.
 
     Raises:
         ValueError: unknown ``backend``.
         SandboxUnavailable: ``"docker"`` was asked for and cannot be used (the message says why).
     """
     config = config or SandboxConfig()
-    if backend == "docker" or (backend == "auto" and docker_available(config.image)):
+    if resolve_backend(backend, config) == "docker":
         return DockerSandbox(config)
-    if backend in ("auto", "local"):
-        return LocalSandbox(config)
-    raise ValueError(f"unknown sandbox backend {backend!r}: use 'auto', 'docker' or 'local'")
+    return LocalSandbox(config)

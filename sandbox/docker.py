@@ -260,7 +260,7 @@ class DockerSandbox(KernelSandbox):
     def __init__(self, config: SandboxConfig | None = None, *, start_timeout: float = 60.0) -> None:
         super().__init__(config)
         self.start_timeout = start_timeout
-        self._closed = False
+        self._closed = True  # nothing to close until the temp dir exists
         self.container: Any = None
         self._driver: KernelDriver | None = None
         self._client = docker_client()
@@ -270,6 +270,7 @@ class DockerSandbox(KernelSandbox):
             reap_orphans(self._client)
         # Short path under /tmp: unix socket paths must stay under ~100 characters.
         self.dir = Path(tempfile.mkdtemp(prefix="stare-", dir="/tmp"))
+        self._closed = False
         try:
             self._start()
         except BaseException:

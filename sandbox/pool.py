@@ -132,7 +132,10 @@ class SandboxPool:
 
     Args:
         size: Number of sandboxes to keep warm (>= 1).
-        backend: ``"auto"``, ``"docker"`` or ``"local"``, passed to ``sandbox.make_sandbox``.
+        backend: ``"auto"``, ``"docker"`` or ``"local"``. ``"auto"`` is resolved once, here
+            (``sandbox.resolve_backend``): every sandbox of the pool, replacements included, uses
+            that backend, and a later failure to start one is an error (with cause and fix),
+            never a fallback to another backend.
         config: Limits for every sandbox of the pool.
         factory: Makes one started sandbox; replaces ``backend``/``config`` (pass one or the other).
         lease_timeout: Default seconds ``acquire`` waits before raising ``PoolExhausted``.
@@ -155,8 +158,13 @@ class SandboxPool:
             raise ValueError(f"lease_timeout must be > 0 seconds, got {lease_timeout!r}")
         if factory is not None and (backend != "auto" or config is not None):
             raise ValueError("pass either factory or backend/config to SandboxPool, not both")
+        self.backend: str = "custom"
+        """The backend every sandbox of this pool uses (``"custom"`` with a ``factory``)."""
         if factory is None:
-            factory = _backend_factory(backend, config)
+            from sandbox import resolve_backend  # late: sandbox/__init__ re-exports this module
+
+            self.backend = resolve_backend(backend, config)
+            factory = _backend_factory(self.backend, config)
         self.size = size
         self.lease_timeout = lease_timeout
         self._factory = factory
@@ -420,11 +428,13 @@ class SandboxPool:
         return inner
 
 
-def _backend_factory(backend: Backend, config: SandboxConfig | None) -> Callable[[], Sandbox]:
-    def make() -> Sandbox:
-        from sandbox import make_sandbox  # imported late: sandbox/__init__ re-exports this module
+def _backend_factory(backend: str, config: SandboxConfig | None) -> Callable[[], Sandbox]:
+    """Starts sandboxes of one concrete backend, never another (no silent fallback)."""
 
-        return make_sandbox(backend, config)
+    def make() -> Sandbox:
+        from sandbox import DockerSandbox, LocalSandbox  # late: sandbox/__init__ imports this module
+
+        return DockerSandbox(config) if backend == "docker" else LocalSandbox(config)
 
     return make
 

@@ -607,3 +607,17 @@ def test_ctrl_c_or_exit_while_leased_leaks_nothing(backend, mode, tmp_path):
     else:
         assert child.returncode == 0, stderr
     assert_nothing_left(token, dirs)
+
+
+@pytest.mark.docker
+def test_auto_is_resolved_once_and_a_later_docker_failure_is_an_error_never_the_host(
+    docker_ready, monkeypatch
+):
+    """A Docker hiccup in the middle of training must not start model code on the host."""
+    with SandboxPool(1, backend="auto", config=SandboxConfig(timeout_s=30)) as pool:
+        monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")  # the daemon "goes away"
+        pool.release(pool.acquire(), broken=True)  # the pool must start a replacement
+        with pytest.raises(PoolExhausted, match=r"Docker daemon not reachable .*start dockerd"):
+            with pool.lease(timeout=30) as sb:
+                pytest.fail(f"got a {sb.backend} sandbox while Docker was unreachable")
+        assert pool.backend == "docker"
