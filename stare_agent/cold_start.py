@@ -76,7 +76,7 @@ def tokenize_traces(traces: list[Trace], tokenizer: Any, config: RunConfig) -> t
             trace,
             tokenizer,
             system_prompt=config.env.system_prompt,
-            prompt_template=config.env.prompt_template,
+            prompt_template=config.env.prompt_template or "{problem}",
         )
         if t.num_tokens <= config.sft.max_tokens:
             kept.append(t)

@@ -42,6 +42,7 @@ SCHEDULES = ("constant", "cosine", "linear")
 SANDBOX_BACKENDS = ("auto", "docker", "local")
 ENGINES = ("transformers", "sglang")
 SFT_FORMATS = ("auto", "retool", "openai", "tora")
+SHORT_BATCH_ACTIONS = ("train", "skip", "raise")
 
 
 class ConfigError(ValueError):
@@ -96,41 +97,64 @@ class SandboxSection:
 
 @dataclass
 class EnvConfig:
-    """Episodes and sampling (the rollout).
+    """The environment and the rollout: one set of env kwargs for training and evaluation.
+
+    ``id`` is any Gymnasium id: a built-in (``stare/CodeInterpreter-v0``, ...), one registered in
+    Python (``envs.register_tool_env``) before the run, or one a package registers through the
+    ``stare_agent.envs`` entry point. The env is built with ``gymnasium.make(id, **kwargs)``, where
+    ``kwargs`` = :meth:`env_kwargs`: the fields below that are set (a field left null keeps the value
+    the id was registered with), plus ``kwargs``. Training, in-training evaluation,
+    ``stare-agent eval``, ``evaluate()`` and the quickstart all build their envs this way; evaluation
+    differs from training only by ``eval_kwargs``.
 
     Attributes:
-        format: Tool-call format, ``retool`` (``<code>``/``<interpreter>``, the paper's) or ``hermes``.
-        engine: Rollout engine, ``transformers`` (in process) or ``sglang`` (GPU server).
+        id: Gymnasium id of a ``ToolEnv`` (the env must be a ``envs.ToolEnv``, wrappers are not used:
+            the rollout runner drives it and it enforces its own turn and tool-call limits).
+        format: Tool-call format, ``retool`` (``<code>``/``<interpreter>``, the paper's) or ``hermes``;
+            null: the registered env's own (``retool`` for the built-in code-interpreter ids).
         max_turns: Model turns per episode (the paper: 16).
         max_tool_calls: Tool calls per episode.
-        max_response_tokens: Response-token budget per episode: model turns, tool output and glue
-            (the paper: 16K).
         max_output_chars: Tool output beyond this many characters is cut (head and tail kept).
         max_output_tokens: Tool output beyond this many tokens is cut.
+        system_prompt: null for the registered env's (by default the format's own instructions), ""
+            for none, or a text.
+        prompt_template: The user message, ``{problem}`` replaced by the problem; null: the env's own
+            (``{problem}``).
+        kwargs: Further keyword arguments of the env (e.g. ``{timeout_s: 5, difficulty: 2}``).
+        eval_kwargs: Env kwargs that evaluation uses instead of the above (e.g. ``{max_turns: 32}``);
+            empty: evaluation plays exactly the training env.
+        engine: Rollout engine, ``transformers`` (in process) or ``sglang`` (GPU server).
+        max_response_tokens: Response-token budget per episode: model turns, tool output and glue
+            (the paper: 16K).
         temperature: Sampling temperature (the paper: 1.0); log-probs and entropies are computed at it.
         top_p: Nucleus mass (the paper: 1.0, i.e. off).
-        system_prompt: None for the format's own instructions, "" for none, or a text.
-        prompt_template: The user message; ``{problem}`` is replaced by the problem.
     """
 
-    format: str = "retool"
+    id: str = "stare/CodeInterpreter-v0"
+    format: str | None = None
+    max_turns: int | None = 16
+    max_tool_calls: int | None = 16
+    max_output_chars: int | None = 4096
+    max_output_tokens: int | None = 1024
+    system_prompt: str | None = None
+    prompt_template: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    eval_kwargs: dict[str, Any] = field(default_factory=dict)
     engine: str = "transformers"
-    max_turns: int = 16
-    max_tool_calls: int = 16
     max_response_tokens: int = 16384
-    max_output_chars: int = 4096
-    max_output_tokens: int = 1024
     temperature: float = 1.0
     top_p: float = 1.0
-    system_prompt: str | None = None
-    prompt_template: str = "{problem}"
 
     def __post_init__(self) -> None:
-        _one_of("env", "format", self.format, ("retool", "hermes"))
+        if self.format is not None:
+            _one_of("env", "format", self.format, ("retool", "hermes"))
         _one_of("env", "engine", self.engine, ENGINES)
-        _positive("env", self, "max_turns", "max_tool_calls", "max_response_tokens", "temperature")
+        _positive("env", self, "max_response_tokens", "temperature")
+        for name in ("max_turns", "max_tool_calls"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"env.{name}={getattr(self, name)} must be >= 1, or null for the env's own")
         for name in ("max_output_chars", "max_output_tokens"):
-            if getattr(self, name) < 64:
+            if getattr(self, name) is not None and getattr(self, name) < 64:
                 raise ConfigError(
                     f"env.{name}={getattr(self, name)} must be >= 64 so the truncation marker fits"
                 )
@@ -138,8 +162,99 @@ class EnvConfig:
             raise ConfigError(
                 f"env.top_p={self.top_p} must be in (0, 1]: use 1.0 to disable nucleus sampling"
             )
-        if "{problem}" not in self.prompt_template:
+        if self.prompt_template is not None and "{problem}" not in self.prompt_template:
             raise ConfigError("env.prompt_template must contain {problem}: e.g. prompt_template='{problem}'")
+        taken = sorted(set(self.kwargs) & set(ENV_KWARG_FIELDS))
+        if taken:
+            raise ConfigError(
+                f"env.kwargs sets {taken}, which are fields of env: write env.{taken[0]}=... instead"
+            )
+        runtime = sorted((set(self.kwargs) | set(self.eval_kwargs)) & {"pool", "tokenizer", "problems"})
+        if runtime:
+            raise ConfigError(
+                f"env.kwargs / env.eval_kwargs cannot set {runtime}: the trainer passes the sandbox pool "
+                "and tokenizer, and data.train / data.eval choose the problems"
+            )
+
+    def env_kwargs(self, *, evaluation: bool = False) -> dict[str, Any]:
+        """Keyword arguments for ``gymnasium.make(self.id, ...)``: the fields that are set, then
+        ``kwargs``, then (with ``evaluation``) ``eval_kwargs``.
+
+        >>> EnvConfig(max_turns=3, eval_kwargs={"max_turns": 8}).env_kwargs(evaluation=True)["max_turns"]
+        8
+        """
+        out = {name: getattr(self, name) for name in ENV_KWARG_FIELDS if getattr(self, name) is not None}
+        out.update(self.kwargs)
+        if evaluation:
+            out.update(self.eval_kwargs)
+        return out
+
+    def make(self, *, evaluation: bool = False, **runtime: Any) -> Any:
+        """The env of ``id`` with :meth:`env_kwargs` and ``runtime`` (``pool``, ``tokenizer``, ...)."""
+        return make_tool_env(self.id, **self.env_kwargs(evaluation=evaluation), **runtime)
+
+
+def make_tool_env(env_id: str, **kwargs: Any) -> Any:
+    """``gymnasium.make(env_id, **kwargs)``, unwrapped: the one way training and evaluation build envs.
+
+    ``env_id`` is a Gymnasium id (built-in, registered in Python, or by a ``stare_agent.envs`` entry
+    point), or ``module:id`` to import ``module`` (which registers the id) first, as Gymnasium allows.
+    The rollout runner drives the ``ToolEnv`` itself (it enforces its own turn and tool-call limits),
+    so Gymnasium's checker and order-enforcing wrappers are left out.
+
+    Raises:
+        ConfigError: the id is not registered, or its env is not an ``envs.ToolEnv``.
+    """
+    import gymnasium
+
+    from envs.tool_env import ToolEnv
+
+    check_env_id(env_id)
+    env = gymnasium.make(env_id, disable_env_checker=True, **kwargs).unwrapped
+    if not isinstance(env, ToolEnv):
+        env.close()
+        raise ConfigError(
+            f"env.id={env_id!r} makes a {type(env).__name__}, not an envs.ToolEnv: register a ToolEnv "
+            "(or subclass) to train or evaluate it"
+        )
+    return env
+
+
+def check_env_id(env_id: str) -> None:
+    """Fail fast, before a model is loaded, when ``env_id`` is not registered (see :func:`make_tool_env`).
+
+    Raises:
+        ConfigError: naming the id and the three ways to register one.
+    """
+    import importlib
+
+    import gymnasium
+
+    import envs  # noqa: F401 - registers the built-in ids and loads the entry-point plugins
+
+    module, _, name = env_id.rpartition(":")
+    try:
+        if module:
+            importlib.import_module(module)
+        gymnasium.spec(name)
+    except (gymnasium.error.Error, ModuleNotFoundError) as exc:
+        raise ConfigError(
+            f"env.id={env_id!r} is not a registered Gymnasium id ({str(exc).splitlines()[0]}): register "
+            "it first (envs.register_tool_env, or a package's stare_agent.envs entry point), write "
+            "module:id to import the module that registers it, or use stare/CodeInterpreter-v0"
+        ) from None
+
+
+ENV_KWARG_FIELDS = (
+    "format",
+    "max_turns",
+    "max_tool_calls",
+    "max_output_chars",
+    "max_output_tokens",
+    "system_prompt",
+    "prompt_template",
+)
+"""Fields of :class:`EnvConfig` that are keyword arguments of the env (the rest drive the rollout)."""
 
 
 @dataclass
@@ -225,6 +340,15 @@ class DataConfig:
         dynamic_sampling: Drop groups whose rewards are all equal and resample (the "-ds" of GRPO-ds).
         max_sampling_batches: Most prompt batches sampled for one step before giving up on filling it
             (the paper's cap: 10).
+        on_short_batch: What a step does when dynamic sampling still holds fewer than
+            ``prompts_per_step`` groups after ``max_sampling_batches``: ``train`` on the groups it has,
+            ``skip`` the update (the data is consumed, the step counts, ``skipped`` = 1), or ``raise``
+            (DAPO's reference code stops the run). Each shortfall is printed and logged
+            (``ds/reached_target`` = 0, ``ds/groups_kept``).
+        dedupe: Drop repeated problem texts of ``train`` (a file or hub dataset) at load time, keeping
+            the first; the hub copy of DAPO-Math-17k repeats each problem 100 times. Known
+            answer-format instructions (DAPO's "Answer: $Answer") are always removed, so the
+            environment's own prompt is the only instruction (``stare_agent.trainer.plain_problems``).
     """
 
     train: str = "mixed"
@@ -238,9 +362,12 @@ class DataConfig:
     samples_per_prompt: int = 8
     dynamic_sampling: bool = True
     max_sampling_batches: int = 10
+    on_short_batch: str = "train"
+    dedupe: bool = True
 
     def __post_init__(self) -> None:
         _positive("data", self, "eval_samples", "prompts_per_step", "max_sampling_batches")
+        _one_of("data", "on_short_batch", self.on_short_batch, SHORT_BATCH_ACTIONS)
         _one_of("data", "difficulty", self.difficulty, (1, 2, 3))
         if self.samples_per_prompt < 2:
             raise ConfigError(

@@ -113,14 +113,8 @@ def quickstart(
                 ),
                 max_response_tokens=env.max_response_tokens,
                 batch_size=max(config.sandbox.pool_size, 1),
-                env_kwargs={
-                    "format": env.format,
-                    "pool": pool,
-                    "max_turns": env.max_turns,
-                    "max_tool_calls": env.max_tool_calls,
-                    "system_prompt": env.system_prompt,
-                    "prompt_template": env.prompt_template,
-                },
+                env_id=env.id,
+                env_kwargs={**env.env_kwargs(evaluation=True), "pool": pool},
                 out_dir=run_dir / f"eval_{tag}",
                 keep_trajectories=True,
             )

@@ -22,6 +22,7 @@ all ranks inside the algorithm functions.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -37,9 +38,9 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from envs.code_interpreter import CodeInterpreterEnv
 from envs.problems import PROBLEM_FAMILIES, Problem, generate_problems, load_problems
 from envs.rollout import RolloutRunner, SamplingParams
+from envs.tool_env import ToolEnv
 from envs.trajectory import Trajectory
 from stare_agent.algorithms import (
     AdaptiveController,
@@ -49,12 +50,53 @@ from stare_agent.algorithms import (
     grpo_advantages,
     stare_weights,
 )
+from stare_agent.algorithms.stare import weight_metrics
 from stare_agent.batch import collate
-from stare_agent.config import RunConfig
+from stare_agent.config import RunConfig, check_env_id
 from stare_agent.learner import Learner
 from stare_agent.metrics import StepLogger, rollout_metrics
 
 CHECKPOINT_PREFIX = "step-"
+
+
+ANSWER_FORMAT_WRAPPERS = (
+    (
+        # DAPO-Math-17k (BytedTsinghua-SIA/DAPO-Math-17k): every prompt asks for "Answer: $Answer",
+        # which contradicts the environment's own answer format (<answer>\boxed{}</answer>).
+        "Solve the following math problem step by step. The last line of your response should be of "
+        "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n",
+        '\n\nRemember to put your answer on its own line after "Answer:".',
+    ),
+)
+"""(prefix, suffix) of known dataset prompts that tell the model how to write its answer. They are
+removed, so that the environment's own prompt (its format's instructions) is the only instruction."""
+
+
+def plain_problems(problems: list[Problem], *, dedupe: bool) -> tuple[list[Problem], dict[str, int]]:
+    """The problems without the answer-format instructions of ``ANSWER_FORMAT_WRAPPERS`` and, with
+    ``dedupe``, without repeats of a problem text (the first one is kept; the hub copy of
+    DAPO-Math-17k holds each problem 100 times).
+
+    Returns:
+        (the problems, counts ``rows``, ``unwrapped``, ``duplicates``).
+    """
+    out: list[Problem] = []
+    seen: set[str] = set()
+    unwrapped = duplicates = 0
+    for p in problems:
+        text = p.problem
+        for prefix, suffix in ANSWER_FORMAT_WRAPPERS:
+            if text.startswith(prefix) and text.endswith(suffix):
+                text = text[len(prefix) : len(text) - len(suffix)]
+                unwrapped += 1
+                break
+        key = text.strip()
+        if dedupe and key in seen:
+            duplicates += 1
+            continue
+        seen.add(key)
+        out.append(p if text == p.problem else dataclasses.replace(p, problem=text))
+    return out, {"rows": len(problems), "unwrapped": unwrapped, "duplicates": duplicates}
 
 
 class ProblemStream:
@@ -62,15 +104,19 @@ class ProblemStream:
 
     Files are read in a fresh seeded permutation per epoch; a procedural family (``mixed``,
     ``multiplication``, ...) yields problem i from seed ``(seed, i)``. ``position`` is all the
-    state there is, so a checkpoint stores it and resumes the stream exactly.
+    state there is, so a checkpoint stores it and resumes the stream exactly. Problems of files and
+    hub datasets go through :func:`plain_problems` (``counts`` says what it removed).
     """
 
-    def __init__(self, source: str, *, seed: int, difficulty: int = 1) -> None:
+    def __init__(self, source: str, *, seed: int, difficulty: int = 1, dedupe: bool = True) -> None:
         self.source, self.seed, self.difficulty = source, seed, difficulty
         self.position = 0
         family = source.removeprefix("procedural:")
         self.family = family if family == "mixed" or family in PROBLEM_FAMILIES else None
-        self.problems: list[Problem] = [] if self.family else load_problems(source)
+        self.problems: list[Problem] = []
+        self.counts: dict[str, int] = {}
+        if not self.family:
+            self.problems, self.counts = plain_problems(load_problems(source), dedupe=dedupe)
         if not self.family and not self.problems:
             raise ValueError(f"data.train={source!r} holds no problems: point it at a non-empty file")
 
@@ -123,6 +169,7 @@ class Trainer:
         self.config = config
         self.run_dir = Path(config.trainer.run_dir)
         self.resume = resume
+        check_env_id(config.env.id)  # before the model loads
         if model is None or tokenizer is None:
             from stare_agent.models import load_policy
 
@@ -135,8 +182,17 @@ class Trainer:
         self.rank, self.world = self.learner.rank, self.learner.world_size
         self.engine = engine if engine is not None else self._make_engine()
         self.stream = ProblemStream(
-            config.data.train, seed=config.trainer.seed, difficulty=config.data.difficulty
+            config.data.train,
+            seed=config.trainer.seed,
+            difficulty=config.data.difficulty,
+            dedupe=config.data.dedupe,
         )
+        if self.rank == 0 and self.stream.counts:
+            c = self.stream.counts
+            print(
+                f"data.train: {c['rows']} rows -> {len(self.stream.problems)} problems "
+                f"({c['duplicates']} repeats dropped, answer-format instructions removed from {c['unwrapped']})"
+            )
         alg = config.algorithm
         self.controller = AdaptiveController(
             W=alg.W,
@@ -148,15 +204,17 @@ class Trainer:
         )
         self.step = 0
         self._pool: Any = None
-        self._envs: list[CodeInterpreterEnv] = []
+        self._envs: list[ToolEnv] = []
 
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict[str, Any]:
         """Train ``trainer.steps`` steps (from the last checkpoint with ``resume``); return a summary."""
         cfg = self.config.trainer
-        if self.resume:
-            self._restore()
+        if self.resume and self._restore():
+            # The engine still holds the weights it was built with: give it the restored policy
+            # before the first rollout (and any evaluation) samples from it.
+            self.engine.update_weights(self.learner.named_weights())
         if self.rank == 0:
             self.config.save(self.run_dir)
         logger = StepLogger(self.run_dir) if self.rank == 0 else None
@@ -205,7 +263,10 @@ class Trainer:
 
         if data.dynamic_sampling:
             kept, ds_metrics = dynamic_sampling(
-                draw_batch, target_groups=data.prompts_per_step, max_batches=data.max_sampling_batches
+                draw_batch,
+                target_groups=data.prompts_per_step,
+                max_batches=data.max_sampling_batches,
+                on_shortfall="raise" if data.on_short_batch == "raise" else "keep",
             )
         else:
             kept, ds_metrics = draw_batch(), {}
@@ -214,6 +275,17 @@ class Trainer:
         metrics: dict[str, Any] = {**rollout_metrics(episodes, self._model_texts(episodes)), **ds_metrics}
         metrics["time/rollout_s"] = t_rollout
         metrics["time/reward_s"] = sum(env.check_time_s for env in self._envs) - check_before
+        short = data.dynamic_sampling and len(kept) < data.prompts_per_step
+        if short and self.rank == 0:
+            action = "skipping the step" if data.on_short_batch == "skip" else f"training on {len(kept)}"
+            tqdm.write(
+                f"step {self.step}: dynamic sampling kept {len(kept)} of {data.prompts_per_step} groups after "
+                f"data.max_sampling_batches={data.max_sampling_batches}: {action} (data.on_short_batch="
+                f"{data.on_short_batch})"
+            )
+        if short and data.on_short_batch == "skip":
+            metrics.update(skipped=1, skip_reason="dynamic sampling fell short (data.on_short_batch=skip)")
+            return {**metrics, "entropy": float("nan"), "gate_on": 0}
         if len(kept) < self.world:
             # Every rank needs a group to take part in the update; all ranks see the same count.
             metrics.update(skipped=1, skip_reason="fewer groups with reward variance than ranks")
@@ -291,38 +363,54 @@ class Trainer:
         alg = self.config.algorithm
         kwargs = dict(gate_on=gate_on, variant=alg.variant, P=alg.P, W=W, M=M)
         if alg.scope == "global":
-            weights, _, _, metrics = stare_weights(
+            weights, L_plus, L_minus, _ = stare_weights(
                 A_tok, logp, mask, scope="global", sequence_ids=sequence_ids.to(logp.device), **kwargs
             )
-            return weights, metrics
-        # micro_batch scope: select inside each of the learner's own micro-batches, as the
-        # authors' code does, so the split must be the learner's.
-        weights = torch.ones_like(logp)
-        counts = {"stare/L_plus": 0.0, "stare/L_minus": 0.0}
-        for idx in self.learner.micro_batches(trajectories):
-            rows = torch.tensor(idx, device=logp.device)
-            w, _, _, m = stare_weights(A_tok[rows], logp[rows], mask[rows], scope="micro_batch", **kwargs)
-            weights[rows] = w
-            for key in counts:
-                counts[key] += m[key]
+        else:
+            # micro_batch scope: select inside each of the learner's own micro-batches, as the
+            # authors' code does, so the split must be the learner's.
+            weights = torch.ones_like(logp)
+            L_plus, L_minus = (
+                torch.zeros_like(mask, dtype=torch.bool),
+                torch.zeros_like(mask, dtype=torch.bool),
+            )
+            for idx in self.learner.micro_batches(trajectories):
+                rows = torch.tensor(idx, device=logp.device)
+                w, lp, lm, _ = stare_weights(
+                    A_tok[rows], logp[rows], mask[rows], scope="micro_batch", **kwargs
+                )
+                weights[rows], L_plus[rows], L_minus[rows] = w, lp, lm
+        return weights, self._stare_metrics(A_tok, logp, mask, L_plus, L_minus, gate_on, W, M)
+
+    def _stare_metrics(
+        self,
+        A_tok: torch.Tensor,
+        logp: torch.Tensor,
+        mask: torch.Tensor,
+        L_plus: torch.Tensor,
+        L_minus: torch.Tensor,
+        gate_on: bool,
+        W: float,
+        M: float,
+    ) -> dict[str, float]:
+        """STARE's metrics over the whole batch on all ranks, the same way for both scopes: counts
+        are summed over ranks, surprisal quantiles taken over every rank's mask-1 tokens."""
         sel = mask.bool()
-        n = max(int(sel.sum()), 1)
-        n_plus = int((sel & (A_tok > 0)).sum())
-        n_minus = int((sel & (A_tok < 0)).sum())
-        s = -logp[sel].float()
-        metrics = {
-            "stare/gate_on": float(gate_on),
-            "stare/W": W,
-            "stare/M": M,
-            "stare/frac_T_plus": n_plus / n,
-            "stare/frac_T_minus": n_minus / n,
-            **counts,
-            "stare/frac_reweighted": float((weights[sel] != 1).sum()) / n,
-            "stare/mean_weight": float(weights[sel].mean()) if sel.any() else 1.0,
-        }
-        for q in (0.5, 0.9, 0.99):
-            metrics[f"stare/surprisal_p{round(q * 100)}"] = float(torch.quantile(s, q)) if s.numel() else 0.0
-        return weights, metrics
+        counts = torch.tensor(
+            [int(sel.sum()), int((sel & (A_tok > 0)).sum()), int((sel & (A_tok < 0)).sum())]
+            + [int((L_plus & sel).sum()), int((L_minus & sel).sum())],
+            dtype=torch.int64,
+            device=logp.device,
+        )
+        s = -logp.detach()[sel].float().cpu()
+        if self.world > 1:
+            dist.all_reduce(counts)
+            parts: list[Any] = [None] * self.world
+            dist.all_gather_object(parts, s)
+            s = torch.cat(parts)
+        n_tokens, n_plus, n_minus, k_plus, k_minus = (int(c) for c in counts)
+        sizes = {"T+": n_plus, "T-": n_minus, "L+": k_plus, "L-": k_minus}
+        return weight_metrics(s, torch.ones_like(s, dtype=torch.bool), sizes, n_tokens, gate_on, W, M)
 
     def _rollout_groups(self, problems: list[Problem], *, draw: int) -> list[Group]:
         """Play G episodes per problem (this rank's groups), then share rewards and trajectories."""
@@ -364,29 +452,18 @@ class Trainer:
             self.tokenizer, self.engine, max_response_tokens=env.max_response_tokens, sampling=sampling
         )
 
-    def _get_envs(self, n: int) -> list[CodeInterpreterEnv]:
+    def _get_envs(self, n: int) -> list[ToolEnv]:
+        while len(self._envs) < n:
+            self._envs.append(self.config.env.make(pool=self._sandbox_pool(), tokenizer=self.tokenizer))
+        return self._envs
+
+    def _sandbox_pool(self) -> Any:
         if self._pool is None:
             from sandbox import SandboxPool
 
             sb = self.config.sandbox
             self._pool = SandboxPool(sb.pool_size, backend=sb.backend, config=sb.limits)
-        env = self.config.env
-        while len(self._envs) < n:
-            self._envs.append(
-                CodeInterpreterEnv(
-                    [Problem("placeholder", "-", "0")],
-                    format=env.format,
-                    pool=self._pool,
-                    tokenizer=self.tokenizer,
-                    max_turns=env.max_turns,
-                    max_tool_calls=env.max_tool_calls,
-                    max_output_chars=env.max_output_chars,
-                    max_output_tokens=env.max_output_tokens,
-                    system_prompt=env.system_prompt,
-                    prompt_template=env.prompt_template,
-                )
-            )
-        return self._envs
+        return self._pool
 
     def _model_texts(self, trajectories: list[Trajectory]) -> list[str]:
         texts = []
@@ -421,13 +498,9 @@ class Trainer:
                 temperature=data.eval_temperature, top_p=data.eval_top_p, seed=self.config.trainer.seed
             ),
             max_response_tokens=env.max_response_tokens,
-            env_kwargs={
-                "format": env.format,
-                "pool": self._pool,
-                "max_turns": env.max_turns,
-                "system_prompt": env.system_prompt,
-                "prompt_template": env.prompt_template,
-            },
+            batch_size=self.config.sandbox.pool_size,  # one leased sandbox per live episode at most
+            env_id=env.id,
+            env_kwargs={**env.env_kwargs(evaluation=True), "pool": self._sandbox_pool()},
             progress=False,
         )
 
@@ -465,12 +538,13 @@ class Trainer:
         self._barrier()
         return final
 
-    def _restore(self) -> None:
+    def _restore(self) -> bool:
+        """Load the last checkpoint, if any; return whether one was loaded."""
         last = latest_checkpoint(self.run_dir)
         if last is None:
             if self.rank == 0:
                 print(f"no checkpoint in {self.run_dir}/checkpoints: starting from step 0")
-            return
+            return False
         client = self.learner.load_checkpoint(last / "learner")
         state = client["trainer"]
         self.step = int(state["step"])
@@ -480,6 +554,7 @@ class Trainer:
         if self.rank == 0:
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
             print(f"resumed from {last} (step {self.step})")
+        return True
 
     def _barrier(self) -> None:
         if self.world > 1:

@@ -242,7 +242,7 @@ def stare_weights(
         weights[L_plus] = W
         weights[L_minus] = M
     n_tokens = _global_count(mask, comm)
-    metrics = _weight_metrics(s, mask, sizes, n_tokens, gate_on, W, M)
+    metrics = weight_metrics(s, mask, sizes, n_tokens, gate_on, W, M)
     return weights, L_plus, L_minus, metrics
 
 
@@ -276,10 +276,14 @@ def _top_k(s: Tensor, candidates: Tensor, seq_key: Tensor, P: float, group: Any)
     return selected.view_as(candidates), n, k
 
 
-def _weight_metrics(
+def weight_metrics(
     s: Tensor, mask: Tensor, sizes: dict[str, int], n_tokens: int, gate_on: bool, W: float, M: float
 ) -> dict[str, float]:
-    """Counts are over the scope (all ranks for global); surprisal quantiles over this call's tokens."""
+    """Counts are over the scope (all ranks for global); surprisal quantiles over this call's tokens.
+
+    ``sizes`` holds ``|T+|, |T-|, |L+|, |L-|`` under the keys ``T+``, ``T-``, ``L+``, ``L-``. The
+    trainer calls it with counts and surprisals of all ranks, so both scopes report the whole batch.
+    """
     n = max(n_tokens, 1)
     n_plus, n_minus = (sizes["L+"], sizes["L-"]) if gate_on else (0, 0)
     weight_sum = n_tokens - n_plus - n_minus + W * n_plus + M * n_minus  # = sum_t mask_t * w_t
