@@ -200,6 +200,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+# Left out of the slim install (`pip install stare-agent`: sandbox and envs only).
+TRAIN_PACKAGES = frozenset({"torch", "transformers", "accelerate", "deepspeed", "omegaconf", "matplotlib"})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -207,6 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in TRAIN_PACKAGES:
+            raise
+        print(
+            f"error: `stare-agent {args.command}` needs {exc.name}, which the slim install leaves out: "
+            "pip install 'stare-agent[train]'",
+            file=sys.stderr,
+        )
+        return 2
     except Exception as exc:
         if isinstance(exc, _user_errors()):
             print(f"error: {exc}", file=sys.stderr)
