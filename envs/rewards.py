@@ -490,6 +490,20 @@ def default_checker() -> AnswerChecker:
 # --------------------------------------------------------------------------------------------------
 
 
+def answers_equivalent(prediction: str, gold: str, *, checker: AnswerChecker | None = None) -> bool:
+    """Whether ``prediction`` is the same answer as ``gold``, as the reward decides it: integers by
+    value (:func:`integer_answers_match`), anything else by math-verify in ``checker`` (the shared
+    :func:`default_checker` when None).
+
+    >>> answers_equivalent("070", "70"), answers_equivalent("71", "70")
+    (True, False)
+    """
+    decided = integer_answers_match(prediction, gold)
+    if decided is None:
+        decided = (checker or default_checker()).check(prediction, gold)
+    return decided
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     """How an episode's outcome becomes a scalar reward.
@@ -551,12 +565,7 @@ def compute_reward(
         -1.0
     """
     has_answer = response_answer is not None
-    correct = False
-    if has_answer:
-        decided = integer_answers_match(response_answer, gold)
-        if decided is None:
-            decided = (checker or default_checker()).check(response_answer, gold)
-        correct = decided
+    correct = has_answer and answers_equivalent(response_answer, gold, checker=checker)
     base = 1.0 if correct else (0.0 if config.mode == "binary" else -1.0)
     bonus = 0.0
     if num_tool_calls > 0 and (correct or not config.bonus_requires_correct):

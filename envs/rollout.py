@@ -21,6 +21,7 @@ This module needs no torch: engines live in ``stare_agent.engines`` and implemen
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,8 +50,14 @@ class SamplingParams:
         top_p: Nucleus sampling mass in (0, 1]; 1 disables it.
         top_k: Keep the k most likely tokens; None disables it.
         max_new_tokens: Most tokens one generate call may return per prompt.
-        seed: Base seed for reproducible sampling; the runner passes ``seed + turn`` on each turn so
-            turns do not reuse one random stream. None: unseeded.
+        seed: Base seed for reproducible sampling. :class:`RolloutRunner` derives from it one random
+            stream per episode and turn (see ``seeds``) and passes ``seed + turn`` here for engines
+            that only know one stream per call. None: unseeded.
+        seeds: One seed per prompt of a ``generate`` call (set by the runner, from
+            :func:`stream_seed`): prompt i is sampled from its own random stream seeded with
+            ``seeds[i]``, whatever the other prompts of the batch are, so an episode's tokens do not
+            depend on the batch size or on its batch companions. Engines that honour it ignore
+            ``seed``. None: one stream per call from ``seed``.
     """
 
     temperature: float = 1.0
@@ -58,6 +65,7 @@ class SamplingParams:
     top_k: int | None = None
     max_new_tokens: int = 1024
     seed: int | None = None
+    seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -68,6 +76,21 @@ class SamplingParams:
             raise ValueError(f"top_k = {self.top_k}: use a positive integer, or None to disable top-k")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens = {self.max_new_tokens}: use a positive integer")
+        if self.seeds is not None:
+            object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))
+
+
+def stream_seed(base: int, *key: object) -> int:
+    """A 31-bit seed for one random stream, derived from ``base`` and ``key`` by hashing.
+
+    Distinct keys give unrelated streams (unlike ``base + i``, where prompt i + 1 at turn t and prompt
+    i at turn t + 1 share one); 31 bits fit every engine's seed type.
+
+    >>> stream_seed(0, "p1/0", 0) == stream_seed(0, "p1/0", 0) != stream_seed(0, "p1/1", 0)
+    True
+    """
+    text = "/".join(str(part) for part in (base, *key))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & 0x7FFFFFFF
 
 
 @dataclass(frozen=True)
@@ -242,6 +265,7 @@ class _Episode:
     env: ToolEnv
     builder: TrajectoryBuilder
     info: dict[str, Any]
+    key: str = ""
     glue: ToolTurnGlue | None = None
     reward: float = 0.0
     turns: int = 0
@@ -307,6 +331,7 @@ class RolloutRunner:
         *,
         seeds: int | Sequence[int | None] | None = None,
         options: Sequence[dict[str, Any] | None] | None = None,
+        episode_keys: Sequence[str] | None = None,
     ) -> list[Trajectory]:
         """Play one episode in each env, all advancing together; return their trajectories in order.
 
@@ -315,6 +340,10 @@ class RolloutRunner:
             seeds: Per-env reset seeds, or one int giving ``seed + i`` to env ``i`` (Gymnasium's vector
                 convention), or None.
             options: Per-env reset options, or None.
+            episode_keys: One name per episode for its sampling stream, e.g. ``"<problem id>/<sample
+                index>"``: with ``sampling.seed`` set, turn t of an episode is sampled from the stream
+                ``stream_seed(sampling.seed, key, t)``, so the same key gives the same episode in any
+                batch. Keys should be unique within a run. None: the env's position in this call.
         """
         if not envs:
             return []
@@ -322,6 +351,11 @@ class RolloutRunner:
         option_list = list(options) if options is not None else [None] * len(envs)
         if len(option_list) != len(envs):
             raise ValueError(f"got {len(option_list)} options for {len(envs)} envs: pass one per env or None")
+        keys = (
+            [str(k) for k in episode_keys] if episode_keys is not None else [str(i) for i in range(len(envs))]
+        )
+        if len(keys) != len(envs):
+            raise ValueError(f"got {len(keys)} episode_keys for {len(envs)} envs: pass one per env or None")
         stats = RolloutStats(episodes=len(envs))
         start = time.perf_counter()
         workers = self.max_workers or min(64, len(envs))
@@ -334,7 +368,9 @@ class RolloutRunner:
                     for env, s, o in zip(envs, seed_list, option_list, strict=True)
                 ],
             )
-            episodes = [self._start(env, info) for env, (_, info) in zip(envs, resets, strict=True)]
+            episodes = [
+                self._start(env, info, key) for env, (_, info), key in zip(envs, resets, keys, strict=True)
+            ]
             turn = 0
             while live := [ep for ep in episodes if ep.end is None]:
                 generations = self._generate(live, turn, stats)
@@ -352,12 +388,12 @@ class RolloutRunner:
         self.last_stats = stats
         return trajectories
 
-    def _start(self, env: ToolEnv, info: dict[str, Any]) -> _Episode:
+    def _start(self, env: ToolEnv, info: dict[str, Any], key: str) -> _Episode:
         """Render and tokenize the prompt; pick the glue for ``tool``-role formats."""
         tools = info.get("tools") if self._wants_template_tools(env, info) else None
         prompt = render_chat(self.tokenizer, info["messages"], tools=tools, add_generation_prompt=True)
         episode = _Episode(
-            env=env, builder=TrajectoryBuilder(_encode(self.tokenizer, prompt)), info=dict(info)
+            env=env, builder=TrajectoryBuilder(_encode(self.tokenizer, prompt)), info=dict(info), key=key
         )
         if env.format.observation_role == "tool":
             episode.glue = self._glue_for(tools)
@@ -381,8 +417,12 @@ class RolloutRunner:
     def _generate(self, live: list[_Episode], turn: int, stats: RolloutStats) -> list[Generation]:
         """One engine call for every live episode, with the largest remaining budget as the limit."""
         remaining = max(self.max_response_tokens - len(ep.builder) for ep in live)
-        seed = None if self.sampling.seed is None else self.sampling.seed + turn
-        params = replace(self.sampling, max_new_tokens=remaining, seed=seed)
+        base = self.sampling.seed
+        if base is None:
+            params = replace(self.sampling, max_new_tokens=remaining)
+        else:
+            seeds = tuple(stream_seed(base, ep.key, ep.turns) for ep in live)
+            params = replace(self.sampling, max_new_tokens=remaining, seed=base + turn, seeds=seeds)
         stop = sorted({s for ep in live for s in ep.env.format.stop_strings})
         t0 = time.perf_counter()
         generations = self.engine.generate([ep.builder.context_ids for ep in live], params, stop)

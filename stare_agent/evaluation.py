@@ -6,6 +6,11 @@ Metrics (n = samples per problem, c = correct samples of a problem, averaged ove
     pass@k  = 1 - C(n - c, k) / C(n, k)               unbiased estimator (Chen et al., 2021), k <= n
     maj@n   = 1[the most frequent final answer is correct]   (ties: the answer seen first)
 
+Answers vote by equivalence, decided as the reward decides correctness (``envs.rewards.answers_equivalent``:
+"070" and "70", ``\\frac12`` and "0.5" are one answer). Every episode samples from its own random
+stream, named by (problem id, sample index) and turn (``RolloutRunner.run(episode_keys=...)``), so
+the results of a seeded evaluation do not depend on ``batch_size``.
+
 Defaults follow the paper's validation setting: temperature 1.0, top-p 0.7.
 """
 
@@ -14,14 +19,14 @@ from __future__ import annotations
 import json
 import math
 import zlib
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from envs.code_interpreter import CodeInterpreterEnv
 from envs.problems import Problem, load_problems
+from envs.rewards import answers_equivalent
 from envs.rollout import Engine, RolloutRunner, SamplingParams, Tokenizer
 from envs.trajectory import Trajectory
 
@@ -39,21 +44,42 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def majority_correct(answers: Sequence[str | None], correct: Sequence[bool]) -> bool:
+def majority_correct(
+    answers: Sequence[str | None],
+    correct: Sequence[bool],
+    *,
+    same: Callable[[str, str], bool] | None = None,
+) -> bool:
     """Whether the most frequent non-empty answer is correct (ties go to the answer seen first).
+
+    Answers are grouped by ``same(answer, first answer of a group)``; default
+    :func:`envs.rewards.answers_equivalent`, the reward's own check. A group is as correct as its
+    first answer.
 
     >>> majority_correct(["3", "5", "5", None], [True, False, False, False])
     False
     >>> majority_correct(["3", "5", None], [True, False, False])
     True
+    >>> majority_correct(["070", "5", "70"], [True, False, True])
+    True
     """
-    normalized = [a.strip() if a else None for a in answers]
-    counts = Counter(a for a in normalized if a)
-    if not counts:
+    same = same or answers_equivalent
+    groups: list[tuple[str, int, int]] = []  # (first answer, its index, votes), in order of first sight
+    for index, answer in enumerate(answers):
+        answer = answer.strip() if answer else None
+        if not answer:
+            continue
+        for g, (first, where, votes) in enumerate(groups):
+            if answer == first or same(answer, first):
+                groups[g] = (first, where, votes + 1)
+                break
+        else:
+            groups.append((answer, index, 1))
+    if not groups:
         return False
-    top = max(counts.values())
-    winner = next(a for a in normalized if a and counts[a] == top)
-    return bool(correct[normalized.index(winner)])
+    top = max(votes for _, _, votes in groups)
+    _, where, _ = next(group for group in groups if group[2] == top)
+    return bool(correct[where])
 
 
 @dataclass
@@ -199,6 +225,7 @@ def evaluate(
                 envs[: len(chunk)],
                 seeds=[zlib.crc32(f"{p.id}/{i}".encode()) for p, i in chunk],
                 options=[{"problem": p} for p, _ in chunk],
+                episode_keys=[f"{p.id}/{i}" for p, i in chunk],
             )
             for (problem, _), trajectory in zip(chunk, trajectories, strict=True):
                 results[problem.id].add(trajectory)

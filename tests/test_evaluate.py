@@ -68,3 +68,46 @@ def test_scripted_evaluation_reproduces_hand_computed_metrics(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["problem_id"] for r in rows] == ["p1", "p2"]
     assert json.loads((tmp_path / "summary.json").read_text())["maj@4"] == pytest.approx(0.5)
+
+
+def test_majority_votes_by_answer_equivalence():
+    # "070" and "70" are one answer (2 votes) against "71"; \frac12 and 0.5 likewise against 0.25.
+    assert majority_correct(["71", "070", "70"], [False, True, True]) is True
+    assert majority_correct(["0.25", "\\frac12", "0.5"], [False, True, True]) is True
+    assert (
+        majority_correct(["0.25", "\\frac12", "0.5", "1/4", "0.25"], [False, True, True, False, False])
+        is False
+    )
+
+
+def test_per_sample_results_do_not_depend_on_the_batch_size():
+    """Samples 4..7 of a problem are new samples at batch size 4 (not a replay of 0..3), and every
+    sample is the same token for token at batch sizes 1, 4 and 16 (one random stream per episode)."""
+    from envs.rollout import SamplingParams
+    from stare_agent.engines import TransformersEngine
+    from stare_agent.models import tiny_model
+
+    model, tokenizer = tiny_model(seed=0)
+    problems = [Problem("p1", "What is 6 times 7?", "42"), Problem("p2", "What is 3 + 4?", "7")]
+
+    def responses(batch_size: int) -> list[list[int]]:
+        report = evaluate(
+            problems,
+            engine=TransformersEngine(model, tokenizer),
+            tokenizer=tokenizer,
+            samples=8,
+            sampling=SamplingParams(temperature=1.0, top_p=1.0, seed=3),
+            max_response_tokens=12,
+            batch_size=batch_size,
+            env_kwargs={"format": "retool", "sandbox_backend": "local"},
+            progress=False,
+            keep_trajectories=True,
+        )
+        return [list(t.response_ids) for t in report.trajectories]
+
+    by_batch = {b: responses(b) for b in (1, 4, 16)}
+    for batch_size, episodes in by_batch.items():
+        for problem in range(2):
+            samples = {tuple(r) for r in episodes[problem * 8 : (problem + 1) * 8]}
+            assert len(samples) == 8, f"two samples of a problem are identical at batch size {batch_size}"
+    assert by_batch[1] == by_batch[4] == by_batch[16]

@@ -66,6 +66,64 @@ def test_sampling_params_map_to_sglang_names():
     assert sglang_sampling_params(SamplingParams(top_k=20), [])["top_k"] == 20
 
 
+class FakeSGLang:
+    """Stands in for ``sglang.Engine``: records each request's ``sampling_seed`` by its prompt; every
+    episode writes a stray ``</code>`` first (a parse error, so the episode goes on), then an answer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.seeds: dict[tuple[int, ...], int] = {}  # prompt ids -> seed: one entry per episode turn
+
+    def generate(self, input_ids, sampling_params, return_logprob):
+        assert return_logprob and isinstance(sampling_params, list)
+        outputs = []
+        for ids, params in zip(input_ids, sampling_params, strict=True):
+            second_turn = self.tokenizer.decode(ids).endswith("</interpreter>\n")
+            tokens = self.tokenizer.encode(
+                "\\boxed{1}" if second_turn else "x </code>", add_special_tokens=False
+            )
+            if second_turn:
+                tokens.append(self.tokenizer.eos_token_id)
+                finish = {"type": "stop", "matched": self.tokenizer.eos_token_id}
+            else:
+                finish = {"type": "stop", "matched": "</code>"}
+            self.seeds[tuple(ids)] = params["sampling_seed"]
+            outputs.append(sglang_output([(-0.5, t, None) for t in tokens], finish))
+        return outputs
+
+
+def test_seeded_requests_get_one_stream_per_episode_and_turn_in_any_batch():
+    """The runner's per-episode, per-turn seeds reach SGLang: no two (episode, turn) share a
+    ``sampling_seed`` (``seed + i`` made prompt i + 1 at turn 0 share prompt i's stream at turn 1),
+    and an episode gets the same seeds whether it is played alone or in a batch of three."""
+    from envs.code_interpreter import CodeInterpreterEnv
+    from envs.problems import Problem
+    from envs.rollout import RolloutRunner
+    from tests.helpers_tokenizers import smollm2_tokenizer
+
+    tokenizer = smollm2_tokenizer()
+    problems = [Problem(f"p{i}", f"What is {i} + 1?", str(i + 1)) for i in range(3)]
+
+    def play(batches: list[list[int]]) -> dict[tuple[int, ...], int]:
+        engine = object.__new__(SGLangEngine)  # no sglang here: the fake stands in for sglang.Engine
+        engine.eos_token_ids, engine.sampling_overrides = None, {}
+        engine.engine = FakeSGLang(tokenizer)
+        runner = RolloutRunner(tokenizer, engine, max_response_tokens=64, sampling=SamplingParams(seed=100))
+        for batch in batches:
+            envs = [CodeInterpreterEnv(problems, format="retool", sandbox_backend="local") for _ in batch]
+            trajectories = runner.run(
+                envs, options=[{"problem_index": i} for i in batch], episode_keys=[f"p{i}/0" for i in batch]
+            )
+            assert [t.info["num_turns"] for t in trajectories] == [2] * len(batch)
+            for env in envs:
+                env.close()
+        return engine.engine.seeds
+
+    together = play([[0, 1, 2]])
+    assert len(together) == 6 and len(set(together.values())) == 6  # 3 episodes x 2 turns: 6 streams
+    assert play([[0], [1], [2]]) == together
+
+
 def test_weight_buckets_bound_bytes_and_keep_order():
     tensors = [
         ("a", torch.zeros(10)),  # 40 bytes

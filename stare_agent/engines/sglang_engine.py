@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from envs.rollout import FinishReason, Generation, RolloutError, SamplingParams
+from envs.rollout import FinishReason, Generation, RolloutError, SamplingParams, stream_seed
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
@@ -87,17 +87,13 @@ class SGLangEngine:
     ) -> list[Generation]:
         """Sample one continuation per prompt (see :class:`envs.rollout.Engine`).
 
-        With ``params.seed`` set, prompt ``i`` gets SGLang's ``sampling_seed = seed + i``, so equal
-        prompts in one batch (a GRPO group) still draw different samples; SGLang honours it exactly
-        when started with ``enable_deterministic_inference=True``.
+        Seeds: prompt ``i`` gets SGLang's ``sampling_seed`` from :func:`request_sampling_params`
+        (``params.seeds[i]`` from the rollout runner: one stream per episode and turn); SGLang
+        honours it exactly when started with ``enable_deterministic_inference=True``.
         """
         if not prompts:
             return []
-        base = {**sglang_sampling_params(params, stop), **self.sampling_overrides}
-        if params.seed is None:
-            sampling: dict[str, Any] | list[dict[str, Any]] = base
-        else:
-            sampling = [{**base, "sampling_seed": params.seed + i} for i in range(len(prompts))]
+        sampling = request_sampling_params(params, stop, len(prompts), self.sampling_overrides)
         outputs = self.engine.generate(
             input_ids=[list(p) for p in prompts], sampling_params=sampling, return_logprob=True
         )
@@ -160,6 +156,29 @@ def sglang_sampling_params(params: SamplingParams, stop: Sequence[str]) -> dict[
         "no_stop_trim": True,
         "skip_special_tokens": False,
     }
+
+
+def request_sampling_params(
+    params: SamplingParams, stop: Sequence[str], n: int, overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """SGLang ``sampling_params`` for a batch of ``n`` prompts: one dict, or one per prompt when seeded.
+
+    With ``params.seeds`` prompt i gets ``sampling_seed = seeds[i]``; with only ``params.seed`` it gets
+    ``stream_seed(seed, i)`` (hashed, so no two prompts or turns share a stream, as ``seed + i`` did:
+    prompt i + 1 at turn t and prompt i at turn t + 1). ``overrides`` win over ours.
+    """
+    base = {**sglang_sampling_params(params, stop), **(overrides or {})}
+    if params.seeds is not None:
+        if len(params.seeds) != n:
+            raise ValueError(
+                f"params.seeds has {len(params.seeds)} seeds for {n} prompts: pass one per prompt"
+            )
+        seeds: Sequence[int] = params.seeds
+    elif params.seed is not None:
+        seeds = [stream_seed(params.seed, i) for i in range(n)]
+    else:
+        return base
+    return [{**base, "sampling_seed": seed, **(overrides or {})} for seed in seeds]
 
 
 def to_generation(output: Mapping[str, Any], eos_token_ids: frozenset[int] | None = None) -> Generation:

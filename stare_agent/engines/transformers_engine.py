@@ -33,8 +33,9 @@ class TransformersEngine:
     """Batched generation with a transformers causal LM.
 
     Args:
-        model: a causal LM (``PreTrainedModel``); put in eval mode, used as is (no copy), so a
-            learner that trains the same module in this process is always in sync.
+        model: a causal LM (``PreTrainedModel``), used as is (no copy), so a learner that trains the
+            same module in this process is always in sync; each ``generate`` runs it in eval mode and
+            leaves its train/eval mode as it found it.
         tokenizer: its tokenizer; used to decode generated tails for stop strings and for the pad
             and EOS ids.
         device: where generation runs; default the model's device (the model is moved if needed).
@@ -62,7 +63,6 @@ class TransformersEngine:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if next(model.parameters()).device != self.device:
             model.to(self.device)
-        model.eval()
         self.eos_token_ids = frozenset(
             eos_token_ids if eos_token_ids is not None else _default_eos(model, tokenizer)
         )
@@ -81,25 +81,49 @@ class TransformersEngine:
 
         A sequence ends at the first of: an EOS token (included, ``"eos"``); a stop string appearing
         in its decoded continuation (tokens up to and including the one that completed it,
-        ``"stop"``); ``params.max_new_tokens`` tokens (``"length"``). The same ``params.seed``
-        with the same prompts gives the same tokens; ``seed=None`` draws from torch's global RNG.
+        ``"stop"``); ``params.max_new_tokens`` tokens (``"length"``).
+
+        Randomness: with ``params.seeds`` each prompt is sampled from its own generator seeded with
+        its seed, so its tokens do not depend on which prompts share the batch (up to the float
+        rounding of batched kernels); else the same ``params.seed`` with the same prompts gives the
+        same tokens; ``seed=None`` draws from torch's global RNG.
+
+        The model is put in eval mode for the call (no dropout, KV cache on even with gradient
+        checkpointing) and given back in the mode it was in, since a learner that trains the same
+        module keeps it in train mode.
         """
         for index, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {index} is empty: give at least one token (e.g. the BOS token)")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if params.seeds is not None and len(params.seeds) != len(prompts):
+            raise ValueError(
+                f"params.seeds has {len(params.seeds)} seeds for {len(prompts)} prompts: pass one per prompt"
+            )
+        generators: list[torch.Generator | None]
+        if params.seeds is not None:
+            generators = [torch.Generator(device=self.device).manual_seed(s) for s in params.seeds]
+        elif params.seed is not None:
+            shared = torch.Generator(device=self.device).manual_seed(params.seed)
+            generators = [shared] * len(prompts)
+        else:
+            generators = [None] * len(prompts)
         stop = tuple(s for s in stop if s)
         results: list[Generation] = []
-        for start in range(0, len(prompts), self.max_batch_size):
-            chunk = prompts[start : start + self.max_batch_size]
-            with torch.autocast(
-                self.device.type,
-                dtype=self.autocast_dtype or torch.bfloat16,
-                enabled=self.autocast_dtype is not None,
-            ):
-                results.extend(self._generate_batch(chunk, params, stop, generator))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(prompts), self.max_batch_size):
+                end = start + self.max_batch_size
+                with torch.autocast(
+                    self.device.type,
+                    dtype=self.autocast_dtype or torch.bfloat16,
+                    enabled=self.autocast_dtype is not None,
+                ):
+                    results.extend(
+                        self._generate_batch(prompts[start:end], params, stop, generators[start:end])
+                    )
+        finally:
+            self.model.train(was_training)
         return results
 
     @torch.inference_mode()
@@ -108,7 +132,7 @@ class TransformersEngine:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         stop: tuple[str, ...],
-        generator: torch.Generator | None,
+        generators: list[torch.Generator | None],
     ) -> list[Generation]:
         n = len(prompts)
         token_ids: list[list[int]] = [[] for _ in range(n)]
@@ -131,7 +155,7 @@ class TransformersEngine:
         live = list(range(n))  # row j of the batch tensors is sequence live[j]
         stop_window = max((len(s) for s in stop), default=0) + _STOP_WINDOW_MARGIN
         for _ in range(params.max_new_tokens):
-            tokens, token_logprobs = sample_next_tokens(logits, params, generator)
+            tokens, token_logprobs = sample_next_tokens(logits, params, [generators[seq] for seq in live])
             keep: list[int] = []
             for row, (seq, token, logprob) in enumerate(
                 zip(live, tokens.tolist(), token_logprobs.tolist(), strict=True)
@@ -214,14 +238,18 @@ class TransformersEngine:
 
 
 def sample_next_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | Sequence[torch.Generator | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and return it with its log-prob under the sampling distribution.
 
     Args:
         logits: ``[batch, vocab]`` next-token logits.
         params: temperature (0 = greedy), ``top_k`` (<= 0 = off), ``top_p`` (1 = off).
-        generator: the random stream (None = torch's global one).
+        generator: the random stream (None = torch's global one), or one per row: row r then draws
+            from ``generator[r]`` alone, whatever the other rows are. The same generator object may
+            appear in several rows (one stream for the batch, drawn row by row).
 
     Returns:
         ``(tokens [batch] long, logprobs [batch] float32)``; see the module docstring for which
@@ -238,7 +266,7 @@ def sample_next_tokens(
     top_p = params.top_p if params.top_p is not None else 1.0
     if top_k == 0 and top_p >= 1.0:
         logq = torch.log_softmax(scaled, dim=-1)
-        tokens = torch.multinomial(logq.exp(), 1, generator=generator)[:, 0]
+        tokens = _multinomial(logq.exp(), generator)[:, 0]
         return tokens, logq.gather(-1, tokens[:, None])[:, 0]
     # Candidates sorted by probability (all of them when only top-p is on).
     values, indices = scaled.topk(top_k or vocab, dim=-1)
@@ -247,8 +275,19 @@ def sample_next_tokens(
         mass_before = probs.cumsum(dim=-1) - probs
         values = values.masked_fill(mass_before >= top_p, float("-inf"))  # never drops the first
     logq = torch.log_softmax(values, dim=-1)
-    choice = torch.multinomial(logq.exp(), 1, generator=generator)
+    choice = _multinomial(logq.exp(), generator)
     return indices.gather(-1, choice)[:, 0], logq.gather(-1, choice)[:, 0]
+
+
+def _multinomial(
+    probs: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator | None] | None
+) -> torch.Tensor:
+    """One draw per row ``[batch, 1]``: from one stream, or row r from ``generator[r]``."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator)
+    if len(generator) != probs.shape[0]:
+        raise ValueError(f"{len(generator)} generators for {probs.shape[0]} rows: pass one per row")
+    return torch.cat([torch.multinomial(probs[r : r + 1], 1, generator=g) for r, g in enumerate(generator)])
 
 
 def _default_eos(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
