@@ -41,7 +41,7 @@ from typing import Any
 from sandbox.config import SandboxConfig
 from sandbox.errors import SandboxError, SandboxUnavailable
 from sandbox.kernel import KERNEL_ARGS, KernelDriver, KernelSandbox, reset_code
-from sandbox.owner import owner_gone, owner_id
+from sandbox.owner import owner_gone, owner_id, remove_sandbox_dir
 from sandbox.usage import CgroupUsage
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 LABEL = "org.stare-agent.sandbox"
 """Label on every sandbox container (value "1"): ``docker ps -f label=org.stare-agent.sandbox``."""
 OWNER_LABEL = "org.stare-agent.owner"
-"""``host:pid:start`` of the process that made the container, so orphans can be found and removed."""
+"""Owner id (``sandbox.owner.owner_id``) of the process that made the container, so orphans can be
+found and removed."""
 
 CONN_DIR = "/conn"
 WORK_DIR = "/work"
@@ -133,8 +134,9 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
 
 
 def reap_orphans(client: Any = None) -> int:
-    """Remove sandbox containers (and their connection dirs) whose owner process on this host is
-    gone, e.g. after the owner was killed with SIGKILL and could not clean up. Returns how many."""
+    """Remove sandbox containers (and their connection dirs) whose owner process is certainly gone
+    (``sandbox.owner.owner_gone``), e.g. after the owner was killed with SIGKILL and could not
+    clean up. Returns how many."""
     client = client or docker_client()
     removed = 0
     for container in client.containers.list(all=True, filters={"label": OWNER_LABEL}):
@@ -147,8 +149,7 @@ def reap_orphans(client: Any = None) -> int:
             logger.debug("could not remove orphan %s: %s", container.short_id, exc)
             continue
         for path in dirs:
-            if Path(path).name.startswith("stare-"):
-                shutil.rmtree(path, ignore_errors=True)
+            remove_sandbox_dir(path)  # only the project's own temp dirs, whatever the mount says
         removed += 1
     if removed:
         logger.warning(

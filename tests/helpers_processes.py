@@ -9,15 +9,22 @@ from pathlib import Path
 
 
 def start_sandbox_owner(
-    cls: str, report: str, ready: Path, timeout: float = 120
+    cls: str,
+    report: str,
+    ready: Path,
+    timeout: float = 120,
+    *,
+    prefix: tuple[str, ...] = (),
+    setup: str = "",
 ) -> tuple[subprocess.Popen, str]:
-    """Start a child that makes ``sandbox.<cls>()`` and writes ``report`` (an expression of ``sb``)
-    to ``ready``; return the child, still running, and what it wrote."""
+    """Start a child that runs ``setup``, makes ``sandbox.<cls>()`` and writes ``report`` (an
+    expression of ``sb``) to ``ready``; return the child, still running, and what it wrote.
+    ``prefix`` is a command that runs the child (e.g. ``unshare --pid ...``)."""
     code = (
-        f"import time; from sandbox import {cls}; sb = {cls}(); "
+        f"import time\n{setup}\nfrom sandbox import {cls}; sb = {cls}(); "
         f"open({str(ready)!r}, 'w').write({report}); time.sleep(600)"
     )
-    child = subprocess.Popen([sys.executable, "-c", code])
+    child = subprocess.Popen([*prefix, sys.executable, "-c", code])
     deadline = time.monotonic() + timeout
     while not ready.exists() or not ready.read_text():
         if child.poll() is not None or time.monotonic() > deadline:

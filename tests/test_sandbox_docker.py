@@ -154,7 +154,7 @@ def test_containers_of_a_killed_owner_are_reaped(docker_ready, tmp_path):
     )
     container_id, conn_dir = written.split()
     client = docker_client()
-    assert client.containers.get(container_id).labels[OWNER_LABEL].split(":")[1] == str(child.pid)
+    assert client.containers.get(container_id).labels[OWNER_LABEL].split(":")[4] == str(child.pid)
     reap_orphans(client)
     assert client.containers.list(all=True, filters={"id": container_id})  # its owner is alive: kept
     child.send_signal(signal.SIGKILL)
