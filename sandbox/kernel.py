@@ -16,6 +16,15 @@ Timeout policy of ``KernelDriver.execute``:
    ``KernelHost.is_alive`` while no message arrives, relaunched, and reported as a
    ``KernelDied`` error with ``state_lost=True``.
 
+Nothing the kernel sends can make ``execute`` raise: every message is checked before it is used
+(signature, framing, field types), and one that fails is skipped and counted
+(``ExecResult.skipped_messages``); past ``MAX_SKIPPED_MESSAGES`` in one call the kernel is restarted.
+Host memory per kernel stays bounded while reading: the sockets refuse frames over
+``MAX_MESSAGE_BYTES`` (zmq ``MAXMSGSIZE``: the kernel is disconnected, nothing is buffered) and
+queue at most ``RECEIVE_HWM`` messages, and the kernel sends its output in chunks that fit
+(``BOUNDED_OUTPUT``). If a dropped message took the kernel's "idle" with it, the call ends once the
+execute reply has come and the output channel stays quiet.
+
 CPU seconds and peak memory are read on the host (``sandbox.usage``: the container's cgroup, or
 ``/proc`` of the local kernel), never by asking the kernel, so an execution costs one request and
 the messages it sends back.
@@ -24,11 +33,11 @@ the messages it sends back.
 from __future__ import annotations
 
 import collections
-import queue
 import re
 import time
 from typing import Any, Protocol, cast
 
+import zmq
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.connect import KernelConnectionInfo
 
@@ -46,6 +55,24 @@ reading output at the reply; we read iopub until the kernel's "idle", which foll
 
 POLL_S = 0.2
 """How often the kernel's liveness is checked while it sends nothing."""
+
+MAX_MESSAGE_BYTES = 4 * 2**20
+"""Largest frame accepted from a kernel (zmq ``MAXMSGSIZE``, set before connecting): a bigger one
+disconnects the kernel's socket (zmq reconnects) instead of being received."""
+
+RECEIVE_HWM = 16
+"""Messages zmq queues per socket on the host (``RCVHWM``): with ``MAX_MESSAGE_BYTES``, a bound of
+64 MiB on what a kernel can make the host hold however fast it sends."""
+
+OUTPUT_CHUNK_CHARS = 2**18
+"""Most characters of output the kernel puts in one message (``BOUNDED_OUTPUT``): even at 6 bytes a
+character in JSON (``\\u0000``), two chunks stay under ``MAX_MESSAGE_BYTES``."""
+
+SEND_TIMEOUT_MS = 1000
+"""A send that finds no connection fails (``zmq.Again``) after this long instead of blocking."""
+
+MAX_SKIPPED_MESSAGES = 100
+"""Malformed messages tolerated in one call; past it the kernel is restarted."""
 
 
 class UsageMeter(Protocol):
@@ -154,7 +181,12 @@ class KernelDriver:
         self.host = host
         self.max_output_chars = max_output_chars
         self.restart_grace_s = restart_grace_s
-        self.client = BlockingKernelClient()
+        # Our own context: its default socket options apply to every socket before it connects.
+        self._context = zmq.Context()
+        self._context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._context.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        self._context.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        self.client = BlockingKernelClient(context=self._context)
         self.client.load_connection_info(cast(KernelConnectionInfo, connection_info))
         self.client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
         # The channels themselves, not BlockingKernelClient.get_*_msg: those run each read through
@@ -175,13 +207,34 @@ class KernelDriver:
             SandboxError: the kernel died or did not answer within ``timeout``.
         """
         deadline = time.monotonic() + timeout
+        self._connect(deadline, timeout)
+        self.host.ready()
+        self.ready = True
+        self.run_quiet(WARM_TRACEBACKS, max(1.0, deadline - time.monotonic()))
+        self.run_quiet(f"{BOOT_SNAPSHOT}\n{BOUNDED_OUTPUT}", max(1.0, deadline - time.monotonic()))
+
+    def _connect(self, deadline: float, timeout: float) -> None:
+        """Connect fresh shell and iopub sockets and wait until the kernel's iopub reaches us.
+
+        Fresh sockets, because zmq gives up a connection for good (no reconnect) once the peer
+        broke the protocol, e.g. sent a frame over ``MAX_MESSAGE_BYTES``.
+        """
+        for channel, connect in (
+            (self._shell, self.client.connect_shell),
+            (self._iopub, self.client.connect_iopub),
+        ):
+            if channel.socket is not None:
+                channel.socket.close(linger=0)
+            channel.socket = connect()
         while True:
             msg_id = self.client.kernel_info()
             resend = time.monotonic() + 0.5
             while time.monotonic() < resend:
                 try:
-                    msg = self._iopub.get_msg(timeout=POLL_S / 2)
-                except queue.Empty:
+                    msg = self._receive(self._iopub, POLL_S / 2)
+                except MalformedMessage:
+                    continue
+                if msg is None:
                     if not self.host.is_alive():
                         raise SandboxError(
                             f"the kernel exited while starting ({self.host.death_cause()}): "
@@ -190,10 +243,6 @@ class KernelDriver:
                     continue
                 if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status":
                     self._drain_shell()
-                    self.host.ready()
-                    self.ready = True
-                    self.run_quiet(WARM_TRACEBACKS, max(1.0, deadline - time.monotonic()))
-                    self.run_quiet(BOOT_SNAPSHOT, max(1.0, deadline - time.monotonic()))
                     return
             if time.monotonic() > deadline:
                 raise SandboxError(
@@ -201,8 +250,19 @@ class KernelDriver:
                     "raise the start timeout or run `stare-agent sandbox doctor`"
                 )
 
+    def _reconnect_or_restart(self, timeout: float) -> bool:
+        """Fresh sockets to the kernel; if it does not answer on them, a fresh kernel (the next
+        call waits for it). True when the kernel was restarted (its state is lost)."""
+        try:
+            self._connect(time.monotonic() + timeout, timeout)
+        except (SandboxError, zmq.ZMQError):
+            self.restart()
+            return True
+        return False
+
     def close(self) -> None:
         self.client.stop_channels()
+        self._context.destroy(linger=0)
 
     def restart(self) -> None:
         """Kill and relaunch the kernel; the next ``execute`` waits for it."""
@@ -229,12 +289,26 @@ class KernelDriver:
         deadline = started + timeout
         # stop_on_error=False: after an error ipykernel otherwise aborts every request that reaches
         # it before its event loop turns once more, which a fast next call does.
-        msg_id = self.client.execute(
-            code, silent=False, store_history=True, allow_stdin=False, stop_on_error=False
-        )
+        code = encodable(code)
+        try:
+            msg_id = self.client.execute(
+                code, silent=False, store_history=True, allow_stdin=False, stop_on_error=False
+            )
+        except zmq.Again:  # no connection to send on (see _connect): reconnect, else start over
+            if self._reconnect_or_restart(min(timeout, 10.0)):
+                return ExecResult(
+                    error=ExecError(
+                        "KernelDied", "the kernel stopped answering; it was restarted and all state is lost"
+                    ),
+                    state_lost=True,
+                )
+            msg_id = self.client.execute(
+                code, silent=False, store_history=True, allow_stdin=False, stop_on_error=False
+            )
         stdout, stderr = OutputBuffer(self.max_output_chars), OutputBuffer(self.max_output_chars)
         error: ExecError | None = None
-        timed_out = state_lost = False
+        timed_out = state_lost = replied = idle_lost = False
+        skipped = 0
         give_up = float("inf")
         while True:
             now = time.monotonic()
@@ -247,10 +321,24 @@ class KernelDriver:
                 state_lost = True
                 break
             try:
-                msg = self._iopub.get_msg(
-                    timeout=max(0.0, min(POLL_S, (give_up if timed_out else deadline) - now))
+                msg = self._receive(
+                    self._iopub, max(0.0, min(POLL_S, (give_up if timed_out else deadline) - now))
                 )
-            except queue.Empty:
+            except MalformedMessage:
+                msg = None
+                skipped += 1
+            if msg is None:
+                if skipped > MAX_SKIPPED_MESSAGES:
+                    self.restart()
+                    state_lost = True
+                    error = ExecError(
+                        "KernelProtocolError",
+                        f"the kernel sent more than {MAX_SKIPPED_MESSAGES} malformed messages; "
+                        "it was restarted and all state is lost",
+                    )
+                    break
+                if skipped:
+                    continue  # a malformed message is not a quiet poll
                 if not self.host.is_alive():
                     cause = self.host.death_cause()
                     self.restart()
@@ -260,10 +348,18 @@ class KernelDriver:
                         f"the Python process died ({cause}); it was restarted and all state is lost",
                     )
                     break
+                if replied:  # replied, then a whole quiet poll: the "idle" was dropped
+                    skipped += 1
+                    idle_lost = True
+                    break
+                replied = self._replied(msg_id)
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]
+            if not _well_formed(kind, content):
+                skipped += 1
+                continue
             if kind == "stream":
                 (stderr if content.get("name") == "stderr" else stdout).write(content.get("text", ""))
             elif kind in ("execute_result", "display_data"):
@@ -276,6 +372,12 @@ class KernelDriver:
                 error = self._error(content)
             elif kind == "status" and content.get("execution_state") == "idle":
                 break
+        if idle_lost and not state_lost and self._reconnect_or_restart(min(timeout, 10.0)):
+            # The iopub connection may be gone for good: renewed, or the kernel restarted.
+            state_lost = True
+            error = ExecError(
+                "KernelDied", "the kernel stopped answering; it was restarted and all state is lost"
+            )
         duration = time.monotonic() - started
         cpu_s, peak = 0.0, None
         if meter is not None and not state_lost:
@@ -289,11 +391,16 @@ class KernelDriver:
             error = ExecError(
                 "TimeoutError", f"the code ran past the {timeout:g} s timeout; {how} and {kept}"
             )
+        if skipped:
+            stderr.write(
+                f"\n[{skipped} message(s) from the kernel were malformed or over "
+                f"{MAX_MESSAGE_BYTES // 2**20} MiB and were skipped; output may be missing]\n"
+            )
         out, out_cut = stdout.text()
         err, err_cut = stderr.text()
         return ExecResult(
-            stdout=out,
-            stderr=err,
+            stdout=encodable(out),
+            stderr=encodable(err),
             error=error,
             timed_out=timed_out,
             state_lost=state_lost,
@@ -301,6 +408,7 @@ class KernelDriver:
             cpu_s=cpu_s,
             peak_memory_bytes=peak,
             truncated=out_cut or err_cut,
+            skipped_messages=skipped,
         )
 
     def run_quiet(self, code: str, timeout: float) -> bool:
@@ -317,13 +425,54 @@ class KernelDriver:
         traceback = ANSI_ESCAPE.sub("", "\n".join(content.get("traceback", [])))
         buf = OutputBuffer(self.max_output_chars)
         buf.write(traceback)
-        return ExecError(content.get("ename", "Error"), content.get("evalue", ""), buf.text()[0])
+        name, message = OutputBuffer(200), OutputBuffer(self.max_output_chars)
+        name.write(content.get("ename", "Error"))
+        message.write(content.get("evalue", ""))
+        return ExecError(encodable(name.text()[0]), encodable(message.text()[0]), encodable(buf.text()[0]))
+
+    def _receive(self, channel: Any, timeout: float) -> dict[str, Any] | None:
+        """The next message on ``channel`` within ``timeout`` seconds, or None when none came.
+
+        Raises:
+            MalformedMessage: what came is not a signed, well-framed message with a dict parent
+                header, a str type and a dict content.
+        """
+        socket = channel.socket
+        if socket is None or not socket.poll(int(timeout * 1000)):
+            return None
+        frames = socket.recv_multipart()
+        try:
+            _, frames = channel.session.feed_identities(frames)
+            msg = channel.session.deserialize(frames)
+        except Exception as exc:  # noqa: BLE001 - whatever the kernel sent, it is only skipped
+            raise MalformedMessage(f"{exc.__class__.__name__}: {str(exc)[:200]}") from None
+        if not (
+            isinstance(msg.get("parent_header"), dict)
+            and isinstance(msg.get("msg_type"), str)
+            and isinstance(msg.get("content"), dict)
+        ):
+            raise MalformedMessage("wrong field types")
+        return msg
+
+    def _replied(self, msg_id: str) -> bool:
+        """True when the execute reply to ``msg_id`` is among the shell messages received so far."""
+        found = False
+        while True:
+            try:
+                msg = self._receive(self._shell, 0)
+            except MalformedMessage:
+                continue
+            if msg is None:
+                return found
+            found = found or msg["parent_header"].get("msg_id") == msg_id
 
     def _shell_reply(self, msg_id: str, deadline: float) -> dict[str, Any] | None:
         while True:
             try:
-                msg = self._shell.get_msg(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
+                msg = self._receive(self._shell, max(0.0, deadline - time.monotonic()))
+            except MalformedMessage:
+                continue
+            if msg is None:
                 return None
             if msg["parent_header"].get("msg_id") == msg_id:
                 return msg
@@ -331,9 +480,10 @@ class KernelDriver:
     def _drain_shell(self) -> None:
         while True:
             try:
-                self._shell.get_msg(timeout=0.05)
-            except queue.Empty:
-                return
+                if self._receive(self._shell, 0.05) is None:
+                    return
+            except MalformedMessage:
+                continue
 
     def _discard_shell_replies(self) -> None:
         """Drop replies already received, unread. ``execute`` takes everything from iopub and
@@ -341,6 +491,78 @@ class KernelDriver:
         socket = self._shell.socket
         while socket is not None and socket.poll(0):
             socket.recv_multipart()
+
+
+class MalformedMessage(Exception):
+    """A message from the kernel that cannot be used (skipped and counted, never raised to callers)."""
+
+
+def encodable(text: str) -> str:
+    """``text`` with each lone surrogate (from a JSON escape such as ``\\ud800``; not encodable as
+    UTF-8) replaced by U+FFFD, and surrogate pairs joined into their character.
+
+    >>> encodable("a\\ud800b") == "a\\ufffdb"
+    True
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
+def _well_formed(kind: str, content: dict[str, Any]) -> bool:
+    """True when the fields the driver reads from a message of type ``kind`` have their types."""
+    if kind == "stream":
+        return isinstance(content.get("text", ""), str) and isinstance(content.get("name", ""), str)
+    if kind in ("execute_result", "display_data"):
+        data = content.get("data", {})
+        return isinstance(data, dict) and isinstance(data.get("text/plain", ""), str)
+    if kind == "error":
+        traceback = content.get("traceback", [])
+        return (
+            isinstance(content.get("ename", ""), str)
+            and isinstance(content.get("evalue", ""), str)
+            and isinstance(traceback, list)
+            and all(isinstance(line, str) for line in traceback)
+        )
+    return True
+
+
+BOUNDED_OUTPUT = (
+    "exec('import sys\\n"
+    f"CHUNK = {OUTPUT_CHUNK_CHARS}\\n"
+    "def bounded(stream):\\n"
+    "    write, flush, pending = stream.write, stream.flush, [0]\\n"
+    "    def chunked(text):\\n"
+    "        if not isinstance(text, str) or len(text) + pending[0] < CHUNK:\\n"
+    "            pending[0] += len(text) if isinstance(text, str) else 0\\n"
+    "            return write(text)\\n"
+    "        for start in range(0, len(text), CHUNK):\\n"
+    "            write(text[start:start + CHUNK])\\n"
+    "            flush()\\n"
+    "        pending[0] = 0\\n"
+    "        return len(text)\\n"
+    "    stream.write = chunked\\n"
+    "for stream in (sys.stdout, sys.stderr):\\n"
+    "    bounded(stream)\\n"
+    "formatter = get_ipython().display_formatter\\n"
+    "def plain_only(obj, include=None, exclude=None, format=formatter.format):\\n"
+    "    data, _ = format(obj, include=include, exclude=exclude)\\n"
+    '    text = data.get("text/plain")\\n'
+    "    if not isinstance(text, str):\\n"
+    "        return {}, {}\\n"
+    "    if len(text) > CHUNK:\\n"
+    "        cut, keep = len(text) - CHUNK, CHUNK // 2\\n"
+    '        text = f"{text[:keep]}\\\\n... [{cut} characters truncated] ...\\\\n{text[len(text) - keep:]}"\\n'
+    '    return {"text/plain": text}, {}\\n'
+    "formatter.format = plain_only\\n', {'get_ipython': get_ipython})"
+)
+"""Run once after each kernel start, like ``BOOT_SNAPSHOT``: the kernel's stdout and stderr send
+at most ``OUTPUT_CHUNK_CHARS`` characters a message (a big write is split, each chunk flushed
+before the next), and displayed values keep only their ``text/plain`` form (all the driver reads),
+cut to the same size around a marker. Code in the sandbox can undo this; then only its own
+oversized messages are lost (``MAX_MESSAGE_BYTES``)."""
 
 
 BOOT_SNAPSHOT = (

@@ -40,6 +40,9 @@ class ExecResult:
             peak since the container or kernel last (re)started.
         truncated: True when stdout or stderr was cut; the text then ends with a marker that says
             how many characters were cut.
+        skipped_messages: Messages from the kernel that were malformed (bad signature, framing or
+            field types) or too large and were skipped; stderr then ends with a line saying so.
+            Only code that writes to the kernel's own sockets makes this non-zero.
     """
 
     stdout: str = ""
@@ -51,6 +54,7 @@ class ExecResult:
     cpu_s: float = 0.0
     peak_memory_bytes: int | None = None
     truncated: bool = False
+    skipped_messages: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
