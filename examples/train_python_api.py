@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from stare_agent import Trainer, load_config
-from stare_agent.plots import plot_run
+from stare_agent.plots import plot_dashboard
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
@@ -39,8 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         model, tokenizer = tiny_model()
     summary = Trainer(config, model=model, tokenizer=tokenizer).fit()
-    for png in plot_run(config.trainer.run_dir):
-        print(png)
+    print(plot_dashboard(config.trainer.run_dir))
     return summary
 
 

@@ -49,27 +49,60 @@ def _sandbox_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# `stare-agent eval` flags and the config fields they set (one way: flags are overrides).
+EVAL_FLAGS = {
+    "model": "model.name_or_path",
+    "data": "data.eval",
+    "samples": "data.eval_samples",
+    "limit": "data.eval_limit",
+    "temperature": "data.eval_temperature",
+    "top_p": "data.eval_top_p",
+    "seed": "trainer.seed",
+    "max_response_tokens": "env.max_response_tokens",
+    "max_turns": "env.max_turns",
+    "format": "env.format",
+    "env": "env.id",
+    "backend": "sandbox.backend",
+}
+
+
 def _eval(args: argparse.Namespace) -> int:
-    from envs.problems import load_problems
     from envs.rollout import SamplingParams
+    from stare_agent.config import load_config, make_tool_env
     from stare_agent.engines import TransformersEngine
     from stare_agent.evaluation import evaluate
     from stare_agent.models import load_policy
+    from stare_agent.trainer import eval_problems
 
-    problems = load_problems(args.data)  # fail on a bad path before loading a model
-    model, tokenizer = load_policy(args.model, device=args.device)
-    engine = TransformersEngine(model, tokenizer)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    flags = [
+        f"{key}={getattr(args, name)}" for name, key in EVAL_FLAGS.items() if getattr(args, name) is not None
+    ]
+    config = load_config(args.config, [*args.overrides, *flags])
+    data, env = config.data, config.env
+    env_kwargs = {
+        **env.env_kwargs(evaluation=True),
+        "sandbox_backend": config.sandbox.backend,
+        "sandbox_config": config.sandbox.limits,
+    }
+    # fail on a bad env or problem source before loading a model (the env leases no sandbox yet)
+    with make_tool_env(env.id, **env_kwargs) as probe:
+        print(f"env: {env.id} (format {probe.format.name}, tools: {', '.join(probe.tools)})")
+    problems = eval_problems(
+        data.eval, seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
+    )
+    model, tokenizer = load_policy(config.model.name_or_path, device=args.device)
     report = evaluate(
         problems,
-        engine=engine,
+        engine=TransformersEngine(model, tokenizer),
         tokenizer=tokenizer,
-        samples=args.samples,
-        sampling=sampling,
-        max_response_tokens=args.max_response_tokens,
+        samples=data.eval_samples,
+        sampling=SamplingParams(
+            temperature=data.eval_temperature, top_p=data.eval_top_p, seed=config.trainer.seed
+        ),
+        max_response_tokens=env.max_response_tokens,
         batch_size=args.batch_size,
-        limit=args.limit,
-        env_kwargs={"format": args.format, "sandbox_backend": args.backend, "max_turns": args.max_turns},
+        env_id=env.id,
+        env_kwargs=env_kwargs,
         out_dir=args.out,
     )
     print(report.table())
@@ -104,10 +137,9 @@ def _quickstart(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from stare_agent.plots import plot_run
+    from stare_agent.plots import plot_dashboard
 
-    for path in plot_run(args.run_dir, args.out):
-        print(path)
+    print(plot_dashboard(args.run_dirs, args.out, args.labels))
     return 0
 
 
@@ -115,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stare-agent", description="Train and evaluate tool-using LLM agents with STARE."
     )
+    # The deepspeed launcher appends --local_rank=N (before the subcommand); the rank is read from
+    # the LOCAL_RANK variable it also sets, so the flag is accepted and ignored.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
     sandbox = sub.add_parser("sandbox", help="build, check or try the code sandbox")
@@ -131,28 +166,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=["auto", "docker", "local"])
     p.set_defaults(func=_sandbox_demo)
 
-    p = sub.add_parser("eval", help="tool-use accuracy (avg@k, pass@k, maj@k) on a problem set")
-    p.add_argument(
-        "--model", default="embedded:smollm2-135m-instruct", help="HF id, local path or embedded:NAME"
+    p = sub.add_parser(
+        "eval",
+        help="tool-use accuracy (avg@k, pass@k, maj@k) on a problem set, with the config's environment",
+        description="Evaluate with the env the config trains on (env.id, env.*, env.eval_kwargs) and its "
+        "validation sampling (data.eval_*). Each flag sets the config field named in its help; flags win "
+        "over the file and the overrides.",
     )
+    p.add_argument("--config", default=None, help="YAML config (default: the built-in defaults, the paper's)")
+    p.add_argument("--model", help="model.name_or_path: HF id, local path or embedded:NAME")
     p.add_argument(
-        "--data",
-        required=True,
-        help="a built-in set (aime2024, aime2025, amc23, math500), a JSONL/Parquet file of "
-        "{id, problem, answer}, or a hub name",
+        "--data", help="data.eval: JSONL/Parquet file of {id, problem, answer}, a hub name or a family"
     )
-    p.add_argument("--samples", type=int, default=4, help="k: sampled episodes per problem")
-    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N problems")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=0.7)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-response-tokens", type=int, default=1024)
-    p.add_argument("--max-turns", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--format", default="retool", choices=["retool", "hermes"])
-    p.add_argument("--backend", default="auto", choices=["auto", "docker", "local"])
+    p.add_argument("--samples", type=int, help="data.eval_samples: k sampled episodes per problem")
+    p.add_argument("--limit", type=int, help="data.eval_limit: evaluate only the first N problems")
+    p.add_argument("--temperature", type=float, help="data.eval_temperature")
+    p.add_argument("--top-p", type=float, help="data.eval_top_p")
+    p.add_argument("--seed", type=int, help="trainer.seed")
+    p.add_argument("--max-response-tokens", type=int, help="env.max_response_tokens")
+    p.add_argument("--max-turns", type=int, help="env.max_turns")
+    p.add_argument("--format", choices=["retool", "hermes"], help="env.format")
+    p.add_argument("--env", help="env.id: a Gymnasium id (or module:id) of a tool environment")
+    p.add_argument("--backend", choices=["auto", "docker", "local"], help="sandbox.backend")
+    p.add_argument("--batch-size", type=int, default=16, help="episodes advanced together")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default="runs/eval", help="directory for results.jsonl and summary.json")
+    p.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. env.max_turns=8 env.eval_kwargs.max_turns=8"
+    )
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("sft", help="cold-start SFT on ReTool-format traces (model-written tokens only)")
@@ -161,16 +202,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_sft)
 
     p = sub.add_parser(
-        "train", help="RL training with GRPO-ds or STARE (launch with torchrun/deepspeed for >1 rank)"
+        "train",
+        help="RL training with GRPO-ds or STARE (>1 rank: deepspeed --num_gpus N --module "
+        "stare_agent.cli train ..., or torchrun --nproc_per_node N -m stare_agent.cli train ...)",
     )
     p.add_argument("--config", default=None, help="YAML config, e.g. configs/quickstart.yaml")
     p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.W=1.2 trainer.steps=10")
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("plot", help="draw a run's training dynamics as PNG files")
-    p.add_argument("run_dir")
-    p.add_argument("--out", default=None, help="output directory (default RUN_DIR/plots)")
+    p = sub.add_parser("plot", help="draw the training dynamics of one run, or several overlaid, as one PNG")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="PNG to write (default RUN_DIR/plots/dashboard.png; several runs: dashboard.png in their common parent)",
+    )
+    p.add_argument("--labels", nargs="+", default=None, help="legend names, one per RUN_DIR")
     p.set_defaults(func=_plot)
 
     p = sub.add_parser("quickstart", help="the main job: baseline eval, cold-start SFT, STARE RL, eval again")

@@ -1,25 +1,45 @@
-"""`stare-agent plot RUN_DIR`: the training dynamics of a run as PNG files."""
+"""`stare-agent plot RUN_DIR [RUN_DIR ...]`: the training dynamics of one or more runs, one image."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from stare_agent.metrics import read_metrics
 
-# (file name, title, metric keys, y label)
-PANELS = (
-    ("entropy.png", "Policy entropy (mean over model tokens)", ("entropy",), "nats"),
-    ("reward.png", "Reward and accuracy", ("reward_mean", "accuracy"), ""),
-    ("response_length.png", "Response length", ("response_length_mean",), "tokens"),
-    ("gate.png", "STARE gate and reweighting", ("gate_on", "frac_reweighted", "W", "M"), ""),
-    ("tool_calls.png", "Tool use", ("tool_calls_per_episode", "tool_errors_per_episode"), "per episode"),
+# (title, y label, metric keys): one panel each, in reading order of an RL step. A key ending in
+# "@" stands for every logged key that starts with it (eval/avg@4, eval/avg@32, ...).
+PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("Entropy on sampled rollouts (gate's H-bar)", "nats / token", ("entropy",)),
+    ("Reward and accuracy", "", ("reward_mean", "accuracy", "eval/avg@")),
+    ("Response length", "tokens", ("response_length_mean",)),
+    ("STARE gate and weights", "", ("gate_on", "stare/mean_weight", "frac_reweighted")),
+    ("Reweighted token sets", "tokens", ("stare/L_plus", "stare/L_minus")),
+    ("Tool use", "per episode", ("tool_calls_per_episode", "tool_errors_per_episode")),
 )
+LINESTYLES = ("-", "--", ":", "-.")
 
 
-def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Draw one PNG per panel from ``RUN_DIR/metrics.jsonl``; return the written files.
+def plot_dashboard(
+    run_dirs: str | Path | Sequence[str | Path],
+    out: str | Path | None = None,
+    labels: Sequence[str] | None = None,
+) -> Path:
+    """Draw every run's ``metrics.jsonl`` into one dashboard PNG and return its path.
 
-    The entropy panel shows the gate's target ``H_tgt`` as a dashed line when it was logged.
+    One panel per entry of ``PANELS`` (a panel no run logged is left out); several runs are
+    overlaid, one colour per run, one line style per metric. The entropy panel shows the gate's
+    target ``H_tgt`` as a dashed grey line when it was logged.
+
+    Args:
+        run_dirs: one run directory or several (each holding ``metrics.jsonl``).
+        out: the PNG to write. Default: ``RUN_DIR/plots/dashboard.png`` for one run, else
+            ``dashboard.png`` in the runs' common parent directory.
+        labels: legend names, one per run (default: the directory names).
+
+    Raises:
+        ValueError: a run has no logged step, or ``labels`` does not match ``run_dirs``.
     """
     import matplotlib
 
@@ -27,33 +47,67 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    records = read_metrics(run_dir)
-    if not records:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no steps yet: train for at least one step first")
-    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "plots"
-    out.mkdir(parents=True, exist_ok=True)
-    steps = [r["step"] for r in records]
-    written = []
-    for name, title, keys, ylabel in PANELS:
-        present = [k for k in keys if any(k in r for r in records)]
-        if not present:
-            continue
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for key in present:
-            xs = [s for s, r in zip(steps, records, strict=True) if key in r]
-            ax.plot(xs, [float(r[key]) for r in records if key in r], marker="o", ms=3, label=key)
-        if name == "entropy.png":
-            targets = [r["H_tgt"] for r in records if "H_tgt" in r]
+    dirs = [Path(run_dirs)] if isinstance(run_dirs, str | Path) else [Path(d) for d in run_dirs]
+    if not dirs:
+        raise ValueError("no run directory given: pass at least one RUN_DIR")
+    names = list(labels) if labels is not None else [d.name or str(d) for d in dirs]
+    if len(names) != len(dirs):
+        raise ValueError(f"{len(names)} labels for {len(dirs)} runs: give one label per run")
+    runs = []
+    for d in dirs:
+        records = read_metrics(d)
+        if not records:
+            raise ValueError(f"{d}/metrics.jsonl has no steps yet: train for at least one step first")
+        runs.append(records)
+    if out is None:
+        out = (
+            dirs[0] / "plots" / "dashboard.png" if len(dirs) == 1 else _common_parent(dirs) / "dashboard.png"
+        )
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    logged = {k for records in runs for r in records for k in r}
+    panels = [(t, y, _expand(keys, logged)) for t, y, keys in PANELS if _expand(keys, logged)]
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (title, ylabel, keys) in zip(axes.flat, panels, strict=False):
+        for i, (name, records) in enumerate(zip(names, runs, strict=True)):
+            color = colors[i % len(colors)]
+            for j, key in enumerate(k for k in keys if any(k in r for r in records)):
+                points = [(r["step"], float(r[key])) for r in records if key in r]
+                label = key if len(runs) == 1 else f"{name}: {key}"
+                ax.plot(*zip(*points, strict=True), LINESTYLES[j % len(LINESTYLES)], color=color,
+                        marker="o", ms=2.5, lw=1.3, label=label)  # fmt: skip
+        if keys == ("entropy",):
+            targets = [r["H_tgt"] for records in runs for r in records if "H_tgt" in r]
             if targets:
                 ax.axhline(float(targets[-1]), ls="--", color="gray", label=f"H_tgt = {targets[-1]:g}")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(title)
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        written.append(out / name)
-    return written
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    fig.suptitle(", ".join(names) if len(names) <= 4 else f"{len(names)} runs", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _expand(keys: tuple[str, ...], logged: set[str]) -> tuple[str, ...]:
+    """The logged keys a panel draws, in the panel's order."""
+    out: list[str] = []
+    for key in keys:
+        out += (
+            sorted(k for k in logged if k.startswith(key)) if key.endswith("@") else [key] * (key in logged)
+        )
+    return tuple(out)
+
+
+def _common_parent(dirs: list[Path]) -> Path:
+    return Path(os.path.commonpath([d.resolve() for d in dirs]))

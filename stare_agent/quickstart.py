@@ -65,7 +65,7 @@ def quickstart(
     from stare_agent.evaluation import evaluate
     from stare_agent.metrics import policy_entropy, read_metrics
     from stare_agent.models import load_policy
-    from stare_agent.plots import plot_run
+    from stare_agent.plots import plot_dashboard
     from stare_agent.trainer import Trainer, eval_problems, latest_checkpoint
 
     start = time.perf_counter()
@@ -149,7 +149,7 @@ def quickstart(
         after = run_eval("after")
     finally:
         pool.close()
-    plots = plot_run(run_dir)
+    dashboard = plot_dashboard(run_dir)
     checkpoint = latest_checkpoint(run_dir)
     result = {
         "backend": backend,
@@ -158,12 +158,15 @@ def quickstart(
         "before": before,
         "after": after,
         "gate_activity": gate_activity,
+        # The gate's quantity: entropy of the policy on its own sampled RL rollouts, per step.
+        "rl_entropy": [r["entropy"] for r in steps if "entropy" in r],
+        "H_tgt": config.algorithm.H_tgt,
         "rl_steps": len(steps),
         "sft": sft_summary,
         "times_s": times,
         "total_s": time.perf_counter() - start,
         "run_dir": str(run_dir),
-        "plots": [str(p) for p in plots],
+        "dashboard": str(dashboard),
         "checkpoint_hf": str(checkpoint / "hf") if checkpoint else None,
     }
     (run_dir / "quickstart.json").write_text(json.dumps(result, indent=2, default=str))
@@ -183,7 +186,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"{b['tool_calls_per_episode']:.2f}",
             f"{a['tool_calls_per_episode']:.2f}",
         ),
-        ("policy entropy (nats/token)", f"{b['entropy']:.3f}", f"{a['entropy']:.3f}"),
+        ("entropy, greedy eval rollouts (nats/token)", f"{b['entropy']:.3f}", f"{a['entropy']:.3f}"),
         ("STARE gate on (fraction of RL steps)", "-", f"{result['gate_activity']:.2f}"),
     ]
     width = max(len(r[0]) for r in rows)
@@ -191,15 +194,27 @@ def format_table(result: dict[str, Any]) -> str:
         f"\n{result['problems']} held-out procedural problems x {k} samples, sandbox: {result['backend']}",
         f"{'':<{width}}  {'before':>8}  {'after':>8}",
         *(f"{name:<{width}}  {x:>8}  {y:>8}" for name, x, y in rows),
+        _rl_entropy_line(result),
         "",
         f"total time: {result['total_s'] / 60:.1f} min  ("
         + ", ".join(f"{name} {secs:.0f} s" for name, secs in result["times_s"].items())
         + ")",
         f"run directory: {result['run_dir']}",
-        f"plots: {Path(result['plots'][0]).parent if result['plots'] else '-'}",
+        f"dashboard: {result['dashboard']}",
         f"HF checkpoint: {result['checkpoint_hf']}",
     ]
     return "\n".join(lines)
+
+
+def _rl_entropy_line(result: dict[str, Any]) -> str:
+    """The entropy the STARE gate controls: on the RL steps' sampled rollouts, not on greedy eval."""
+    H = [h for h in result.get("rl_entropy", []) if h == h]  # a skipped step logs NaN
+    if not H:
+        return "entropy, sampled RL rollouts (gate's H-bar): no RL step trained"
+    return (
+        f"entropy, sampled RL rollouts (gate's H-bar): {H[0]:.3f} at the first RL step -> {H[-1]:.3f} "
+        f"at the last (H_tgt = {result['H_tgt']:g})"
+    )
 
 
 __all__ = ["format_table", "pick_backend", "quickstart"]

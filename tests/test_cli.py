@@ -88,7 +88,7 @@ def test_sft_then_train_then_plot(tmp_path, model_dir):
     assert (run / "checkpoints" / "step-000002" / "hf" / "model.safetensors").is_file()
     done = cli("plot", str(run))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert (run / "plots" / "reward.png").is_file()
+    assert (run / "plots" / "dashboard.png").is_file()
 
 
 def test_eval_on_aime_2024(tmp_path, model_dir, shared_data):

@@ -55,5 +55,5 @@ def test_train_python_api_example(tmp_path):
     assert summary["steps"] == 2
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
-    assert (run_dir / "plots" / "reward.png").is_file()
+    assert (run_dir / "plots" / "dashboard.png").is_file()
     assert (run_dir / "checkpoints" / "step-000002" / "hf" / "config.json").is_file()

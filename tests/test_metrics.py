@@ -10,7 +10,7 @@ import torch
 from envs.trajectory import TrajectoryBuilder
 from stare_agent.metrics import StepLogger, policy_entropy, read_metrics, reflection_counts, rollout_metrics
 from stare_agent.models import tiny_model
-from stare_agent.plots import plot_run
+from stare_agent.plots import plot_dashboard
 
 
 def _trajectory(prompt, segments, reward=0.0, **info):
@@ -76,31 +76,42 @@ def test_policy_entropy_is_the_masked_mean_of_the_naive_entropy():
     assert got == pytest.approx(sum(values) / len(values), rel=1e-5)
 
 
-def test_plot_run_draws_each_panel_with_the_target_line(tmp_path):
-    with StepLogger(tmp_path, tensorboard=False) as log:
-        for step in (1, 2, 3):
-            log.log(
-                step,
-                {
-                    "entropy": 0.5 - 0.1 * step,
-                    "H_tgt": 0.3,
-                    "reward_mean": 0.1 * step,
-                    "accuracy": 0.1,
-                    "response_length_mean": 100,
-                    "gate_on": step > 2,
-                    "frac_reweighted": 0.01,
-                    "W": 1.1,
-                    "M": 0.9,
-                    "tool_calls_per_episode": 1.5,
-                    "tool_errors_per_episode": 0.1,
-                },
-            )
-    files = plot_run(tmp_path)
-    assert sorted(p.name for p in files) == [
-        "entropy.png",
-        "gate.png",
-        "response_length.png",
-        "reward.png",
-        "tool_calls.png",
-    ]
-    assert all(p.stat().st_size > 5000 for p in files)
+def _log_steps(run_dir, steps, **extra):
+    with StepLogger(run_dir, tensorboard=False) as log:
+        for step in steps:
+            log.log(step, {"entropy": 0.5 - 0.1 * step, "H_tgt": 0.3, "reward_mean": 0.1 * step, **extra})
+
+
+def test_plot_dashboard_draws_one_image_with_a_panel_per_logged_group(tmp_path):
+    import matplotlib.image
+
+    full = dict(
+        accuracy=0.1,
+        response_length_mean=100,
+        gate_on=1,
+        frac_reweighted=0.01,
+        **{"stare/L_plus": 3, "stare/L_minus": 1, "eval/avg@4": 0.25},
+        tool_calls_per_episode=1.5,
+        tool_errors_per_episode=0.1,
+    )
+    _log_steps(tmp_path / "full", (1, 2, 3), **full)
+    _log_steps(tmp_path / "bare", (1, 2))  # entropy and reward only: two panels
+    out = plot_dashboard(tmp_path / "full")
+    assert out == tmp_path / "full" / "plots" / "dashboard.png"
+    # 6 panels: a 3 x 2 grid of 5.2 x 3.4 inch panels at 110 dpi; 2 panels: one row of two.
+    assert matplotlib.image.imread(out).shape[:2] == (round(2 * 3.4 * 110), round(3 * 5.2 * 110))
+    bare = plot_dashboard(tmp_path / "bare")
+    assert matplotlib.image.imread(bare).shape[:2] == (round(3.4 * 110), round(2 * 5.2 * 110))
+
+
+def test_plot_dashboard_overlays_runs_in_their_common_parent(tmp_path):
+    _log_steps(tmp_path / "grpo", (1, 2))
+    _log_steps(tmp_path / "stare", (1, 2, 3))
+    out = plot_dashboard([tmp_path / "grpo", tmp_path / "stare"])
+    assert out == tmp_path / "dashboard.png" and out.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="1 labels for 2 runs"):
+        plot_dashboard([tmp_path / "grpo", tmp_path / "stare"], labels=["only-one"])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="has no steps yet"):
+        plot_dashboard([tmp_path / "grpo", tmp_path / "empty"])
