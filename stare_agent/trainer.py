@@ -1,6 +1,6 @@
 """The STARE / GRPO-ds RL loop: ``Trainer(config).fit()`` and ``stare-agent train``.
 
-One step, in the paper's order (../shared/STARE.md, "One training step"):
+One step, in the paper's order (docs/algorithm.md, "One training step, in the paper's order"):
 
     1. rollout      G episodes per prompt, multi-turn and token-exact (envs.rollout)
     2. reward       binary accuracy of the final answer (scored by the environment)
@@ -28,6 +28,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,6 +168,13 @@ class Trainer:
         engine: Any = None,
     ) -> None:
         self.config = config
+        if config.env.top_p < 1:
+            warnings.warn(
+                f"env.top_p={config.env.top_p}: rollouts sample from the nucleus-truncated distribution "
+                "while the loss scores them under the full one, as if on-policy (the ratio is off by the "
+                "truncation): use env.top_p=1.0 for RL (the paper's setting)",
+                stacklevel=2,
+            )
         self.run_dir = Path(config.trainer.run_dir)
         self.resume = resume
         check_env_id(config.env.id)  # before the model loads
@@ -425,7 +433,9 @@ class Trainer:
         for start in range(0, len(jobs), wave):
             chunk = jobs[start : start + wave]
             trajectories += runner.run(
-                envs[: len(chunk)], options=[{"problem": problems[i]} for i, _ in chunk]
+                envs[: len(chunk)],
+                options=[{"problem": problems[i]} for i, _ in chunk],
+                episode_keys=[f"{i}/{k}" for i, k in chunk],  # one sampling stream per episode
             )
         local = {i: trajectories[n * G : (n + 1) * G] for n, i in enumerate(mine)}
         if self.world > 1:
@@ -446,7 +456,8 @@ class Trainer:
 
     def _runner(self, draw: int) -> RolloutRunner:
         env = self.config.env
-        seed = zlib.crc32(f"rollout/{self.config.trainer.seed}/{self.step}/{draw}/{self.rank}".encode())
+        # Episodes are keyed by (group, sample) within the draw: streams do not depend on rank or wave.
+        seed = zlib.crc32(f"rollout/{self.config.trainer.seed}/{self.step}/{draw}".encode())
         sampling = SamplingParams(temperature=env.temperature, top_p=env.top_p, seed=seed)
         return RolloutRunner(
             self.tokenizer, self.engine, max_response_tokens=env.max_response_tokens, sampling=sampling

@@ -169,3 +169,16 @@ def test_two_ranks_on_cpu_agree_with_each_other_and_with_one_process(tmp_path, p
             assert ra[key] == rb[key], (ra["step"], key)
         assert ra["entropy"] == pytest.approx(rb["entropy"], rel=1e-5)
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4, abs=1e-7)
+
+
+def test_rl_with_nucleus_sampling_warns_that_rollouts_are_off_policy(tmp_path, problem_file):
+    model, tokenizer = tiny_model()
+    engine = ScriptedEngine(tokenizer, scripted_policy())
+    with pytest.warns(UserWarning, match=r"env.top_p=0.7: rollouts sample from the nucleus-truncated"):
+        trainer = Trainer(
+            make_config(tmp_path, problem_file, "env.top_p=0.7"),
+            model=model,
+            tokenizer=tokenizer,
+            engine=engine,
+        )
+    trainer.close()

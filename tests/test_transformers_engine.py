@@ -228,3 +228,21 @@ def test_bf16_autocast_generation_returns_float32_logprobs_of_the_sampled_tokens
     assert len(gen.token_ids) == len(gen.logprobs) == 8
     assert all(isinstance(x, float) and x <= 0.0 for x in gen.logprobs)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast leaves weights alone
+
+
+def test_generation_runs_in_eval_mode_and_keeps_the_callers_mode(prompts):
+    """A learner keeps the shared module in train mode: dropout must not touch rollouts, and with
+    gradient checkpointing (train mode turns the KV cache off) decoding must still use the cache."""
+    model, tokenizer = tiny_model(seed=0)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    engine = TransformersEngine(model, tokenizer, eos_token_ids=[])
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=12, seed=5)
+    expected = engine.generate(prompts, params)  # eval mode
+    model.gradient_checkpointing_enable()
+    model.train()
+    got = engine.generate(prompts, params)
+    assert model.training  # given back as found
+    for out, ref in zip(got, expected, strict=True):
+        assert out.token_ids == ref.token_ids
+        assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
