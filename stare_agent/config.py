@@ -7,7 +7,7 @@ dataclasses (so each section validates its ranges in ``__post_init__``). Every p
 :class:`ConfigError` with one line naming the key, the rule and the fix. ``RunConfig.save(run_dir)``
 writes the resolved config beside the run's results.
 
-Defaults follow STARE (arXiv 2606.19236, ../shared/STARE.md): lr 1e-6, 64 prompts x 8 samples,
+Defaults follow STARE (arXiv 2606.19236, docs/algorithm.md): lr 1e-6, 64 prompts x 8 samples,
 clip 0.2 / 0.28, dual clip c = 10, W 1.1, M 0.9, P 0.1, H_tgt 0.3, no KL term, no entropy bonus,
 one optimizer step per batch. (There are deliberately no KL or entropy-bonus fields: the method has
 neither, and a field that did nothing would lie.)
@@ -259,7 +259,7 @@ ENV_KWARG_FIELDS = (
 
 @dataclass
 class AlgorithmConfig:
-    """GRPO-ds or STARE (arXiv 2606.19236; formulas in stare_agent/algorithms and ../shared/STARE.md).
+    """GRPO-ds or STARE (arXiv 2606.19236; formulas in stare_agent/algorithms and docs/algorithm.md).
 
     Attributes:
         name: ``grpo_ds`` (GRPO with dynamic sampling, the baseline) or ``stare``.

@@ -1,7 +1,7 @@
 """The algorithm as pure tensor functions: GRPO advantages, dynamic sampling, STARE, the loss, log-probs.
 
 Every function takes tensors (padded [B, T] with a ``response_mask``, 1 = model-generated token)
-and returns tensors plus a metrics dict; see ../shared/STARE.md for the paper's formulas.
+and returns tensors plus a metrics dict; docs/algorithm.md maps the paper's formulas to them.
 """
 
 from stare_agent.algorithms.advantages import broadcast_to_tokens, grpo_advantages

@@ -1,6 +1,6 @@
 """GRPO group advantages and their broadcast to model-generated tokens.
 
-GRPO (Shao et al., arXiv 2402.03300) as used by STARE (arXiv 2606.19236, ../shared/STARE.md step 6):
+GRPO (Shao et al., arXiv 2402.03300) as used by STARE (arXiv 2606.19236, docs/algorithm.md step 4):
 
     A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-6)       std unbiased (n - 1)
     a group of size 1 gets mean 0, std 1                      (so A_i = r_i / (1 + 1e-6))

@@ -1,7 +1,7 @@
 """Token log-probs and full-vocabulary entropy, computed in chunks of tokens.
 
 For logits ``z = (h @ W_lm^T + b) / temperature`` of one position and its target token o
-(STARE arXiv 2606.19236, ../shared/STARE.md step 4):
+(STARE arXiv 2606.19236, docs/algorithm.md step 5):
 
     logp = z_o - logsumexp(z)
     H    = logsumexp(z) - sum_j softmax(z)_j * z_j

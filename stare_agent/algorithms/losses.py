@@ -1,6 +1,6 @@
 """Dual-clip PPO policy loss times the STARE token weights (GRPO-ds when the weights are 1).
 
-STARE (arXiv 2606.19236, ../shared/STARE.md step 9), per model-generated token t (mask_t = 1):
+STARE (arXiv 2606.19236, docs/algorithm.md step 8), per model-generated token t (mask_t = 1):
 
     rho_t = exp(clamp(logp_t - logp_old_t, -20, 20))
     l1    = -A_t * rho_t

@@ -1,7 +1,7 @@
 """STARE token weights, the closed-loop entropy gate and the adaptive W/M schedule.
 
 Paper: "STARE: Surprisal-Guided Token-Level Advantage Reweighting for Policy Entropy Stability",
-arXiv 2606.19236 (restated in ../shared/STARE.md). Over model-generated tokens only (mask = 1):
+arXiv 2606.19236 (as implemented: docs/algorithm.md). Over model-generated tokens only (mask = 1):
 
     s_t    = -log pi_theta(o_t)                          surprisal, detached
     T+     = {t : mask_t = 1, A_t > 0}                   T- = {t : mask_t = 1, A_t < 0}   (A = 0: neither)
