@@ -1,0 +1,35 @@
+"""``test/Parity-v0``: the code-interpreter env where a turn ends at its first space and the reward is
+1 when that turn has an even number of characters. A tiny random model then plays short episodes
+that the env scores, in groups whose rewards differ (so RL steps update the weights), without
+scripted rollouts. Registered on import, so a config can name it as
+``env.id=tests.parity_env:test/Parity-v0`` (Gymnasium imports the module first)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium
+
+from envs.code_interpreter import CodeInterpreterEnv
+from envs.formats import ReToolFormat
+
+ENV_ID = "test/Parity-v0"
+
+
+class FirstWordFormat(ReToolFormat):
+    """ReTool, except that generation stops at the first space (most random tokens hold one)."""
+
+    stop_strings = [" "]
+
+
+class ParityEnv(CodeInterpreterEnv):
+    def __init__(self, problems: Any = "mixed", **kwargs: Any) -> None:
+        super().__init__(problems, **{"format": FirstWordFormat(), **kwargs})
+
+    def _score(self, answer: str | None) -> tuple[float, dict[str, Any]]:
+        _, info = super()._score(answer)
+        return float(len(self.messages[-1]["content"]) % 2 == 0), info
+
+
+if ENV_ID not in gymnasium.registry:
+    gymnasium.register(id=ENV_ID, entry_point=ParityEnv)
