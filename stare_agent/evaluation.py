@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from envs.code_interpreter import CodeInterpreterEnv
 from envs.problems import Problem, load_problems
 from envs.rewards import answers_equivalent
 from envs.rollout import Engine, RolloutRunner, SamplingParams, Tokenizer
@@ -170,6 +169,7 @@ def evaluate(
     max_response_tokens: int = 2048,
     batch_size: int = 16,
     limit: int | None = None,
+    env_id: str = "stare/CodeInterpreter-v0",
     env_kwargs: dict[str, Any] | None = None,
     out_dir: str | Path | None = None,
     progress: bool = True,
@@ -186,7 +186,13 @@ def evaluate(
         max_response_tokens: Response budget per episode (model turns and tool output).
         batch_size: Episodes advanced together (one engine call per turn for all of them).
         limit: Evaluate only the first ``limit`` problems.
-        env_kwargs: Passed to ``CodeInterpreterEnv`` (format, pool, sandbox_backend, max_turns, ...).
+        env_id: Gymnasium id of the ``ToolEnv`` to play (built-in, registered in Python or by an entry
+            point; ``module:id`` imports ``module`` first), made by ``stare_agent.config.make_tool_env``
+            as in training. ``RunConfig.env`` gives both: ``env_id=cfg.env.id,
+            env_kwargs=cfg.env.env_kwargs(evaluation=True)``.
+        env_kwargs: Keyword arguments of the env (format, pool, max_turns, ...), over those it was
+            registered with; ``sandbox_backend`` / ``sandbox_config`` configure the evaluation's own
+            pool when no ``pool`` is given.
         out_dir: When given, per-problem ``results.jsonl`` and ``summary.json`` are written there.
         progress: Show a progress bar.
         keep_trajectories: Return every episode's ``Trajectory`` in ``report.trajectories``.
@@ -203,7 +209,9 @@ def evaluate(
     runner = RolloutRunner(tokenizer, engine, max_response_tokens=max_response_tokens, sampling=sampling)
 
     from sandbox import SandboxPool  # the pool is shared by all envs of the evaluation
+    from stare_agent.config import check_env_id, make_tool_env
 
+    check_env_id(env_id)
     kwargs = dict(env_kwargs or {})
     own_pool = kwargs.get("pool") is None
     if own_pool:
@@ -212,10 +220,7 @@ def evaluate(
             backend=kwargs.pop("sandbox_backend", "auto"),
             config=kwargs.pop("sandbox_config", None),
         )
-    envs = [
-        CodeInterpreterEnv(problem_list, tokenizer=tokenizer, **kwargs)
-        for _ in range(min(batch_size, len(jobs)))
-    ]
+    envs = [make_tool_env(env_id, tokenizer=tokenizer, **kwargs) for _ in range(min(batch_size, len(jobs)))]
     bar = _progress(len(jobs), progress)
     kept: list[Trajectory] = []
     try:
