@@ -37,6 +37,7 @@ from stare_agent.algorithms.stare import SCOPES, VARIANTS, check_stare_options
 
 CONFIG_FILENAME = "config.yaml"
 ALGORITHMS = ("grpo_ds", "stare")
+GATES = ("entropy", "always_on")
 PRECISIONS = ("auto", "bf16", "fp32", "bf16-autocast")
 SCHEDULES = ("constant", "cosine", "linear")
 SANDBOX_BACKENDS = ("auto", "docker", "local")
@@ -271,6 +272,9 @@ class AlgorithmConfig:
         M: Weight on L- (C2), in (0, 1] (paper: 0.9; 0.95 for 14B-32B models).
         H_tgt: Target entropy; STARE weights apply only while the batch mean entropy is below it
             (paper: 0.3).
+        gate: ``entropy``: the paper's closed loop, weights on while the batch entropy is below
+            ``H_tgt``; ``always_on``: the paper's open-loop ablation (weights every step; W >= 2
+            diverges there, and without the off state entropy settles too high).
         adaptive: Adapt W and M once per step toward H_tgt (the paper's optional schedule; off by default).
         alpha: Step of the adaptive schedule (paper: 0.01).
         W_max: Upper bound of the adaptive W (paper: 1.5).
@@ -289,6 +293,7 @@ class AlgorithmConfig:
     W: float = 1.1
     M: float = 0.9
     H_tgt: float = 0.3
+    gate: str = "entropy"
     adaptive: bool = False
     alpha: float = 0.01
     W_max: float = 1.5
@@ -302,6 +307,7 @@ class AlgorithmConfig:
         _one_of("algorithm", "name", self.name, ALGORITHMS)
         _one_of("algorithm", "variant", self.variant, VARIANTS)
         _one_of("algorithm", "scope", self.scope, SCOPES)
+        _one_of("algorithm", "gate", self.gate, GATES)
         _one_of("algorithm", "loss_agg", self.loss_agg, AGGREGATIONS)
         try:
             check_stare_options(variant=self.variant, scope=self.scope, P=self.P, W=self.W, M=self.M)
@@ -334,6 +340,8 @@ class DataConfig:
         eval_limit: Use at most this many validation problems (None: all).
         eval_temperature: Sampling temperature of validation (the paper: 1.0; 0 = greedy).
         eval_top_p: Nucleus mass of validation (the paper: 0.7).
+        eval_greedy: Also validate with greedy decoding at every evaluation, one sample per problem,
+            logged as ``eval_greedy/...`` beside the sampled ``eval/...``.
         difficulty: Difficulty (1-3) of procedurally generated problems.
         prompts_per_step: Prompts (groups) per optimizer step after dynamic sampling (paper: 64).
         samples_per_prompt: Responses per prompt, the group size G (paper: 8).
@@ -357,6 +365,7 @@ class DataConfig:
     eval_limit: int | None = None
     eval_temperature: float = 1.0
     eval_top_p: float = 0.7
+    eval_greedy: bool = False
     difficulty: int = 1
     prompts_per_step: int = 64
     samples_per_prompt: int = 8

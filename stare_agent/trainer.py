@@ -238,6 +238,9 @@ class Trainer:
                     and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
                 ):
                     last.update({f"eval/{k}": v for k, v in self.evaluate().metrics.items()})
+                    if self.config.data.eval_greedy:
+                        greedy = self.evaluate(greedy=True).metrics
+                        last.update({f"eval_greedy/{k}": v for k, v in greedy.items()})
                 if logger is not None:
                     logger.log(self.step, last)
                 bar.update(1)
@@ -318,6 +321,8 @@ class Trainer:
 
         # 6. gate (global over ranks) and the optional adaptive schedule
         gate_on, Hbar, gate_metrics = entropy_gate(entropy, mask, alg.H_tgt)
+        if alg.gate == "always_on":  # the paper's open-loop ablation
+            gate_on = True
         if alg.adaptive:
             self.controller.update(Hbar)
         W, M = self.controller.W, self.controller.M
@@ -326,7 +331,7 @@ class Trainer:
         weights, stare_metrics = None, {}
         if alg.name == "stare":
             weights, stare_metrics = self._stare_weights(
-                trajectories, A_tok, logp, mask, gate_on, W, M, sequence_ids
+                trajectories, A_tok, logp, mask, gate_on, W, M, sequence_ids, Hbar
             )
         t_logprob = time.perf_counter() - t1
 
@@ -367,6 +372,7 @@ class Trainer:
         W: float,
         M: float,
         sequence_ids: torch.Tensor,
+        Hbar: float,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         alg = self.config.algorithm
         kwargs = dict(gate_on=gate_on, variant=alg.variant, P=alg.P, W=W, M=M)
@@ -388,7 +394,7 @@ class Trainer:
                     A_tok[rows], logp[rows], mask[rows], scope="micro_batch", **kwargs
                 )
                 weights[rows], L_plus[rows], L_minus[rows] = w, lp, lm
-        return weights, self._stare_metrics(A_tok, logp, mask, L_plus, L_minus, gate_on, W, M)
+        return weights, self._stare_metrics(A_tok, logp, mask, L_plus, L_minus, gate_on, W, M, Hbar)
 
     def _stare_metrics(
         self,
@@ -400,13 +406,19 @@ class Trainer:
         gate_on: bool,
         W: float,
         M: float,
+        Hbar: float,
     ) -> dict[str, float]:
         """STARE's metrics over the whole batch on all ranks, the same way for both scopes: counts
-        are summed over ranks, surprisal quantiles taken over every rank's mask-1 tokens."""
+        are summed over ranks, surprisal quantiles taken over every rank's mask-1 tokens.
+
+        ``stare/L_plus_above_entropy`` is the fraction of L+ tokens whose surprisal exceeds the
+        batch entropy ``Hbar``: the paper's criticality argument says reinforcing exactly those
+        raises entropy (its sign flips near s = H)."""
         sel = mask.bool()
+        above = (-logp.detach() > Hbar) & L_plus & sel
         counts = torch.tensor(
             [int(sel.sum()), int((sel & (A_tok > 0)).sum()), int((sel & (A_tok < 0)).sum())]
-            + [int((L_plus & sel).sum()), int((L_minus & sel).sum())],
+            + [int((L_plus & sel).sum()), int((L_minus & sel).sum()), int(above.sum())],
             dtype=torch.int64,
             device=logp.device,
         )
@@ -416,9 +428,11 @@ class Trainer:
             parts: list[Any] = [None] * self.world
             dist.all_gather_object(parts, s)
             s = torch.cat(parts)
-        n_tokens, n_plus, n_minus, k_plus, k_minus = (int(c) for c in counts)
+        n_tokens, n_plus, n_minus, k_plus, k_minus, k_above = (int(c) for c in counts)
         sizes = {"T+": n_plus, "T-": n_minus, "L+": k_plus, "L-": k_minus}
-        return weight_metrics(s, torch.ones_like(s, dtype=torch.bool), sizes, n_tokens, gate_on, W, M)
+        metrics = weight_metrics(s, torch.ones_like(s, dtype=torch.bool), sizes, n_tokens, gate_on, W, M)
+        metrics["stare/L_plus_above_entropy"] = k_above / k_plus if k_plus else float("nan")
+        return metrics
 
     def _rollout_groups(self, problems: list[Problem], *, draw: int) -> list[Group]:
         """Play G episodes per problem (this rank's groups), then share rewards and trajectories."""
@@ -493,20 +507,22 @@ class Trainer:
         autocast = torch.bfloat16 if self.learner.precision == "bf16-autocast" else None
         return TransformersEngine(self.learner.module, self.tokenizer, autocast_dtype=autocast)
 
-    def evaluate(self) -> Any:
-        """Validation on ``data.eval`` with the current policy (avg@k etc.)."""
+    def evaluate(self, *, greedy: bool = False) -> Any:
+        """Validation on ``data.eval`` with the current policy (avg@k etc.); ``greedy``: one
+        temperature-0 sample per problem instead of ``data.eval_samples`` at ``data.eval_temperature``."""
         from stare_agent.evaluation import evaluate
 
         data, env = self.config.data, self.config.env
+        temperature = 0.0 if greedy else data.eval_temperature
         return evaluate(
             eval_problems(
                 data.eval, seed=self.config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
             ),
             engine=self.engine,
             tokenizer=self.tokenizer,
-            samples=data.eval_samples,
+            samples=1 if greedy else data.eval_samples,
             sampling=SamplingParams(
-                temperature=data.eval_temperature, top_p=data.eval_top_p, seed=self.config.trainer.seed
+                temperature=temperature, top_p=data.eval_top_p, seed=self.config.trainer.seed
             ),
             max_response_tokens=env.max_response_tokens,
             batch_size=self.config.sandbox.pool_size,  # one leased sandbox per live episode at most

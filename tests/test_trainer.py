@@ -182,3 +182,42 @@ def test_rl_with_nucleus_sampling_warns_that_rollouts_are_off_policy(tmp_path, p
             engine=engine,
         )
     trainer.close()
+
+
+def test_open_loop_gate_reweights_above_target_and_greedy_eval_is_logged(tmp_path, problem_file):
+    """algorithm.gate=always_on (the paper's open-loop ablation) reweights although the entropy of a
+    random model (~10.8 nats) is far above H_tgt; data.eval_greedy adds a greedy evaluation."""
+    extra = ["algorithm.H_tgt=0.3", f"data.eval={problem_file}", "data.eval_limit=2", "data.eval_samples=2"]
+    extra += ["trainer.steps=1", "trainer.eval_every=1", "data.eval_greedy=true"]
+    records = {}
+    for gate in ("entropy", "always_on"):
+        model, tokenizer = tiny_model()
+        config = make_config(tmp_path / gate, problem_file, *extra, f"algorithm.gate={gate}")
+        Trainer(
+            config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
+        ).fit()
+        records[gate] = _records(tmp_path / gate / "run")[0]
+    closed, open_loop = records["entropy"], records["always_on"]
+    assert closed["entropy"] > 5 and closed["gate_on"] == 0 and closed["frac_reweighted"] == 0
+    assert open_loop["gate_on"] == 1 and 0 < open_loop["frac_reweighted"] < 0.2
+    # the scripted policy is right on every other episode: sampled avg@2 over 2 problems is 0.5;
+    # greedy evaluation plays one episode per problem
+    assert open_loop["eval/avg@2"] == pytest.approx(0.5)
+    assert "eval_greedy/avg@1" in open_loop and "eval_greedy/avg@2" not in open_loop
+
+
+def test_stare_metrics_count_l_plus_tokens_more_surprising_than_the_batch_entropy():
+    from types import SimpleNamespace
+
+    # 1 sequence, 6 model tokens (the last is padding); surprisals 0.1, 2.0, 0.5, 3.0, 1.0
+    s = torch.tensor([[0.1, 2.0, 0.5, 3.0, 1.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    A_tok = torch.tensor([[1.0, 1.0, 1.0, 1.0, -1.0, 1.0]]) * mask
+    L_plus = torch.tensor([[False, True, True, True, False, True]])  # the padded one must not count
+    L_minus = torch.tensor([[False, False, False, False, True, False]])
+    metrics = Trainer._stare_metrics(
+        SimpleNamespace(world=1), A_tok, -s, mask, L_plus, L_minus, True, 1.1, 0.9, 1.5
+    )
+    # L+ inside the mask: surprisals 2.0, 0.5, 3.0; two of three exceed Hbar = 1.5
+    assert metrics["stare/L_plus_above_entropy"] == pytest.approx(2 / 3)
+    assert (metrics["stare/T_plus"], metrics["stare/T_minus"], metrics["stare/L_plus"]) == (4.0, 1.0, 3.0)

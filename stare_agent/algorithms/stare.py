@@ -293,6 +293,8 @@ def weight_metrics(
         "stare/M": M,
         "stare/frac_T_plus": sizes["T+"] / n,
         "stare/frac_T_minus": sizes["T-"] / n,
+        "stare/T_plus": float(sizes["T+"]),
+        "stare/T_minus": float(sizes["T-"]),
         "stare/L_plus": float(sizes["L+"]),
         "stare/L_minus": float(sizes["L-"]),
         "stare/frac_reweighted": (n_plus + n_minus) / n,
