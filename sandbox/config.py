@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-DEFAULT_IMAGE = "stare-sandbox:0.1"
+DEFAULT_IMAGE = "stare-sandbox:0.2"
+
+SANDBOX_UID = 61000
+"""The kernel's uid and gid in the image: above the login-user range (``UID_MAX`` 60000), so not
+the host user's. A kernel with the host user's uid would own the bind-mounted connection dir and
+could unlock it (``DockerSandbox`` refuses that case)."""
+
+SHARED_NETWORK_MODES = ("host", "container:")
+"""Docker network modes that share another namespace's network: refused."""
 
 
 @dataclass
@@ -20,8 +29,14 @@ class SandboxConfig:
         tmpfs_mb: Size of the writable work dir ``/work`` (the root filesystem is read-only).
         timeout_s: Default per-call timeout.
         max_output_chars: Cap on stdout and on stderr of one call; the rest is cut with a marker.
-        network: Docker network mode; ``"none"`` gives the sandbox only a loopback interface.
-        user: User the kernel runs as inside the container.
+        network: Docker network mode; ``"none"`` (the default) gives the sandbox only a loopback
+            interface. Any other Docker network (e.g. ``"bridge"``) lets model code reach the
+            network and is logged as a warning for each sandbox; ``"host"`` and
+            ``"container:..."`` (another namespace's network) are refused.
+        user: ``"uid:gid"`` the kernel runs as inside the container (numeric, not root, and not
+            the host user's uid).
+        runtime: Docker runtime of the container (e.g. ``"runsc"`` for gVisor, where installed);
+            None is the daemon's default (runc).
         restart_grace_s: Extra time allowed to interrupt or restart a kernel after a timeout.
         env: Extra environment variables inside the sandbox (the host's are never passed).
     """
@@ -34,11 +49,31 @@ class SandboxConfig:
     timeout_s: float = 10.0
     max_output_chars: int = 16_384
     network: str = "none"
-    user: str = "1000:1000"
+    user: str = f"{SANDBOX_UID}:{SANDBOX_UID}"
     restart_grace_s: float = 2.0
     env: dict[str, str] = field(default_factory=dict)
+    runtime: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("memory_mb", "cpus", "pids_limit", "tmpfs_mb", "timeout_s", "max_output_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sandbox.{name} must be > 0, got {getattr(self, name)!r}")
+        match = re.fullmatch(r"(\d+)(?::(\d+))?", str(self.user))
+        if match is None or int(match[1]) == 0 or match[2] == "0":
+            raise ValueError(
+                f"sandbox.user must be a numeric 'uid:gid' other than root, got {self.user!r}: "
+                f"use the default {SANDBOX_UID}:{SANDBOX_UID}"
+            )
+        if not isinstance(self.network, str) or not self.network:
+            raise ValueError(
+                f"sandbox.network must be a Docker network name, got {self.network!r}: use 'none'"
+            )
+        if self.network.startswith(SHARED_NETWORK_MODES):
+            raise ValueError(
+                f"sandbox.network={self.network!r} would share a network namespace with the host or "
+                "another container: use 'none', or a Docker network such as 'bridge'"
+            )
+        if self.runtime is not None and (not isinstance(self.runtime, str) or not self.runtime):
+            raise ValueError(f"sandbox.runtime must be a Docker runtime name or None, got {self.runtime!r}")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
+            raise ValueError(f"sandbox.env must map str to str, got {self.env!r}")

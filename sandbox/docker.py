@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -38,10 +39,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sandbox.config import SandboxConfig
+from sandbox.config import SANDBOX_UID, SandboxConfig
 from sandbox.errors import SandboxError, SandboxUnavailable
 from sandbox.kernel import KERNEL_ARGS, KernelDriver, KernelSandbox, reset_code
 from sandbox.owner import owner_gone, owner_id, remove_sandbox_dir
+from sandbox.shutdown import exit_on_sigterm
 from sandbox.usage import CgroupUsage
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,19 @@ KERNEL_COMMAND = (
 )
 """The kernel under ``umask 007``: its socket files are mode 0770, connectable through the group."""
 
+THREAD_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+)
+"""Thread-pool sizes of BLAS/OpenMP libraries, set to the CPU quota (they would size themselves by
+the host's cores and oversubscribe the quota)."""
+
+NOFILE = 4096
+"""Open files per process in the sandbox."""
+
 
 def docker_client(timeout: float = 30.0) -> Any:
     """A connected Docker SDK client.
@@ -92,11 +107,15 @@ def docker_client(timeout: float = 30.0) -> Any:
 
 
 def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | None = None) -> dict[str, Any]:
-    """Keyword arguments of ``containers.run`` for one hardened sandbox container; ``conn_group``
+    """Keyword arguments of ``containers.create`` for one hardened sandbox container; ``conn_group``
     is a supplementary group for the kernel (the host user's, when the host is not root)."""
+    from docker.types import Ulimit  # type: ignore[import-untyped]
+
     uid, _, gid = config.user.partition(":")
     gid = gid or uid
+    threads = str(max(1, math.ceil(config.cpus)))
     env = {
+        **dict.fromkeys(THREAD_VARIABLES, threads),
         "HOME": WORK_DIR,
         "IPYTHONDIR": IPYTHON_DIR,
         "MPLCONFIGDIR": f"{WORK_DIR}/.mpl",
@@ -105,10 +124,10 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
         **config.env,
     }
     memory = f"{config.memory_mb}m"
-    return {
+    file_bytes = config.tmpfs_mb * 2**20  # no file in the sandbox can be larger than /work
+    options = {
         "command": [*KERNEL_COMMAND, "-f", f"{CONN_DIR}/kernel.json", *KERNEL_ARGS],
         "group_add": [str(conn_group)] if conn_group is not None else [],
-        "detach": True,
         "environment": env,
         "user": config.user,
         "working_dir": WORK_DIR,
@@ -125,12 +144,20 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
         "memswap_limit": memory,
         "pids_limit": config.pids_limit,
         "nano_cpus": int(config.cpus * 1e9),
+        "ulimits": [
+            Ulimit(name="core", soft=0, hard=0),
+            Ulimit(name="nofile", soft=NOFILE, hard=NOFILE),
+            Ulimit(name="fsize", soft=file_bytes, hard=file_bytes),
+        ],
         "init": False,  # the image's entrypoint is tini
         "privileged": False,
         "ipc_mode": "private",
         "log_config": {"type": "json-file", "config": {"max-size": "1m", "max-file": "1"}},
         "labels": {LABEL: "1", OWNER_LABEL: owner_id()},
     }
+    if config.runtime is not None:
+        options["runtime"] = config.runtime
+    return options
 
 
 def reap_orphans(client: Any = None) -> int:
@@ -222,6 +249,10 @@ class _ContainerKernel:
 
     def ready(self) -> None:
         self.conn_dir.chmod(CONN_LOCKED)
+        # The kernel rewrote kernel.json as its own at start: it could still write to it (filling
+        # the host's disk). The host keeps the connection info in memory and rewrites the file
+        # for the next restart; the sockets, the only other entries, cannot be written to.
+        (self.conn_dir / "kernel.json").unlink(missing_ok=True)
 
     def is_alive(self) -> bool:
         try:
@@ -264,6 +295,7 @@ class DockerSandbox(KernelSandbox):
         self._closed = True  # nothing to close until the temp dir exists
         self.container: Any = None
         self._driver: KernelDriver | None = None
+        exit_on_sigterm()
         self._client = docker_client()
         global _reaped
         if not _reaped:  # once per process: containers of killed owners hold memory and pids
@@ -285,14 +317,27 @@ class DockerSandbox(KernelSandbox):
         # through its own group, which the kernel is given.
         uid, _, gid = self.config.user.partition(":")
         root = os.geteuid() == 0
+        if not root and int(uid) == os.geteuid():
+            raise SandboxUnavailable(
+                f"sandbox.user {self.config.user} has this host user's uid {uid}: the kernel would own "
+                f"its connection dir and could unlock it; use another uid (the default is {SANDBOX_UID})"
+            )
+        if self.config.network != "none":
+            logger.warning(
+                "sandbox network is %r, not 'none': code in the sandbox can reach the network",
+                self.config.network,
+            )
         group = int(gid or uid) if root else os.getegid()
         os.chown(self.dir, -1, group)
         self.dir.chmod(CONN_OPEN)
         info = _connection_info()
         _write_connection_file(self.dir, info, group)
         options = container_options(self.config, self.dir, None if root else group)
+        # create + start, not containers.run: run pulls from a registry when the image is missing.
+        # A container whose start fails is removed by close().
         try:
-            self.container = self._client.containers.run(self.config.image, **options)
+            self.container = self._client.containers.create(self.config.image, **options)
+            self.container.start()
         except docker.errors.ImageNotFound as exc:
             raise SandboxUnavailable(
                 f"sandbox image {self.config.image} not found: run `stare-agent sandbox build`"
@@ -337,6 +382,8 @@ class DockerSandbox(KernelSandbox):
                 if getattr(getattr(exc, "response", None), "status_code", None) != 404:
                     logger.warning("could not remove sandbox container %s: %s", self.container.short_id, exc)
         shutil.rmtree(self.dir, ignore_errors=True)
+        if getattr(self, "_client", None) is not None:
+            self._client.close()
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):

@@ -13,6 +13,7 @@ import docker
 import pytest
 
 from sandbox import DockerSandbox, SandboxClosed, SandboxConfig, make_sandbox
+from sandbox.config import SANDBOX_UID
 from sandbox.docker import LABEL
 
 pytestmark = pytest.mark.docker
@@ -98,11 +99,11 @@ def test_container_is_hardened(sb: DockerSandbox) -> None:
     assert host["CapDrop"] == ["ALL"] and "no-new-privileges" in host["SecurityOpt"]
     assert host["Memory"] == host["MemorySwap"] == 1024 * 2**20
     assert host["PidsLimit"] == 128 and host["NanoCpus"] == 10**9
-    assert sb.container.attrs["Config"]["User"] == "1000:1000"
+    assert sb.container.attrs["Config"]["User"] == f"{SANDBOX_UID}:{SANDBOX_UID}"
     mounts = [m["Source"] for m in sb.container.attrs["Mounts"]]
     assert mounts == [str(sb.dir)] and not any("docker.sock" in m for m in mounts)
     result = sb.run("import os\nopen('/proc/1/cmdline').read().split('\\0')[0], os.getuid()")
-    assert result.stdout == "('/usr/bin/tini', 1000)\n"
+    assert result.stdout == f"('/usr/bin/tini', {SANDBOX_UID})\n"
 
 
 def test_close_leaves_no_container_or_temp_dir(docker_ready) -> None:
