@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 need=()
 command -v dockerd >/dev/null || need+=(docker.io)
 command -v debootstrap >/dev/null || need+=(debootstrap)
+[ -s /usr/share/keyrings/debian-archive-keyring.gpg ] || need+=(debian-archive-keyring)  # the image build checks signatures
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing ${need[*]} (apt)"
   apt-get update -qq
