@@ -237,12 +237,19 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     errors: list[type[BaseException]] = [ProblemSourceError, SandboxError, FileNotFoundError]
     try:  # these need torch; a broken torch install must not hide the original error
+        from stare_agent.algorithms.dynamic_sampling import DynamicSamplingShortfall
         from stare_agent.config import ConfigError
         from stare_agent.engines.sglang_engine import SGLangUnavailableError
         from stare_agent.models import ModelLoadError
         from stare_agent.sft_data import SFTDataError
 
-        errors += [ConfigError, ModelLoadError, SGLangUnavailableError, SFTDataError]
+        errors += [
+            ConfigError,
+            ModelLoadError,
+            SGLangUnavailableError,
+            SFTDataError,
+            DynamicSamplingShortfall,
+        ]
     except ImportError:
         pass
     return tuple(errors)
