@@ -15,6 +15,13 @@ The runner speaks tokens to the engine and text to the environments:
    difference of two renderings of a conversation (as verl's tool agent loop does).
 4. The episode ends when the env terminates or truncates it, or when the response-token budget is
    spent (``info["finish_reason"] == "budget"``; over-long tool output is cut so the budget holds).
+   A budget-cut episode is ended in its env at once (``env.end_episode()``): truncated, scored by the
+   env's reward config as giving no answer, its sandbox given back.
+5. EOS. For ``tool``-role formats (hermes) EOS ends the assistant message as usual and the tool
+   message follows. For formats whose observations stay inside the assistant message (ReTool), a
+   turn that ends with EOS ends the episode (``env.end_episode(turn)``: nothing in it runs, it is
+   scored on its final answer, if any), as verl does: continuing after it would put EOS in the middle
+   of one assistant message and train it as a mid-response token.
 
 This module needs no torch: engines live in ``stare_agent.engines`` and implement :class:`Engine`.
 """
@@ -270,6 +277,7 @@ class _Episode:
     reward: float = 0.0
     turns: int = 0
     end: EpisodeEnd | None = None
+    cut: bool = False  # the budget ran out: the env is asked to end the episode
     turn_ended_with_eos: bool = False
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
@@ -296,10 +304,10 @@ class RolloutRunner:
     Each trajectory's ``info`` is the env's last step info (without ``messages`` and ``tools``) with
     ``tool_calls`` gathered over all steps, plus ``finish_reason`` (``"terminated"``/``"truncated"``: the
     env ended the episode; ``"budget"``: the token budget did), ``truncated`` (not terminated by the
-    env), ``num_turns`` and ``response_tokens``. Its reward is the sum of the env's step rewards, so an
-    episode cut by the budget before the env scored it has reward 0.0; like Gymnasium's ``TimeLimit``,
-    the runner leaves such an episode open in its env (the next ``reset`` or ``close`` ends it and
-    returns its sandbox). After :meth:`run`, ``last_stats`` holds a :class:`RolloutStats`.
+    env), ``num_turns`` and ``response_tokens``. Its reward is the sum of the env's step rewards; an
+    episode cut by the budget is ended in its env at once (``env.end_episode()``), which scores it as
+    giving no answer under its reward config and gives its sandbox back. After :meth:`run`,
+    ``last_stats`` holds a :class:`RolloutStats`.
     """
 
     def __init__(
@@ -374,10 +382,9 @@ class RolloutRunner:
             turn = 0
             while live := [ep for ep in episodes if ep.end is None]:
                 generations = self._generate(live, turn, stats)
-                texts = [self._take_turn(ep, gen) for ep, gen in zip(live, generations, strict=True)]
-                stepping = [(ep, text) for ep, text in zip(live, texts, strict=True) if text is not None]
-                results = self._env_phase(stats, pool, [(ep.env.step, dict(action=t)) for ep, t in stepping])
-                for (ep, _), result in zip(stepping, results, strict=True):
+                calls = [self._take_turn(ep, gen) for ep, gen in zip(live, generations, strict=True)]
+                results = self._env_phase(stats, pool, calls)
+                for ep, result in zip(live, results, strict=True):
                     self._take_step(ep, result)
                 turn += 1
         trajectories = [self._build(ep) for ep in episodes]
@@ -436,9 +443,10 @@ class RolloutRunner:
             )
         return generations
 
-    def _take_turn(self, ep: _Episode, gen: Generation) -> str | None:
-        """Append the model turn (mask 1, as sampled); return its text for ``env.step``, or None when
-        the budget ran out during the turn."""
+    def _take_turn(self, ep: _Episode, gen: Generation) -> tuple[Callable[..., Any], dict[str, Any]]:
+        """Append the model turn (mask 1, as sampled); return the env call it leads to: ``step`` with
+        its text, ``end_episode`` with its text (EOS in an assistant-role format), or ``end_episode()``
+        when the budget ran out during the turn."""
         remaining = self.max_response_tokens - len(ep.builder)
         ids, logprobs, reason = gen.token_ids, gen.logprobs, gen.finish_reason
         if len(ids) > remaining:  # the batch limit was another episode's larger budget
@@ -447,9 +455,12 @@ class RolloutRunner:
         ep.turns += 1
         ep.turn_ended_with_eos = reason == "eos"
         if reason == "length" and len(ep.builder) >= self.max_response_tokens:
-            ep.finish("budget")
-            return None
-        return _decode(self.tokenizer, ids[:-1] if reason == "eos" else ids)
+            ep.cut = True
+            return ep.env.end_episode, {}
+        text = _decode(self.tokenizer, ids[:-1] if reason == "eos" else ids)
+        if reason == "eos" and ep.env.format.observation_role == "assistant":
+            return ep.env.end_episode, dict(action=text)
+        return ep.env.step, dict(action=text)
 
     def _take_step(self, ep: _Episode, result: tuple[str, float, bool, bool, dict[str, Any]]) -> None:
         """Record the env's response; append the observation (mask 0) when the episode continues."""
@@ -458,7 +469,7 @@ class RolloutRunner:
         ep.tool_calls.extend(info.get("tool_calls", ()))
         ep.info.update(info)
         if terminated or truncated:
-            ep.finish("terminated" if terminated else "truncated")
+            ep.finish("budget" if ep.cut else "terminated" if terminated else "truncated")
             return
         if ep.glue is not None:
             ids = ep.glue(observation, turn_ended_with_eos=ep.turn_ended_with_eos)
@@ -467,7 +478,8 @@ class RolloutRunner:
         remaining = self.max_response_tokens - len(ep.builder)
         ep.builder.append(ids[:remaining], 0)
         if len(ids) >= remaining:
-            ep.finish("budget")
+            ep.cut = True
+            self._take_step(ep, ep.env.end_episode())
 
     def _env_phase(
         self,

@@ -12,6 +12,8 @@ observation. The reward is 0 until the episode ends, then the verified outcome r
   gave no answer.
 - A turn with a malformed tool call (stray closing tag, broken JSON, empty code, unknown tool,
   oversized input) continues the episode with an observation saying what went wrong.
+- ``end_episode(turn)`` / ``end_episode()``: the caller ends the episode (the model's message ended
+  with EOS; a token budget ran out); see :meth:`ToolEnv.end_episode`.
 
 Tools that need a sandbox share one leased from a ``SandboxPool`` on the episode's first such
 call (so ``reset`` never blocks and episodes without tool calls hold none); it keeps state for the
@@ -252,16 +254,40 @@ class ToolEnv(gymnasium.Env[str, str]):
             "turn": self._turn,
         }
         if terminated or truncated:
-            reward, reward_info = self._score(parsed.final_answer if terminated else None)
-            info.update(answer=reward_info["answer"], correct=reward_info["correct"], gold=self._gold())
-            # Timings (e.g. the checker's ``check_s``) stay out: a seeded replay must give equal infos.
-            info["reward_info"] = {k: v for k, v in reward_info.items() if not k.endswith("_s")}
-            self._end_episode()
-            return "", reward, terminated, truncated, info
+            return self._final(parsed.final_answer if terminated else None, terminated, info)
         observation = self.format.render_observation(results, notes)
         observation, _ = truncate_text(printable(observation), MAX_OBSERVATION_CHARS - 64)
         self._append_message(self.format.observation_role, observation)
         return observation, 0.0, False, False, info
+
+    def end_episode(self, action: str | None = None) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """End the active episode from outside the turn protocol, scored by the reward config.
+
+        - ``action`` given: the model's last turn, which ended its message (an EOS token) although the
+          turn is not final (an unclosed ``<code>``, a stray ``</code>``, a bad ``<answer>``). Nothing in
+          it runs; the episode terminates with the turn's final answer (None when it gives none, or a
+          malformed one). The rollout runner does this for formats whose observations stay inside the
+          assistant message (ReTool), as verl does, so EOS is never trained as a mid-response token.
+        - ``action`` None: the episode is cut from outside (the runner's token budget): truncated and
+          scored as giving no answer, like ``max_turns``.
+
+        Either way the reward is the reward config's for that answer (e.g. -1 under ``plus_minus``,
+        minus ``format_penalty`` when there is no answer) and the sandbox goes back to the pool at once.
+        Returns ``step``'s five-tuple with an empty observation.
+        """
+        if not self._active:
+            raise EnvStateError("end_episode() called without an active episode: call reset() first")
+        info: dict[str, Any] = {"tool_calls": [], "turn": self._turn}
+        answer = None
+        if action is not None:
+            text, _ = clean_model_text(action)
+            self._turn += 1
+            parsed = self.format.parse(text)
+            self._num_parse_errors += len(parsed.errors)
+            self._append_message("assistant", text)
+            answer, info["turn"] = parsed.final_answer, self._turn
+        info.update(num_tool_calls=self._num_tool_calls, num_parse_errors=self._num_parse_errors)
+        return self._final(answer, action is not None, info)
 
     def render(self) -> str | None:
         """With ``render_mode="ansi"``: the conversation so far as text."""
@@ -354,6 +380,17 @@ class ToolEnv(gymnasium.Env[str, str]):
             f"{self.tokenizer.decode(ids[:head])}\n... [{cut} tokens truncated] ...\n"
             f"{self.tokenizer.decode(ids[len(ids) - tail :])}"
         )
+
+    def _final(
+        self, answer: str | None, terminated: bool, info: dict[str, Any]
+    ) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Score the episode on ``answer``, close it (sandbox back to the pool) and return the last step."""
+        reward, reward_info = self._score(answer)
+        info.update(answer=reward_info["answer"], correct=reward_info["correct"], gold=self._gold())
+        # Timings (e.g. the checker's ``check_s``) stay out: a seeded replay must give equal infos.
+        info["reward_info"] = {k: v for k, v in reward_info.items() if not k.endswith("_s")}
+        self._end_episode()
+        return "", reward, terminated, not terminated, info
 
     def _score(self, answer: str | None) -> tuple[float, dict[str, Any]]:
         assert self.problem is not None
