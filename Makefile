@@ -1,5 +1,5 @@
 # Two entry points for a fresh machine (see README): `make quickstart` and `make test`.
-.PHONY: setup docker quickstart test lint bench
+.PHONY: setup docker quickstart test lint bench docs
 
 setup:
 	bash scripts/setup_python.sh
@@ -15,6 +15,10 @@ quickstart: docker
 
 test: docker
 	.venv/bin/python -m pytest -q tests
+
+# docs/configuration.md is generated from the config dataclasses (tests/test_docs.py checks it).
+docs: setup
+	.venv/bin/python -m stare_agent.config_reference > docs/configuration.md
 
 lint: setup
 	.venv/bin/ruff check sandbox envs stare_agent tests benchmarks examples

@@ -21,7 +21,7 @@ from stare_agent.config_reference import attribute_docs, render, sections, yaml_
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
-REGENERATE = "python -m stare_agent.config_reference > docs/configuration.md"
+REGENERATE = "make docs (python -m stare_agent.config_reference > docs/configuration.md)"
 SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
 FIELD = re.compile(rf"^({'|'.join(SECTIONS)})\.[A-Za-z_][\w.]*$")
 PYTHON_NAME = re.compile(r"^(stare_agent|envs|sandbox)(\.\w+)+$")
