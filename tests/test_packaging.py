@@ -228,3 +228,14 @@ def test_installed_wheel_evaluates_aime_2024_outside_the_repository(wheel, model
     assert "avg@1" in done.stdout
     [row] = [json.loads(line) for line in (work / "eval" / "results.jsonl").read_text().splitlines()]
     assert row["problem_id"] == "aime2024-I-01"
+
+
+@pytest.mark.parametrize("name", ["stare_o1", "stare_c2", "grpo_ds"])
+def test_paper_configs_validate_on_the_shipped_aime_set_offline(name, monkeypatch):
+    from stare_agent.config import load_config
+    from stare_agent.trainer import eval_problems
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = load_config(REPO / "configs" / f"{name}_retool_qwen2.5_7b.yaml")
+    problems = eval_problems(config.data.eval, seed=0, difficulty=1, limit=None)
+    assert [len(problems), problems[0].id] == [30, "aime2024-I-01"]
