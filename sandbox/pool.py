@@ -30,6 +30,7 @@ from sandbox.base import Sandbox
 from sandbox.config import SandboxConfig
 from sandbox.errors import PoolExhausted, SandboxClosed
 from sandbox.result import ExecResult
+from sandbox.shutdown import exit_on_sigterm
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +179,7 @@ class SandboxPool:
         self._failures = 0
         self._last_error: BaseException | None = None
         _LIVE_POOLS.add(self)
+        exit_on_sigterm()  # SIGTERM closes the pool as Ctrl-C does
         try:
             self._start_all()
         except BaseException:
