@@ -136,6 +136,20 @@ def _quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def _study(args: argparse.Namespace) -> int:
+    from stare_agent.study import CONFIG, study
+
+    study(
+        args.config or CONFIG,
+        args.overrides,
+        variants=args.variants,
+        seeds=args.seeds,
+        ablation_seeds=args.ablation_seeds,
+        smoke=args.smoke,
+    )
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from stare_agent.plots import plot_dashboard
 
@@ -227,6 +241,22 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=5 sandbox.backend=local"
     )
     p.set_defaults(func=_quickstart)
+
+    p = sub.add_parser(
+        "study",
+        help="entropy dynamics of GRPO-ds vs STARE (and the open-loop ablations) over seeds: figure and table",
+    )
+    p.add_argument(
+        "--config", default=None, help="the training config every run shares (default: configs/study.yaml)"
+    )
+    p.add_argument("--variants", nargs="+", default=None, help="default: all (stare_agent.study.VARIANTS)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds of GRPO-ds, STARE-O1 and STARE-C2")
+    p.add_argument("--ablation-seeds", type=int, default=1, help="seeds of each open-loop ablation")
+    p.add_argument(
+        "--smoke", action="store_true", help="2 variants, 1 seed, 2 tiny steps: checks the pipeline"
+    )
+    p.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. trainer.steps=20")
+    p.set_defaults(func=_study)
     return parser
 
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from stare_agent.config import cpu_has_bf16, load_config
+from stare_agent.config import RunConfig, cpu_has_bf16, load_config
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
@@ -52,6 +52,16 @@ def pick_backend(requested: str) -> str:
     return "local"
 
 
+def usable_precision(config: RunConfig) -> RunConfig:
+    """``config`` with ``bf16-autocast`` turned into ``fp32`` on a CPU without native bf16 (printed)."""
+    import torch
+
+    if config.deepspeed.precision == "bf16-autocast" and not torch.cuda.is_available() and not cpu_has_bf16():
+        print("this CPU has no native bf16 (AVX-512 BF16 / AMX): running in fp32, about 3x slower")
+        return replace(config, deepspeed=replace(config.deepspeed, precision="fp32"))
+    return config
+
+
 def quickstart(
     config_path: str | Path = CONFIG, overrides: tuple[str, ...] | list[str] = ()
 ) -> dict[str, Any]:
@@ -72,9 +82,7 @@ def quickstart(
     times: dict[str, float] = {}
     config = load_config(config_path, list(overrides))
     run_dir = Path(config.trainer.run_dir)
-    if config.deepspeed.precision == "bf16-autocast" and not torch.cuda.is_available() and not cpu_has_bf16():
-        print("this CPU has no native bf16 (AVX-512 BF16 / AMX): running in fp32, about 3x slower")
-        config = replace(config, deepspeed=replace(config.deepspeed, precision="fp32"))
+    config = usable_precision(config)
 
     def phase(name: str, t0: float) -> None:
         times[name] = time.perf_counter() - t0
@@ -217,4 +225,4 @@ def _rl_entropy_line(result: dict[str, Any]) -> str:
     )
 
 
-__all__ = ["format_table", "pick_backend", "quickstart"]
+__all__ = ["format_table", "pick_backend", "quickstart", "usable_precision"]

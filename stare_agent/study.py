@@ -1,0 +1,344 @@
+"""`stare-agent study`: does STARE hold entropy? GRPO-ds against STARE through the real Trainer.
+
+1. cold start   one SFT model shared by every run (``STUDY/sft_model``, reused when present)
+2. calibration  the SFT policy's mean reward on the first RL draws, sampled as RL samples
+                (``env.temperature``): GRPO needs groups with reward variance, so a start in
+                [0.3, 0.7] is the useful band; the result is printed and kept in calibration.json
+3. runs         every variant x seed with the same config but the algorithm (``VARIANTS``), each in
+                ``STUDY/runs/<variant>-s<seed>``; a finished run is skipped, an interrupted one
+                resumes from its last checkpoint, so an interrupted study picks up where it was
+4. report       ``study.csv`` (every logged step of every run), ``study.png`` (entropy with H_tgt,
+                reward, held-out accuracy, response length: mean and min-max band over seeds) and
+                ``study.md`` (final and area-under-curve entropy, best and final held-out accuracy,
+                mean +- std over seeds, seconds per step)
+
+The settings live in one training config (``configs/study.yaml``); the study adds only
+``trainer.seed``, ``trainer.run_dir``, ``model.name_or_path`` (the SFT model) and the variant's
+``algorithm.*`` overrides, so variants differ in the algorithm alone.
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from stare_agent.config import ConfigError, RunConfig, load_config
+
+# name -> algorithm overrides. The last three are the paper's open-loop ablations: the gate forced
+# on (no off state) at W = 1.01, at the default W = 1.1, and at W = 2 (reported to diverge).
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "grpo-ds": ("algorithm.name=grpo_ds",),
+    "stare-o1": ("algorithm.name=stare", "algorithm.variant=O1"),
+    "stare-c2": ("algorithm.name=stare", "algorithm.variant=C2"),
+    "open-loop-w1.01": ("algorithm.name=stare", "algorithm.gate=always_on", "algorithm.W=1.01"),
+    "no-off-state": ("algorithm.name=stare", "algorithm.gate=always_on"),
+    "open-loop-w2": ("algorithm.name=stare", "algorithm.gate=always_on", "algorithm.W=2.0"),
+}
+MAIN_VARIANTS = ("grpo-ds", "stare-o1", "stare-c2")
+SMOKE_VARIANTS = ("grpo-ds", "stare-o1")
+# A few steps of tiny batches: checks that the pipeline produces its figure and table.
+SMOKE_OVERRIDES = (
+    "trainer.steps=2",
+    "trainer.eval_every=2",
+    "trainer.checkpoint_every=1",
+    "data.prompts_per_step=2",
+    "data.samples_per_prompt=2",
+    "data.max_sampling_batches=1",
+    "data.eval_limit=4",
+    "data.eval_samples=2",
+    "sft.procedural_rows=8",
+    "sft.epochs=1",
+    "sft.batch_size=4",
+)
+BAND = (0.3, 0.7)
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "study.yaml"
+CSV_NAME, FIGURE_NAME, TABLE_NAME = "study.csv", "study.png", "study.md"
+
+
+def plan(variants: Sequence[str], seeds: int, ablation_seeds: int) -> list[tuple[str, int]]:
+    """(variant, seed) pairs: ``seeds`` seeds for the main variants, ``ablation_seeds`` for the rest.
+
+    >>> plan(["grpo-ds", "no-off-state"], seeds=2, ablation_seeds=1)
+    [('grpo-ds', 0), ('grpo-ds', 1), ('no-off-state', 0)]
+    """
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ConfigError(f"unknown study variant {unknown[0]!r}: use one of {', '.join(VARIANTS)}")
+    if seeds < 1 or ablation_seeds < 1:
+        raise ConfigError(f"--seeds {seeds} and --ablation-seeds {ablation_seeds} must be >= 1")
+    return [(v, s) for v in variants for s in range(seeds if v in MAIN_VARIANTS else ablation_seeds)]
+
+
+def study(
+    config_path: str | Path = CONFIG,
+    overrides: Sequence[str] = (),
+    *,
+    variants: Sequence[str] | None = None,
+    seeds: int = 3,
+    ablation_seeds: int = 1,
+    smoke: bool = False,
+) -> dict[str, Any]:
+    """Run (or resume) the study of ``config_path`` and write its report; return the report's numbers.
+
+    ``smoke`` runs ``SMOKE_VARIANTS`` with one seed and ``SMOKE_OVERRIDES`` (before ``overrides``).
+    The study directory is the config's ``trainer.run_dir``.
+    """
+    if smoke:
+        variants, seeds, ablation_seeds = variants or SMOKE_VARIANTS, 1, 1
+        overrides = [*SMOKE_OVERRIDES, *overrides]
+    pairs = plan(variants or list(VARIANTS), seeds, ablation_seeds)
+    base = load_config(config_path, list(overrides))
+    root = Path(base.trainer.run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+
+    sft_dir = cold_start(base, root)
+    calibration = calibrate(base, sft_dir, root)
+    lo, hi = BAND
+    verdict = "in" if lo <= calibration["mean_reward"] <= hi else "OUTSIDE"
+    print(
+        f"[calibration] SFT policy on the first RL draws at temperature {base.env.temperature:g}: mean reward "
+        f"{calibration['mean_reward']:.3f}, groups with reward variance {calibration['groups_with_variance']:.2f} "
+        f"({verdict} the {lo}-{hi} band)",
+        flush=True,
+    )
+    for variant, seed in pairs:
+        train_one(config_path, overrides, variant, seed, sft_dir, root)
+    report = write_report(root, pairs, calibration, h_tgt=base.algorithm.H_tgt)
+    report["total_s"] = time.perf_counter() - start
+    print(f"\n{(root / TABLE_NAME).read_text()}\nfigure: {root / FIGURE_NAME}\ndata: {root / CSV_NAME}")
+    return report
+
+
+def cold_start(config: RunConfig, root: Path) -> Path:
+    """SFT once for the whole study; a finished SFT model in ``root/sft_model`` is reused."""
+    out = root / "sft_model"
+    if (out / "config.json").is_file():
+        print(f"[sft] reusing {out}")
+        return out
+    from stare_agent.cold_start import sft
+    from stare_agent.quickstart import usable_precision
+
+    cfg = usable_precision(config)
+    cfg = replace(
+        cfg,
+        sft=replace(cfg.sft, output_dir=str(out)),
+        trainer=replace(cfg.trainer, run_dir=str(root / "sft")),
+    )
+    summary = sft(cfg)
+    return Path(summary["output_dir"])
+
+
+def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
+    """Mean reward of the SFT policy on the problems of the first RL draw, sampled as in RL."""
+    path = root / "calibration.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    import torch
+
+    from envs.rollout import SamplingParams
+    from sandbox import SandboxPool
+    from stare_agent.engines import TransformersEngine
+    from stare_agent.evaluation import evaluate
+    from stare_agent.models import load_policy
+    from stare_agent.quickstart import usable_precision
+    from stare_agent.trainer import ProblemStream
+
+    config = usable_precision(config)
+    data, env = config.data, config.env
+    model, tokenizer = load_policy(sft_dir)
+    autocast = torch.bfloat16 if config.deepspeed.precision == "bf16-autocast" else None
+    problems = ProblemStream(data.train, seed=config.trainer.seed, difficulty=data.difficulty).take(
+        data.prompts_per_step
+    )
+    t0 = time.perf_counter()
+    pool = SandboxPool(config.sandbox.pool_size, backend=config.sandbox.backend, config=config.sandbox.limits)
+    try:
+        report = evaluate(
+            problems,
+            engine=TransformersEngine(model, tokenizer, autocast_dtype=autocast),
+            tokenizer=tokenizer,
+            samples=data.samples_per_prompt,
+            sampling=SamplingParams(temperature=env.temperature, top_p=env.top_p, seed=config.trainer.seed),
+            max_response_tokens=env.max_response_tokens,
+            batch_size=config.sandbox.pool_size,
+            env_id=env.id,
+            env_kwargs={**env.env_kwargs(), "pool": pool},
+            progress=False,
+        )
+    finally:
+        pool.close()
+    results = report.problems
+    result = {
+        "problems": len(results),
+        "samples_per_problem": data.samples_per_prompt,
+        "temperature": env.temperature,
+        "mean_reward": sum(sum(r.correct) for r in results) / max(sum(len(r.correct) for r in results), 1),
+        "groups_with_variance": sum(0 < sum(r.correct) < len(r.correct) for r in results)
+        / max(len(results), 1),
+        "seconds": time.perf_counter() - t0,
+    }
+    path.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def train_one(
+    config_path: str | Path, overrides: Sequence[str], variant: str, seed: int, sft_dir: Path, root: Path
+) -> Path:
+    """Train one variant and seed from the SFT model; skip it when finished, resume it when interrupted."""
+    from stare_agent.metrics import read_metrics
+    from stare_agent.quickstart import usable_precision
+    from stare_agent.trainer import Trainer
+
+    run_dir = root / "runs" / f"{variant}-s{seed}"
+    config = usable_precision(
+        load_config(
+            config_path,
+            [
+                *overrides,
+                *VARIANTS[variant],
+                f"trainer.seed={seed}",
+                f"trainer.run_dir={run_dir}",
+                f"model.name_or_path={sft_dir}",
+            ],
+        )
+    )
+    done = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    if done and done[-1]["step"] >= config.trainer.steps:
+        print(f"[{variant} seed {seed}] finished earlier: {run_dir}")
+        return run_dir
+    print(f"[{variant} seed {seed}] training {config.trainer.steps} steps in {run_dir}", flush=True)
+    trainer = Trainer(config, resume=True)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+        del trainer
+        gc.collect()
+    return run_dir
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def write_report(
+    root: Path, pairs: Sequence[tuple[str, int]], calibration: dict[str, Any], *, h_tgt: float
+) -> dict[str, Any]:
+    """``study.csv``, ``study.png`` and ``study.md`` from the runs' ``metrics.jsonl``."""
+    from stare_agent.metrics import read_metrics
+    from stare_agent.plots import plot_study
+
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    for variant, seed in pairs:
+        runs.setdefault(variant, {})[seed] = read_metrics(root / "runs" / f"{variant}-s{seed}")
+    rows = [
+        {"variant": v, "seed": s, **r}
+        for v, by_seed in runs.items()
+        for s, recs in by_seed.items()
+        for r in recs
+    ]
+    keys = ["variant", "seed", "step", *sorted({k for r in rows for k in r} - {"variant", "seed", "step"})]
+    with open(root / CSV_NAME, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    plot_study(runs, root / FIGURE_NAME, h_tgt=h_tgt)
+    summary = {v: summarize(by_seed) for v, by_seed in runs.items()}
+    (root / TABLE_NAME).write_text(format_table(summary, calibration, h_tgt))
+    (root / "study.json").write_text(json.dumps({"calibration": calibration, "variants": summary}, indent=2))
+    return {"calibration": calibration, "variants": summary}
+
+
+def summarize(by_seed: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per-seed numbers of one variant, then their mean and std (population std; one seed: 0)."""
+    per_seed: dict[str, list[float]] = {}
+    for records in by_seed.values():
+        for name, value in run_numbers(records).items():
+            per_seed.setdefault(name, []).append(value)
+    return {name: {"mean": _mean(v), "std": _std(v), "n": len(v)} for name, v in per_seed.items()}
+
+
+def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
+    """One run's numbers: entropy at the last step and its area under the curve per step (trapezoid
+    over the logged steps, divided by the steps it spans), best and final held-out accuracy (sampled
+    ``eval/avg@k`` and greedy ``eval_greedy/avg@1``), and the median seconds per step.
+
+    >>> r = [{"step": 1, "entropy": 0.5}, {"step": 2, "entropy": 0.3}, {"step": 3, "entropy": 0.1}]
+    >>> run_numbers(r)["entropy_final"], round(run_numbers(r)["entropy_auc"], 6)
+    (0.1, 0.3)
+    """
+    out: dict[str, float] = {}
+    H = [(r["step"], float(r["entropy"])) for r in records if _finite(r.get("entropy"))]
+    if H:
+        out["entropy_final"] = H[-1][1]
+        span = H[-1][0] - H[0][0]
+        area = sum((s1 - s0) * (h0 + h1) / 2 for (s0, h0), (s1, h1) in zip(H, H[1:], strict=False))
+        out["entropy_auc"] = area / span if span else H[0][1]
+    for tag, prefix in (("sampled", "eval/avg@"), ("greedy", "eval_greedy/avg@")):
+        acc = [float(r[k]) for r in records for k in r if k.startswith(prefix) and _finite(r[k])]
+        if acc:
+            out[f"heldout_{tag}_best"], out[f"heldout_{tag}_final"] = max(acc), acc[-1]
+    times = sorted(float(r["time/step_s"]) for r in records if _finite(r.get("time/step_s")))
+    if times:
+        out["seconds_per_step"] = times[len(times) // 2]
+    return out
+
+
+COLUMNS = (
+    ("entropy_final", "final entropy"),
+    ("entropy_auc", "entropy AUC/step"),
+    ("heldout_sampled_best", "best held-out acc (sampled)"),
+    ("heldout_sampled_final", "final held-out acc (sampled)"),
+    ("heldout_greedy_best", "best held-out acc (greedy)"),
+    ("heldout_greedy_final", "final held-out acc (greedy)"),
+    ("seconds_per_step", "s/step"),
+)
+
+
+def format_table(summary: dict[str, dict[str, Any]], calibration: dict[str, Any], h_tgt: float) -> str:
+    """The markdown table: mean +- std over seeds per variant."""
+    lines = [
+        f"Start (SFT policy, temperature {calibration['temperature']:g}): mean reward "
+        f"{calibration['mean_reward']:.3f} on {calibration['problems']} x {calibration['samples_per_problem']} "
+        f"RL draws; H_tgt = {h_tgt:g}.",
+        "",
+        "| variant | seeds | " + " | ".join(title for _, title in COLUMNS) + " |",
+        "|---|---:|" + "---:|" * len(COLUMNS),
+    ]
+    for variant, numbers in summary.items():
+        seeds = max((n["n"] for n in numbers.values()), default=0)
+        cells = []
+        for key, _ in COLUMNS:
+            n = numbers.get(key)
+            cells.append(
+                "-"
+                if n is None
+                else f"{n['mean']:.3f} ± {n['std']:.3f}"
+                if n["n"] > 1
+                else f"{n['mean']:.3f}"
+            )
+        lines.append(f"| {variant} | {seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _std(xs: list[float]) -> float:
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+__all__ = ["MAIN_VARIANTS", "VARIANTS", "plan", "run_numbers", "study", "write_report"]

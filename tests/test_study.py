@@ -1,0 +1,89 @@
+"""`stare-agent study --smoke` as a user runs it: SFT, calibration, two variants through the real
+Trainer, then the figure, the CSV and the table; a second call reuses everything it finished. It
+asserts nothing about which variant wins."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from stare_agent.config import ConfigError
+from stare_agent.study import plan, run_numbers
+from tests.test_cli import cli, model_dir  # noqa: F401 - the tiny model saved on disk
+
+
+def test_study_smoke_makes_figure_table_and_data_then_resumes(tmp_path, model_dir):  # noqa: F811
+    root = tmp_path / "study"
+    args = [
+        "study",
+        "--smoke",
+        f"trainer.run_dir={root}",
+        f"model.name_or_path={model_dir}",
+        "sandbox.backend=local",
+        "sandbox.pool_size=4",
+        "env.max_response_tokens=32",
+        "deepspeed.precision=fp32",
+        "data.eval_limit=2",
+        # a random model never answers right: without dynamic sampling its zero-variance groups still
+        # go through the whole step (advantages, gate, weights, update)
+        "data.dynamic_sampling=false",
+    ]
+    done = cli(*args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[calibration] SFT policy on the first RL draws at temperature 1: mean reward" in done.stdout
+    for name in ("study.png", "study.csv", "study.md", "study.json", "calibration.json"):
+        assert (root / name).is_file(), name
+    assert (root / "study.png").stat().st_size > 20_000
+    rows = list(csv.DictReader((root / "study.csv").open()))
+    assert sorted((r["variant"], r["seed"], r["step"]) for r in rows) == [
+        ("grpo-ds", "0", "1"),
+        ("grpo-ds", "0", "2"),
+        ("stare-o1", "0", "1"),
+        ("stare-o1", "0", "2"),
+    ]
+    # both variants ran through the whole step: entropy measured, STARE's weights only for STARE
+    assert all(float(r["entropy"]) > 0 for r in rows)
+    assert {r["variant"] for r in rows if r.get("stare/mean_weight")} == {"stare-o1"}
+    table = (root / "study.md").read_text().splitlines()
+    assert [line.split("|")[1].strip() for line in table if line.startswith("| ") and "---" not in line][
+        1:
+    ] == [
+        "grpo-ds",
+        "stare-o1",
+    ]
+    summary = json.loads((root / "study.json").read_text())["variants"]
+    assert summary["stare-o1"]["entropy_final"]["n"] == 1
+    assert "heldout_greedy_final" in summary["grpo-ds"]  # step 2 evaluates, sampled and greedy
+
+    again = cli(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "[sft] reusing" in again.stdout
+    assert again.stdout.count("finished earlier") == 2
+
+
+def test_plan_gives_main_variants_all_seeds_and_rejects_unknown_names():
+    assert plan(["stare-c2", "open-loop-w2"], seeds=3, ablation_seeds=1) == [
+        ("stare-c2", 0),
+        ("stare-c2", 1),
+        ("stare-c2", 2),
+        ("open-loop-w2", 0),
+    ]
+    with pytest.raises(ConfigError, match="unknown study variant 'stare-o2': use one of grpo-ds, stare-o1"):
+        plan(["stare-o2"], seeds=1, ablation_seeds=1)
+
+
+def test_run_numbers_skip_nan_steps_and_take_the_median_step_time():
+    records = [
+        {"step": 1, "entropy": 0.4, "time/step_s": 30.0},
+        {"step": 2, "entropy": float("nan"), "time/step_s": 10.0},  # a skipped step
+        {"step": 3, "entropy": 0.2, "time/step_s": 20.0, "eval/avg@2": 0.25, "eval_greedy/avg@1": 0.5},
+        {"step": 5, "entropy": 0.2, "time/step_s": 40.0, "eval/avg@2": 0.5, "eval_greedy/avg@1": 0.25},
+    ]
+    n = run_numbers(records)
+    # trapezoid over steps 1-3-5: (2 * 0.3 + 2 * 0.2) / 4 = 0.25
+    assert n["entropy_auc"] == pytest.approx(0.25) and n["entropy_final"] == 0.2
+    assert (n["heldout_sampled_best"], n["heldout_sampled_final"]) == (0.5, 0.5)
+    assert (n["heldout_greedy_best"], n["heldout_greedy_final"]) == (0.5, 0.25)
+    assert n["seconds_per_step"] == 30.0  # median of 10, 20, 30, 40 (upper middle)
