@@ -111,6 +111,7 @@ class CgroupUsage:
         self.cpu_v2 = False
         self.peak_file: Path | None = None
         self.peak_resettable = False
+        self._peak_fd: int | None = None  # v2: the descriptor a reset applies to
         cpuacct, memory = cgroup_dir(pid, "cpuacct"), cgroup_dir(pid, "memory")
         if cpuacct is not None and (cpuacct / "cpuacct.usage").exists():
             self.cpu_file = cpuacct / "cpuacct.usage"
@@ -121,10 +122,11 @@ class CgroupUsage:
             # v1: writing 0 resets the high-water mark to the current usage (root only).
             self.peak_resettable = os.access(self.peak_file, os.W_OK)
         elif memory is not None and (memory / "memory.peak").exists():
-            # v2: a write resets memory.peak only for the writing file descriptor (Linux 6.12+),
-            # so a reset would need one descriptor held across restarts; we read the peak since
-            # the container (re)started instead.
+            # v2: a write resets memory.peak for the writing file descriptor only (Linux 6.12+),
+            # so the peak is written and read through one descriptor, held until the container
+            # restarts (its cgroup is then a new one: ``forget``).
             self.peak_file = memory / "memory.peak"
+            self.peak_resettable = os.access(self.peak_file, os.W_OK)
 
     def cpu_seconds(self) -> float | None:
         """CPU seconds of every process in the container since it (re)started."""
@@ -144,7 +146,13 @@ class CgroupUsage:
     def peak_bytes(self) -> int | None:
         """High-water mark of the container's memory charge since the last ``reset_peak``, or
         since the container (re)started when it cannot be reset."""
-        text = _read(self.peak_file) if self.peak_file is not None else None
+        if self._peak_fd is not None:
+            try:
+                text: bytes | None = os.pread(self._peak_fd, 64, 0)
+            except OSError:
+                text = None
+        else:
+            text = _read(self.peak_file) if self.peak_file is not None else None
         try:
             return int(text) if text is not None else None
         except ValueError:
@@ -154,9 +162,31 @@ class CgroupUsage:
         """Restart the high-water mark from the current usage; False when not possible here."""
         if not self.peak_resettable or self.peak_file is None:
             return False
-        error = _write(self.peak_file, b"0")
+        if self.peak_file.name != "memory.peak":  # v1: resets the file for every reader
+            error = _write(self.peak_file, b"0")
+        else:
+            error = self._reset_v2()
         self.peak_resettable = _permitted(error)
         return error == 0
+
+    def _reset_v2(self) -> int:
+        try:
+            if self._peak_fd is None:
+                self._peak_fd = os.open(self.peak_file, os.O_RDWR | os.O_CLOEXEC)
+            os.write(self._peak_fd, b"reset\n")
+        except OSError as exc:
+            self.forget()
+            return exc.errno or errno.EIO
+        return 0
+
+    def forget(self) -> None:
+        """Close the v2 peak descriptor (the container restarted: its cgroup is a new one)."""
+        if self._peak_fd is not None:
+            os.close(self._peak_fd)
+            self._peak_fd = None
+
+    def __del__(self) -> None:
+        self.forget()
 
 
 class ProcessUsage:

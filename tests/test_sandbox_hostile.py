@@ -49,6 +49,12 @@ def test_network_only_loopback_and_host_listener_unreachable(sb: DockerSandbox) 
         assert result.error.type == "ConnectionRefusedError"
         with pytest.raises(BlockingIOError):
             listener.accept()
+    # A refused connection alone only rules out the host's own loopback (network=host); the
+    # namespace itself must be another one than the host's (and than any other container's).
+    inside = sb.run("import os\nos.readlink('/proc/self/ns/net')").stdout.strip().strip("'")
+    sb.container.reload()
+    kernel_side = os.readlink(f"/proc/{sb.container.attrs['State']['Pid']}/ns/net")
+    assert inside.startswith("net:[") and inside == kernel_side != os.readlink("/proc/self/ns/net")
 
 
 def test_fork_bomb_stops_at_pids_limit(sb: DockerSandbox) -> None:

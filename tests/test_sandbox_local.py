@@ -48,7 +48,7 @@ def test_state_persists_and_trailing_expression_is_shown(sb: LocalSandbox) -> No
     assert sb.run("x = 20").ok
     result = sb.run("print('hi')\nx * 2 + 2")
     assert result.stdout == "hi\n42\n"
-    assert result.cpu_s >= 0 and result.peak_memory_bytes > 10 * 2**20 and result.duration_s > 0
+    assert 0 < result.cpu_s < 1 and result.peak_memory_bytes > 10 * 2**20 and result.duration_s > 0
 
 
 def test_stderr_and_error_fields(sb: LocalSandbox) -> None:
