@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -96,10 +97,9 @@ def test_wheel_ships_the_eval_sets_and_keeps_the_trainer_behind_an_extra(wheel):
     for package in HEAVY:
         [requirement] = [r for r in requirements if r.startswith(package)]
         assert 'extra == "train"' in requirement, requirement
-    base = [r.split(";")[0] for r in requirements if ";" not in r]
-    assert sorted(r.split(">")[0].split("<")[0] for r in base) == [
-        "docker", "gymnasium", "ipykernel", "jupyter-client", "math-verify", "pyarrow", "sympy",
-    ]  # fmt: skip
+    base = {re.split(r"[<>=!~ ]", r)[0] for r in requirements if "extra ==" not in r}
+    assert {"gymnasium", "docker", "jupyter-client", "ipykernel", "math-verify"} <= base
+    assert not base & {*HEAVY, "accelerate", "omegaconf", "matplotlib", "tensorboard"}, base
 
 
 SLIM_EPISODE = textwrap.dedent(
