@@ -96,3 +96,14 @@ def test_provenance_names_every_shipped_file_its_source_and_licence():
         "LICENSES/MIT.txt",
     }
     assert shipped == expected
+
+
+def test_module_doctests():
+    import doctest
+
+    import envs.problems
+    import envs.registry
+
+    for module in (envs.problems, envs.registry):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
