@@ -128,7 +128,8 @@ class EnvConfig:
         max_response_tokens: Response-token budget per episode: model turns, tool output and glue
             (the paper: 16K).
         temperature: Sampling temperature (the paper: 1.0); log-probs and entropies are computed at it.
-        top_p: Nucleus mass (the paper: 1.0, i.e. off).
+        top_p: Nucleus mass (the paper: 1.0, i.e. off). Below 1 the rollouts are not samples of the
+            policy the loss scores, so RL warns.
     """
 
     id: str = "stare/CodeInterpreter-v0"
@@ -284,6 +285,11 @@ class AlgorithmConfig:
         clip_c: Dual-clip bound c for negative advantages (paper: 10).
         loss_agg: Loss aggregation; ``token-mean`` over all model-generated tokens of the batch is the
             paper's (see stare_agent/algorithms/losses.py for the others).
+        overlong_filter: DAPO's overlong filtering (Yu et al., 2025): episodes cut by the response-token
+            budget keep their reward in their group's advantage statistics but are masked out of the
+            loss (their tokens count in no term and no denominator). Off by default: a budget-cut
+            episode is then trained with the reward the env's reward config gives an episode without
+            an answer.
     """
 
     name: str = "stare"
@@ -302,6 +308,7 @@ class AlgorithmConfig:
     eps_high: float = 0.28
     clip_c: float = 10.0
     loss_agg: str = "token-mean"
+    overlong_filter: bool = False
 
     def __post_init__(self) -> None:
         _one_of("algorithm", "name", self.name, ALGORITHMS)

@@ -310,6 +310,8 @@ class Trainer:
         offsets = np.cumsum([0] + [len(g.rewards) for g in kept])
         rows = [r for i in mine for r in range(offsets[i], offsets[i + 1])]
         trajectories = [t for i in mine for t in kept[i].trajectories]
+        if alg.overlong_filter:  # DAPO: budget-cut episodes shape their group's advantages, not the loss
+            trajectories = [_without_loss(t) if _budget_cut(t) else t for t in trajectories]
         sequence_ids = torch.tensor([gid for i in mine for gid in kept[i].global_ids])
         A = A_all[rows]
 
@@ -354,6 +356,9 @@ class Trainer:
             M=M,
             frac_reweighted=stare_metrics.get("stare/frac_reweighted", 0.0),
             kept_groups=len(kept),
+            overlong_filtered=sum(_budget_cut(t) for g in kept for t in g.trajectories)
+            if alg.overlong_filter
+            else 0,
         )
         metrics["time/logprob_s"] = t_logprob
         metrics["time/update_s"] = t_update
@@ -610,6 +615,16 @@ def eval_problems(source: str | None, *, seed: int, difficulty: int, limit: int 
         )
     problems = load_problems(source)
     return problems[:limit] if limit else problems
+
+
+def _budget_cut(trajectory: Trajectory) -> bool:
+    return trajectory.info.get("finish_reason") == "budget"
+
+
+def _without_loss(trajectory: Trajectory) -> Trajectory:
+    """The episode with every token masked out of the loss (and out of every token count)."""
+    n = len(trajectory.response_ids)
+    return dataclasses.replace(trajectory, loss_mask=[0] * n, logprobs=[0.0] * n, turn_spans=[])
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

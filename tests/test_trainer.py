@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -221,3 +222,35 @@ def test_stare_metrics_count_l_plus_tokens_more_surprising_than_the_batch_entrop
     # L+ inside the mask: surprisals 2.0, 0.5, 3.0; two of three exceed Hbar = 1.5
     assert metrics["stare/L_plus_above_entropy"] == pytest.approx(2 / 3)
     assert (metrics["stare/T_plus"], metrics["stare/T_minus"], metrics["stare/L_plus"]) == (4.0, 1.0, 3.0)
+
+
+@pytest.mark.parametrize("overlong_filter", [False, True])
+def test_overlong_filter_masks_budget_cut_episodes_out_of_the_loss(tmp_path, problem_file, overlong_filter):
+    """Odd episodes run past the 256-token budget: scored 0 (binary) either way, so each group of 2
+    has reward variance; with DAPO's overlong filtering they are out of the loss."""
+    episodes = iter(range(1000))
+
+    def policy(prompt_text: str, turn: int) -> str:
+        a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", prompt_text)[-1])
+        return f"<answer>\\boxed{{{a + b}}}</answer>" if next(episodes) % 2 == 0 else "and so on " * 200
+
+    model, tokenizer = tiny_model()
+    config = make_config(
+        tmp_path, problem_file, f"algorithm.overlong_filter={overlong_filter}", "trainer.steps=1"
+    )
+    trainer = Trainer(config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, policy))
+    seen = []
+    update = trainer.learner.update
+    trainer.learner.update = lambda trajectories, *args, **kw: (
+        seen.extend(trajectories) or update(trajectories, *args, **kw)
+    )
+    try:
+        trainer.step = 1
+        metrics = trainer.train_step()
+    finally:
+        trainer.close()
+    cut = [t for t in seen if t.info["finish_reason"] == "budget"]
+    assert len(cut) == len(seen) // 2 == 2 and all(t.reward == 0.0 for t in cut)
+    assert all(sum(t.loss_mask) > 0 for t in seen if t not in cut)
+    assert all((sum(t.loss_mask) == 0) == overlong_filter for t in cut)
+    assert metrics["overlong_filtered"] == (2 if overlong_filter else 0)
