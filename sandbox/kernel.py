@@ -194,6 +194,7 @@ class KernelDriver:
         self._iopub = self.client.iopub_channel
         self._shell = self.client.shell_channel
         self.ready = False
+        self._renew = False  # True when the sockets may be dead: the next wait renews them
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -207,27 +208,39 @@ class KernelDriver:
             SandboxError: the kernel died or did not answer within ``timeout``.
         """
         deadline = time.monotonic() + timeout
-        self._connect(deadline, timeout)
+        self._connect(deadline, timeout, renew=self._renew)
         self.host.ready()
         self.ready = True
         self.run_quiet(WARM_TRACEBACKS, max(1.0, deadline - time.monotonic()))
         self.run_quiet(f"{BOOT_SNAPSHOT}\n{BOUNDED_OUTPUT}", max(1.0, deadline - time.monotonic()))
 
-    def _connect(self, deadline: float, timeout: float) -> None:
-        """Connect fresh shell and iopub sockets and wait until the kernel's iopub reaches us.
+    def _connect(self, deadline: float, timeout: float, *, renew: bool) -> None:
+        """Wait until the kernel answers on shell and its iopub reaches us; with ``renew``, on
+        fresh shell and iopub sockets first.
 
         Fresh sockets, because zmq gives up a connection for good (no reconnect) once the peer
         broke the protocol, e.g. sent a frame over ``MAX_MESSAGE_BYTES``.
         """
-        for channel, connect in (
-            (self._shell, self.client.connect_shell),
-            (self._iopub, self.client.connect_iopub),
-        ):
-            if channel.socket is not None:
-                channel.socket.close(linger=0)
-            channel.socket = connect()
         while True:
-            msg_id = self.client.kernel_info()
+            if renew:
+                self._renew = True  # until fresh sockets reached the kernel
+                for channel, connect in (
+                    (self._shell, self.client.connect_shell),
+                    (self._iopub, self.client.connect_iopub),
+                ):
+                    if channel.socket is not None:
+                        channel.socket.close(linger=0)
+                    channel.socket = connect()
+                renew = False
+            try:
+                msg_id = self.client.kernel_info()
+            except zmq.Again:  # the shell connection is gone (see above)
+                if time.monotonic() > deadline:
+                    raise SandboxError(
+                        f"could not send to the kernel within {timeout:g} s: run `stare-agent sandbox doctor`"
+                    ) from None
+                renew = True
+                continue
             resend = time.monotonic() + 0.5
             while time.monotonic() < resend:
                 try:
@@ -243,6 +256,7 @@ class KernelDriver:
                     continue
                 if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status":
                     self._drain_shell()
+                    self._renew = False
                     return
             if time.monotonic() > deadline:
                 raise SandboxError(
@@ -254,7 +268,7 @@ class KernelDriver:
         """Fresh sockets to the kernel; if it does not answer on them, a fresh kernel (the next
         call waits for it). True when the kernel was restarted (its state is lost)."""
         try:
-            self._connect(time.monotonic() + timeout, timeout)
+            self._connect(time.monotonic() + timeout, timeout, renew=True)
         except (SandboxError, zmq.ZMQError):
             self.restart()
             return True
@@ -265,8 +279,10 @@ class KernelDriver:
         self._context.destroy(linger=0)
 
     def restart(self) -> None:
-        """Kill and relaunch the kernel; the next ``execute`` waits for it."""
+        """Kill and relaunch the kernel; the next ``execute`` waits for it, on fresh sockets (the
+        old ones may be what made the kernel look unresponsive)."""
         self.ready = False
+        self._renew = True
         self.host.restart()
 
     # -- execution ---------------------------------------------------------------------------

@@ -111,6 +111,19 @@ def test_an_oversized_message_is_refused_without_hanging(sb: DockerSandbox) -> N
     assert sb.run("kept").stdout == "7\n"
 
 
+def test_an_oversized_message_on_the_shell_channel_never_makes_run_raise(sb: DockerSandbox) -> None:
+    # zmq drops the connection for good after a protocol error; the host must notice and renew it.
+    code = (
+        "k = get_ipython().kernel\n"
+        "k.session.send(k.shell_stream, 'x', {'t': 'x' * 2**23}, ident=k._parent_ident['shell'])"
+    )
+    sb.run(code, timeout=5)
+    for _ in range(3):  # the break is noticed at the latest at a timeout, which restarts the kernel
+        sb.run("1", timeout=2)
+    assert sb.run("1 + 1").stdout == "2\n"
+    sb.run("kept = 7")
+
+
 def test_big_output_still_arrives_cut_with_the_exact_count(sb: DockerSandbox) -> None:
     printed = sb.run("print('a' * (3 * 2**20))")
     assert printed.stdout.startswith("a" * 500) and printed.stdout.endswith("a" * 499 + "\n")
