@@ -5,10 +5,14 @@ image's entrypoint, as PID 1. The host reaches it with jupyter-client over the `
 a host temp dir bind-mounted at ``/conn`` holds the connection file and the unix sockets, so the
 container needs no network at all (``network_mode="none"``: only ``lo``).
 
-Hardening (every limit comes from ``SandboxConfig``): no network, user 1000:1000, read-only root
-filesystem, size-limited tmpfs ``/work`` (and a small ``/tmp``), ``cap_drop=ALL``,
-``no-new-privileges``, memory limit == memory+swap limit, pids limit, CPU quota, container log
-capped at 1 MB, never privileged, never the Docker socket, never the host's environment.
+Hardening (every limit comes from ``SandboxConfig``): no network, user 61000:61000 (never the
+host user's uid: a kernel with it would own ``/conn``), read-only root filesystem, size-limited
+tmpfs ``/work`` (and a small ``/tmp``), ``cap_drop=ALL``, ``no-new-privileges``, memory limit ==
+memory+swap limit, pids limit, CPU quota, rlimits (no core files, ``NOFILE`` open files, no file
+larger than ``/work``), BLAS/OpenMP thread pools sized to the CPU quota, container log capped at
+1 MB, never privileged, never the Docker socket, never the host's environment, never an image
+pulled from a registry (``containers.create``, not ``run``). An image without setuid/setgid files
+(``image/build.sh``).
 
 The connection dir ``/conn`` (host: ``DockerSandbox.dir``): owned by the host user, its group
 is one the kernel belongs to (the kernel's own gid when the host runs as root; else the host
