@@ -34,8 +34,8 @@ __all__ = [
 def docker_available(image: str = DEFAULT_IMAGE) -> bool:
     """True when a Docker daemon answers and ``image`` is present."""
     try:
-        client = docker_client(timeout=5)
-        client.images.get(image)
+        with docker_client(timeout=5) as client:
+            client.images.get(image)
     except Exception:  # noqa: BLE001 - any failure means "not usable"
         return False
     return True

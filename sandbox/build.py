@@ -17,7 +17,8 @@ BUILD_SCRIPT = Path(__file__).with_name("image") / "build.sh"
 def image_exists(tag: str = DEFAULT_IMAGE) -> bool:
     """True when the Docker daemon answers and has ``tag``."""
     try:
-        docker_client(timeout=5).images.get(tag)
+        with docker_client(timeout=5) as client:
+            client.images.get(tag)
     except Exception:  # noqa: BLE001 - no daemon or no image
         return False
     return True
@@ -32,7 +33,7 @@ def build_image(tag: str = DEFAULT_IMAGE, *, force: bool = False) -> str:
         SandboxUnavailable: no daemon, no debootstrap, or not root (the message names the fix).
         SandboxError: the build script failed (its last output lines are in the message).
     """
-    docker_client(timeout=10)
+    docker_client(timeout=10).close()  # the daemon answers
     if not force and image_exists(tag):
         return tag
     if shutil.which("debootstrap") is None:

@@ -6,7 +6,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from sandbox.config import SandboxConfig
+from sandbox.config import SANDBOX_UID, SandboxConfig
 from sandbox.errors import SandboxError
 
 
@@ -23,7 +23,7 @@ def _check_ipc_dir() -> Check:
     try:
         with tempfile.TemporaryDirectory(prefix="stare-", dir="/tmp") as path:
             if os.geteuid() == 0:
-                os.chown(path, 1000, 1000)
+                os.chown(path, SANDBOX_UID, SANDBOX_UID)
     except OSError as exc:
         return Check(
             "ipc dir", False, f"cannot create or hand over a temp dir in /tmp ({exc}): make /tmp writable"
