@@ -34,8 +34,11 @@ __all__ = [
 def docker_available(image: str = DEFAULT_IMAGE) -> bool:
     """True when a Docker daemon answers and ``image`` is present."""
     try:
-        with docker_client(timeout=5) as client:
+        client = docker_client(timeout=5)
+        try:
             client.images.get(image)
+        finally:
+            client.close()
     except Exception:  # noqa: BLE001 - any failure means "not usable"
         return False
     return True

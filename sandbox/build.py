@@ -17,8 +17,11 @@ BUILD_SCRIPT = Path(__file__).with_name("image") / "build.sh"
 def image_exists(tag: str = DEFAULT_IMAGE) -> bool:
     """True when the Docker daemon answers and has ``tag``."""
     try:
-        with docker_client(timeout=5) as client:
+        client = docker_client(timeout=5)
+        try:
             client.images.get(tag)
+        finally:
+            client.close()
     except Exception:  # noqa: BLE001 - no daemon or no image
         return False
     return True
