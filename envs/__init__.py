@@ -8,7 +8,7 @@ as entry points (groups ``stare_agent.tools`` and ``stare_agent.envs``). No torc
 from envs.code_interpreter import CodeInterpreterEnv
 from envs.formats import FORMATS, HermesFormat, ParsedTurn, ReToolFormat, ToolCall, ToolFormat, get_format
 from envs.registry import load_plugins, make_benchmark_env, register_builtin_envs, register_tool_env
-from envs.tool_env import EnvStateError, ToolEnv
+from envs.tool_env import EnvStateError, EpisodeInfrastructureError, ToolEnv
 from envs.tools import (
     ToolInputError,
     ToolRegistryError,
@@ -24,6 +24,7 @@ __all__ = [
     "FORMATS",
     "CodeInterpreterEnv",
     "EnvStateError",
+    "EpisodeInfrastructureError",
     "HermesFormat",
     "ParsedTurn",
     "ReToolFormat",

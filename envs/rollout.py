@@ -22,6 +22,13 @@ The runner speaks tokens to the engine and text to the environments:
    turn that ends with EOS ends the episode (``env.end_episode(turn)``: nothing in it runs, it is
    scored on its final answer, if any), as verl does: continuing after it would put EOS in the middle
    of one assistant message and train it as a mid-response token.
+6. Infrastructure failures. When an env call of one episode raises
+   :class:`~envs.tool_env.EpisodeInfrastructureError` (its container died or was removed, a Docker
+   API error, the pool had nothing to lease), that episode alone starts over from ``reset`` on a
+   fresh sandbox, with the same sampling stream, up to ``max_episode_retries`` times; after that it
+   ends as ``finish_reason == "failed"`` (prompt only, no response tokens, ``info["failed"]`` holds the
+   cause), to be excluded by the caller. The other episodes go on either way; ``last_stats`` counts
+   ``retried_episodes`` and ``failed_episodes``.
 
 This module needs no torch: engines live in ``stare_agent.engines`` and implement :class:`Engine`.
 """
@@ -29,19 +36,23 @@ This module needs no torch: engines live in ``stare_agent.engines`` and implemen
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from envs.tool_env import EpisodeInfrastructureError
 from envs.trajectory import Trajectory, TrajectoryBuilder
 
 if TYPE_CHECKING:
     from envs.tool_env import ToolEnv
 
 FinishReason = Literal["stop", "length", "eos"]
-EpisodeEnd = Literal["terminated", "truncated", "budget"]
+EpisodeEnd = Literal["terminated", "truncated", "budget", "failed"]
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutError(RuntimeError):
@@ -166,6 +177,8 @@ class RolloutStats:
     """
 
     episodes: int = 0
+    retried_episodes: int = 0
+    failed_episodes: int = 0
     turns: int = 0
     engine_calls: int = 0
     sampled_tokens: int = 0
@@ -273,6 +286,9 @@ class _Episode:
     builder: TrajectoryBuilder
     info: dict[str, Any]
     key: str = ""
+    reset_kwargs: dict[str, Any] = field(default_factory=dict)
+    retries: int = 0
+    error: str | None = None
     glue: ToolTurnGlue | None = None
     reward: float = 0.0
     turns: int = 0
@@ -300,6 +316,8 @@ class RolloutRunner:
             observations are ``tool`` messages and the system prompt is not the format's own (which
             already lists them).
         max_workers: Threads for the parallel ``env.reset``/``env.step`` calls (default: one per env, at most 64).
+        max_episode_retries: How often one episode is started over after an infrastructure failure
+            before it is given up as ``"failed"`` (see the module docstring, item 6).
 
     Each trajectory's ``info`` is the env's last step info (without ``messages`` and ``tools``) with
     ``tool_calls`` gathered over all steps, plus ``finish_reason`` (``"terminated"``/``"truncated"``: the
@@ -319,9 +337,13 @@ class RolloutRunner:
         sampling: SamplingParams | None = None,
         template_tools: bool | None = None,
         max_workers: int | None = None,
+        max_episode_retries: int = 2,
     ) -> None:
         if max_response_tokens < 1:
             raise ValueError(f"max_response_tokens = {max_response_tokens}: use a positive token budget")
+        if max_episode_retries < 0:
+            raise ValueError(f"max_episode_retries = {max_episode_retries}: use 0 (no retry) or more")
+        self.max_episode_retries = max_episode_retries
         self.tokenizer = tokenizer
         self.engine = engine
         self.max_response_tokens = max_response_tokens
@@ -368,16 +390,13 @@ class RolloutRunner:
         start = time.perf_counter()
         workers = self.max_workers or min(64, len(envs))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") as pool:
+            reset_kwargs = [dict(seed=s, options=o) for s, o in zip(seed_list, option_list, strict=True)]
             resets = self._env_phase(
-                stats,
-                pool,
-                [
-                    (env.reset, dict(seed=s, options=o))
-                    for env, s, o in zip(envs, seed_list, option_list, strict=True)
-                ],
+                stats, pool, [(env.reset, kw) for env, kw in zip(envs, reset_kwargs, strict=True)]
             )
             episodes = [
-                self._start(env, info, key) for env, (_, info), key in zip(envs, resets, keys, strict=True)
+                self._start(env, info, key, kw)
+                for env, (_, info), key, kw in zip(envs, resets, keys, reset_kwargs, strict=True)
             ]
             turn = 0
             while live := [ep for ep in episodes if ep.end is None]:
@@ -385,7 +404,10 @@ class RolloutRunner:
                 calls = [self._take_turn(ep, gen) for ep, gen in zip(live, generations, strict=True)]
                 results = self._env_phase(stats, pool, calls)
                 for ep, result in zip(live, results, strict=True):
-                    self._take_step(ep, result)
+                    if isinstance(result, EpisodeInfrastructureError):
+                        self._retry_or_fail(ep, result, stats)
+                    else:
+                        self._take_step(ep, result)
                 turn += 1
         trajectories = [self._build(ep) for ep in episodes]
         for t in trajectories:
@@ -395,12 +417,16 @@ class RolloutRunner:
         self.last_stats = stats
         return trajectories
 
-    def _start(self, env: ToolEnv, info: dict[str, Any], key: str) -> _Episode:
+    def _start(self, env: ToolEnv, info: dict[str, Any], key: str, reset_kwargs: dict[str, Any]) -> _Episode:
         """Render and tokenize the prompt; pick the glue for ``tool``-role formats."""
         tools = info.get("tools") if self._wants_template_tools(env, info) else None
         prompt = render_chat(self.tokenizer, info["messages"], tools=tools, add_generation_prompt=True)
         episode = _Episode(
-            env=env, builder=TrajectoryBuilder(_encode(self.tokenizer, prompt)), info=dict(info), key=key
+            env=env,
+            builder=TrajectoryBuilder(_encode(self.tokenizer, prompt)),
+            info=dict(info),
+            key=key,
+            reset_kwargs=reset_kwargs,
         )
         if env.format.observation_role == "tool":
             episode.glue = self._glue_for(tools)
@@ -481,17 +507,42 @@ class RolloutRunner:
             ep.cut = True
             self._take_step(ep, ep.env.end_episode())
 
+    def _retry_or_fail(self, ep: _Episode, error: EpisodeInfrastructureError, stats: RolloutStats) -> None:
+        """Start the episode over (same reset, same sampling stream; the env already gave its broken
+        sandbox back), or give it up as ``"failed"`` once its retries are spent."""
+        cause = f"{error} [{type(error.__cause__).__name__}]" if error.__cause__ else str(error)
+        if ep.retries >= self.max_episode_retries:
+            logger.warning("episode %s failed after %d retries, excluded: %s", ep.key, ep.retries, cause)
+            stats.failed_episodes += 1
+            ep.error = cause
+            ep.builder, ep.reward = TrajectoryBuilder(ep.builder.prompt_ids), 0.0  # nothing of it is trained
+            ep.finish("failed")
+            return
+        logger.warning("episode %s hit an infrastructure failure, starting it over: %s", ep.key, cause)
+        stats.retried_episodes += 1
+        _, info = ep.env.reset(**ep.reset_kwargs)
+        fresh = self._start(ep.env, info, ep.key, ep.reset_kwargs)
+        fresh.retries = ep.retries + 1
+        ep.__dict__.update(fresh.__dict__)
+
     def _env_phase(
         self,
         stats: RolloutStats,
         pool: ThreadPoolExecutor,
         calls: list[tuple[Callable[..., Any], dict[str, Any]]],
     ) -> list[Any]:
-        """Run env calls in parallel; results in order; the first exception propagates."""
+        """Run env calls in parallel; results in order. An :class:`EpisodeInfrastructureError` is
+        returned in its call's place (it concerns that episode alone); any other exception propagates."""
         t0 = time.perf_counter()
         futures = [pool.submit(fn, **kwargs) for fn, kwargs in calls]
+        results: list[Any] = []
         try:
-            return [f.result() for f in futures]
+            for future in futures:
+                try:
+                    results.append(future.result())
+                except EpisodeInfrastructureError as exc:
+                    results.append(exc)
+            return results
         finally:
             stats.env_s += time.perf_counter() - t0
 
@@ -504,6 +555,8 @@ class RolloutRunner:
             num_turns=ep.turns,
             response_tokens=len(ep.builder),
         )
+        if ep.error is not None:
+            info.update(failed=ep.error, retries=ep.retries)
         return ep.builder.build(reward=ep.reward, info=info)
 
 

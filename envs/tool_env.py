@@ -38,6 +38,7 @@ from envs.problems import DIFFICULTIES, PROBLEM_FAMILIES, Problem, generate_prob
 from envs.rewards import AnswerChecker, RewardConfig, compute_reward
 from envs.tools import BoundTool, ToolResult, ToolSpec, get_tool
 from sandbox.config import SandboxConfig
+from sandbox.errors import SandboxError
 from sandbox.pool import PooledSandbox, SandboxPool
 from sandbox.result import truncate_text
 
@@ -50,6 +51,24 @@ MAX_OBSERVATION_CHARS = 1 << 20
 
 class EnvStateError(RuntimeError):
     """The environment was used out of order (``step`` before ``reset`` or after the episode ended)."""
+
+
+class EpisodeInfrastructureError(RuntimeError):
+    """The episode's infrastructure failed (its sandbox or container died or was removed, a Docker API
+    error, the pool had no sandbox to lease): not the model's doing, so not an observation. The env
+    has already ended the episode and given its sandbox back as broken (the pool replaces it); the
+    episode can be played again after ``reset``. The original exception is the ``__cause__``."""
+
+
+_INFRASTRUCTURE_MODULES = frozenset({"docker", "requests", "urllib3", "jupyter_client", "zmq"})
+
+
+def is_infrastructure_error(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from the sandbox infrastructure (our sandbox errors, OS and connection
+    errors, and the errors of the Docker SDK and the Jupyter/ZeroMQ clients) rather than a bug."""
+    if isinstance(exc, SandboxError | OSError):
+        return True
+    return type(exc).__module__.split(".")[0] in _INFRASTRUCTURE_MODULES
 
 
 class Tokenizer(Protocol):
@@ -347,14 +366,23 @@ class ToolEnv(gymnasium.Env[str, str]):
         return results, summaries, False
 
     def _call(self, call: ToolCall) -> ToolResult:
-        """Run one call; infrastructure failures raise after giving the sandbox back as broken."""
-        tool = self._bound.get(call.name)
-        if tool is None:
-            spec = self.tools[call.name]
-            sandbox = self._lease() if spec.needs_sandbox else None
-            tool = self._bound[call.name] = spec.bind(sandbox, **self.tool_options.get(call.name, {}))
+        """Run one call. Failures end the episode and give the sandbox back as broken; infrastructure
+        failures raise :class:`EpisodeInfrastructureError`, anything else (a bug) propagates as is."""
         try:
+            tool = self._bound.get(call.name)
+            if tool is None:
+                spec = self.tools[call.name]
+                sandbox = self._lease() if spec.needs_sandbox else None
+                tool = self._bound[call.name] = spec.bind(sandbox, **self.tool_options.get(call.name, {}))
             return tool(call.arguments)
+        except Exception as exc:
+            self._end_episode(broken=True)
+            if is_infrastructure_error(exc):
+                raise EpisodeInfrastructureError(
+                    f"the {call.name} call failed in the sandbox infrastructure ({type(exc).__name__}: "
+                    f"{exc}); the episode was ended and its sandbox handed back for replacement"
+                ) from exc
+            raise
         except BaseException:
             self._end_episode(broken=True)
             raise

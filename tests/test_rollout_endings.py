@@ -95,3 +95,63 @@ def test_budget_cut_episode_is_scored_by_the_reward_config_and_gives_its_sandbox
     assert t.reward == expected
     # The env ended the episode: its sandbox is back in the pool while the env is still open.
     assert sandboxes.stats().leased == 0
+
+
+def _broken_episode_rollout(max_episode_retries: int):
+    """Three Docker episodes on a pool of 3; episode p0's container is removed (by the id its env
+    leased) when the model writes p0's second turn, so p0's next step hits a Docker API error."""
+    import docker
+
+    tokenizer = smollm2_tokenizer()
+    problems = [Problem(f"p{i}", f"Problem p{i}: what is {i} * 7?", str(i * 7)) for i in range(3)]
+    removed: list[str] = []
+
+    def policy(prompt_text: str, turn: int) -> str:
+        i = int(prompt_text.rsplit("Problem p", 1)[1][0])
+        if turn == 0:
+            return f"<code>\n```python\nx = {i} * 7\nprint(x)\n```\n</code>"
+        if turn == 1:
+            if i == 0 and not removed:
+                container = envs[0]._sandbox.inner.container  # the sandbox this test's pool leased to p0
+                docker.from_env().containers.get(container.id).remove(force=True)
+                removed.append(container.id)
+            return "<code>\n```python\nprint(x + 0)\n```\n</code>"
+        return f"<answer>\\boxed{{{i * 7}}}</answer>"
+
+    with SandboxPool(3, backend="docker") as pool:
+        envs = [
+            CodeInterpreterEnv(problems, format="retool", pool=pool, tokenizer=tokenizer) for _ in problems
+        ]
+        runner = RolloutRunner(
+            tokenizer,
+            ScriptedEngine(tokenizer, policy),
+            max_response_tokens=2048,
+            max_episode_retries=max_episode_retries,
+        )
+        try:
+            trajectories = runner.run(envs, options=[{"problem_index": i} for i in range(3)])
+        finally:
+            for env in envs:
+                env.close()
+        leased_after = pool.stats().leased
+    return trajectories, runner.last_stats, removed, leased_after
+
+
+@pytest.mark.docker
+def test_a_removed_container_costs_one_retry_not_the_rollout(docker_ready):
+    trajectories, stats, removed, leased = _broken_episode_rollout(max_episode_retries=1)
+    assert len(removed) == 1
+    assert [t.info["finish_reason"] for t in trajectories] == ["terminated"] * 3
+    assert [t.reward for t in trajectories] == [1.0, 1.0, 1.0]  # p0 played again, on a fresh sandbox
+    assert [t.info["num_tool_calls"] for t in trajectories] == [2, 2, 2]
+    assert stats.retried_episodes == 1 and stats.failed_episodes == 0 and leased == 0
+
+
+@pytest.mark.docker
+def test_an_episode_out_of_retries_is_excluded_and_the_others_finish(docker_ready):
+    trajectories, stats, removed, leased = _broken_episode_rollout(max_episode_retries=0)
+    failed, *others = trajectories
+    assert failed.info["finish_reason"] == "failed" and "NotFound" in failed.info["failed"]
+    assert failed.response_ids == [] and failed.reward == 0.0
+    assert [t.reward for t in others] == [1.0, 1.0]
+    assert stats.retried_episodes == 0 and stats.failed_episodes == 1 and leased == 0
