@@ -236,3 +236,10 @@ def test_a_host_user_with_uid_1000_keeps_the_connection_dir_locked(docker_ready)
         "2",
         "refused",
     ], child.stdout + child.stderr[-2000:]
+
+
+def test_availability_checks_answer_and_close_their_clients(docker_ready) -> None:
+    from sandbox import docker_available
+    from sandbox.build import image_exists
+
+    assert docker_available() and image_exists() and not image_exists("stare-no-such-image:0")
