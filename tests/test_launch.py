@@ -38,7 +38,6 @@ def train_args(model_dir: Path, run_dir: Path) -> list[str]:
         "configs/quickstart.yaml",
         f"model.name_or_path={model_dir}",
         "env.id=tests.parity_env:test/Parity-v0",
-        "env.format=null",  # the env's own (quickstart.yaml names retool)
         "env.max_response_tokens=16",
         "data.prompts_per_step=2",
         "data.samples_per_prompt=4",
