@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from tqdm.auto import tqdm
 from envs.trajectory import Trajectory
 from stare_agent.config import RunConfig, resolve_precision
 from stare_agent.learner import Learner
+from stare_agent.metrics import StepLogger
 from stare_agent.sft_data import (
     PROCEDURAL_PREFIX,
     SFTDataError,
@@ -127,12 +127,18 @@ def sft(config: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[
         raise SFTDataError(f"sft.batch_size={sft_cfg.batch_size} is smaller than the {world} ranks: raise it")
     if rank == 0:
         config.save(run_dir)
-    log_path = run_dir / LOG_FILENAME
     rng = random.Random(config.trainer.seed)
     losses: list[float] = []
     skipped = step = 0
     bar = tqdm(total=total_steps, desc="SFT steps", unit="step", disable=rank != 0)
-    with _JsonlLog(log_path, rank == 0) as log, bar:
+    log = (
+        StepLogger(
+            run_dir, filename=LOG_FILENAME, backends=config.logger.backends, job_type="sft", config=config
+        )
+        if rank == 0
+        else None
+    )
+    try:
         for epoch in range(sft_cfg.epochs):
             order = list(range(len(trajectories)))
             rng.shuffle(order)
@@ -144,13 +150,14 @@ def sft(config: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[
                 skipped += int(metrics["skipped"])
                 if not metrics["skipped"]:
                     losses.append(metrics["loss"])
-                log(
-                    {
-                        "step": step,
-                        "epoch": epoch,
-                        **{k: metrics[k] for k in ("loss", "grad_norm", "lr", "skipped", "tokens")},
-                    }
-                )
+                if log is not None:
+                    log.log(
+                        step,
+                        {
+                            "epoch": epoch,
+                            **{k: metrics[k] for k in ("loss", "grad_norm", "lr", "skipped", "tokens")},
+                        },
+                    )
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
         output_dir = Path(sft_cfg.output_dir) if sft_cfg.output_dir else run_dir / "sft_model"
@@ -167,28 +174,10 @@ def sft(config: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[
             "output_dir": str(output_dir),
             "seconds": time.perf_counter() - start,
         }
-        log({"summary": summary})
+        if log is not None:
+            log.log(step, {"summary": summary})
+    finally:
+        bar.close()
+        if log is not None:
+            log.close()
     return summary
-
-
-class _JsonlLog:
-    """Appends JSON lines on rank 0; a no-op elsewhere."""
-
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self.path, self.enabled = path, enabled
-        self._handle: Any = None
-
-    def __enter__(self) -> _JsonlLog:
-        if self.enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._handle = self.path.open("a", encoding="utf-8")
-        return self
-
-    def __call__(self, record: dict[str, Any]) -> None:
-        if self._handle is not None:
-            self._handle.write(json.dumps(record) + "\n")
-            self._handle.flush()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._handle is not None:
-            self._handle.close()

@@ -44,6 +44,8 @@ SANDBOX_BACKENDS = ("auto", "docker", "local")
 ENGINES = ("transformers", "sglang")
 SFT_FORMATS = ("auto", "retool", "openai", "tora")
 SHORT_BATCH_ACTIONS = ("train", "skip", "raise")
+LOGGER_BACKENDS = ("tensorboard", "wandb")
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 class ConfigError(ValueError):
@@ -538,6 +540,32 @@ class SFTConfig:
 
 
 @dataclass
+class LoggerConfig:
+    """Where SFT and RL step metrics go, besides the JSONL file every run writes (``metrics.jsonl``
+    for RL, ``sft_log.jsonl`` for SFT), which plots, the study and resume read.
+
+    Attributes:
+        backends: Experiment trackers: ``tensorboard`` (``<run_dir>/tensorboard/{sft,rl}``) and/or ``wandb``
+            (Weights & Biases, ``pip install 'stare-agent[wandb]'``); ``[]`` for the JSONL file alone.
+        project: The wandb project.
+        name: The wandb run name (default: the run directory's name); SFT and RL are separate wandb
+            runs of job type ``sft`` and ``rl``, each resumed with the run directory.
+        wandb_mode: ``offline`` (written under ``<run_dir>/wandb``; upload later with ``wandb sync``),
+            ``online`` or ``disabled``.
+    """
+
+    backends: list[str] = field(default_factory=lambda: ["tensorboard"])
+    project: str = "stare-agent"
+    name: str | None = None
+    wandb_mode: str = "offline"
+
+    def __post_init__(self) -> None:
+        for backend in self.backends:
+            _one_of("logger", "backends", backend, LOGGER_BACKENDS)
+        _one_of("logger", "wandb_mode", self.wandb_mode, WANDB_MODES)
+
+
+@dataclass
 class RunConfig:
     """Everything one run needs; each component reads only its own section."""
 
@@ -550,6 +578,7 @@ class RunConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
     def to_yaml(self) -> str:
         """The resolved config as YAML (loadable by :func:`load_config`)."""

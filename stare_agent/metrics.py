@@ -1,4 +1,5 @@
-"""Per-step training metrics: rollout statistics and a logger that writes JSONL and TensorBoard."""
+"""Per-step training metrics: rollout statistics and the one step logger of SFT and RL (JSONL, and
+TensorBoard / wandb as ``logger.backends`` says)."""
 
 from __future__ import annotations
 
@@ -83,41 +84,95 @@ def policy_entropy(
 
 
 class StepLogger:
-    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
+    """The one step logger of SFT and RL: one JSON object per step appended to ``run_dir/filename``,
+    scalars mirrored to each tracker of ``backends``: ``tensorboard`` (``run_dir/tensorboard/<job_type>``,
+    so SFT and RL in one run directory stay apart) and ``wandb``.
 
-    The JSONL file is flushed at every step, so a killed run loses nothing it logged.
+    The JSONL file is flushed at every step, so a killed run loses nothing it logged. A wandb run's
+    id is derived from the run directory and ``job_type``, so a resumed run continues the same one.
+
+    Args:
+        run_dir: The run directory.
+        filename: ``metrics.jsonl`` (RL) or ``sft_log.jsonl`` (SFT).
+        backends: Trackers besides the JSONL file.
+        job_type: ``rl`` or ``sft``: the TensorBoard subdirectory, the wandb job type and part of its run id.
+        config: The run's :class:`~stare_agent.config.RunConfig`, recorded by wandb; its ``logger``
+            section names the project, run name and mode.
     """
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        filename: str = "metrics.jsonl",
+        backends: Sequence[str] = ("tensorboard",),
+        job_type: str = "rl",
+        config: Any = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.run_dir / "metrics.jsonl", "a")
-        self._tb = None
-        if tensorboard:
+        self._file = open(self.run_dir / filename, "a")
+        self._tb: Any = None
+        self._wandb: Any = None
+        if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard" / job_type))
+        if "wandb" in backends:
+            self._wandb = _start_wandb(self.run_dir, job_type, config)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        scalars = {
+            k: v for k, v in record.items() if k != "step" and isinstance(v, int | float) and math.isfinite(v)
+        }
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> StepLogger:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _start_wandb(run_dir: Path, job_type: str, config: Any) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError(
+            "logger.backends has wandb, which is not installed: pip install 'stare-agent[wandb]', "
+            "or drop wandb from logger.backends"
+        ) from None
+    import dataclasses
+    import hashlib
+
+    section = config.logger if config is not None else None
+    key = f"{run_dir.resolve()}/{job_type}".encode()
+    return wandb.init(
+        project=section.project if section else "stare-agent",
+        name=(section.name if section and section.name else run_dir.name),
+        job_type=job_type,
+        dir=str(run_dir),
+        mode=section.wandb_mode if section else "offline",
+        id=hashlib.blake2b(key, digest_size=8).hexdigest(),
+        resume="allow",
+        config=dataclasses.asdict(config) if config is not None else None,
+    )
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -225,7 +225,11 @@ class Trainer:
             self.engine.update_weights(self.learner.named_weights())
         if self.rank == 0:
             self.config.save(self.run_dir)
-        logger = StepLogger(self.run_dir) if self.rank == 0 else None
+        logger = None
+        if self.rank == 0:
+            logger = StepLogger(
+                self.run_dir, backends=self.config.logger.backends, job_type="rl", config=self.config
+            )
         bar = tqdm(total=cfg.steps, initial=self.step, desc="RL steps", unit="step", disable=self.rank != 0)
         last: dict[str, Any] = {}
         try:

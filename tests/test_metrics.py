@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,9 +56,93 @@ def test_logger_writes_jsonl_and_tensorboard_and_read_keeps_last_record_per_step
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[0]) == {"step": 1, "reward_mean": 0.25, "gate_on": 1, "entropy": 0.5}
     assert [r["reward_mean"] for r in read_metrics(tmp_path)] == [0.25, 0.75]
-    assert any((tmp_path / "tensorboard").iterdir())
     with pytest.raises(FileNotFoundError, match="stare-agent train"):
         read_metrics(tmp_path / "nope")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "rl"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(1, 0.25), (2, 0.5), (2, 0.75)]
+    assert [(e.step, e.value) for e in events.Scalars("gate_on")] == [(1, 1.0)]
+
+
+def wandb_records(run_dir, kind):
+    """The records of one kind (``history``, ``run``, ...) of the offline wandb run in ``run_dir``,
+    read from its ``.wandb`` file: LevelDB-style log blocks of protobuf ``Record`` messages. wandb's
+    service process finishes writing the file after ``finish()`` returns: wait for its exit record."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while not (records := _wandb_file_records(run_dir)) or records[-1].WhichOneof("record_type") != "exit":
+        assert time.monotonic() < deadline, "the offline wandb run was not complete within 60 s"
+        time.sleep(0.2)
+    return [getattr(r, kind) for r in records if r.WhichOneof("record_type") == kind]
+
+
+def _wandb_file_records(run_dir):
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    paths = list(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(paths) <= 1, paths
+    if not paths:
+        return []
+    path = paths[0]
+    data, block, pos, parts, out = path.read_bytes(), 32768, 7, b"", []
+    if len(data) < 7:  # the header is not written yet
+        return []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, part = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        parts += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if part in (1, 4):  # a full record, or the last part of one
+            record = pb.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            out.append(record)
+    return out
+
+
+def _key(item):
+    return item.key or "/".join(item.nested_key)
+
+
+def test_logger_writes_an_offline_wandb_run_with_the_config(tmp_path, monkeypatch):
+    from stare_agent.config import load_config
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = load_config(None, ["logger.backends=[wandb]", "logger.name=probe", "algorithm.W=1.2"])
+    with StepLogger(tmp_path, backends=config.logger.backends, config=config) as log:
+        log.log(1, {"entropy": 0.5, "gate_on": True, "skip_reason": "text is not a scalar"})
+        log.log(2, {"entropy": float("nan"), "reward_mean": 0.75})
+    history = [
+        {_key(item): json.loads(item.value_json) for item in h.item if not _key(item).startswith("_")}
+        for h in wandb_records(tmp_path, "history")
+    ]
+    assert history == [{"entropy": 0.5, "gate_on": 1}, {"reward_mean": 0.75}]
+    (run,) = wandb_records(tmp_path, "run")
+    values = {_key(item): json.loads(item.value_json) for item in run.config.update}
+    assert values["algorithm"]["W"] == 1.2 and run.display_name == "probe" and run.job_type == "rl"
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_wandb_backend_missing_says_how_to_install(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'stare-agent\[wandb\]', or drop wandb"):
+        StepLogger(tmp_path, backends=["wandb"])
+
+
+def test_logger_backends_are_validated():
+    from stare_agent.config import ConfigError, load_config
+
+    with pytest.raises(
+        ConfigError, match="logger.backends='mlflow' is not valid: use one of tensorboard, wandb"
+    ):
+        load_config(None, ["logger.backends=[mlflow]"])
 
 
 def test_policy_entropy_is_the_masked_mean_of_the_naive_entropy():
@@ -77,7 +162,7 @@ def test_policy_entropy_is_the_masked_mean_of_the_naive_entropy():
 
 
 def _log_steps(run_dir, steps, **extra):
-    with StepLogger(run_dir, tensorboard=False) as log:
+    with StepLogger(run_dir, backends=()) as log:
         for step in steps:
             log.log(step, {"entropy": 0.5 - 0.1 * step, "H_tgt": 0.3, "reward_mean": 0.1 * step, **extra})
 
