@@ -138,13 +138,16 @@ class ProblemStream:
 @dataclass
 class Group:
     """The G episodes of one prompt. ``rewards`` are known on every rank; ``trajectories`` too once
-    exchanged (``global_ids`` are the episodes' batch-wide ids, used as STARE's tie-break key)."""
+    exchanged (``global_ids`` are the episodes' batch-wide ids, used as STARE's tie-break key).
+    Episodes lost to an infrastructure failure (``finish_reason == "failed"``) are left out of all
+    three and counted in ``failed``: the group goes on with the others."""
 
     index: int
     problem: Problem
     rewards: list[float]
     trajectories: list[Trajectory] = field(default_factory=list)
     global_ids: list[int] = field(default_factory=list)
+    failed: int = 0
 
 
 class Trainer:
@@ -284,11 +287,12 @@ class Trainer:
                 on_shortfall="raise" if data.on_short_batch == "raise" else "keep",
             )
         else:
-            kept, ds_metrics = draw_batch(), {}
+            kept, ds_metrics = [g for g in draw_batch() if g.trajectories], {}
         t_rollout = time.perf_counter() - t0
         episodes = [t for g in drawn for t in g.trajectories]
         metrics: dict[str, Any] = {**rollout_metrics(episodes, self._model_texts(episodes)), **ds_metrics}
         metrics["time/rollout_s"] = t_rollout
+        metrics["failed_episodes"] = sum(g.failed for g in drawn)
         metrics["time/reward_s"] = sum(env.check_time_s for env in self._envs) - check_before
         short = data.dynamic_sampling and len(kept) < data.prompts_per_step
         if short and self.rank == 0:
@@ -466,10 +470,23 @@ class Trainer:
             dist.all_gather_object(gathered, {i: [t.to_dict() for t in ts] for i, ts in local.items()})
             local = {i: [Trajectory.from_dict(d) for d in ts] for part in gathered for i, ts in part.items()}
         base = (draw - 1) * len(problems) * G
-        groups = [
-            Group(i, p, [t.reward for t in local[i]], local[i], [base + i * G + k for k in range(G)])
-            for i, p in enumerate(problems)
-        ]
+        groups = []
+        for i, p in enumerate(problems):
+            ok = [
+                (t, base + i * G + k)
+                for k, t in enumerate(local[i])
+                if t.info.get("finish_reason") != "failed"
+            ]
+            groups.append(
+                Group(
+                    i,
+                    p,
+                    [t.reward for t, _ in ok],
+                    [t for t, _ in ok],
+                    [g for _, g in ok],
+                    failed=G - len(ok),
+                )
+            )
         self._last_drawn = (
             [t for g in groups for t in g.trajectories]
             if draw == 1

@@ -4,6 +4,7 @@ whose rewards are known, so that every group has reward variance."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -254,3 +255,34 @@ def test_overlong_filter_masks_budget_cut_episodes_out_of_the_loss(tmp_path, pro
     assert all(sum(t.loss_mask) > 0 for t in seen if t not in cut)
     assert all((sum(t.loss_mask) == 0) == overlong_filter for t in cut)
     assert metrics["overlong_filtered"] == (2 if overlong_filter else 0)
+
+
+def test_an_episode_lost_to_the_infrastructure_is_left_out_and_the_step_goes_on(
+    tmp_path, problem_file, monkeypatch
+):
+    from envs.tool_env import EpisodeInfrastructureError, ToolEnv
+
+    broken: list[tuple[ToolEnv, str]] = []
+    step = ToolEnv.step
+
+    def flaky_step(self, action):
+        if not broken:
+            broken.append((self, self.problem.id))
+        if (self, self.problem.id) == broken[0]:  # every attempt of the first episode loses its sandbox
+            self._end_episode(broken=True)
+            raise EpisodeInfrastructureError("container removed")
+        return step(self, action)
+
+    monkeypatch.setattr(ToolEnv, "step", flaky_step)
+    model, tokenizer = tiny_model()
+    config = make_config(tmp_path, problem_file, "trainer.steps=1")
+    trainer = Trainer(
+        config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
+    )
+    try:
+        trainer.step = 1
+        metrics = trainer.train_step()
+    finally:
+        trainer.close()
+    assert metrics["failed_episodes"] == 1
+    assert metrics["skipped"] == 0 and metrics["kept_groups"] >= 1 and math.isfinite(metrics["loss"])
