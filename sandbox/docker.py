@@ -1,7 +1,8 @@
 """The Docker backend: one hardened container per sandbox running an IPython kernel.
 
-The container's main process is the kernel (``python3 -m ipykernel_launcher``) under ``tini``, the
-image's entrypoint, as PID 1. The host reaches it with jupyter-client over the ``ipc`` transport:
+The container's main process is the warden (``sandbox/warden.py``) under ``tini``, the image's
+entrypoint, as PID 1; the warden forks the kernel (``ipykernel_launcher``) and, between episodes,
+kills every other process, empties the scratch dirs and IPC and forks a fresh kernel. The host reaches it with jupyter-client over the ``ipc`` transport:
 a host temp dir bind-mounted at ``/conn`` holds the connection file and the unix sockets, so the
 container needs no network at all (``network_mode="none"``: only ``lo``).
 
@@ -25,10 +26,12 @@ connection drops, so checking the paths before connecting would not be enough. A
 rewrite ``kernel.json``, unlock, start) happens only while no process of the old container is
 left, and the new kernel runs no user code before the lock.
 
-Resets: ``reset()`` is soft by default (clear the namespace, env, ``/work`` and ``/tmp``, kill
-every process but tini and the kernel; milliseconds), ``reset(hard=True)`` restarts the container
-(a fresh kernel process and fresh tmpfs mounts; about a second). A kernel that hangs in C code or
-dies is replaced the hard way by the driver.
+Resets: ``reset()`` gives the next episode a fresh kernel process from the warden, which never
+runs model code (every process of the episode killed; ``/work``, ``/tmp``, ``/dev/shm``,
+``/dev/mqueue`` and SysV IPC emptied; the warden's own rlimits and scheduling checked; tens of
+milliseconds). ``reset(hard=True)``, or a warden reset that cannot be confirmed, restarts the
+container (fresh tmpfs mounts; about a second). A kernel that hangs in C code or dies is replaced
+the hard way by the driver.
 """
 
 from __future__ import annotations
@@ -38,17 +41,19 @@ import logging
 import math
 import os
 import shutil
+import signal
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from sandbox.config import SANDBOX_UID, SandboxConfig
 from sandbox.errors import SandboxError, SandboxUnavailable
-from sandbox.kernel import KERNEL_ARGS, KernelDriver, KernelSandbox, reset_code
+from sandbox.kernel import KERNEL_ARGS, KernelDriver, KernelSandbox
 from sandbox.owner import owner_gone, owner_id, remove_sandbox_dir
 from sandbox.shutdown import exit_on_sigterm
-from sandbox.usage import CgroupUsage
+from sandbox.usage import CgroupUsage, cgroup_dir
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +72,14 @@ CONN_OPEN = 0o2770
 CONN_LOCKED = 0o2750
 """Mode of the connection dir while user code can run: read-only for the kernel's group."""
 
-KERNEL_COMMAND = (
-    "python3",
-    "-c",
-    "import os, runpy; os.umask(0o007); "
-    "runpy.run_module('ipykernel_launcher', run_name='__main__', alter_sys=True)",
-)
-"""The kernel under ``umask 007``: its socket files are mode 0770, connectable through the group."""
+KERNEL_COMMAND = ("python3", "-c", (Path(__file__).parent / "warden.py").read_text())
+"""The container's main process (under tini): the warden (``sandbox/warden.py``), which binds the
+kernel's sockets under ``umask 007`` (mode 0770, connectable through the group), forks each kernel
+and wipes the container between episodes. Its arguments: the connection file, then the kernel's."""
+
+RENEW_TIMEOUT_S = 5.0
+"""How long ``reset()`` waits for the processes of an episode to be gone before it restarts the
+container instead."""
 
 THREAD_VARIABLES = (
     "OMP_NUM_THREADS",
@@ -130,7 +136,7 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
     memory = f"{config.memory_mb}m"
     file_bytes = config.tmpfs_mb * 2**20  # no file in the sandbox can be larger than /work
     options = {
-        "command": [*KERNEL_COMMAND, "-f", f"{CONN_DIR}/kernel.json", *KERNEL_ARGS],
+        "command": [*KERNEL_COMMAND, f"{CONN_DIR}/kernel.json", *KERNEL_ARGS],
         "group_add": [str(conn_group)] if conn_group is not None else [],
         "environment": env,
         "user": config.user,
@@ -235,6 +241,39 @@ class _ContainerKernel:
         container.reload()
         pid = container.attrs.get("State", {}).get("Pid") or 0
         self.usage = CgroupUsage(pid) if pid > 0 else None
+        self.init_pid = pid
+        cgroup = cgroup_dir(pid, "pids") if pid > 0 else None
+        self.procs_file = cgroup / "cgroup.procs" if cgroup is not None else None
+
+    def renew(self) -> bool:
+        """Ask the warden for a fresh kernel (SIGUSR1: it kills every other process, wipes the
+        scratch dirs and IPC, forks a kernel) and wait until every process of the episode is gone.
+
+        False when that cannot be confirmed from here (no cgroup to read, an unexpected process
+        tree, a warden that does not act in time): the caller then restarts the container.
+        """
+        if self.procs_file is None:
+            return False
+        before = _pids(self.procs_file)
+        if self.init_pid not in before:  # restarted since: tini has a new pid
+            self.container.reload()
+            self.init_pid = self.container.attrs.get("State", {}).get("Pid") or 0
+        wardens = [pid for pid in before if _parent(pid) == self.init_pid]
+        if len(wardens) != 1:
+            return False
+        doomed = before - {self.init_pid, wardens[0]}
+        if not _signal_child(wardens[0], self.init_pid, signal.SIGUSR1):
+            try:  # not our process to signal (a non-root host): tini forwards it to the warden
+                self.container.kill(signal="SIGUSR1")
+            except Exception as exc:  # noqa: BLE001 - the caller restarts the container
+                logger.debug("signalling the warden failed: %s", exc)
+                return False
+        deadline = time.monotonic() + RENEW_TIMEOUT_S
+        while _pids(self.procs_file) & doomed:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
     def meter(self) -> CgroupUsage | None:
         return self.usage
@@ -281,6 +320,39 @@ class _ContainerKernel:
         )
 
 
+def _pids(procs_file: Path) -> set[int]:
+    """Host pids of the processes in a cgroup (empty when it cannot be read)."""
+    try:
+        return {int(line) for line in procs_file.read_text().split()}
+    except (OSError, ValueError):
+        return set()
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _signal_child(pid: int, parent: int, signum: int) -> bool:
+    """Send ``signum`` to ``pid`` if it is still a child of ``parent`` (through a pidfd: a reused
+    pid is never signalled); False when this process may not signal it."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        if _parent(pid) != parent:
+            return False
+        signal.pidfd_send_signal(fd, signum)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 class DockerSandbox(KernelSandbox):
     """A hardened container running an IPython kernel (see the module docstring).
 
@@ -301,6 +373,7 @@ class DockerSandbox(KernelSandbox):
         self._closed = True  # nothing to close until the temp dir exists
         self.container: Any = None
         self._driver: KernelDriver | None = None
+        self._host: _ContainerKernel | None = None
         exit_on_sigterm()
         self._client = docker_client()
         global _reaped
@@ -352,7 +425,7 @@ class DockerSandbox(KernelSandbox):
             raise SandboxError(
                 f"could not start a sandbox container ({exc.explanation or exc}): run `stare-agent sandbox doctor`"
             ) from exc
-        host = _ContainerKernel(self.container, self.config.memory_mb, self.dir, info, group)
+        host = self._host = _ContainerKernel(self.container, self.config.memory_mb, self.dir, info, group)
         self._driver = KernelDriver(
             {**info, "ip": str(self.dir / "k")},
             host,
@@ -362,13 +435,21 @@ class DockerSandbox(KernelSandbox):
         self._driver.wait_ready(self.start_timeout)
 
     def reset(self, *, hard: bool = False) -> None:
-        """Forget all state: soft in place (default, milliseconds), or ``hard`` by restarting the
-        container (fresh process and tmpfs). A failed soft reset falls back to the hard one."""
+        """Forget all state, whatever the code of the episode did to its interpreter.
+
+        Default: a fresh kernel process from the warden, after every process of the episode was
+        killed and ``/work``, ``/tmp``, ``/dev/shm``, ``/dev/mqueue`` and SysV IPC were emptied
+        (see ``sandbox/warden.py``; tens of milliseconds). ``hard``, or when the warden's reset
+        cannot be confirmed: restart the container (fresh tmpfs mounts; about a second).
+        """
         driver = self._live_driver()
-        if not hard and driver.ready:
-            code = reset_code([WORK_DIR, "/tmp"], kill_all=True, keep=(IPYTHON_DIR,))
-            if driver.run_quiet(code, timeout=5.0):
+        if not hard and driver.ready and self._host is not None and self._host.renew():
+            driver.expect_new_kernel()
+            try:
+                driver.wait_ready(self.start_timeout)
                 return
+            except SandboxError as exc:  # e.g. the warden found something it could not wipe
+                logger.warning("fresh kernel did not start (%s); restarting the container", exc)
         driver.restart()
         driver.wait_ready(self.start_timeout)
 

@@ -221,6 +221,7 @@ class KernelDriver:
         Fresh sockets, because zmq gives up a connection for good (no reconnect) once the peer
         broke the protocol, e.g. sent a frame over ``MAX_MESSAGE_BYTES``.
         """
+        resend_s = 0.05  # doubled up to 0.5 s: a kernel that just started answers within ms
         while True:
             if renew:
                 self._renew = True  # until fresh sockets reached the kernel
@@ -241,7 +242,7 @@ class KernelDriver:
                     ) from None
                 renew = True
                 continue
-            resend = time.monotonic() + 0.5
+            resend, resend_s = time.monotonic() + resend_s, min(0.5, 2 * resend_s)
             while time.monotonic() < resend:
                 try:
                     msg = self._receive(self._iopub, POLL_S / 2)
@@ -281,9 +282,14 @@ class KernelDriver:
     def restart(self) -> None:
         """Kill and relaunch the kernel; the next ``execute`` waits for it, on fresh sockets (the
         old ones may be what made the kernel look unresponsive)."""
+        self.expect_new_kernel()
+        self.host.restart()
+
+    def expect_new_kernel(self) -> None:
+        """The backend replaced the kernel process: the next call waits for the new one, on fresh
+        sockets (connected at once, rather than after zmq's reconnect interval)."""
         self.ready = False
         self._renew = True
-        self.host.restart()
 
     # -- execution ---------------------------------------------------------------------------
 

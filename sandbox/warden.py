@@ -1,0 +1,342 @@
+"""The warden: the process in a sandbox container that starts each kernel and wipes up after it.
+
+This file is a program that runs *inside* the container (its Python, stdlib and ipykernel only;
+nothing from this package): ``python3 -c <this source> <connection file> <kernel args>``, as the
+child of tini. It never runs model code, so the reset between episodes does not depend on the
+good behaviour of the interpreter that ran it:
+
+1. At start it makes itself non-dumpable (code of the same uid can neither ptrace it nor read or
+   write its memory, and its ``/proc`` files become root's), a child subreaper (every orphan of a
+   kernel becomes its child), drops ``''`` from ``sys.path`` (the work dir), imports everything a
+   kernel needs, binds the kernel's five unix sockets itself (zmq ``USE_FD``: each kernel serves
+   on these listeners, so the connection dir never has to be writable again), and records its
+   rlimits and scheduling.
+2. It forks a kernel: signal dispositions and mask back to default, dumpable again, cwd
+   ``/work``, then ``ipykernel_launcher``. Forking after the imports makes a fresh kernel cost
+   one kernel initialisation (tens of milliseconds), not a new interpreter.
+3. On SIGUSR1 (the host's "next episode") it SIGKILLs every process in the container but tini
+   and itself until none is left, empties ``/work``, ``/tmp``, ``/dev/shm`` and ``/dev/mqueue``,
+   removes every SysV IPC object, checks that its rlimits, nice value, scheduler and CPU
+   affinity are still what they were (a process of the same uid may lower them with
+   ``prlimit``/``setpriority``, and a fork inherits them) and that the dirs are empty, and forks
+   a fresh kernel. If anything does not check out it exits, the container stops and the host
+   falls back to restarting the container.
+4. SIGINT is forwarded to the kernel (the host's interrupt); SIGTERM ends everything. When the
+   kernel exits on its own, the warden exits with its status (128 + signal when killed), so the
+   container stops exactly as it did when the kernel was its main process.
+
+Every other catchable signal is ignored, so that code in the sandbox can stop the warden only
+with SIGKILL or SIGSTOP; the host then sees a dead container or a reset that does not finish,
+and restarts the container.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 4, 36
+IPC_RMID = 0
+SCRATCH = ("/work", "/tmp", "/dev/shm", "/dev/mqueue")
+"""Directories emptied between kernels (tmpfs or mqueue mounts of this container)."""
+KERNEL_FILE = "/tmp/.kernel.json"
+"""The connection file each kernel reads (and rewrites): in the wiped tmpfs, never in /conn."""
+CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
+RENEW, INTERRUPT, TERMINATE = signal.SIGUSR1, signal.SIGINT, signal.SIGTERM
+HANDLED = {RENEW, INTERRUPT, TERMINATE, signal.SIGCHLD}
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def log(message):
+    os.write(2, f"warden: {message}\n".encode())
+
+
+def process_state():
+    """What a forked kernel inherits from the warden and code of the same uid could change."""
+    limits = {
+        name: resource.getrlimit(getattr(resource, name))
+        for name in dir(resource)
+        if name.startswith("RLIMIT_")
+    }
+    return {
+        "rlimits": limits,
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "scheduler": os.sched_getscheduler(0),
+        "affinity": sorted(os.sched_getaffinity(0)),
+    }
+
+
+def kill_others(me, deadline_s=5.0):
+    """SIGKILL every process but PID 1 and the warden until none is left; reap what is ours."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            os.kill(-1, signal.SIGKILL)  # every process we may signal, except PID 1 and ourselves
+        except ProcessLookupError:
+            pass
+        reap()
+        others = [p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
+        if not others:
+            return True
+        if time.monotonic() > deadline:
+            log(f"processes {others} outlived SIGKILL")
+            return False
+        time.sleep(0.001)
+
+
+def reap():
+    """Wait for every exited child; return {pid: wait status}."""
+    done = {}
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return done
+        if pid == 0:
+            return done
+        done[pid] = status
+
+
+def empty_dir(top):
+    """Remove everything below ``top`` without following symlinks, however deep or unreadable
+    (directories are made searchable first). Iterative: depth costs open descriptors, not stack."""
+    stack = [(os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW), None, None)]
+    while stack:
+        fd, parent, name = stack[-1]
+        child = None
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    os.chmod(entry.name, 0o700, dir_fd=fd)
+                    child = (
+                        os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd),
+                        fd,
+                        entry.name,
+                    )
+                    break
+                os.unlink(entry.name, dir_fd=fd)
+        if child is not None:
+            stack.append(child)
+            continue
+        stack.pop()
+        os.close(fd)
+        if parent is not None:
+            os.rmdir(name, dir_fd=parent)
+
+
+def remove_ipc():
+    """Remove every SysV shared memory segment, message queue and semaphore set."""
+    controls = {"shm": libc.shmctl, "msg": libc.msgctl, "sem": libc.semctl}
+    for kind, control in controls.items():
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            ident = int(row.split()[1])
+            if kind == "sem":
+                control(ident, 0, IPC_RMID)
+            else:
+                control(ident, IPC_RMID, None)
+
+
+def leftovers():
+    """What is still there after a wipe (empty when the container is clean)."""
+    found = [f"{d}/{name}" for d in SCRATCH if os.path.isdir(d) for name in os.listdir(d)]
+    for kind in ("shm", "msg", "sem"):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                found += [f"sysv {kind} {row.split()[1]}" for row in f.read().splitlines()[1:]]
+        except OSError:
+            pass
+    return found
+
+
+def wipe(work_mode):
+    os.chmod("/work", work_mode)  # the kernel owns /work and may have made it unreadable
+    for folder in SCRATCH:
+        if os.path.isdir(folder):
+            try:
+                empty_dir(folder)
+            except OSError as exc:
+                log(f"emptying {folder}: {exc}")
+    remove_ipc()
+
+
+def warm_tracebacks():
+    """Format tracebacks the way a kernel does, once here for every kernel: the first error in a
+    process pays for parsing ``interactiveshell.py`` (the frame every cell runs under) and for
+    compiling pygments' regular expressions, about 100 ms; a fork inherits both caches."""
+    import json
+
+    import IPython.core.interactiveshell
+    import stack_data
+    from IPython.core.ultratb import AutoFormattedTB
+
+    stack_data.Source.for_filename(IPython.core.interactiveshell.__file__)
+    for scheme in ("NoColor", "Linux", "LightBG", "Neutral"):
+        try:
+            json.loads("{")
+        except ValueError:
+            AutoFormattedTB(mode="Context", color_scheme=scheme).structured_traceback(*sys.exc_info())
+
+
+def bind_listeners(info):
+    """Listening unix sockets for the kernel's channels, bound once: {zmq address: socket}."""
+    listeners = {}
+    for channel in CHANNELS:
+        path = f"{info['ip']}-{info[channel + '_port']}"
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        sock.listen(64)
+        sock.set_inheritable(True)
+        listeners[f"ipc://{path}"] = sock
+    return listeners
+
+
+def listening(listeners):
+    return all(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) for s in listeners.values())
+
+
+def run_kernel(listeners, kernel_args):
+    """In the forked child: become a plain process again and serve as a kernel."""
+    for signum in range(1, signal.NSIG):
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+            try:
+                signal.signal(signum, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass
+    # As a new interpreter would have them: Ctrl-C raises, writes past RLIMIT_FSIZE or to a
+    # closed pipe fail with an OSError instead of killing the process.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.chdir("/work")
+    import runpy
+
+    import zmq
+
+    fds = {address: s.fileno() for address, s in listeners.items()}
+    bind = zmq.Socket.bind
+
+    def bind_prebound(self, address):
+        if address in fds:
+            self.setsockopt(zmq.USE_FD, fds[address])
+        return bind(self, address)
+
+    zmq.Socket.bind = bind_prebound
+    sys.argv = ["ipykernel_launcher", "-f", KERNEL_FILE, *kernel_args]
+    code = 0
+    try:
+        runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
+    except SystemExit as exc:  # exit codes as if the kernel were a process of its own
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    os._exit(code)
+
+
+def spawn(info, listeners, kernel_args):
+    with open(KERNEL_FILE, "w") as f:
+        json.dump(info, f)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            run_kernel(listeners, kernel_args)
+        finally:
+            os._exit(70)
+    return pid
+
+
+def exit_status(status):
+    return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def main(argv):
+    connection_file, kernel_args = argv[0], argv[1:]
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    sys.path[:] = [p for p in sys.path if p and os.path.abspath(p) != "/work"]
+    sys.dont_write_bytecode = True
+    os.umask(0o007)  # socket files 0770: connectable by the host through the group
+    os.chdir("/")
+    signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+    for signum in range(1, signal.NSIG):
+        if signum not in HANDLED and signum not in (signal.SIGKILL, signal.SIGSTOP):
+            try:
+                signal.signal(signum, signal.SIG_IGN)
+            except (OSError, ValueError):
+                pass
+    # Everything a kernel imports, imported once here (a fork then shares it).
+    import ipykernel.ipkernel  # noqa: F401
+    import ipykernel.kernelapp  # noqa: F401
+    import ipykernel.zmqshell  # noqa: F401
+    import IPython.core.completerlib  # noqa: F401
+    import IPython.core.ultratb  # noqa: F401
+
+    try:
+        import faulthandler  # noqa: F401
+
+        import ipykernel.debugger  # noqa: F401
+    except ImportError:
+        pass
+    warm_tracebacks()
+    with open(connection_file) as f:
+        info = json.load(f)
+    listeners = bind_listeners(info)
+    state = process_state()
+    work_mode = stat.S_IMODE(os.stat("/work").st_mode)
+    if threading.active_count() != 1:
+        log("threads started before fork: exiting")
+        return 71
+    me = os.getpid()
+    kernel = spawn(info, listeners, kernel_args)
+    while True:
+        signum = signal.sigwaitinfo(HANDLED).si_signo
+        if signum == INTERRUPT:
+            try:
+                os.kill(kernel, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        elif signum == TERMINATE:
+            kill_others(me)
+            return 0
+        elif signum == RENEW:
+            if not kill_others(me):
+                return 72
+            wipe(work_mode)
+            left = leftovers()
+            if left:
+                log(f"left after the wipe: {left[:5]}")
+                return 73
+            if process_state() != state or not listening(listeners):
+                log("rlimits, scheduling or listening sockets were changed from inside: exiting")
+                return 74
+            kernel = spawn(info, listeners, kernel_args)
+        else:  # SIGCHLD
+            status = reap().get(kernel)
+            if status is not None:  # the kernel ended on its own: so does the container
+                kill_others(me)
+                return exit_status(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
