@@ -5,7 +5,7 @@ outside the repository.
   deepspeed behind the ``train`` extra.
 - The slim install (the wheel with its base dependencies, resolved by pip) has no torch; in it
   ``import envs, sandbox`` works and a built-in environment plays a whole episode through the rollout
-  runner, with a scripted engine and a pure-Python tokenizer.
+  runner, with the (torch-free) ``ScriptedEngine`` and a pure-Python tokenizer.
 - The full install runs ``gymnasium.make("stare/AIME2024-v0")`` and ``stare-agent eval --data aime2024``
   from a directory with no ../shared. Its heavy packages (torch, transformers, deepspeed) are borrowed from
   the repository's .venv through a ``.pth`` path entry, which adds that folder to ``sys.path`` after the
@@ -111,10 +111,11 @@ SLIM_EPISODE = textwrap.dedent(
         assert importlib.util.find_spec(heavy) is None, f"{heavy} is installed"
     import gymnasium
 
-    import envs, sandbox
-    from envs.rollout import Generation, RolloutRunner
+    import envs, sandbox, stare_agent
+    from envs.rollout import RolloutRunner
+    from stare_agent.engines.scripted import ScriptedEngine  # needs no torch
 
-    for module in (envs, sandbox):
+    for module in (envs, sandbox, stare_agent):
         assert Path(module.__file__).is_relative_to(sys.prefix), module.__file__
 
     EOS = 0x110000  # one past the last code point
@@ -136,33 +137,18 @@ SLIM_EPISODE = textwrap.dedent(
             return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
-    class ScriptedEngine:
-        """Replays one episode's turns: run code, then answer with what it printed."""
-
-        turns = ["Let me compute.\n<code>\n```python\nprint(17 * 12)\n```\n</code>", "<answer>\\boxed{204}</answer>"]
-
-        def __init__(self, tokenizer):
-            self.tokenizer, self.turn = tokenizer, 0
-
-        def generate(self, prompts, params, stop):
-            text = self.turns[self.turn]
-            self.turn += 1
-            ids = self.tokenizer.encode(text) + ([] if text.endswith(tuple(stop)) else [EOS])
-            return [Generation(ids, [-0.5] * len(ids), "stop" if ids[-1] != EOS else "eos")]
-
-        def update_weights(self, named_tensors):
-            pass
-
-
     env = gymnasium.make("stare/AIME2024-v0", sandbox_backend="local", max_turns=3)
     tokenizer = CodePointTokenizer()
-    runner = RolloutRunner(tokenizer, ScriptedEngine(tokenizer), max_response_tokens=1024)
+    # run code, then answer with what it printed
+    script = ["Let me compute.\n<code>\n```python\nprint(17 * 12)\n```\n</code>", "<answer>\\boxed{204}</answer>"]
+    runner = RolloutRunner(tokenizer, ScriptedEngine(tokenizer, [script]), max_response_tokens=1024)
     [trajectory] = runner.run([env.unwrapped], seeds=0, options=[{"problem_index": 0}])
     env.close()
     info = trajectory.info
     assert (info["problem_id"], trajectory.reward, info["num_turns"]) == ("aime2024-I-01", 1.0, 2), info
     inserted = "".join(chr(t) for t, m in zip(trajectory.response_ids, trajectory.loss_mask) if m == 0)
     assert "<interpreter>\n204" in inserted, inserted  # the sandbox really ran the code
+    assert "torch" not in sys.modules
 
     cli = subprocess.run([Path(sys.executable).parent / "stare-agent", "eval", "--data", "aime2024"],
                          capture_output=True, text=True)

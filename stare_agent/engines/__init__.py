@@ -1,25 +1,33 @@
 """Rollout engines implementing :class:`envs.rollout.Engine`.
 
 - :class:`TransformersEngine`: any transformers causal LM, CPU or GPU, in process.
-- :class:`SGLangEngine`: SGLang's offline engine on a CUDA GPU (optional; imported on first use so
-  that this package imports without SGLang).
+- :class:`SGLangEngine`: SGLang's offline engine on a CUDA GPU (optional).
+- :class:`ScriptedEngine`: replays given turn texts token-exactly (tests, benchmarks); no torch.
+
+Each is imported on first use, so that this package imports without SGLang, and
+``stare_agent.engines.scripted`` also in the slim install (no torch or transformers).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from stare_agent.engines.transformers_engine import TransformersEngine
-
 if TYPE_CHECKING:
+    from stare_agent.engines.scripted import ScriptedEngine
     from stare_agent.engines.sglang_engine import SGLangEngine
+    from stare_agent.engines.transformers_engine import TransformersEngine
 
-__all__ = ["SGLangEngine", "TransformersEngine"]
+__all__ = ["SGLangEngine", "ScriptedEngine", "TransformersEngine"]
+
+_LAZY = {
+    "ScriptedEngine": "stare_agent.engines.scripted",
+    "SGLangEngine": "stare_agent.engines.sglang_engine",
+    "TransformersEngine": "stare_agent.engines.transformers_engine",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "SGLangEngine":
-        from stare_agent.engines.sglang_engine import SGLangEngine
-
-        return SGLangEngine
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
