@@ -6,6 +6,10 @@ Metrics (n = samples per problem, c = correct samples of a problem, averaged ove
     pass@k  = 1 - C(n - c, k) / C(n, k)               unbiased estimator (Chen et al., 2021), k <= n
     maj@n   = 1[the most frequent final answer is correct]   (ties: the answer seen first)
 
+An episode lost to an infrastructure failure after its retries (``finish_reason == "failed"``) is
+left out and counted in ``failed_episodes``: its problem is scored on the samples it has (pass@k
+over the problems with at least k of them).
+
 Answers vote by equivalence, decided as the reward decides correctness (``envs.rewards.answers_equivalent``:
 "070" and "70", ``\\frac12`` and "0.5" are one answer). Every episode samples from its own random
 stream, named by (problem id, sample index) and turn (``RolloutRunner.run(episode_keys=...)``), so
@@ -94,9 +98,13 @@ class ProblemResult:
     truncated: list[bool] = field(default_factory=list)
     tool_timeouts: int = 0
     tool_errors: int = 0
+    failed: int = 0
 
     def add(self, trajectory: Trajectory) -> None:
         info = trajectory.info
+        if info.get("finish_reason") == "failed":
+            self.failed += 1
+            return
         self.answers.append(info.get("answer"))
         self.correct.append(bool(info.get("correct", False)))
         self.tool_calls.append(int(info.get("num_tool_calls", 0)))
@@ -136,18 +144,20 @@ def summarize(results: Sequence[ProblemResult], samples: int) -> dict[str, float
     """avg@n, pass@k for k in 1, 2, 4, ... <= n, maj@n, and tool-use statistics, over problems."""
     if not results:
         raise ValueError("no problems were evaluated: check the problem source")
+    failed = sum(r.failed for r in results)
+    results = [r for r in results if r.correct]  # problems with at least one episode played
+    if not results:
+        raise ValueError(
+            f"all {failed} episodes failed in the sandbox infrastructure: run `stare-agent sandbox doctor`"
+        )
     n_problems = len(results)
     metrics: dict[str, float] = {
         f"avg@{samples}": sum(sum(r.correct) / len(r.correct) for r in results) / n_problems,
     }
-    k = 1
-    while k <= samples:
-        metrics[f"pass@{k}"] = sum(pass_at_k(len(r.correct), sum(r.correct), k) for r in results) / n_problems
-        k *= 2
-    if samples & (samples - 1):  # n itself when it is not a power of two
-        metrics[f"pass@{samples}"] = (
-            sum(pass_at_k(samples, sum(r.correct), samples) for r in results) / n_problems
-        )
+    ks = [2**i for i in range(samples.bit_length()) if 2**i <= samples]
+    for k in ks + ([samples] if samples & (samples - 1) else []):  # and n when not a power of two
+        scored = [pass_at_k(len(r.correct), sum(r.correct), k) for r in results if len(r.correct) >= k]
+        metrics[f"pass@{k}"] = sum(scored) / len(scored) if scored else float("nan")
     metrics[f"maj@{samples}"] = sum(majority_correct(r.answers, r.correct) for r in results) / n_problems
     episodes = [i for r in results for i in range(len(r.correct))]
     n_episodes = len(episodes)
@@ -156,6 +166,7 @@ def summarize(results: Sequence[ProblemResult], samples: int) -> dict[str, float
     metrics["truncated_fraction"] = sum(sum(r.truncated) for r in results) / n_episodes
     metrics["tool_timeouts_per_episode"] = sum(r.tool_timeouts for r in results) / n_episodes
     metrics["tool_errors_per_episode"] = sum(r.tool_errors for r in results) / n_episodes
+    metrics["failed_episodes"] = float(failed)
     return metrics
 
 

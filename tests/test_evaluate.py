@@ -111,3 +111,38 @@ def test_per_sample_results_do_not_depend_on_the_batch_size():
             samples = {tuple(r) for r in episodes[problem * 8 : (problem + 1) * 8]}
             assert len(samples) == 8, f"two samples of a problem are identical at batch size {batch_size}"
     assert by_batch[1] == by_batch[4] == by_batch[16]
+
+
+def test_an_episode_lost_to_the_infrastructure_is_left_out_and_counted(monkeypatch):
+    from envs.tool_env import EpisodeInfrastructureError, ToolEnv
+
+    tokenizer = smollm2_tokenizer()
+    problems = [Problem("p1", "What is 6 times 7?", "42"), Problem("p2", "What is 3 + 4?", "7")]
+    attempts = []
+    step = ToolEnv.step
+
+    def flaky_step(self, action):
+        if self.problem.id == "p1" and len(attempts) < 3:  # p1's first episode: 1 try + 2 retries
+            attempts.append(action)
+            raise EpisodeInfrastructureError("container removed")
+        return step(self, action)
+
+    monkeypatch.setattr(ToolEnv, "step", flaky_step)
+    answer = {"p1": "<answer>\\boxed{42}</answer>", "p2": "<answer>\\boxed{8}</answer>"}
+    report = evaluate(
+        problems,
+        engine=ScriptedEngine(
+            tokenizer, lambda prompt, turn: answer["p1" if "6 times 7" in prompt else "p2"]
+        ),
+        tokenizer=tokenizer,
+        samples=4,
+        batch_size=1,
+        env_kwargs={"format": "hermes", "sandbox_backend": "local"},  # answers go through env.step
+        progress=False,
+    )
+    m = report.metrics
+    assert m["failed_episodes"] == 1 and len(attempts) == 3
+    assert report.problems[0].correct == [True] * 3 and report.problems[1].correct == [False] * 4
+    assert m["avg@4"] == pytest.approx(0.5)
+    assert m["pass@4"] == pytest.approx(0.0)  # only p2 has 4 samples
+    assert m["pass@2"] == pytest.approx(0.5) and m["maj@4"] == pytest.approx(0.5)
