@@ -412,7 +412,9 @@ class OptimConfig:
         weight_decay: Decoupled weight decay.
         grad_clip: Max global gradient norm (paper: 1.0); 0 disables clipping.
         warmup_steps: Linear warmup from 0 over this many optimizer steps.
-        schedule: After warmup: ``constant`` (paper), ``cosine`` or ``linear`` decay to ``min_lr_ratio * lr``.
+        schedule: After warmup: ``constant`` (paper), ``cosine`` or ``linear`` decay to ``min_lr_ratio * lr``
+            at the last step (``transformers.get_scheduler``: ``constant_with_warmup``,
+            ``cosine_with_min_lr``, ``polynomial`` of power 1; see ``stare_agent.learner.lr_scheduler``).
         min_lr_ratio: Final learning rate of the decaying schedules, as a fraction of ``lr``.
     """
 

@@ -75,23 +75,40 @@ def init_distributed(backend: str = "auto") -> None:
     deepspeed.init_distributed(dist_backend=backend)
 
 
-def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
-    """Learning-rate multiplier after ``step`` optimizer steps: linear warmup, then the schedule.
+def lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int) -> Any:
+    """The learning-rate schedule of ``optim`` from ``transformers.get_scheduler`` (a ``LambdaLR``).
 
-    ``constant`` stays at 1; ``linear`` and ``cosine`` decay from 1 at the end of warmup to
-    ``min_lr_ratio`` at ``total_steps``.
+    ``optim.schedule`` maps to transformers' schedules, with ``W = optim.warmup_steps``,
+    ``T = total_steps``, ``r = optim.min_lr_ratio`` and s the optimizer steps taken so far:
+
+    - ``constant`` -> ``constant_with_warmup``: ``s / W`` during warmup, then 1.
+    - ``linear`` -> ``polynomial`` with power 1 and ``lr_end = r * lr``: ``s / W`` during warmup,
+      then ``r + (1 - r) * (1 - (s - W) / (T - W))``, and r from step T on.
+    - ``cosine`` -> ``cosine_with_min_lr`` with ``min_lr_rate = r``: ``s / W`` during warmup, then
+      ``r + (1 - r) * (1 + cos(pi * (s - W) / (T - W))) / 2`` up to step T.
+
+    ``r = 1`` (no decay) is ``constant_with_warmup`` for every schedule.
     """
-    if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    span = max(total_steps - warmup_steps, 1)
-    progress = min(max(step - warmup_steps, 0) / span, 1.0)
-    if schedule == "linear":
-        decay = 1.0 - progress
-    else:
-        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+    from transformers import get_scheduler
+
+    warmup = optim.warmup_steps
+    if optim.schedule == "constant" or optim.min_lr_ratio == 1.0:
+        return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
+    if optim.schedule == "linear":
+        return get_scheduler(
+            "polynomial",
+            optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=max(total_steps, warmup + 1),  # its decay divides by T - W
+            scheduler_specific_kwargs={"lr_end": optim.lr * optim.min_lr_ratio, "power": 1.0},
+        )
+    return get_scheduler(
+        "cosine_with_min_lr",
+        optimizer,
+        num_warmup_steps=warmup,
+        num_training_steps=total_steps,
+        scheduler_specific_kwargs={"min_lr_rate": optim.min_lr_ratio},
+    )
 
 
 class Learner:
@@ -150,20 +167,11 @@ class Learner:
             weight_decay=optim.weight_decay,
         )
 
-        def make_scheduler(opt: Any) -> torch.optim.lr_scheduler.LambdaLR:
-            return torch.optim.lr_scheduler.LambdaLR(
-                opt,
-                lambda step: lr_lambda(
-                    step,
-                    warmup_steps=optim.warmup_steps,
-                    total_steps=total_steps,
-                    schedule=optim.schedule,
-                    min_lr_ratio=optim.min_lr_ratio,
-                ),
-            )
-
         self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=make_scheduler, config=self._deepspeed_dict()
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=lambda opt: lr_scheduler(opt, optim, total_steps),
+            config=self._deepspeed_dict(),
         )
         self.module = self.engine.module
         self.steps_applied = 0

@@ -18,8 +18,8 @@ from envs.trajectory import Trajectory, TrajectoryBuilder
 from stare_agent.algorithms.logprobs import causal_lm_logprobs_and_entropy
 from stare_agent.algorithms.losses import policy_loss
 from stare_agent.batch import collate
-from stare_agent.config import load_config
-from stare_agent.learner import Learner, lr_lambda
+from stare_agent.config import OptimConfig, load_config
+from stare_agent.learner import Learner, lr_scheduler
 from stare_agent.models import tiny_model
 
 LINEAR_ADAM = [
@@ -217,15 +217,43 @@ def test_export_hf_loads_with_from_pretrained(learner, tmp_path):
     assert set(names) == {n for n, _ in learner.module.named_parameters()}
 
 
-def test_lr_schedule_by_hand():
-    kw = dict(warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
-    assert [lr_lambda(s, schedule="constant", **kw) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
-    # linear: 1 at the end of warmup (step 2) down to 0.1 at step 6 -> 1 - 0.9 * (s - 2) / 4
-    assert [lr_lambda(s, schedule="linear", **kw) for s in (2, 4, 6, 9)] == pytest.approx(
-        [1.0, 0.55, 0.1, 0.1]
+def _lrs(
+    schedule: str, steps: int, *, warmup: int = 2, total: int = 6, min_ratio: float = 0.1
+) -> list[float]:
+    """The multipliers of optimizer steps 0 .. steps-1 of ``lr_scheduler`` (lr 1, so lr == multiplier)."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=1.0)
+    optim = OptimConfig(lr=1.0, warmup_steps=warmup, schedule=schedule, min_lr_ratio=min_ratio)
+    scheduler = lr_scheduler(opt, optim, total)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    return out
+
+
+def test_lr_schedule_from_transformers_by_hand():
+    """W = 2 warmup steps, T = 6, min_lr_ratio r = 0.1. After warmup all three give the values of the
+    former hand-written schedule (1; 1 - 0.9 * (s - 2) / 4; 0.1 + 0.45 * (1 + cos(pi * (s - 2) / 4)));
+    transformers' warmup is s / W (from 0) where the former one was (s + 1) / W."""
+    assert _lrs("constant", 4) == [0.0, 0.5, 1.0, 1.0]
+    assert _lrs("linear", 10) == pytest.approx([0.0, 0.5, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1, 0.1, 0.1])
+    c = math.cos(math.pi / 4)
+    assert _lrs("cosine", 7) == pytest.approx(
+        [0.0, 0.5, 1.0, 0.1 + 0.45 * (1 + c), 0.55, 0.1 + 0.45 * (1 - c), 0.1]
     )
-    # cosine half way: 0.1 + 0.9 * 0.5 * (1 + cos(pi / 2)) = 0.55
-    assert lr_lambda(4, schedule="cosine", **kw) == pytest.approx(0.55)
+    assert _lrs("linear", 3, min_ratio=1.0) == [0.0, 0.5, 1.0]  # no decay: constant after warmup
+    assert _lrs("linear", 4, warmup=0, total=2, min_ratio=0.0) == pytest.approx([1.0, 0.5, 0.0, 0.0])
+
+
+def test_learner_steps_the_transformers_schedule(batch):
+    model, tokenizer = tiny_model(seed=0)
+    overrides = [*LINEAR_ADAM, "optim.warmup_steps=2", "optim.schedule=linear", "trainer.steps=4"]
+    learner = Learner.from_config(model, tokenizer, load_config(None, overrides))
+    lrs = [learner.sft_step(batch[:2])["lr"] for _ in range(3)]
+    # the step's metric is the lr after its scheduler step: 1e3 * [1/2, 1, 1 - (3 - 2) / 2]
+    assert lrs == pytest.approx([500.0, 1000.0, 500.0])
 
 
 # ------------------------------------------------------------------ two ranks (gloo, torchrun)
