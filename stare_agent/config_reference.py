@@ -153,11 +153,12 @@ def yaml_value(value: Any) -> str:
 
 
 _RST_LITERAL = re.compile(r"(?<!`)``([^`]+)``(?!`)")
+_RST_ROLE = re.compile(r":\w+:`~?([^`]+)`")  # :class:`LoRAConfig`, :func:`~envs.problems.load_problems`
 
 
 def _markdown(text: str) -> str:
-    """reST literals (two backticks) as Markdown code spans (one)."""
-    return _RST_LITERAL.sub(r"`\1`", text)
+    """reST literals (two backticks) and cross-reference roles as Markdown code spans (one backtick)."""
+    return _RST_ROLE.sub(r"`\1`", _RST_LITERAL.sub(r"`\1`", text))
 
 
 def _cell(text: str) -> str:

@@ -74,6 +74,18 @@ def test_attribute_docs_reads_google_style_attributes():
     assert attribute_docs(Section) == {"first": "One line.", "second": "Two lines."}
 
 
+def test_table_cells_are_markdown():
+    from stare_agent.config_reference import _cell
+
+    assert _cell("see :class:`LoRAConfig`, ``r = 0`` or :func:`~envs.problems.load_problems`") == (
+        "see `LoRAConfig`, `r = 0` or `envs.problems.load_problems`"
+    )
+    assert (
+        _cell("``str | None``, fenced ```` ```output ```` blocks")
+        == "`str \\| None`, fenced ```` ```output ```` blocks"
+    )
+
+
 def test_an_undocumented_field_or_a_documented_ghost_is_an_error(monkeypatch):
     from stare_agent import config
 
