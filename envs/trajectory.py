@@ -45,7 +45,8 @@ class Trajectory:
         logprobs: Same length as ``response_ids``; the sampling log-prob for mask-1 tokens, 0.0 for mask-0.
         turn_spans: ``[start, end)`` indices into ``response_ids`` of each model turn, in order; together
             they cover exactly the mask-1 tokens.
-        reward: The episode's reward (0.0 when it was cut before the environment scored it).
+        reward: The episode's reward as its environment scored it (0.0 for an episode given up after an
+            infrastructure failure, ``info["finish_reason"] == "failed"``).
         info: Episode information (problem id, number of tool calls, answer, correct, finish reason, ...);
             must be JSON-serializable for :meth:`to_json`.
     """
