@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from typing import Any
 
 
 def _sandbox_build(args: argparse.Namespace) -> int:
@@ -69,9 +71,7 @@ EVAL_FLAGS = {
 def _eval(args: argparse.Namespace) -> int:
     from envs.rollout import SamplingParams
     from stare_agent.config import load_config, make_tool_env
-    from stare_agent.engines import TransformersEngine
     from stare_agent.evaluation import evaluate
-    from stare_agent.models import load_policy
     from stare_agent.trainer import eval_problems
 
     flags = [
@@ -90,10 +90,10 @@ def _eval(args: argparse.Namespace) -> int:
     problems = eval_problems(
         data.eval, seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
     )
-    model, tokenizer = load_policy(config.model.name_or_path, device=args.device)
+    engine, tokenizer = _eval_engine(args, config.model.name_or_path)
     report = evaluate(
         problems,
-        engine=TransformersEngine(model, tokenizer),
+        engine=engine,
         tokenizer=tokenizer,
         samples=data.eval_samples,
         sampling=SamplingParams(
@@ -108,6 +108,33 @@ def _eval(args: argparse.Namespace) -> int:
     print(report.table())
     print(f"per-problem results: {args.out}/results.jsonl")
     return 0
+
+
+def _eval_engine(args: argparse.Namespace, model_name: str) -> tuple[Any, Any]:
+    """The engine `stare-agent eval --engine` names, and the tokenizer the rollouts use."""
+    if args.engine == "openai":
+        from stare_agent.engines.openai_engine import OpenAIEngine
+        from stare_agent.models import load_tokenizer
+
+        if not args.base_url:
+            raise SystemExit(
+                "--engine openai needs --base-url: pass the server's API root, e.g. http://127.0.0.1:8000/v1"
+            )
+        tokenizer = load_tokenizer(args.tokenizer or model_name)
+        engine = OpenAIEngine(
+            args.base_url,
+            model_name,
+            api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+            tokenizer=tokenizer,
+            text_fallback=True,
+        )
+        print(f"engine: openai at {args.base_url}, model {engine.model}")
+        return engine, tokenizer
+    from stare_agent.engines import TransformersEngine
+    from stare_agent.models import load_policy
+
+    model, tokenizer = load_policy(model_name, device=args.device)
+    return TransformersEngine(model, tokenizer), tokenizer
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -204,6 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["auto", "docker", "local"], help="sandbox.backend")
     p.add_argument("--batch-size", type=int, default=16, help="episodes advanced together")
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--engine",
+        default="transformers",
+        choices=["transformers", "openai"],
+        help="transformers: load --model here; openai: a served model behind --base-url (vLLM, SGLang, ...)",
+    )
+    p.add_argument("--base-url", help="--engine openai: the server's API root, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--api-key", help="--engine openai: the server's API key (default: $OPENAI_API_KEY)")
+    p.add_argument("--tokenizer", help="--engine openai: tokenizer name or path (default: --model)")
     p.add_argument("--out", default="runs/eval", help="directory for results.jsonl and summary.json")
     p.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. env.max_turns=8 env.eval_kwargs.max_turns=8"
@@ -264,8 +300,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Failures whose message already names the cause and the fix: shown as one line."""
     from envs.problems import ProblemSourceError
     from sandbox.errors import SandboxError
+    from stare_agent.engines.openai_engine import OpenAIEngineError
 
-    errors: list[type[BaseException]] = [ProblemSourceError, SandboxError, FileNotFoundError]
+    errors: list[type[BaseException]] = [
+        ProblemSourceError,
+        SandboxError,
+        FileNotFoundError,
+        OpenAIEngineError,
+    ]
     try:  # these need torch; a broken torch install must not hide the original error
         from stare_agent.algorithms.dynamic_sampling import DynamicSamplingShortfall
         from stare_agent.config import ConfigError
