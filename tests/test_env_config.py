@@ -157,17 +157,39 @@ def test_eval_kwargs_change_evaluation_only_and_bad_ids_fail_before_the_model_lo
         config_for(tmp_path, "env.kwargs={pool: 1}")
 
 
-def test_cli_eval_plays_a_module_registered_env(tmp_path):
-    """`stare-agent eval --env module:id`: Gymnasium imports the module, which registers the id."""
+PLUGIN = f"""
+import runpy
+
+
+def register():  # the stare_agent.envs entry point: registers demo/Calculator-v0
+    runpy.run_path({str(EXAMPLE)!r}, run_name="plugin")
+"""
+
+
+@pytest.mark.parametrize("registered_by", ["module:id", "entry point"])
+def test_cli_eval_plays_the_example_env(tmp_path, registered_by):
+    """`stare-agent eval --env ...` with the example's id, registered by the module Gymnasium imports
+    for ``module:id``, or by a package's ``stare_agent.envs`` entry point."""
     path = tmp_path / "tiny"
     model, tokenizer = tiny_model()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLE.parent), str(REPO)])
+    if registered_by == "module:id":
+        env_id, paths = "register_tool_env:demo/Calculator-v0", [str(EXAMPLE.parent), str(REPO)]
+    else:  # an installed distribution declaring the entry point
+        env_id, paths = "demo/Calculator-v0", [str(tmp_path / "site"), str(REPO)]
+        dist = tmp_path / "site" / "calculator_plugin-0.1.dist-info"
+        dist.mkdir(parents=True)
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: calculator-plugin\nVersion: 0.1\n")
+        (dist / "entry_points.txt").write_text(
+            "[stare_agent.envs]\ncalculator = calculator_plugin:register\n"
+        )
+        (tmp_path / "site" / "calculator_plugin.py").write_text(PLUGIN)
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     done = subprocess.run(
         [sys.executable, "-m", "stare_agent.cli", "eval", "--model", str(path), "--data", "multiplication"]
-        + ["--env", "register_tool_env:demo/Calculator-v0", "--limit", "2", "--samples", "2"]
+        + ["--env", env_id, "--limit", "2", "--samples", "2"]
         + ["--max-response-tokens", "16", "--backend", "local", "--out", str(tmp_path / "out")],
         capture_output=True,
         text=True,
@@ -176,6 +198,6 @@ def test_cli_eval_plays_a_module_registered_env(tmp_path):
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "env: register_tool_env:demo/Calculator-v0 (format hermes, tools: calculator)" in done.stdout
+    assert f"env: {env_id} (format hermes, tools: calculator)" in done.stdout
     rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(len(r["correct"]) == 2 for r in rows)
