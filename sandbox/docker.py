@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import os
+import select
 import shutil
 import signal
 import tempfile
@@ -242,8 +243,22 @@ class _ContainerKernel:
         pid = container.attrs.get("State", {}).get("Pid") or 0
         self.usage = CgroupUsage(pid) if pid > 0 else None
         self.init_pid = pid
+        self._init_fd: int | None = None
+        self._track_init(pid)
         cgroup = cgroup_dir(pid, "pids") if pid > 0 else None
         self.procs_file = cgroup / "cgroup.procs" if cgroup is not None else None
+
+    def _track_init(self, pid: int) -> None:
+        """Hold a pidfd of the container's init (tini), so liveness is a poll, not an API call."""
+        if self._init_fd is not None:
+            os.close(self._init_fd)
+            self._init_fd = None
+        self.init_pid = pid
+        if pid > 0:
+            try:
+                self._init_fd = os.pidfd_open(pid)
+            except OSError:  # not visible from here (e.g. a remote daemon): ask the API instead
+                pass
 
     def renew(self) -> bool:
         """Ask the warden for a fresh kernel (SIGUSR1: it kills every other process, wipes the
@@ -257,7 +272,7 @@ class _ContainerKernel:
         before = _pids(self.procs_file)
         if self.init_pid not in before:  # restarted since: tini has a new pid
             self.container.reload()
-            self.init_pid = self.container.attrs.get("State", {}).get("Pid") or 0
+            self._track_init(self.container.attrs.get("State", {}).get("Pid") or 0)
         wardens = [pid for pid in before if _parent(pid) == self.init_pid]
         if len(wardens) != 1:
             return False
@@ -300,11 +315,21 @@ class _ContainerKernel:
         (self.conn_dir / "kernel.json").unlink(missing_ok=True)
 
     def is_alive(self) -> bool:
+        if self._init_fd is not None and not select.select([self._init_fd], [], [], 0)[0]:
+            return True  # tini, the container's PID 1, has not exited (a pidfd polls readable then)
         try:
             self.container.reload()
         except Exception:  # noqa: BLE001 - gone means dead
             return False
-        return self.container.status == "running"
+        running = self.container.status == "running"
+        if running:  # restarted since the pidfd was taken
+            self._track_init(self.container.attrs.get("State", {}).get("Pid") or 0)
+        return running
+
+    def close(self) -> None:
+        if self._init_fd is not None:
+            os.close(self._init_fd)
+            self._init_fd = None
 
     def death_cause(self) -> str:
         try:
@@ -431,6 +456,7 @@ class DockerSandbox(KernelSandbox):
             host,
             max_output_chars=self.config.max_output_chars,
             restart_grace_s=self.config.restart_grace_s,
+            warm_tracebacks=False,  # the warden did, once for all its kernels
         )
         self._driver.wait_ready(self.start_timeout)
 
@@ -462,6 +488,8 @@ class DockerSandbox(KernelSandbox):
         self._closed = True
         if self._driver is not None:
             self._driver.close()
+        if self._host is not None:
+            self._host.close()
         if self.container is not None:
             try:
                 self.container.remove(force=True)

@@ -168,6 +168,8 @@ class KernelDriver:
         host: The backend's handle on the kernel process.
         max_output_chars: Cap on stdout and on stderr of one call.
         restart_grace_s: Time after a deadline to interrupt, then restart, the kernel.
+        warm_tracebacks: Run ``WARM_TRACEBACKS`` in each new kernel (False when the process that
+            starts kernels has warmed the traceback machinery for them, as the Docker warden does).
     """
 
     def __init__(
@@ -177,10 +179,12 @@ class KernelDriver:
         *,
         max_output_chars: int,
         restart_grace_s: float,
+        warm_tracebacks: bool = True,
     ) -> None:
         self.host = host
         self.max_output_chars = max_output_chars
         self.restart_grace_s = restart_grace_s
+        self.warm_tracebacks = warm_tracebacks
         # Our own context: its default socket options apply to every socket before it connects.
         self._context = zmq.Context()
         self._context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -211,7 +215,8 @@ class KernelDriver:
         self._connect(deadline, timeout, renew=self._renew)
         self.host.ready()
         self.ready = True
-        self.run_quiet(WARM_TRACEBACKS, max(1.0, deadline - time.monotonic()))
+        if self.warm_tracebacks:
+            self.run_quiet(WARM_TRACEBACKS, max(1.0, deadline - time.monotonic()))
         self.run_quiet(f"{BOOT_SNAPSHOT}\n{BOUNDED_OUTPUT}", max(1.0, deadline - time.monotonic()))
 
     def _connect(self, deadline: float, timeout: float, *, renew: bool) -> None:

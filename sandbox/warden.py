@@ -31,6 +31,7 @@ and restarts the container.
 """
 
 import ctypes
+import gc
 import json
 import os
 import resource
@@ -189,6 +190,72 @@ def warm_tracebacks():
             AutoFormattedTB(mode="Context", color_scheme=scheme).structured_traceback(*sys.exc_info())
 
 
+def prepare_kernel(kernel_args):
+    """Do once, here, the part of a kernel's start-up that is the same for every kernel and runs
+    no model code: parse its options, load its profile (read while /tmp is still fresh), and build
+    its IPython shell (magics, prefilters, completer: most of the start-up). ipykernel asks for the
+    shell with ``ZMQInteractiveShell.instance()``, so each forked kernel finds this pristine one.
+
+    Returns the function a forked child calls to serve as a kernel: the rest of
+    ``IPKernelApp.initialize`` (sockets, threads, streams, the kernel object) and ``start``; or,
+    when the preparation fails (another ipykernel), a plain ``ipykernel_launcher``.
+    """
+    argv = ["-f", KERNEL_FILE, *kernel_args]
+
+    def launch():
+        import runpy
+
+        sys.argv = ["ipykernel_launcher", *argv]
+        runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
+
+    try:
+        import ipykernel
+        from ipykernel.compiler import XCachingCompiler
+        from ipykernel.kernelapp import IPKernelApp
+        from ipykernel.zmqshell import ZMQInteractiveShell
+        from IPython.core.application import BaseIPythonApplication
+
+        if ipykernel.version_info[0] != 6:
+            raise RuntimeError(f"written for ipykernel 6, found {ipykernel.__version__}")
+        app = IPKernelApp.instance()
+        app._init_asyncio_patch()
+        BaseIPythonApplication.initialize(app, argv)  # what IPKernelApp.initialize does first
+        app.init_pdb()
+        app.init_blackhole()
+        app.init_connection_file()
+        ZMQInteractiveShell.instance(parent=app, profile_dir=app.profile_dir, compiler_class=XCachingCompiler)
+    except Exception as exc:  # noqa: BLE001 - a slower start, not a failure
+        log(f"could not prepare kernels ({type(exc).__name__}: {exc}); each starts from scratch")
+        return launch
+
+    def serve():
+        sys.argv = ["ipykernel_launcher", *argv]
+        app.session.pid = os.getpid()  # made in the warden: it refuses to send "from a fork"
+        app.init_poller()
+        app.init_sockets()
+        app.init_heartbeat()
+        app.write_connection_file()
+        app.log_connection_info()
+        app.init_io()
+        try:
+            app.init_signal()
+        except Exception:  # noqa: BLE001 - as IPKernelApp.initialize: a kernel without it still works
+            pass
+        app.init_kernel()
+        app.kernel.shell.kernel = app.kernel  # the shell was made before its kernel
+        app.init_path()
+        app.init_shell()
+        if app.shell:
+            app.init_gui_pylab()
+            app.init_extensions()
+            app.init_code()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        app.start()
+
+    return serve
+
+
 def bind_listeners(info):
     """Listening unix sockets for the kernel's channels, bound once: {zmq address: socket}."""
     listeners = {}
@@ -210,7 +277,7 @@ def listening(listeners):
     return all(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) for s in listeners.values())
 
 
-def run_kernel(listeners, kernel_args):
+def run_kernel(listeners, serve):
     """In the forked child: become a plain process again and serve as a kernel."""
     for signum in range(1, signal.NSIG):
         if signum not in (signal.SIGKILL, signal.SIGSTOP):
@@ -227,8 +294,6 @@ def run_kernel(listeners, kernel_args):
     libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     os.chdir("/work")
-    import runpy
-
     import zmq
 
     fds = {address: s.fileno() for address, s in listeners.items()}
@@ -240,10 +305,9 @@ def run_kernel(listeners, kernel_args):
         return bind(self, address)
 
     zmq.Socket.bind = bind_prebound
-    sys.argv = ["ipykernel_launcher", "-f", KERNEL_FILE, *kernel_args]
     code = 0
     try:
-        runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
+        serve()
     except SystemExit as exc:  # exit codes as if the kernel were a process of its own
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except BaseException:  # noqa: BLE001
@@ -254,16 +318,20 @@ def run_kernel(listeners, kernel_args):
     os._exit(code)
 
 
-def spawn(info, listeners, kernel_args):
-    with open(KERNEL_FILE, "w") as f:
-        json.dump(info, f)
+def spawn(info, listeners, serve):
+    write_kernel_file(info)
     pid = os.fork()
     if pid == 0:
         try:
-            run_kernel(listeners, kernel_args)
+            run_kernel(listeners, serve)
         finally:
             os._exit(70)
     return pid
+
+
+def write_kernel_file(info):
+    with open(KERNEL_FILE, "w") as f:
+        json.dump(info, f)
 
 
 def exit_status(status):
@@ -304,11 +372,14 @@ def main(argv):
     listeners = bind_listeners(info)
     state = process_state()
     work_mode = stat.S_IMODE(os.stat("/work").st_mode)
+    write_kernel_file(info)
+    serve = prepare_kernel(kernel_args)
+    gc.freeze()  # what the warden built stays out of the collector: fewer copy-on-write pages
     if threading.active_count() != 1:
         log("threads started before fork: exiting")
         return 71
     me = os.getpid()
-    kernel = spawn(info, listeners, kernel_args)
+    kernel = spawn(info, listeners, serve)
     while True:
         signum = signal.sigwaitinfo(HANDLED).si_signo
         if signum == INTERRUPT:
@@ -330,7 +401,7 @@ def main(argv):
             if process_state() != state or not listening(listeners):
                 log("rlimits, scheduling or listening sockets were changed from inside: exiting")
                 return 74
-            kernel = spawn(info, listeners, kernel_args)
+            kernel = spawn(info, listeners, serve)
         else:  # SIGCHLD
             status = reap().get(kernel)
             if status is not None:  # the kernel ended on its own: so does the container
@@ -339,4 +410,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    os._exit(main(sys.argv[1:]))  # no atexit handlers: the prepared shell registered some
