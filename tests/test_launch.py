@@ -89,6 +89,7 @@ def agrees_with_one_process(two: dict, one: dict) -> None:
         assert two[key] == pytest.approx(one[key], rel=1e-4), key
 
 
+@pytest.mark.slow  # three launches of torch + deepspeed processes (about 20 s each on 2 cores)
 def test_deepspeed_launcher_as_the_readme_writes_it(model_dir, one_process, tmp_path):
     run_dir = tmp_path / "run"
     # README: deepspeed --num_gpus 8 --module stare_agent.cli train --config ...
@@ -109,6 +110,7 @@ def test_deepspeed_launcher_as_the_readme_writes_it(model_dir, one_process, tmp_
     assert (run_dir / "checkpoints" / "step-000001" / "hf" / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_torchrun_as_the_readme_writes_it(model_dir, one_process, tmp_path):
     run_dir = tmp_path / "run"
     # README: torchrun --nproc_per_node 8 -m stare_agent.cli train --config ...
