@@ -42,12 +42,12 @@ def test_file_then_overrides(tmp_path):
         (
             ["algorithm.Wx=1.2"],
             "unknown config key 'algorithm.Wx' in the overrides: valid keys of algorithm are name, variant, scope, "
-            "P, W, M, H_tgt, adaptive, alpha, W_max, M_min, eps_low, eps_high, clip_c, loss_agg",
+            "P, W, M, H_tgt, gate, adaptive, alpha, W_max, M_min, eps_low, eps_high, clip_c, loss_agg",
         ),
         (
             ["trainr.steps=3"],
             "unknown config key 'trainr' in the overrides: valid keys of the top level are model, sandbox, env, "
-            "algorithm, data, optim, deepspeed, trainer, sft",
+            "algorithm, data, optim, deepspeed, trainer, sft, logger",
         ),
         (
             ["trainer.steps=many"],
