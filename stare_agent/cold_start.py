@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from envs.problems import procedural_family
 from envs.trajectory import Trajectory
 from stare_agent.config import RunConfig, resolve_precision
 from stare_agent.learner import Learner
 from stare_agent.metrics import StepLogger
 from stare_agent.sft_data import (
-    PROCEDURAL_PREFIX,
     SFTDataError,
     Trace,
     procedural_traces,
@@ -49,11 +49,11 @@ def load_sft_traces(config: RunConfig) -> tuple[list[Trace], dict[str, int]]:
         (traces, counts) where counts has ``rejected`` (procedural traces whose real output missed the gold).
     """
     sft = config.sft
-    if not sft.data.startswith(PROCEDURAL_PREFIX):
+    family = procedural_family(sft.data)
+    if family is None:
         return read_traces(sft.data, format=sft.format, limit=sft.limit), {"rejected": 0}
     from sandbox import make_sandbox
 
-    family = sft.data[len(PROCEDURAL_PREFIX) :] or "mixed"
     n = sft.procedural_rows if sft.limit is None else min(sft.procedural_rows, sft.limit)
     box = config.sandbox
     with make_sandbox(box.backend, box.limits) as sandbox:  # type: ignore[arg-type]
@@ -121,7 +121,9 @@ def sft(config: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[
         warmup_steps=int(sft_cfg.warmup_ratio * total_steps),
         schedule=sft_cfg.schedule,
     )
-    learner = Learner(model, tokenizer, config.deepspeed, optim, total_steps=total_steps)
+    learner = Learner(
+        model, tokenizer, config.deepspeed, optim, total_steps=total_steps, lora=config.model.lora
+    )
     rank, world = learner.rank, learner.world_size
     if sft_cfg.batch_size < world:
         raise SFTDataError(f"sft.batch_size={sft_cfg.batch_size} is smaller than the {world} ranks: raise it")

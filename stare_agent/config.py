@@ -65,6 +65,50 @@ def _positive(section: str, obj: Any, *names: str) -> None:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters (Hu et al., 2021) through ``peft``, for SFT and RL; ``r = 0`` trains the full model.
+
+    With ``r > 0`` the learner wraps the policy in ``peft`` LoRA adapters and only the adapters train
+    (the base weights are frozen). The in-process ``transformers`` engine samples through the same
+    adapted module the learner scores; an engine holding its own copy (``sglang``) receives the merged
+    weights ``W + (alpha / r) * B A`` after every update. Exports (``sft.output_dir``, the ``hf``
+    directory of each RL checkpoint) hold the merged model in Hugging Face format (loadable as
+    ``model.name_or_path``) and the adapters in PEFT format in its ``adapter/`` subdirectory
+    (``peft.PeftModel.from_pretrained(base_model, "<export>/adapter")``).
+
+    Attributes:
+        r: Rank of the adapters; 0: no LoRA (full fine-tuning).
+        alpha: Scaling numerator: the update is ``(alpha / r) * B A``.
+        dropout: Dropout on the adapters' input while training. Keep 0 for RL: with dropout the
+            loss scores the batch under a different (dropped-out) policy than the one that sampled it.
+        target_modules: Module names to adapt (e.g. ``[q_proj, v_proj]``), or ``[all-linear]`` for every
+            linear layer except the output head.
+    """
+
+    r: int = 0
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+    def __post_init__(self) -> None:
+        if self.r < 0:
+            raise ConfigError(f"model.lora.r={self.r} must be >= 0 (0 = no LoRA; e.g. 16)")
+        if self.r > 0:
+            _positive("model.lora", self, "alpha")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.lora.dropout={self.dropout} must be in [0, 1)")
+        if not self.target_modules:
+            raise ConfigError(
+                "model.lora.target_modules is empty: name modules, e.g. [q_proj,v_proj], or [all-linear]"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the policy trains LoRA adapters (``r > 0``)."""
+        return self.r > 0
+
+
+@dataclass
 class ModelConfig:
     """The policy.
 
@@ -72,10 +116,12 @@ class ModelConfig:
         name_or_path: ``embedded:smollm2-135m-instruct`` (shipped with the package, CPU-friendly), a
             Hugging Face model id, or a local checkpoint directory (e.g. the output of ``stare-agent sft``).
         gradient_checkpointing: Recompute activations in backward (less memory, ~30% more compute).
+        lora: LoRA adapters instead of full fine-tuning (the ``model.lora`` section; off by default).
     """
 
     name_or_path: str = "embedded:smollm2-135m-instruct"
     gradient_checkpointing: bool = False
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass

@@ -46,11 +46,19 @@ from envs.trajectory import Trajectory
 from stare_agent.algorithms.logprobs import causal_lm_logprobs_and_entropy, logprobs_and_entropy_from_logits
 from stare_agent.algorithms.losses import policy_loss
 from stare_agent.batch import collate, split_by_token_budget
-from stare_agent.config import AlgorithmConfig, DeepSpeedConfig, OptimConfig, RunConfig, resolve_precision
+from stare_agent.config import (
+    AlgorithmConfig,
+    DeepSpeedConfig,
+    LoRAConfig,
+    OptimConfig,
+    RunConfig,
+    resolve_precision,
+)
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_TAG = "learner"
+ADAPTER_DIRNAME = "adapter"
 
 
 def init_distributed(backend: str = "auto") -> None:
@@ -124,6 +132,11 @@ class Learner:
             None for an SFT-only learner.
         temperature: Sampling temperature; logits are divided by it when scoring.
         norm_length: Constant divisor of ``seq-mean-token-sum-norm`` (the response budget).
+        lora: The ``model.lora`` section: with ``r > 0`` the model is wrapped in LoRA adapters
+            (``stare_agent.models.apply_lora``) and only they train. :attr:`module` is then the
+            adapted model (its linear layers carry the adapters), which an in-process engine samples
+            from; :meth:`named_weights`, :meth:`state_dict` and :meth:`export_hf` give the merged
+            weights under the base model's names.
     """
 
     def __init__(
@@ -137,6 +150,7 @@ class Learner:
         loss: AlgorithmConfig | None = None,
         temperature: float = 1.0,
         norm_length: int | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
         import deepspeed
 
@@ -159,6 +173,11 @@ class Learner:
             model.config.use_cache = False  # no KV cache while training
         model.to(self.device)
         model.train()
+        self.lora = lora if lora is not None and lora.enabled else None
+        if self.lora is not None:
+            from stare_agent.models import apply_lora
+
+            model = apply_lora(model, self.lora)
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=optim.lr,
@@ -173,7 +192,9 @@ class Learner:
             lr_scheduler=lambda opt: lr_scheduler(opt, optim, total_steps),
             config=self._deepspeed_dict(),
         )
-        self.module = self.engine.module
+        # Under LoRA, engine.module is the PeftModel; module is the adapted model inside it, which
+        # scores and samples through the adapters like any Hugging Face causal LM.
+        self.module = self.engine.module.get_base_model() if self.lora is not None else self.engine.module
         self.steps_applied = 0
         self.steps_skipped = 0
         self._last_applied = True
@@ -190,6 +211,7 @@ class Learner:
             loss=config.algorithm,
             temperature=config.env.temperature,
             norm_length=config.env.max_response_tokens,
+            lora=config.model.lora,
         )
 
     def _deepspeed_dict(self) -> dict[str, Any]:
@@ -505,8 +527,16 @@ class Learner:
         """``(name, tensor)`` for every parameter, whole (ZeRO-3 gathers one at a time), for engine sync.
 
         The tensors are the live parameters below ZeRO-3 (an in-process engine sharing this module is
-        already in sync); detached copies under ZeRO-3.
+        already in sync); detached copies under ZeRO-3. Under LoRA they are the merged weights under
+        the base model's parameter names (what an engine holding a plain copy of the base model
+        loads); an in-process engine sharing :attr:`module` samples through the adapters instead and
+        needs no sync.
         """
+        if self.lora is not None:
+            merged = self.state_dict()
+            for name in _base_names(self.module.named_parameters()):
+                yield name, merged[name]
+            return
         if self.ds_config.zero_stage != 3:
             for name, param in self.module.named_parameters():
                 yield name, param.detach()
@@ -518,21 +548,36 @@ class Learner:
                 yield name, param.detach().clone()
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The model's full state dict on CPU (gathered under ZeRO-3), in the training dtype."""
-        with self._gathered():
+        """The model's full state dict on CPU (gathered under ZeRO-3), in the training dtype.
+
+        Under LoRA: the merged model's, ``W + (alpha / r) * B A`` under the base model's names.
+        """
+        with self._gathered(), torch.no_grad():
+            if self.lora is not None:
+                return _merged_lora_state_dict(self.module)
             return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
 
     def export_hf(self, directory: str | os.PathLike[str]) -> Path:
         """Write the model and tokenizer in Hugging Face format (``from_pretrained``-loadable).
 
+        Under LoRA the model written is the merged one, and the adapters are written in PEFT format
+        (``adapter_config.json``, ``adapter_model.safetensors``) in ``directory/adapter``, for
+        ``peft.PeftModel.from_pretrained(base_model, directory / "adapter")``.
+
         Collective: every rank must call it; rank 0 writes. Returns the directory.
         """
         directory = Path(directory)
         state = self.state_dict()
+        adapters = None
+        if self.lora is not None:
+            with self._gathered():
+                adapters = {k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()}
         if self.rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
             self.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(directory)
+            if adapters is not None:
+                self.engine.module.save_pretrained(directory / ADAPTER_DIRNAME, state_dict=adapters)
         if self.world_size > 1:
             dist.barrier()
         return directory
@@ -548,7 +593,13 @@ class Learner:
         directory = Path(directory)
         state = dict(client_state or {})
         state["learner"] = {"steps_applied": self.steps_applied, "steps_skipped": self.steps_skipped}
-        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state=state, save_latest=True)
+        self.engine.save_checkpoint(
+            str(directory),
+            tag=CHECKPOINT_TAG,
+            client_state=state,
+            save_latest=True,
+            exclude_frozen_parameters=self.lora is not None,  # LoRA: the frozen base is not saved again
+        )
         return directory
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -563,7 +614,9 @@ class Learner:
                 f"no learner checkpoint in {directory} (expected {directory / CHECKPOINT_TAG}/): "
                 "pass a directory written by Learner.save_checkpoint"
             )
-        path, client = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG)
+        path, client = self.engine.load_checkpoint(
+            str(directory), tag=CHECKPOINT_TAG, load_module_strict=self.lora is None
+        )
         if path is None:
             raise FileNotFoundError(
                 f"DeepSpeed could not load the checkpoint in {directory}: it is incomplete"
@@ -573,3 +626,36 @@ class Learner:
         self.steps_applied = int(counters.get("steps_applied", 0))
         self.steps_skipped = int(counters.get("steps_skipped", 0))
         return client
+
+
+def _base_names(names: Iterator[tuple[str, Any]]) -> list[str]:
+    """Names of a LoRA-adapted model's tensors as the base model names them (adapters left out)."""
+    return [name.replace(".base_layer.", ".") for name, _ in names if ".lora_" not in name]
+
+
+def _merged_lora_state_dict(model: Any) -> dict[str, Tensor]:
+    """The state dict of a LoRA-adapted model with every adapter merged into its base layer, on CPU.
+
+    For a LoRA layer with base weight W: ``W + delta``, where ``delta`` is peft's own
+    ``get_delta_weight`` (``(alpha / r) * B A``, transposed for fan-in-fan-out layers), summed over the
+    active adapters; names lose peft's ``.base_layer`` and the adapters' own tensors are dropped. The
+    model itself is left as it is (no in-place merge, whose unmerge would round the base weights).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    deltas = {
+        f"{name}.base_layer.weight": module
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer)
+    }
+    out: dict[str, Tensor] = {}
+    for key, value in model.state_dict().items():
+        if ".lora_" in key:
+            continue
+        value = value.detach()
+        layer = deltas.get(key)
+        if layer is not None:
+            for adapter in layer.active_adapters:
+                value = value + layer.get_delta_weight(adapter).to(value.dtype)
+        out[key.replace(".base_layer.", ".")] = value.cpu().clone()
+    return out

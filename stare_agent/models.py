@@ -20,6 +20,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -42,6 +43,9 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERSION_FORMAT = 1
 _REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json")
 _GIB = 1024**3
+
+if TYPE_CHECKING:
+    from stare_agent.config import LoRAConfig
 
 
 class ModelLoadError(RuntimeError):
@@ -194,6 +198,39 @@ def load_policy(
     model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def apply_lora(model: PreTrainedModel, lora: LoRAConfig) -> Any:
+    """Wrap ``model`` in ``peft`` LoRA adapters (in place): only the adapters require gradients.
+
+    The adapters are injected into ``model`` itself (``peft.get_peft_model``), so ``model`` and the
+    returned ``PeftModel``'s ``get_base_model()`` are the same module and forward through the
+    adapters. With gradient checkpointing on, peft makes the input embeddings' output require
+    gradients, which reentrant checkpointing of a frozen base needs.
+
+    Raises:
+        ModelLoadError: ``peft`` is not installed, or no module matches ``lora.target_modules``.
+    """
+    try:
+        import peft
+    except ImportError:
+        raise ModelLoadError(
+            "model.lora.r > 0 needs the peft package: pip install 'stare-agent[train]' (or pip install peft)"
+        ) from None
+    targets: str | list[str] = (
+        "all-linear" if list(lora.target_modules) == ["all-linear"] else list(lora.target_modules)
+    )
+    config = peft.LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, bias="none"
+    )
+    try:
+        wrapped = peft.get_peft_model(model, config)
+    except ValueError as exc:
+        raise ModelLoadError(
+            f"model.lora.target_modules={list(lora.target_modules)} does not fit {type(model).__name__} "
+            f"({str(exc).splitlines()[0]}): name its linear layers (e.g. [q_proj,v_proj]) or use [all-linear]"
+        ) from None
+    return wrapped
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, config: AutoConfig) -> torch.dtype:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from envs.problems import PROBLEM_FAMILIES, Problem, generate_problems, load_problems
+from envs.problems import Problem, generate_problems, load_problems, procedural_family
 from envs.rollout import RolloutRunner, SamplingParams
 from envs.tool_env import ToolEnv
 from envs.trajectory import Trajectory
@@ -112,8 +112,7 @@ class ProblemStream:
     def __init__(self, source: str, *, seed: int, difficulty: int = 1, dedupe: bool = True) -> None:
         self.source, self.seed, self.difficulty = source, seed, difficulty
         self.position = 0
-        family = source.removeprefix("procedural:")
-        self.family = family if family == "mixed" or family in PROBLEM_FAMILIES else None
+        self.family = procedural_family(source)
         self.problems: list[Problem] = []
         self.counts: dict[str, int] = {}
         if not self.family:
@@ -225,7 +224,7 @@ class Trainer:
         if self.resume and self._restore():
             # The engine still holds the weights it was built with: give it the restored policy
             # before the first rollout (and any evaluation) samples from it.
-            self.engine.update_weights(self.learner.named_weights())
+            self._sync_engine()
         if self.rank == 0:
             self.config.save(self.run_dir)
         logger = None
@@ -349,7 +348,7 @@ class Trainer:
         t2 = time.perf_counter()
         update_metrics = self.learner.update(trajectories, A, weights)
         if not update_metrics.get("skipped"):
-            self.engine.update_weights(self.learner.named_weights())
+            self._sync_engine()
         t_update = time.perf_counter() - t2
 
         metrics.update(adv_metrics)
@@ -523,6 +522,13 @@ class Trainer:
             texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))
         return texts
 
+    def _sync_engine(self) -> None:
+        """Hand the policy's weights to the rollout engine (merged ones under LoRA). An engine that
+        samples from the learner's own module (the in-process transformers engine) is always in sync."""
+        if getattr(self.engine, "model", None) is self.learner.module:
+            return
+        self.engine.update_weights(self.learner.named_weights())
+
     def _make_engine(self) -> Any:
         if self.config.env.engine == "sglang":
             from stare_agent.engines import SGLangEngine
@@ -628,8 +634,8 @@ def eval_problems(source: str | None, *, seed: int, difficulty: int, limit: int 
         raise ValueError(
             "data.eval is not set: give a problem file, a built-in set (e.g. aime2024) or a family"
         )
-    family = source.removeprefix("procedural:")
-    if family == "mixed" or family in PROBLEM_FAMILIES:
+    family = procedural_family(source)
+    if family is not None:
         # Held out: the training stream never uses this seed space.
         return generate_problems(
             family, limit or 32, seed=zlib.crc32(f"eval/{seed}".encode()), difficulty=difficulty
