@@ -165,3 +165,163 @@ def test_dirs_of_a_killed_owner_are_reaped(tmp_path):
     child.wait()
     assert reap_local_dirs() >= 1
     assert not os.path.exists(sandbox_dir)
+
+
+# ---------------------------------------------------------------------------- what it contains
+
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="the local backend's own user needs a root host")
+
+
+def processes_holding(token: str) -> list[int]:
+    """PIDs whose command line holds ``token``."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if token.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def wait_until_gone(token: str, timeout_s: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while processes_holding(token) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return processes_holding(token)
+
+
+STOWAWAY = (
+    "import subprocess, sys\n"
+    "code = 'import os, sys, time\\nif os.fork():\\n    os._exit(0)\\ntime.sleep(600)'\n"
+    "subprocess.run(['setsid', sys.executable, '-c', code, {token!r}], check=True)"
+)
+"""Code that leaves a double-forked, setsid process behind (its command line holds the token)."""
+
+
+def test_a_setsid_double_fork_does_not_outlive_close() -> None:
+    token = f"stare-stowaway-{os.getpid()}-{time.monotonic_ns()}"
+    sandbox = LocalSandbox()
+    try:
+        assert sandbox.run(STOWAWAY.format(token=token)).ok
+        assert processes_holding(token), "the test did not start its stowaway"
+    finally:
+        sandbox.close()
+    assert wait_until_gone(token) == [], "a double-forked process outlived close()"
+
+
+def test_the_kernel_dies_with_its_owner(tmp_path) -> None:
+    """An owner killed with SIGKILL runs no cleanup: its kernel must not run on, orphaned."""
+    import signal
+
+    from tests.helpers_processes import start_sandbox_owner
+
+    token = f"stare-orphan-{os.getpid()}-{time.monotonic_ns()}"
+    child, kernel_pid = start_sandbox_owner(
+        "LocalSandbox",
+        f"str(sb.run('import os; os.getpid()', timeout=30).stdout.strip()) or {token!r}",
+        tmp_path / "ready",
+    )
+    kernel_pid = int(kernel_pid)
+    assert Path(f"/proc/{kernel_pid}").exists()
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{kernel_pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    status = Path(f"/proc/{kernel_pid}/status").read_text() if Path(f"/proc/{kernel_pid}").exists() else ""
+    assert "State:\tZ" in status or not status, "the kernel outlived its owner"
+
+
+PEEK = """
+import os
+seen = []
+pid = os.getpid()
+while pid > 1:  # every ancestor's environment that can be read, the trainer's included
+    try:
+        seen.append(open(f"/proc/{pid}/environ", "rb").read())
+        pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError):
+        break
+print(b"hunter2" in b"".join(seen))
+"""
+
+
+def test_the_trainers_environment_is_not_readable_through_proc(tmp_path, monkeypatch) -> None:
+    """The trainer's environment (API keys, tokens) as the kernel could read it from /proc: the
+    environment a process started with, so the trainer is a child started with a secret."""
+    from tests.helpers_processes import start_sandbox_owner
+
+    monkeypatch.setenv("STARE_TRAINER_SECRET", "hunter2")
+    child, seen = start_sandbox_owner(
+        "LocalSandbox", f"sb.run({PEEK!r}, timeout=30).stdout or 'no output'", tmp_path / "ready"
+    )
+    child.kill()
+    child.wait()
+    assert seen == "False\n"
+
+
+@as_root
+def test_a_root_host_runs_the_kernel_without_roots_privileges_or_the_host_network() -> None:
+    """Its own unprivileged uid where the interpreter is readable by it, else root without any
+    capability: either way it cannot re-enter the host's network namespace with setns."""
+    with LocalSandbox() as sandbox:
+        code = """
+import os
+capabilities = int(next(l for l in open("/proc/self/status") if l.startswith("CapEff")).split()[1], 16)
+os.geteuid() != 0 or (capabilities == 0 and open("/proc/self/status").read().count("CapBnd:\\t0000000000000000") == 1)
+"""
+        assert sandbox.run(code).stdout == "True\n"
+        code = """
+import ctypes, os
+try:
+    fd = os.open("/proc/1/ns/net", os.O_RDONLY)
+    entered = ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) == 0
+except OSError:
+    entered = False
+entered
+"""
+        assert sandbox.run(code).stdout == "False\n"
+
+
+@as_root
+def test_shared_memory_counts_against_the_memory_limit_where_a_cgroup_can_be_made() -> None:
+    from sandbox.local import kernel_cgroups_available
+
+    if not kernel_cgroups_available():
+        pytest.skip("this host does not let the local backend make a cgroup")
+    with LocalSandbox(SandboxConfig(memory_mb=256, timeout_s=30)) as sandbox:
+        code = """
+import mmap
+m = mmap.mmap(-1, 1024 * 2**20, flags=mmap.MAP_SHARED)
+for offset in range(0, len(m), 4096):
+    m[offset] = 1
+"done"
+"""
+        result = sandbox.run(code)
+    assert "done" not in result.stdout and (result.state_lost or result.error is not None), result
+
+
+@as_root
+def test_cgroups_of_a_killed_owner_are_reaped(tmp_path) -> None:
+    import signal
+
+    from sandbox.local import kernel_cgroups_available, reap_cgroups
+    from sandbox.owner import reap_local_dirs
+    from sandbox.usage import cgroup_dir
+    from tests.helpers_processes import start_sandbox_owner
+
+    if not kernel_cgroups_available():
+        pytest.skip("this host does not let the local backend make a cgroup")
+    child, sandbox_dir = start_sandbox_owner("LocalSandbox", "str(sb.dir)", tmp_path / "ready")
+    name = Path(sandbox_dir).name
+    parents = {cgroup_dir(os.getpid(), controller) for controller in ("memory", "pids")}
+    made = [parent / name for parent in parents if parent is not None and (parent / name).is_dir()]
+    assert made, "the sandbox has no cgroup"
+    reap_cgroups()
+    assert all(folder.is_dir() for folder in made)  # its owner is alive: kept
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    reap_local_dirs()
+    assert reap_cgroups() >= 1
+    assert not any(folder.exists() for folder in made)
