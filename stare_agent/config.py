@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import typing
 from collections.abc import Sequence
@@ -490,8 +491,20 @@ class OptimConfig:
 class DeepSpeedConfig:
     """How the learner runs (``stare_agent.learner``).
 
+    A DeepSpeed JSON file of your own (``config``) is merged over the config the learner generates:
+    offload (``zero_optimization.offload_optimizer`` / ``offload_param``), bucket sizes, the ZeRO stage
+    and any other DeepSpeed option come from it. Keys the learner owns must agree with it or be
+    ``"auto"`` (as in Hugging Face Trainer configs): ``train_micro_batch_size_per_gpu`` and
+    ``gradient_accumulation_steps`` (1: the learner accumulates over token-budget micro-batches
+    itself), ``train_batch_size`` (the world size), ``gradient_clipping`` (``optim.grad_clip``),
+    ``bf16.enabled`` (``precision``); ``fp16``, ``optimizer`` and ``scheduler`` sections are refused
+    (the learner builds AdamW and the ``optim`` schedule). Other ``"auto"`` values are dropped, leaving
+    DeepSpeed's defaults. With optimizer offload, the learner's torch AdamW steps on the CPU
+    (``zero_force_ds_cpu_optimizer`` is false unless the file sets it).
+
     Attributes:
-        zero_stage: ZeRO stage 0-3 (3 partitions parameters too; the 7B configs use it).
+        zero_stage: ZeRO stage 0-3 (3 partitions parameters too; the 7B configs use it); null: the
+            stage of ``config``'s ``zero_optimization``, else 0. Set in both, they must agree.
         precision: ``bf16`` (DeepSpeed bf16, GPU), ``fp32``, ``bf16-autocast`` (fp32 weights and
             optimizer, forward passes under ``torch.autocast`` in bf16: on a CPU with AVX-512 BF16 or
             AMX an SFT step ran about 3x faster than fp32) or ``auto`` (bf16 on GPU, fp32 on CPU).
@@ -500,19 +513,55 @@ class DeepSpeedConfig:
             optimizer step.
         logprob_chunk_size: Tokens whose full-vocabulary logits exist at once when scoring.
         dist_backend: ``auto`` (NCCL on GPU, gloo on CPU), ``nccl`` or ``gloo``.
+        config: Path of a DeepSpeed JSON config merged over the generated one (see above); null: none.
     """
 
-    zero_stage: int = 0
+    zero_stage: int | None = None
     precision: str = "auto"
     micro_batch_tokens: int = 16384
     logprob_chunk_size: int = 1024
     dist_backend: str = "auto"
+    config: str | None = None
 
     def __post_init__(self) -> None:
-        _one_of("deepspeed", "zero_stage", self.zero_stage, (0, 1, 2, 3))
+        if self.config is not None:
+            stage = read_deepspeed_json(self.config).get("zero_optimization", {}).get("stage")
+            if stage not in (None, "auto"):
+                if self.zero_stage is not None and self.zero_stage != stage:
+                    raise ConfigError(
+                        f"deepspeed.zero_stage={self.zero_stage} but {self.config} sets zero_optimization.stage="
+                        f"{stage}: set one of them (or both to the same stage)"
+                    )
+                self.zero_stage = stage
+        if self.zero_stage is not None:
+            _one_of("deepspeed", "zero_stage", self.zero_stage, (0, 1, 2, 3))
         _one_of("deepspeed", "precision", self.precision, PRECISIONS)
         _one_of("deepspeed", "dist_backend", self.dist_backend, ("auto", "nccl", "gloo"))
         _positive("deepspeed", self, "micro_batch_tokens", "logprob_chunk_size")
+
+
+def read_deepspeed_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON object in the DeepSpeed config file ``path`` (``deepspeed.config``).
+
+    Raises:
+        ConfigError: the file is missing, is not JSON, or holds no object (or a non-object
+            ``zero_optimization``).
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"deepspeed.config={path}: no such file: pass the path of a DeepSpeed JSON config"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"deepspeed.config={path} is not readable JSON ({str(exc).splitlines()[0]}): fix the file"
+        ) from None
+    if not isinstance(data, dict) or not isinstance(data.get("zero_optimization", {}), dict):
+        raise ConfigError(
+            f"deepspeed.config={path} must hold a JSON object (with zero_optimization an object): fix the file"
+        )
+    return data
 
 
 @dataclass

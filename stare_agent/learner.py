@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -48,10 +49,12 @@ from stare_agent.algorithms.losses import policy_loss
 from stare_agent.batch import collate, split_by_token_budget
 from stare_agent.config import (
     AlgorithmConfig,
+    ConfigError,
     DeepSpeedConfig,
     LoRAConfig,
     OptimConfig,
     RunConfig,
+    read_deepspeed_json,
     resolve_precision,
 )
 
@@ -117,6 +120,102 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_ste
         num_training_steps=total_steps,
         scheduler_specific_kwargs={"min_lr_rate": optim.min_lr_ratio},
     )
+
+
+# Keys of a user's DeepSpeed config that the learner sets itself: (what sets them, the fix).
+_OWNED_KEYS = {
+    "train_micro_batch_size_per_gpu": "the learner splits batches by deepspeed.micro_batch_tokens",
+    "gradient_accumulation_steps": "the learner accumulates over deepspeed.micro_batch_tokens micro-batches",
+    "train_batch_size": "one optimizer step per learner call, on every rank",
+    "gradient_clipping": "optim.grad_clip sets it",
+}
+_REFUSED_SECTIONS = {
+    "optimizer": "the learner builds AdamW from the optim section: set optim.lr, optim.betas, ...",
+    "scheduler": "the learner's schedule comes from optim.schedule and optim.warmup_steps",
+    "fp16": "the learner trains in bf16 or fp32: use deepspeed.precision=bf16",
+}
+
+
+def deepspeed_config(
+    ds: DeepSpeedConfig, optim: OptimConfig, precision: str, world_size: int
+) -> dict[str, Any]:
+    """The DeepSpeed config of the learner: generated from ``ds`` and ``optim``, then ``ds.config``'s
+    file merged over it (see :class:`~stare_agent.config.DeepSpeedConfig` for what it may set).
+
+    Raises:
+        ConfigError: the file sets a key the learner owns to another value, or a refused section.
+    """
+    stage = ds.zero_stage or 0  # null: none set here or in the file
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    generated: dict[str, Any] = {
+        # One optimizer step per call: micro-batching and accumulation are ours (token budget).
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "gradient_clipping": optim.grad_clip,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": precision == "bf16", "check_grad_overflow": True},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if ds.config is None:
+        return generated
+    return _merge_user_config(generated, read_deepspeed_json(ds.config), ds.config, precision)
+
+
+def _merge_user_config(
+    generated: dict[str, Any], user: dict[str, Any], path: str, precision: str
+) -> dict[str, Any]:
+    """``user`` merged over ``generated`` after checking the keys the learner owns (one-line errors)."""
+
+    def conflict(key: str, value: Any, ours: Any, why: str, fix: str) -> ConfigError:
+        return ConfigError(
+            f"deepspeed.config={path} sets {key}={json.dumps(value)} but the learner uses "
+            f"{json.dumps(ours)} ({why}): {fix}"
+        )
+
+    def without_auto(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: without_auto(v) if isinstance(v, dict) else v for k, v in d.items() if v != "auto"}
+
+    user = without_auto(user)
+    for key, why in _REFUSED_SECTIONS.items():
+        section = user.get(key)
+        if section is not None and not (key == "fp16" and not section.get("enabled", True)):
+            raise ConfigError(
+                f"deepspeed.config={path} has a {key!r} section ({why}): remove it from the file"
+            )
+    for key, why in _OWNED_KEYS.items():
+        if key in user and user[key] != generated[key]:
+            raise conflict(
+                key, user[key], generated[key], why, f"remove {key} from the file or set it to 'auto'"
+            )
+    bf16 = user.get("bf16", {}).get("enabled")
+    if bf16 is not None and bf16 != generated["bf16"]["enabled"]:
+        raise conflict(
+            "bf16.enabled",
+            bf16,
+            generated["bf16"]["enabled"],
+            f"deepspeed.precision resolves to {precision}",
+            "set deepspeed.precision=bf16 (GPU) or fp32 to match, or remove bf16.enabled from the file",
+        )
+    merged = _deep_merge(generated, user)
+    offload = merged["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
+    if offload != "none":
+        merged.setdefault("zero_force_ds_cpu_optimizer", False)  # torch AdamW steps on the CPU
+    return merged
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 class Learner:
@@ -215,21 +314,7 @@ class Learner:
         )
 
     def _deepspeed_dict(self) -> dict[str, Any]:
-        stage = self.ds_config.zero_stage
-        zero: dict[str, Any] = {"stage": stage}
-        if stage == 3:
-            zero["stage3_gather_16bit_weights_on_model_save"] = True
-        return {
-            # One optimizer step per call: micro-batching and accumulation are ours (token budget).
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": self.optim_config.grad_clip,
-            "zero_optimization": zero,
-            "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": self.precision == "bf16", "check_grad_overflow": True},
-            "steps_per_print": 1 << 30,
-            "wall_clock_breakdown": False,
-        }
+        return deepspeed_config(self.ds_config, self.optim_config, self.precision, self.world_size)
 
     # ------------------------------------------------------------------ batching
 
