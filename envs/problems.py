@@ -25,12 +25,16 @@ from typing import Any
 __all__ = [
     "BUILTIN_SETS",
     "PROBLEM_FAMILIES",
+    "PROCEDURAL_PREFIX",
     "DIFFICULTIES",
     "Problem",
     "ProblemSourceError",
+    "Row",
     "builtin_set_path",
     "generate_problems",
     "load_problems",
+    "procedural_family",
+    "read_rows",
     "register_family",
 ]
 
@@ -122,33 +126,61 @@ def load_problems(source: str | os.PathLike[str], *, limit: int | None = None) -
     """
     if limit is not None and limit < 0:
         raise ProblemSourceError(f"limit must be >= 0 or None, got {limit}")
+    rows = read_rows(source)
     path = Path(source)
-    if not path.is_file() and isinstance(source, str) and source in BUILTIN_SETS:
-        path = builtin_set_path(source)
-    if path.is_file():
-        rows = _read_rows(path)
-    elif isinstance(source, os.PathLike) or str(source).endswith(_FILE_SUFFIXES) or path.exists():
-        raise ProblemSourceError(
-            f"{path}: no such file: check the path (relative paths start at {Path.cwd()}) "
-            "or pass a Hugging Face dataset name such as 'owner/name'"
-        )
-    elif str(source).count("/") == 1 and " " not in str(source):
-        rows = _read_hub(str(source))
-        path = Path(str(source).replace("/", "__"))
-    else:
-        raise ProblemSourceError(
-            f"{source!r} is neither an existing file nor a hub name: pass a .jsonl, .json or .parquet path, "
-            f"a Hugging Face dataset name such as 'owner/name', or a built-in set ({', '.join(BUILTIN_SETS)})"
-        )
+    stem = path.stem if path.is_file() else Path(str(source).replace("/", "__")).stem
     problems: list[Problem] = []
     for where, index, row in rows:
         if limit is not None and len(problems) >= limit:
             break
-        problems.append(_row_to_problem(row, where=where, default_id=f"{path.stem}-{index:06d}"))
+        problems.append(_row_to_problem(row, where=where, default_id=f"{stem}-{index:06d}"))
     return problems
 
 
-Row = tuple[str, int, Any]  # (location for error messages, row index, row)
+Row = tuple[str, int, Any]
+"""One row of a source: (location for error messages, such as ``file.jsonl:3``; row index; the row)."""
+
+
+def read_rows(source: str | os.PathLike[str]) -> Iterator[Row]:
+    """The rows of a ``.jsonl``, ``.json`` (a list) or ``.parquet`` file, a built-in set, or a hub dataset.
+
+    The one reader of problem files and SFT data: a short name of ``BUILTIN_SETS`` that is not an
+    existing file is the set shipped with this package; anything else that is not a path and looks
+    like ``owner/name`` (optionally ``owner/name:split``, default ``train``) is loaded with the
+    ``datasets`` package (the ``hub`` extra). The source is resolved when called (a missing file
+    raises here); rows are read lazily.
+
+    Example:
+        >>> where, index, row = next(read_rows("aime2024"))
+        >>> where.endswith("aime2024.jsonl:1"), index, sorted(row)[:2]
+        (True, 0, ['answer', 'id'])
+
+    Raises:
+        ProblemSourceError: Missing file, unknown file type, invalid JSON (named by file and line), or
+            a hub dataset that cannot be loaded (no network, ``datasets`` not installed).
+    """
+    path = Path(source)
+    if not path.is_file() and isinstance(source, str) and source in BUILTIN_SETS:
+        path = builtin_set_path(source)
+    if path.is_file():
+        return _read_rows(path)
+    text = str(source)
+    if (
+        isinstance(source, os.PathLike)
+        or text.endswith(_FILE_SUFFIXES)
+        or path.exists()
+        or text.startswith((".", "/", "~"))
+    ):
+        raise ProblemSourceError(
+            f"{path}: no such file: check the path (relative paths start at {Path.cwd()}) "
+            "or pass a Hugging Face dataset name such as 'owner/name'"
+        )
+    if text.count("/") == 1 and " " not in text:
+        return _read_hub(text)
+    raise ProblemSourceError(
+        f"{source!r} is neither an existing file nor a hub name: pass a .jsonl, .json or .parquet path, "
+        f"a Hugging Face dataset name such as 'owner/name', or a built-in set ({', '.join(BUILTIN_SETS)})"
+    )
 
 
 def _read_rows(path: Path) -> Iterator[Row]:
@@ -299,6 +331,39 @@ def register_family(name: str) -> Callable[[Generator], Generator]:
         return generator
 
     return decorate
+
+
+PROCEDURAL_PREFIX = "procedural:"
+"""Prefix of a problem source that names a generator family (``procedural:modpow``)."""
+
+
+def procedural_family(source: str | os.PathLike[str] | None) -> str | None:
+    """The generator family a problem source names, or None for a file, built-in set or hub dataset.
+
+    The one parser of problem sources (training data, evaluation data, SFT data, environments):
+    ``procedural:<family>`` and a bare family name both name a family, ``procedural:`` and ``mixed``
+    name all of them.
+
+    Example:
+        >>> procedural_family("procedural:modpow"), procedural_family("procedural:"), procedural_family("mixed")
+        ('modpow', 'mixed', 'mixed')
+        >>> procedural_family("aime2024") is None
+        True
+
+    Raises:
+        ProblemSourceError: ``procedural:<family>`` with an unknown family (the message lists them).
+    """
+    if not isinstance(source, str):
+        return None
+    if source.startswith(PROCEDURAL_PREFIX):
+        family = source[len(PROCEDURAL_PREFIX) :] or "mixed"
+        if family != "mixed" and family not in PROBLEM_FAMILIES:
+            raise ProblemSourceError(
+                f"unknown problem family {family!r} in {source!r}: use procedural:<family> with one of "
+                f"{', '.join(sorted(PROBLEM_FAMILIES))}, or procedural:mixed"
+            )
+        return family
+    return source if source == "mixed" or source in PROBLEM_FAMILIES else None
 
 
 def generate_problems(family: str, n: int, *, seed: int = 0, difficulty: int = 1) -> list[Problem]:

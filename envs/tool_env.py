@@ -34,7 +34,14 @@ from gymnasium.spaces import Text
 from gymnasium.spaces.space import Space
 
 from envs.formats import ToolCall, ToolFormat, clean_model_text, get_format, observation_charset, printable
-from envs.problems import DIFFICULTIES, PROBLEM_FAMILIES, Problem, generate_problems, load_problems
+from envs.problems import (
+    DIFFICULTIES,
+    PROBLEM_FAMILIES,
+    Problem,
+    generate_problems,
+    load_problems,
+    procedural_family,
+)
 from envs.rewards import AnswerChecker, RewardConfig, compute_reward
 from envs.tools import BoundTool, ToolResult, ToolSpec, get_tool
 from sandbox.config import SandboxConfig
@@ -101,8 +108,9 @@ class UnicodeText(Text):
 
 def resolve_problems(problems: Sequence[Problem] | str | os.PathLike[str]) -> list[Problem] | str:
     """A list of problems, or the name of a generator family (``"mixed"`` for all families)."""
-    if isinstance(problems, str) and (problems == "mixed" or problems in PROBLEM_FAMILIES):
-        return problems
+    family = procedural_family(problems) if isinstance(problems, str) else None
+    if family is not None:
+        return family
     if isinstance(problems, str | os.PathLike):
         loaded = load_problems(problems)
     else:
@@ -119,8 +127,8 @@ class ToolEnv(gymnasium.Env[str, str]):
     """Solve a problem with tools over several turns; reward = verified final answer.
 
     Args:
-        problems: Problems (list), a file for ``load_problems``, or a generator family name
-            (``"mixed"`` for all), generated afresh at each reset from the env's seeded RNG.
+        problems: Problems (list), a file for ``load_problems``, or a generator family
+            (``"modpow"`` or ``"procedural:modpow"``; ``"mixed"`` for all), generated afresh at each reset from the env's seeded RNG.
         tools: Registered tool names (or specs) the model may call.
         format: ``"retool"``, ``"hermes"`` or a ``ToolFormat``.
         pool: Shared ``SandboxPool`` for tools that need a sandbox; when None the env starts a

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from envs.formats import CODE_TOOL, ReToolFormat, ToolCall, get_format
-from envs.problems import Problem, generate_problems
+from envs.problems import Problem, ProblemSourceError, generate_problems, read_rows
 from envs.rollout import ToolTurnGlue, render_chat
 from envs.tools import get_tool, render_exec_result
 from envs.trajectory import Trajectory, TrajectoryBuilder
@@ -284,59 +284,12 @@ def read_traces(source: str | Path, *, format: str = "auto", limit: int | None =
 
 
 def _rows(source: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
-    path = Path(source)
-    if path.suffix in (".jsonl", ".json", ".parquet") or path.exists() or source.startswith((".", "/", "~")):
-        if not path.is_file():
-            raise SFTDataError(
-                f"SFT data file {path} not found: pass an existing .jsonl/.parquet file or a hub name"
-            )
-        yield from _file_rows(path)
-        return
-    yield from _hub_rows(source)
-
-
-def _file_rows(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for index, row in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path}: row {index}", row
-        return
-    if path.suffix == ".json":
-        rows = json.loads(path.read_text(encoding="utf-8"))
-        for index, row in enumerate(rows if isinstance(rows, list) else [rows]):
-            yield f"{path}: row {index}", row
-        return
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if line.strip():
-                try:
-                    yield f"{path}:{number}", json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise SFTDataError(
-                        f"{path}:{number}: not JSON ({exc.msg}): one JSON object per line"
-                    ) from None
-
-
-def _hub_rows(name: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
-    repo, _, split = name.partition(":")
+    """The rows of ``source`` through the one reader of files and hub datasets (:func:`envs.problems.read_rows`)."""
     try:
-        import datasets
-    except ImportError:
-        raise SFTDataError(
-            f"{name!r} looks like a Hugging Face dataset but `datasets` is not installed: "
-            "pip install datasets, or download it and pass a local .jsonl/.parquet file"
-        ) from None
-    try:
-        dataset = datasets.load_dataset(repo, split=split or "train")
-    except Exception as exc:  # noqa: BLE001 - network, auth and missing-split errors alike
-        first = (str(exc).strip().splitlines() or [""])[0][:160]
-        raise SFTDataError(
-            f"cannot load Hugging Face dataset {repo!r} ({type(exc).__name__}: {first}): check the name and "
-            "the network, or download it and pass the local .jsonl/.parquet file"
-        ) from None
-    for index, row in enumerate(dataset):
-        yield f"{name}: row {index}", row
+        for where, _index, row in read_rows(source):
+            yield where, row
+    except ProblemSourceError as exc:
+        raise SFTDataError(str(exc)) from None
 
 
 # -------------------------------------------------------------------------------- tokenization
@@ -405,7 +358,6 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 # ---------------------------------------------------------------------------- procedural traces
 
 
-PROCEDURAL_PREFIX = "procedural:"
 _LEAD_IN = "I'll compute this with Python.\n"
 
 

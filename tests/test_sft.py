@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,10 +169,11 @@ def test_bad_sft_input_gives_one_line(tmp_path):
     with pytest.raises(SFTDataError) as missing:
         read_traces(tmp_path / "nope.jsonl")
     assert str(missing.value) == (
-        f"SFT data file {tmp_path / 'nope.jsonl'} not found: pass an existing .jsonl/.parquet file or a hub name"
+        f"{tmp_path / 'nope.jsonl'}: no such file: check the path (relative paths start at "
+        f"{Path.cwd()}) or pass a Hugging Face dataset name such as 'owner/name'"
     )
     with pytest.raises(
-        SFTDataError, match=r"JoeYing/ReTool-SFT.*(pip install datasets|check the name)"
+        SFTDataError, match=r"JoeYing/ReTool-SFT.*(pip install 'stare-agent\[hub\]'|check the name)"
     ) as hub:
         read_traces("JoeYing/ReTool-SFT")
     assert "\n" not in str(hub.value)

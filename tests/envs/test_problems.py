@@ -18,8 +18,10 @@ from envs.problems import (
     ProblemSourceError,
     generate_problems,
     load_problems,
+    procedural_family,
     register_family,
 )
+from envs.tool_env import resolve_problems
 
 # -- files ------------------------------------------------------------------------------------------
 
@@ -155,6 +157,25 @@ def test_hub_name_without_datasets_or_network_fails_in_one_line(monkeypatch):
 def test_neither_file_nor_hub_name():
     with pytest.raises(ProblemSourceError, match="neither an existing file nor a hub name"):
         load_problems("just some words")
+
+
+def test_procedural_sources_are_parsed_in_one_place():
+    """``procedural:<family>``, a bare family and ``procedural:`` (all families) mean the same
+    everywhere; an unknown family after the prefix is refused with the valid names, not read as a path."""
+    assert procedural_family("procedural:modpow") == "modpow"
+    assert procedural_family("modpow") == "modpow"
+    assert procedural_family("procedural:") == procedural_family("mixed") == "mixed"
+    assert procedural_family("aime2024") is None
+    assert procedural_family("owner/name") is None
+    with pytest.raises(
+        ProblemSourceError,
+        match=r"^unknown problem family 'nope' in 'procedural:nope': use procedural:<family> with one of "
+        r"base_conversion, .*procedural:mixed$",
+    ):
+        procedural_family("procedural:nope")
+    # the environment takes the same sources as the trainer and SFT
+    assert resolve_problems("procedural:modpow") == "modpow"
+    assert resolve_problems("procedural:") == "mixed"
 
 
 # -- generators -------------------------------------------------------------------------------------
