@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 VENV=.venv
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 
-pip install "trl==1.16.0" "verifiers==0.4.0"
+pip install "trl==1.16.0" "verifiers==0.3.1"
 pip install "ray==2.60.0" orjson importlib_metadata cloudpickle codetiming cachetools fastapi
 pip install --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers==0.1.0"
 overlay="$VENV/verl-overlay"
