@@ -21,7 +21,7 @@ docs: setup
 	.venv/bin/python -m stare_agent.config_reference > docs/configuration.md
 
 lint: setup
-	.venv/bin/ruff check sandbox envs stare_agent tests benchmarks examples
+	.venv/bin/ruff check sandbox envs stare_agent stare_integrations tests benchmarks examples
 
 bench: docker
 	.venv/bin/python benchmarks/sandbox_latency.py

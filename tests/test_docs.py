@@ -147,6 +147,7 @@ PRODUCT = [
     "sandbox",
     "envs",
     "stare_agent",
+    "stare_integrations",
     "examples",
     "configs",
     "scripts",

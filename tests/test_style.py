@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CODE = ["sandbox", "envs", "stare_agent", "tests", "benchmarks", "examples"]
+CODE = ["sandbox", "envs", "stare_agent", "stare_integrations", "tests", "benchmarks", "examples"]
 
 
 def test_ruff_lint_and_format_are_clean():
