@@ -23,13 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from envs.problems import procedural_family
 from envs.trajectory import Trajectory
-from stare_agent.config import RunConfig, resolve_precision
-from stare_agent.learner import Learner
+from stare_agent.config import RunConfig
+from stare_agent.learner import Learner, load_training_policy
 from stare_agent.metrics import StepLogger
 from stare_agent.sft_data import (
     SFTDataError,
@@ -98,13 +97,7 @@ def sft(config: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[
     start = time.perf_counter()
     sft_cfg, run_dir = config.sft, Path(config.trainer.run_dir)
     if model is None or tokenizer is None:
-        from stare_agent.models import load_policy
-
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = (
-            torch.bfloat16 if resolve_precision(config.deepspeed.precision, device_type) == "bf16" else None
-        )
-        model, tokenizer = load_policy(config.model.name_or_path, dtype=dtype)
+        model, tokenizer = load_training_policy(config)  # partitioned at load under ZeRO-3
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     traces, counts = load_sft_traces(config)

@@ -122,6 +122,32 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_ste
     )
 
 
+def load_training_policy(config: RunConfig) -> tuple[Any, Any]:
+    """The policy and tokenizer of ``config.model`` for training, in the learner's dtype.
+
+    Under ZeRO-3 the model is loaded partitioned (``stare_agent.models.load_policy`` with the
+    learner's DeepSpeed config: ``from_pretrained`` inside ``deepspeed.zero.Init``, rank 0 scatters
+    the checkpoint), so no rank holds a full copy of the weights. The DeepSpeed config is built (and
+    a user's ``deepspeed.config`` checked) before anything loads.
+
+    Raises:
+        ConfigError: ``deepspeed.config`` conflicts with the learner.
+        stare_agent.models.ModelLoadError: the model cannot be loaded (ModelTooLargeError: it does
+            not fit in memory).
+    """
+    from stare_agent.models import load_policy
+
+    ds = config.deepspeed
+    init_distributed(ds.dist_backend)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    precision = resolve_precision(ds.precision, device_type)
+    settings = deepspeed_config(ds, config.optim, precision, dist.get_world_size())
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    return load_policy(
+        config.model.name_or_path, dtype=dtype, zero3_config=settings if ds.zero_stage == 3 else None
+    )
+
+
 # Keys of a user's DeepSpeed config that the learner sets itself: (what sets them, the fix).
 _OWNED_KEYS = {
     "train_micro_batch_size_per_gpu": "the learner splits batches by deepspeed.micro_batch_tokens",

@@ -174,6 +174,7 @@ def load_policy(
     *,
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
+    zero3_config: dict[str, Any] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM policy and its tokenizer, in eval mode on ``device``.
 
@@ -183,6 +184,12 @@ def load_policy(
         dtype: weight dtype (``torch.bfloat16`` or ``"bfloat16"``); None keeps the checkpoint's
             dtype (float32 for the embedded model).
         device: where the weights go (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
+        zero3_config: a DeepSpeed config of ZeRO stage 3 (``stare_agent.learner.deepspeed_config``),
+            with ``torch.distributed`` initialised: the model is loaded partitioned. A
+            ``transformers.integrations.HfDeepSpeedConfig`` of it is alive during ``from_pretrained``,
+            which then builds the model inside ``deepspeed.zero.Init`` and lets rank 0 read the
+            checkpoint and scatter it, so no rank holds a full copy; the memory check counts one
+            rank's partition and ``device`` is DeepSpeed's.
 
     Raises:
         ModelLoadError: the embedded model cannot be prepared.
@@ -192,10 +199,23 @@ def load_policy(
     device = torch.device(device)
     config = AutoConfig.from_pretrained(path)
     resolved_dtype = _resolve_dtype(dtype, config)
-    check_fits_in_memory(config, resolved_dtype, device, name=str(name_or_path))
+    shards = torch.distributed.get_world_size() if zero3_config is not None else 1
+    check_fits_in_memory(config, resolved_dtype, device, name=str(name_or_path), shards=shards)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved_dtype)
-    model.to(device)
+    if zero3_config is None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved_dtype)
+        model.to(device)
+    else:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        # transformers keeps only a weak reference: ZeRO-3 loading is on while this one lives.
+        zero3 = HfDeepSpeedConfig(zero3_config)
+        if not zero3.is_zero3():
+            raise ValueError("zero3_config must be a DeepSpeed config of ZeRO stage 3")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved_dtype)
+        finally:
+            del zero3
     model.eval()
     return model, tokenizer
 
@@ -245,8 +265,11 @@ def _resolve_dtype(dtype: torch.dtype | str | None, config: AutoConfig) -> torch
     return resolved
 
 
-def check_fits_in_memory(config: AutoConfig, dtype: torch.dtype, device: torch.device, *, name: str) -> None:
-    """Raise :class:`ModelTooLargeError` if the weights (parameters × bytes) exceed free memory.
+def check_fits_in_memory(
+    config: AutoConfig, dtype: torch.dtype, device: torch.device, *, name: str, shards: int = 1
+) -> None:
+    """Raise :class:`ModelTooLargeError` if the weights (parameters × bytes / ``shards``, the ZeRO-3
+    partition of one rank) exceed free memory.
 
     The parameter count comes from instantiating the architecture on the meta device (no memory);
     free memory is ``MemAvailable`` from ``/proc/meminfo`` on CPU and ``torch.cuda.mem_get_info``
@@ -255,7 +278,7 @@ def check_fits_in_memory(config: AutoConfig, dtype: torch.dtype, device: torch.d
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     n_params = sum(p.numel() for p in skeleton.parameters())
-    needed = n_params * dtype.itemsize
+    needed = n_params * dtype.itemsize // shards
     available = available_memory_bytes(device)
     if available is not None and needed > available:
         raise ModelTooLargeError(

@@ -54,7 +54,7 @@ from stare_agent.algorithms import (
 from stare_agent.algorithms.stare import weight_metrics
 from stare_agent.batch import collate
 from stare_agent.config import RunConfig, check_env_id
-from stare_agent.learner import Learner
+from stare_agent.learner import Learner, load_training_policy
 from stare_agent.metrics import StepLogger, rollout_metrics
 
 CHECKPOINT_PREFIX = "step-"
@@ -181,9 +181,7 @@ class Trainer:
         self.resume = resume
         check_env_id(config.env.id)  # before the model loads
         if model is None or tokenizer is None:
-            from stare_agent.models import load_policy
-
-            model, tokenizer = load_policy(config.model.name_or_path)
+            model, tokenizer = load_training_policy(config)  # partitioned at load under ZeRO-3
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         _seed_everything(config.trainer.seed)
