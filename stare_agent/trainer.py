@@ -51,7 +51,6 @@ from stare_agent.algorithms import (
     grpo_advantages,
     stare_weights,
 )
-from stare_agent.algorithms.stare import weight_metrics
 from stare_agent.batch import collate
 from stare_agent.config import RunConfig, check_env_id
 from stare_agent.learner import Learner, load_training_policy
@@ -384,65 +383,25 @@ class Trainer:
         sequence_ids: torch.Tensor,
         Hbar: float,
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        """STARE's weights and its metrics over the whole batch on all ranks. The micro_batch scope
+        selects inside each of the learner's own micro-batches, as the authors' code does, so the
+        split must be the learner's."""
         alg = self.config.algorithm
-        kwargs = dict(gate_on=gate_on, variant=alg.variant, P=alg.P, W=W, M=M)
-        if alg.scope == "global":
-            weights, L_plus, L_minus, _ = stare_weights(
-                A_tok, logp, mask, scope="global", sequence_ids=sequence_ids.to(logp.device), **kwargs
-            )
-        else:
-            # micro_batch scope: select inside each of the learner's own micro-batches, as the
-            # authors' code does, so the split must be the learner's.
-            weights = torch.ones_like(logp)
-            L_plus, L_minus = (
-                torch.zeros_like(mask, dtype=torch.bool),
-                torch.zeros_like(mask, dtype=torch.bool),
-            )
-            for idx in self.learner.micro_batches(trajectories):
-                rows = torch.tensor(idx, device=logp.device)
-                w, lp, lm, _ = stare_weights(
-                    A_tok[rows], logp[rows], mask[rows], scope="micro_batch", **kwargs
-                )
-                weights[rows], L_plus[rows], L_minus[rows] = w, lp, lm
-        return weights, self._stare_metrics(A_tok, logp, mask, L_plus, L_minus, gate_on, W, M, Hbar)
-
-    def _stare_metrics(
-        self,
-        A_tok: torch.Tensor,
-        logp: torch.Tensor,
-        mask: torch.Tensor,
-        L_plus: torch.Tensor,
-        L_minus: torch.Tensor,
-        gate_on: bool,
-        W: float,
-        M: float,
-        Hbar: float,
-    ) -> dict[str, float]:
-        """STARE's metrics over the whole batch on all ranks, the same way for both scopes: counts
-        are summed over ranks, surprisal quantiles taken over every rank's mask-1 tokens.
-
-        ``stare/L_plus_above_entropy`` is the fraction of L+ tokens whose surprisal exceeds the
-        batch entropy ``Hbar``: the paper's criticality argument says reinforcing exactly those
-        raises entropy (its sign flips near s = H)."""
-        sel = mask.bool()
-        above = (-logp.detach() > Hbar) & L_plus & sel
-        counts = torch.tensor(
-            [int(sel.sum()), int((sel & (A_tok > 0)).sum()), int((sel & (A_tok < 0)).sum())]
-            + [int((L_plus & sel).sum()), int((L_minus & sel).sum()), int(above.sum())],
-            dtype=torch.int64,
-            device=logp.device,
+        weights, _, _, metrics = stare_weights(
+            A_tok,
+            logp,
+            mask,
+            gate_on=gate_on,
+            variant=alg.variant,
+            P=alg.P,
+            W=W,
+            M=M,
+            scope=alg.scope,
+            micro_batches=self.learner.micro_batches(trajectories) if alg.scope == "micro_batch" else None,
+            sequence_ids=sequence_ids.to(logp.device),
+            Hbar=Hbar,
         )
-        s = -logp.detach()[sel].float().cpu()
-        if self.world > 1:
-            dist.all_reduce(counts)
-            parts: list[Any] = [None] * self.world
-            dist.all_gather_object(parts, s)
-            s = torch.cat(parts)
-        n_tokens, n_plus, n_minus, k_plus, k_minus, k_above = (int(c) for c in counts)
-        sizes = {"T+": n_plus, "T-": n_minus, "L+": k_plus, "L-": k_minus}
-        metrics = weight_metrics(s, torch.ones_like(s, dtype=torch.bool), sizes, n_tokens, gate_on, W, M)
-        metrics["stare/L_plus_above_entropy"] = k_above / k_plus if k_plus else float("nan")
-        return metrics
+        return weights, metrics
 
     def _rollout_groups(self, problems: list[Problem], *, draw: int) -> list[Group]:
         """Play G episodes per problem (this rank's groups), then share rewards and trajectories."""

@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from stare_agent.algorithms.stare import stare_weights
 from stare_agent.config import load_config
 from stare_agent.engines.scripted import ScriptedEngine
 from stare_agent.models import tiny_model
@@ -209,17 +210,13 @@ def test_open_loop_gate_reweights_above_target_and_greedy_eval_is_logged(tmp_pat
 
 
 def test_stare_metrics_count_l_plus_tokens_more_surprising_than_the_batch_entropy():
-    from types import SimpleNamespace
-
     # 1 sequence, 6 model tokens (the last is padding); surprisals 0.1, 2.0, 0.5, 3.0, 1.0
     s = torch.tensor([[0.1, 2.0, 0.5, 3.0, 1.0, 9.0]])
     mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
     A_tok = torch.tensor([[1.0, 1.0, 1.0, 1.0, -1.0, 1.0]]) * mask
-    L_plus = torch.tensor([[False, True, True, True, False, True]])  # the padded one must not count
-    L_minus = torch.tensor([[False, False, False, False, True, False]])
-    metrics = Trainer._stare_metrics(
-        SimpleNamespace(world=1), A_tok, -s, mask, L_plus, L_minus, True, 1.1, 0.9, 1.5
-    )
+    # P = 0.75: L+ = the top ceil(0.75 * 4) = 3 of T+ by surprisal (3.0, 2.0, 0.5); the padded 9.0 never counts
+    _, L_plus, _, metrics = stare_weights(A_tok, -s, mask, gate_on=True, variant="C2", P=0.75, Hbar=1.5)
+    assert L_plus.tolist() == [[False, True, True, True, False, False]]
     # L+ inside the mask: surprisals 2.0, 0.5, 3.0; two of three exceed Hbar = 1.5
     assert metrics["stare/L_plus_above_entropy"] == pytest.approx(2 / 3)
     assert (metrics["stare/T_plus"], metrics["stare/T_minus"], metrics["stare/L_plus"]) == (4.0, 1.0, 3.0)

@@ -25,6 +25,7 @@ sequences; without them, permuting can only swap which of several equal-surprisa
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any, Literal, get_args
@@ -168,8 +169,10 @@ def stare_weights(
     W: float = 1.1,
     M: float = 0.9,
     scope: Scope = "micro_batch",
+    micro_batches: Sequence[Sequence[int]] | None = None,
     micro_batch_size: int | None = None,
     sequence_ids: Tensor | None = None,
+    Hbar: float | None = None,
     group: Any = None,
 ) -> tuple[Tensor, Tensor, Tensor, dict[str, float]]:
     """STARE token weights ``w_t`` (see the module docstring for the formulas).
@@ -181,15 +184,27 @@ def stare_weights(
         gate_on: output of ``entropy_gate``; when False every weight is 1 (the loss is GRPO-ds).
         variant: "O1" (W on L+) or "C2" (W on L+, M on L-).
         P, W, M: fraction selected, amplification of L+, attenuation of L-.
-        scope: "micro_batch" selects inside each block of ``micro_batch_size`` rows (the whole
-            input when None); "global" selects over all rows on all ranks (all_gather).
+        scope: "micro_batch" selects inside each micro-batch (the whole input when neither
+            ``micro_batches`` nor ``micro_batch_size`` is given); "global" selects over all rows on
+            all ranks (all_gather).
+        micro_batches: the learner's split of the rows (lists of row indices that cover each row
+            exactly once), for the micro_batch scope.
+        micro_batch_size: shorthand for consecutive micro-batches of this many rows.
         sequence_ids: optional [B] distinct non-negative int ids (global across ranks) used as
             the tie-break key; default: the global row index.
-        group: optional process group for the global scope (default: the world).
+        Hbar: the batch entropy of ``entropy_gate``; when given, the metrics add
+            ``stare/L_plus_above_entropy``, the fraction of L+ whose surprisal exceeds it (the
+            paper's criticality argument: reinforcing exactly those raises entropy; the sign of
+            the effect flips near s = H).
+        group: optional process group (default: the world) of the global selection and of the
+            metrics.
 
     Returns:
         (weights [B, T] in {1, W, M} (1 on mask-0), L+ mask [B, T], L- mask [B, T] (all False
-        for O1), metrics). L+/L- are computed even when the gate is off, for logging.
+        for O1), metrics). L+/L- are computed even when the gate is off, for logging. The metrics
+        describe the whole batch on all ranks in both scopes (counts summed, surprisal quantiles
+        over every rank's mask-1 tokens): with torch.distributed initialized every rank of
+        ``group`` calls this once per batch.
     """
     check_stare_options(variant=variant, scope=scope, P=P, W=W, M=M)
     if not (advantages.shape == logprobs.shape == response_mask.shape and advantages.dim() == 2):
@@ -210,48 +225,63 @@ def stare_weights(
     T_plus, T_minus = mask & (A > 0), mask & (A < 0)
 
     # --- selection: exact top-k by s (ties: smaller key first) inside each selection block
-    # the process group to select over; None: this call's rows only (no communication)
-    comm = (
-        (group if group is not None else dist.group.WORLD) if scope == "global" and _distributed() else None
-    )
+    # the process group of the metrics, and of the selection in the global scope (None: no communication)
+    everyone = (group if group is not None else dist.group.WORLD) if _distributed() else None
+    comm = everyone if scope == "global" else None
     seq_key = _sequence_keys(B, sequence_ids, s.device, comm)
-    if scope == "global" or micro_batch_size is None:
-        blocks = [(0, B)]
-    else:
-        if micro_batch_size < 1:
-            raise ValueError(
-                f"micro_batch_size={micro_batch_size} must be >= 1: pass the learner's micro-batch rows"
-            )
-        blocks = [(lo, min(lo + micro_batch_size, B)) for lo in range(0, B, micro_batch_size)]
     L_plus = torch.zeros_like(mask)
     L_minus = torch.zeros_like(mask)
-    sizes = {"T+": 0, "T-": 0, "L+": 0, "L-": 0}  # |T+|, |T-|, |L+|, |L-| over the scope
-    for lo, hi in blocks:
-        keys = seq_key[lo:hi]
-        L_plus[lo:hi], n_plus, k_plus = _top_k(s[lo:hi], T_plus[lo:hi], keys, P, comm)
+    for rows in _selection_blocks(B, scope, micro_batches, micro_batch_size, s.device):
+        L_plus[rows] = _top_k(s[rows], T_plus[rows], seq_key[rows], P, comm)
         if variant == "C2":
-            L_minus[lo:hi], n_minus, k_minus = _top_k(s[lo:hi], T_minus[lo:hi], keys, P, comm)
-        else:
-            n_minus, k_minus = _global_count(T_minus[lo:hi], comm), 0
-        for name, value in (("T+", n_plus), ("T-", n_minus), ("L+", k_plus), ("L-", k_minus)):
-            sizes[name] += value
+            L_minus[rows] = _top_k(s[rows], T_minus[rows], seq_key[rows], P, comm)
 
     # --- weights: W on L+, M on L- (C2), 1 elsewhere; all 1 when the gate is off
     weights = torch.ones_like(s, dtype=logprobs.dtype)
     if gate_on:
         weights[L_plus] = W
         weights[L_minus] = M
-    n_tokens = _global_count(mask, comm)
-    metrics = weight_metrics(s, mask, sizes, n_tokens, gate_on, W, M)
+
+    # --- metrics over the whole batch on all ranks (one all_reduce, one all_gather)
+    above = L_plus & (s > Hbar) if Hbar is not None else torch.zeros_like(mask)
+    counts = torch.stack([m.sum() for m in (mask, T_plus, T_minus, L_plus, L_minus, above)]).to(torch.int64)
+    if everyone is not None:
+        dist.all_reduce(counts, group=everyone)
+    n_tokens, n_plus, n_minus, k_plus, k_minus, k_above = (int(c) for c in counts)
+    sizes = {"T+": n_plus, "T-": n_minus, "L+": k_plus, "L-": k_minus}
+    s_all = _gather_cat(s[mask], everyone)
+    metrics = weight_metrics(s_all, torch.ones_like(s_all, dtype=torch.bool), sizes, n_tokens, gate_on, W, M)
+    if Hbar is not None:
+        metrics["stare/L_plus_above_entropy"] = k_above / k_plus if k_plus else float("nan")
     return weights, L_plus, L_minus, metrics
 
 
-def _top_k(s: Tensor, candidates: Tensor, seq_key: Tensor, P: float, group: Any) -> tuple[Tensor, int, int]:
-    """Mask of the top ``ceil(P * n)`` candidates by s, over all ranks when ``group`` is used.
+def _selection_blocks(
+    B: int, scope: str, micro_batches: Sequence[Sequence[int]] | None, size: int | None, device: torch.device
+) -> list[Tensor]:
+    """Row indices of each selection block: all rows (global scope, or no split given), or the micro-batches."""
+    if micro_batches is not None and size is not None:
+        raise ValueError(
+            "pass micro_batches or micro_batch_size, not both: micro_batches is the learner's split"
+        )
+    if size is not None:
+        if size < 1:
+            raise ValueError(f"micro_batch_size={size} must be >= 1: pass the learner's micro-batch rows")
+        micro_batches = [range(lo, min(lo + size, B)) for lo in range(0, B, size)]
+    if scope == "global" or micro_batches is None:
+        return [torch.arange(B, device=device)]
+    if sorted(i for rows in micro_batches for i in rows) != list(range(B)):
+        raise ValueError(
+            f"micro_batches must cover each of the {B} rows exactly once: pass the learner's micro_batches()"
+        )
+    return [torch.tensor(list(rows), dtype=torch.int64, device=device) for rows in micro_batches]
+
+
+def _top_k(s: Tensor, candidates: Tensor, seq_key: Tensor, P: float, group: Any) -> Tensor:
+    """Mask [b, T] of the top ``ceil(P * n)`` of the n candidates by s, over all ranks when ``group`` is used.
 
     Exact: the k-th largest value v is found with a selection (kthvalue); all candidates with
     s > v are taken, and the remaining slots go to the candidates with s == v in key order.
-    Returns (mask [b, T], n candidates, k selected), n and k counted over all ranks.
     """
     flat_idx = candidates.flatten().nonzero().squeeze(1)
     s_c = s.flatten()[flat_idx]
@@ -260,29 +290,29 @@ def _top_k(s: Tensor, candidates: Tensor, seq_key: Tensor, P: float, group: Any)
     k = top_k_count(P, n)
     selected = torch.zeros(candidates.numel(), dtype=torch.bool, device=s.device)
     if k == 0:
-        return selected.view_as(candidates), n, 0
+        return selected.view_as(candidates)
     v = torch.kthvalue(all_s, n - k + 1).values
     above, tied = s_c > v, s_c == v
     need = k - int((all_s > v).sum())
     if need == int((all_s == v).sum()):  # every tied candidate fits: no tie-break needed
         selected[flat_idx[above | tied]] = True
-        return selected.view_as(candidates), n, k
+        return selected.view_as(candidates)
     T = candidates.shape[1]
     tied_idx = flat_idx[tied]
     tied_key = (seq_key[tied_idx // T] << _POSITION_BITS) | (tied_idx % T)
     chosen = torch.sort(_gather_cat(tied_key, group)).values[:need]
     selected[flat_idx[above]] = True
     selected[tied_idx[torch.isin(tied_key, chosen)]] = True
-    return selected.view_as(candidates), n, k
+    return selected.view_as(candidates)
 
 
 def weight_metrics(
     s: Tensor, mask: Tensor, sizes: dict[str, int], n_tokens: int, gate_on: bool, W: float, M: float
 ) -> dict[str, float]:
-    """Counts are over the scope (all ranks for global); surprisal quantiles over this call's tokens.
+    """The metrics of ``stare_weights`` from its counts and the surprisals ``s[mask]``.
 
-    ``sizes`` holds ``|T+|, |T-|, |L+|, |L-|`` under the keys ``T+``, ``T-``, ``L+``, ``L-``. The
-    trainer calls it with counts and surprisals of all ranks, so both scopes report the whole batch.
+    ``sizes`` holds ``|T+|, |T-|, |L+|, |L-|`` under the keys ``T+``, ``T-``, ``L+``, ``L-``;
+    surprisal quantiles are nearest-rank (``ceil(q * n)``-th smallest).
     """
     n = max(n_tokens, 1)
     n_plus, n_minus = (sizes["L+"], sizes["L-"]) if gate_on else (0, 0)
@@ -331,13 +361,6 @@ def _gather_cat(x: Tensor, group: Any) -> Tensor:
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)
     return torch.cat([part[: int(size)] for part, size in zip(parts, lengths, strict=True)])
-
-
-def _global_count(mask: Tensor, group: Any) -> int:
-    count = mask.sum().to(torch.int64).reshape(1)
-    if group is not None:
-        dist.all_reduce(count, group=group)
-    return int(count)
 
 
 def _sequence_keys(B: int, sequence_ids: Tensor | None, device: torch.device, group: Any) -> Tensor:

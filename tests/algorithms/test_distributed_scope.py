@@ -1,4 +1,5 @@
-"""Global scope over 2 gloo ranks equals single-process global scope on the concatenated batch."""
+"""STARE over 2 gloo ranks equals a single process on the concatenated batch: the global scope's
+selection, and in both scopes the metrics (counts and surprisal quantiles of the whole batch)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from stare_agent.algorithms.stare import entropy_gate, stare_weights
 
 OPTIONS = {"variant": "C2", "P": 0.1, "W": 1.1, "M": 0.9, "scope": "global"}
 SPLIT = 3  # rank 0 gets rows [0, 3), rank 1 rows [3, 7): uneven on purpose
+MICRO_BATCHES = ([[2, 0], [1]], [[3, 1], [0, 2]])  # each rank's own split (row indices), as the learner's
 
 
 def _batch():
@@ -34,10 +36,26 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
         rows = slice(0, SPLIT) if rank == 0 else slice(SPLIT, None)
         gate_on, Hbar, _ = entropy_gate(entropy[rows], mask[rows], H_tgt=0.3)
         weights, L_plus, L_minus, metrics = stare_weights(
-            A[rows], logp[rows], mask[rows], gate_on=True, **OPTIONS
+            A[rows], logp[rows], mask[rows], gate_on=True, Hbar=Hbar, **OPTIONS
+        )
+        micro = stare_weights(
+            A[rows],
+            logp[rows],
+            mask[rows],
+            gate_on=True,
+            Hbar=Hbar,
+            **{**OPTIONS, "scope": "micro_batch", "micro_batches": MICRO_BATCHES[rank]},
         )
         torch.save(
-            {"gate_on": gate_on, "Hbar": Hbar, "w": weights, "L+": L_plus, "L-": L_minus, "metrics": metrics},
+            {
+                "gate_on": gate_on,
+                "Hbar": Hbar,
+                "w": weights,
+                "L+": L_plus,
+                "L-": L_minus,
+                "metrics": metrics,
+                "micro": micro,
+            },
             Path(out_dir) / f"rank{rank}.pt",
         )
     finally:
@@ -54,15 +72,21 @@ def test_two_gloo_ranks_match_single_process(tmp_path):
 
     A, logp, mask, entropy = _batch()
     gate_on, Hbar, _ = entropy_gate(entropy, mask, H_tgt=0.3)
-    weights, L_plus, L_minus, metrics = stare_weights(A, logp, mask, gate_on=True, **OPTIONS)
+    weights, L_plus, L_minus, metrics = stare_weights(A, logp, mask, gate_on=True, Hbar=Hbar, **OPTIONS)
+    # the same micro-batches over the concatenated batch (rank 1's rows shifted by SPLIT)
+    blocks = MICRO_BATCHES[0] + [[SPLIT + i for i in rows] for rows in MICRO_BATCHES[1]]
+    micro = stare_weights(
+        A, logp, mask, gate_on=True, Hbar=Hbar, **{**OPTIONS, "scope": "micro_batch", "micro_batches": blocks}
+    )
 
     for r in ranks:
         assert r["gate_on"] == gate_on
         assert r["Hbar"] == pytest.approx(Hbar, rel=1e-12)
-        quantiles = {k for k in metrics if "surprisal" in k}  # per-rank by contract
-        assert {k: v for k, v in r["metrics"].items() if k not in quantiles} == {
-            k: v for k, v in metrics.items() if k not in quantiles
-        }
+        assert r["metrics"] == pytest.approx(metrics, rel=1e-12)  # quantiles too: the whole batch
+        assert r["micro"][3] == pytest.approx(micro[3], rel=1e-12)
+    for i in range(3):
+        assert torch.equal(torch.cat([ranks[0]["micro"][i], ranks[1]["micro"][i]]), micro[i])
+    assert not torch.equal(micro[2], L_minus)  # the scopes really select differently here
     assert torch.equal(torch.cat([ranks[0]["w"], ranks[1]["w"]]), weights)
     assert torch.equal(torch.cat([ranks[0]["L+"], ranks[1]["L+"]]), L_plus)
     assert torch.equal(torch.cat([ranks[0]["L-"], ranks[1]["L-"]]), L_minus)
