@@ -30,8 +30,9 @@ Resets: ``reset()`` gives the next episode a fresh kernel process from the warde
 runs model code (every process of the episode killed; ``/work``, ``/tmp``, ``/dev/shm``,
 ``/dev/mqueue`` and SysV IPC emptied; the warden's own rlimits and scheduling checked; tens of
 milliseconds). ``reset(hard=True)``, or a warden reset that cannot be confirmed, restarts the
-container (fresh tmpfs mounts; about a second). A kernel that hangs in C code or dies is replaced
-the hard way by the driver.
+container (fresh tmpfs mounts; about a second). The driver replaces a kernel stuck in C code the
+same way as a reset (a fresh kernel from the warden), and a kernel that died (the warden then exits
+with its status) by restarting the container.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ and wipes the container between episodes. Its arguments: the connection file, th
 RENEW_TIMEOUT_S = 5.0
 """How long ``reset()`` waits for the processes of an episode to be gone before it restarts the
 container instead."""
+RESTART_RENEW_TIMEOUT_S = 1.0
+"""The same wait when a kernel must be replaced within a call's grace time (a stuck kernel)."""
 
 THREAD_VARIABLES = (
     "OMP_NUM_THREADS",
@@ -260,7 +263,7 @@ class _ContainerKernel:
             except OSError:  # not visible from here (e.g. a remote daemon): ask the API instead
                 pass
 
-    def renew(self) -> bool:
+    def renew(self, timeout_s: float = RENEW_TIMEOUT_S) -> bool:
         """Ask the warden for a fresh kernel (SIGUSR1: it kills every other process, wipes the
         scratch dirs and IPC, forks a kernel) and wait until every process of the episode is gone.
 
@@ -283,7 +286,7 @@ class _ContainerKernel:
             except Exception as exc:  # noqa: BLE001 - the caller restarts the container
                 logger.debug("signalling the warden failed: %s", exc)
                 return False
-        deadline = time.monotonic() + RENEW_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while _pids(self.procs_file) & doomed:
             if time.monotonic() > deadline:
                 return False
@@ -300,6 +303,10 @@ class _ContainerKernel:
             logger.debug("interrupt failed: %s", exc)
 
     def restart(self) -> None:
+        """A fresh kernel from the warden when it answers (milliseconds; e.g. after a kernel stuck
+        in C code), else a restarted container (the kernel died, so the warden has exited)."""
+        if self.is_alive() and self.renew(timeout_s=RESTART_RENEW_TIMEOUT_S):
+            return
         self.container.stop(timeout=0)  # waits until every process of the container is gone
         if self.usage is not None:
             self.usage.forget()

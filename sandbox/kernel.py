@@ -505,9 +505,11 @@ class KernelDriver:
                 return msg
 
     def _drain_shell(self) -> None:
+        """Drop the replies that already arrived, without waiting for late ones: every later
+        read matches its own reply by msg_id (``_shell_reply``) or drops stale ones first."""
         while True:
             try:
-                if self._receive(self._shell, 0.05) is None:
+                if self._receive(self._shell, 0) is None:
                     return
             except MalformedMessage:
                 continue
