@@ -33,8 +33,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from sandbox.config import SandboxConfig
-from stare_agent.algorithms.losses import AGGREGATIONS
-from stare_agent.algorithms.stare import SCOPES, VARIANTS, check_stare_options
+from stare_agent.algorithms.losses import check_loss_options
+from stare_agent.algorithms.stare import check_adaptive_options, check_stare_options
 
 CONFIG_FILENAME = "config.yaml"
 ALGORITHMS = ("grpo_ds", "stare")
@@ -361,26 +361,20 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         _one_of("algorithm", "name", self.name, ALGORITHMS)
-        _one_of("algorithm", "variant", self.variant, VARIANTS)
-        _one_of("algorithm", "scope", self.scope, SCOPES)
         _one_of("algorithm", "gate", self.gate, GATES)
-        _one_of("algorithm", "loss_agg", self.loss_agg, AGGREGATIONS)
-        try:
+        try:  # the rules of the algorithm modules, stated there once
             check_stare_options(variant=self.variant, scope=self.scope, P=self.P, W=self.W, M=self.M)
+            check_loss_options(
+                agg=self.loss_agg, eps_low=self.eps_low, eps_high=self.eps_high, clip_c=self.clip_c
+            )
+            if self.adaptive:
+                check_adaptive_options(
+                    W=self.W, M=self.M, alpha=self.alpha, W_max=self.W_max, M_min=self.M_min
+                )
         except ValueError as exc:
             raise ConfigError(f"algorithm: {exc}") from None
         if not self.H_tgt > 0:
             raise ConfigError(f"algorithm.H_tgt={self.H_tgt} must be > 0 (nats): the paper uses 0.3")
-        if self.adaptive and not (self.alpha > 0 and self.W_max >= self.W and 0 < self.M_min <= self.M):
-            raise ConfigError(
-                f"algorithm adaptive schedule needs alpha > 0, W_max >= W, 0 < M_min <= M (got alpha="
-                f"{self.alpha}, W_max={self.W_max}, M_min={self.M_min}): use 0.01, 1.5, 0.5"
-            )
-        if not (0 <= self.eps_low < 1 and self.eps_high >= 0 and self.clip_c > 1):
-            raise ConfigError(
-                f"algorithm needs 0 <= eps_low < 1, eps_high >= 0, clip_c > 1 (got {self.eps_low}, "
-                f"{self.eps_high}, {self.clip_c}): use the paper's 0.2, 0.28, 10"
-            )
 
 
 @dataclass

@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+from stare_agent.algorithms.losses import policy_loss
+from stare_agent.algorithms.stare import AdaptiveController, stare_weights
 from stare_agent.config import ConfigError, RunConfig, load_config, resolve_precision
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -115,3 +118,28 @@ def test_shipped_configs_load(name):
         assert c.model.name_or_path == "embedded:smollm2-135m-instruct"
         # runs on a CPU: fp32, or bf16 autocast (the quickstart falls back to fp32 without native bf16)
         assert c.deepspeed.precision in ("auto", "fp32", "bf16-autocast") and c.data.prompts_per_step <= 8
+
+
+def _tensors():
+    return (torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))
+
+
+@pytest.mark.parametrize(
+    "overrides, direct",
+    [
+        (["algorithm.eps_low=1.5"], lambda: policy_loss(*_tensors(), eps_low=1.5)),
+        (["algorithm.clip_c=1"], lambda: policy_loss(*_tensors(), clip_c=1.0)),
+        (["algorithm.loss_agg=sum"], lambda: policy_loss(*_tensors(), agg="sum")),
+        (["algorithm.variant=O3"], lambda: stare_weights(*_tensors()[1:], gate_on=True, variant="O3")),
+        (["algorithm.scope=batch"], lambda: stare_weights(*_tensors()[1:], gate_on=True, scope="batch")),
+        (["algorithm.adaptive=true", "algorithm.W_max=1.0"], lambda: AdaptiveController(W=1.1, W_max=1.0)),
+        (["algorithm.adaptive=true", "algorithm.M_min=0.95"], lambda: AdaptiveController(M=0.9, M_min=0.95)),
+    ],
+)
+def test_algorithm_rules_are_stated_once(overrides, direct):
+    """The config refuses exactly what the algorithm modules refuse, with their words."""
+    with pytest.raises(ValueError) as rule:
+        direct()
+    with pytest.raises(ConfigError) as configured:
+        load_config(None, overrides)
+    assert str(configured.value) == f"algorithm: {rule.value}"

@@ -29,6 +29,17 @@ AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 LOG_RATIO_CLAMP = 20.0
 
 
+def check_loss_options(*, agg: str, eps_low: float, eps_high: float, clip_c: float) -> None:
+    """Validate the loss options once (:func:`policy_loss` and the config use it)."""
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"loss aggregation {agg!r} is unknown: use one of {', '.join(AGGREGATIONS)}")
+    if not (0.0 <= eps_low < 1.0 and eps_high >= 0.0 and clip_c > 1.0):
+        raise ValueError(
+            f"need 0 <= eps_low < 1, eps_high >= 0 and clip_c > 1 (got {eps_low}, {eps_high}, {clip_c}): "
+            "use the paper's 0.2, 0.28, 10"
+        )
+
+
 def policy_loss(
     logp: Tensor,
     logp_old: Tensor,
@@ -62,13 +73,7 @@ def policy_loss(
     Returns:
         (scalar loss, metrics).
     """
-    if agg not in AGGREGATIONS:
-        raise ValueError(f"loss aggregation {agg!r} is unknown: use one of {', '.join(AGGREGATIONS)}")
-    if not (0.0 <= eps_low < 1.0 and eps_high >= 0.0 and clip_c > 1.0):
-        raise ValueError(
-            f"need 0 <= eps_low < 1, eps_high >= 0 and clip_c > 1 (got {eps_low}, {eps_high}, {clip_c}): "
-            "use the defaults 0.2, 0.28, 10"
-        )
+    check_loss_options(agg=agg, eps_low=eps_low, eps_high=eps_high, clip_c=clip_c)
     if not logp.shape == logp_old.shape == advantages.shape == response_mask.shape:
         raise ValueError(
             "logp, logp_old, advantages and response_mask must share one [B, T] shape: pad them alike"

@@ -63,6 +63,20 @@ def check_stare_options(*, variant: str, scope: str, P: float, W: float, M: floa
         )
 
 
+def check_adaptive_options(*, W: float, M: float, alpha: float, W_max: float, M_min: float) -> None:
+    """Validate the adaptive W/M schedule once (:class:`AdaptiveController` and the config use it)."""
+    if not 1.0 <= W <= W_max:
+        raise ValueError(
+            f"adaptive W={W} must lie in [1, W_max={W_max}]: lower W or raise W_max (paper: 1.5)"
+        )
+    if not 0.0 < M_min <= M <= 1.0:
+        raise ValueError(
+            f"adaptive M={M} must lie in [M_min={M_min}, 1] with M_min > 0: fix M or M_min (paper: 0.5)"
+        )
+    if not alpha >= 0.0:
+        raise ValueError(f"adaptive alpha={alpha} must be >= 0: e.g. alpha=0.01")
+
+
 def top_k_count(P: float, n: int) -> int:
     """``ceil(P * n)`` with P read as the decimal it was written as (0.1 * 30 -> 3, not 4).
 
@@ -126,16 +140,7 @@ class AdaptiveController:
     M_min: float = 0.5
 
     def __post_init__(self) -> None:
-        if not 1.0 <= self.W <= self.W_max:
-            raise ValueError(
-                f"adaptive W={self.W} must lie in [1, W_max={self.W_max}]: lower W or raise W_max"
-            )
-        if not 0.0 < self.M_min <= self.M <= 1.0:
-            raise ValueError(
-                f"adaptive M={self.M} must lie in [M_min={self.M_min}, 1] with M_min > 0: fix M or M_min"
-            )
-        if not self.alpha >= 0.0:
-            raise ValueError(f"adaptive alpha={self.alpha} must be >= 0: e.g. alpha=0.01")
+        check_adaptive_options(W=self.W, M=self.M, alpha=self.alpha, W_max=self.W_max, M_min=self.M_min)
 
     def update(self, Hbar: float) -> dict[str, float]:
         """Step W and M toward raising entropy when Hbar < H_tgt (lowering it when above)."""
