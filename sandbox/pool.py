@@ -6,6 +6,12 @@ per episode and, when the episode gives it back, re-arms it on a background thre
 replacement when the sandbox died, lost its state to a timeout, was marked broken, or failed to
 reset. Only clean, health-checked sandboxes are ever handed out.
 
+The reset is the backend's: a Docker sandbox gets a fresh kernel process from its container's
+warden, which the episode's code cannot subvert (``sandbox/warden.py``, ``docs/sandbox.md``); the
+local backend resets inside the kernel's own interpreter, which code can subvert (see its
+warning). The backend is resolved once, at construction: ``"auto"`` never turns into a local
+sandbox later because Docker failed once.
+
 >>> from sandbox.pool import SandboxPool
 >>> with SandboxPool(2, backend="local") as pool:  # doctest: +SKIP
 ...     with pool.lease() as sb:
