@@ -53,6 +53,8 @@ class _Session:
     tool: BoundTool | None = None
     calls: int = 0
     instances: set[str] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """One call at a time: verl may run a turn's tool calls concurrently, and one kernel runs one cell."""
 
 
 class CodeInterpreterTool(BaseTool):
@@ -189,14 +191,16 @@ class CodeInterpreterTool(BaseTool):
             return session
 
     def _run(self, session: _Session, parameters: dict[str, Any]) -> Any:
-        """Blocking: lease on the first call, then run (in a worker thread)."""
-        if session.tool is None:
-            pool = self._pool()
-            session.sandbox = pool.acquire(timeout=self.lease_timeout_s)
-            options = {} if self.timeout_s is None else {"timeout_s": float(self.timeout_s)}
-            session.tool = get_tool("code_interpreter").bind(session.sandbox, **options)
-        session.calls += 1
-        return session.tool(parameters)
+        """Blocking (in a worker thread): lease on the first call, then run; the calls of one trajectory
+        run one after another, in the order they arrive."""
+        with session.lock:
+            if session.tool is None:
+                pool = self._pool()
+                session.sandbox = pool.acquire(timeout=self.lease_timeout_s)
+                options = {} if self.timeout_s is None else {"timeout_s": float(self.timeout_s)}
+                session.tool = get_tool("code_interpreter").bind(session.sandbox, **options)
+            session.calls += 1
+            return session.tool(parameters)
 
     def _pool(self) -> SandboxPool:
         with self._lock:

@@ -109,8 +109,10 @@ AGENT_LOOP = textwrap.dedent(
 
     async def main():
         a, b = trajectory(), trajectory()
-        texts = [await call(a, "x = 6"), await call(b, "x = 100"), await call(a, "print(x * 7)"),
-                 await call(b, "print(x + 1)")]
+        texts = [await call(b, "x = 100")]
+        # verl runs the tool calls of one turn concurrently (asyncio.gather); here a's first two calls
+        texts += await asyncio.gather(call(a, "x = 6"), call(a, "y = 7"))
+        texts += [await call(a, "print(x * y)"), await call(b, "print(x + 1)")]
         leased = tool.pool.stats().leased
         del a, b  # the trajectories end: verl drops their AgentData
         gc.collect()
@@ -128,8 +130,9 @@ AGENT_LOOP = textwrap.dedent(
 
 
 def test_verl_agent_loop_keeps_each_trajectorys_sandbox_across_its_calls(docker_ready):
-    """verl's ToolAgentLoop runs create/execute/release around every call: the sandbox follows the
-    trajectory (its AgentData), not the per-call instance, and goes back when the trajectory ends."""
+    """verl's ToolAgentLoop runs create/execute/release around every call, and a turn's calls at once:
+    the sandbox follows the trajectory (its AgentData), not the per-call instance, runs its calls one
+    at a time, and goes back when the trajectory ends."""
     require("verl")
     if not (OVERLAY / "hydra").is_dir():
         message = f"{OVERLAY} has no hydra: run scripts/setup_integrations.sh"
@@ -141,7 +144,7 @@ def test_verl_agent_loop_keeps_each_trajectorys_sandbox_across_its_calls(docker_
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     texts, leased, leased_after, idle_after = json.loads(line.removeprefix("RESULT "))
-    assert texts[2:] == ["42", "101"], texts  # each trajectory kept its own variables
+    assert texts[3:] == ["42", "101"], texts  # each trajectory kept its own variables, in one kernel
     assert (leased, leased_after, idle_after) == (2, 0, 2)
 
 
