@@ -184,6 +184,15 @@ def processes_holding(token: str) -> list[int]:
     return found
 
 
+def reap_leftovers() -> None:
+    """What a killed owner left behind, as the next process that starts a sandbox removes it."""
+    from sandbox.local import reap_cgroups
+    from sandbox.owner import reap_local_dirs
+
+    reap_local_dirs()
+    reap_cgroups()
+
+
 def wait_until_gone(token: str, timeout_s: float = 10.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while processes_holding(token) and time.monotonic() < deadline:
@@ -230,6 +239,7 @@ def test_the_kernel_dies_with_its_owner(tmp_path) -> None:
     while Path(f"/proc/{kernel_pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     status = Path(f"/proc/{kernel_pid}/status").read_text() if Path(f"/proc/{kernel_pid}").exists() else ""
+    reap_leftovers()
     assert "State:\tZ" in status or not status, "the kernel outlived its owner"
 
 
@@ -258,6 +268,7 @@ def test_the_trainers_environment_is_not_readable_through_proc(tmp_path, monkeyp
     )
     child.kill()
     child.wait()
+    reap_leftovers()
     assert seen == "False\n"
 
 
