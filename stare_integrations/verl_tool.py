@@ -35,6 +35,7 @@ from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 from envs.formats import _strip_fence, find_answer  # the ReTool format's own fence rule
 from envs.rewards import RewardConfig, compute_reward
+from envs.tool_env import EpisodeInfrastructureError, is_infrastructure_error
 from envs.tools import BoundTool, get_tool
 from sandbox.config import SandboxConfig
 from sandbox.pool import PooledSandbox, SandboxPool
@@ -133,8 +134,14 @@ class CodeInterpreterTool(BaseTool):
             parameters = {**parameters, "code": _strip_fence(code)}
         try:
             result = await asyncio.to_thread(self._run, session, parameters)
-        except Exception:
+        except Exception as exc:
             self._end(session, broken=True)
+            if is_infrastructure_error(exc):
+                raise EpisodeInfrastructureError(
+                    f"the code_interpreter call failed in the sandbox infrastructure ({type(exc).__name__}: "
+                    f"{exc}); its sandbox was handed back for replacement and the trajectory's next call "
+                    "starts in a fresh one (its variables are lost)"
+                ) from exc
             raise
         text, cut = truncate_text(result.text, self.max_output_chars)
         exec_result = result.exec_result

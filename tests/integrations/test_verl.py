@@ -208,3 +208,47 @@ def test_readme_reward_overrides_score_through_verls_reward_manager():
     assert as_fraction["reward_score"] == 1.0  # math-verify, not string equality
     assert (wrong["reward_score"], wrong["reward_extra_info"]["acc"]) == (-1.0, 0.0)  # plus_minus
     assert (missing["reward_score"], missing["reward_extra_info"]["pred"]) == (-1.0, "")
+
+
+def test_a_removed_container_raises_and_the_trajectory_goes_on_in_a_fresh_sandbox(docker_ready):
+    """Infrastructure failures are not tool output: execute raises (verl's agent loop then reports the
+    error), the broken sandbox goes back for replacement, and the next call leases a fresh one."""
+    require("verl")
+    import docker
+
+    from envs.tool_env import EpisodeInfrastructureError, is_infrastructure_error
+    from stare_integrations.verl_tool import CodeInterpreterTool
+
+    tool = CodeInterpreterTool({"type": "native", "pool_size": 1, "backend": "docker"})
+
+    async def trajectory():
+        instance, _ = await tool.create()
+        await tool.execute(instance, {"code": "x = 1"})
+        container = tool._instances[instance].sandbox.inner.container
+        docker.from_env().containers.get(container.id).remove(force=True)
+        with pytest.raises(EpisodeInfrastructureError, match="handed back for replacement") as failure:
+            await tool.execute(instance, {"code": "print(x)"})
+        after, _, _ = await tool.execute(instance, {"code": "print(41 + 1)"})
+        await tool.release(instance)
+        return failure.value, after.text
+
+    try:
+        failure, after = asyncio.run(trajectory())
+        assert is_infrastructure_error(failure.__cause__), repr(failure.__cause__)
+        assert after == "42"
+        _wait_idle(tool.pool, 1)
+        assert tool.pool.stats().replaced >= 1
+    finally:
+        tool.close()
+
+
+def test_a_bad_tool_config_is_refused_with_the_valid_keys():
+    require("verl")
+    from stare_integrations.verl_tool import CodeInterpreterTool
+
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['pool'\] .*use \[.*'pool_size'"):
+        CodeInterpreterTool({"type": "native", "pool": 4})
+    with pytest.raises(ValueError, match=r"unknown sandbox option\(s\) \['memory'\] .*'memory_mb'"):
+        CodeInterpreterTool({"type": "native", "sandbox": {"memory": 1}})
+    with pytest.raises(ValueError, match="pool_size must be >= 1"):
+        CodeInterpreterTool({"type": "native", "pool_size": 0})
