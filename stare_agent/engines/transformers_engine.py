@@ -99,14 +99,12 @@ class TransformersEngine:
             raise ValueError(
                 f"params.seeds has {len(params.seeds)} seeds for {len(prompts)} prompts: pass one per prompt"
             )
-        generators: list[torch.Generator | None]
+        # One generator per prompt, or one for the whole call (sampled in one batched draw).
+        generators: list[torch.Generator] | torch.Generator | None = None
         if params.seeds is not None:
             generators = [torch.Generator(device=self.device).manual_seed(s) for s in params.seeds]
         elif params.seed is not None:
-            shared = torch.Generator(device=self.device).manual_seed(params.seed)
-            generators = [shared] * len(prompts)
-        else:
-            generators = [None] * len(prompts)
+            generators = torch.Generator(device=self.device).manual_seed(params.seed)
         stop = tuple(s for s in stop if s)
         results: list[Generation] = []
         was_training = self.model.training
@@ -120,7 +118,12 @@ class TransformersEngine:
                     enabled=self.autocast_dtype is not None,
                 ):
                     results.extend(
-                        self._generate_batch(prompts[start:end], params, stop, generators[start:end])
+                        self._generate_batch(
+                            prompts[start:end],
+                            params,
+                            stop,
+                            generators[start:end] if isinstance(generators, list) else generators,
+                        )
                     )
         finally:
             self.model.train(was_training)
@@ -132,7 +135,7 @@ class TransformersEngine:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         stop: tuple[str, ...],
-        generators: list[torch.Generator | None],
+        generators: list[torch.Generator] | torch.Generator | None,
     ) -> list[Generation]:
         n = len(prompts)
         token_ids: list[list[int]] = [[] for _ in range(n)]
@@ -155,7 +158,8 @@ class TransformersEngine:
         live = list(range(n))  # row j of the batch tensors is sequence live[j]
         stop_window = max((len(s) for s in stop), default=0) + _STOP_WINDOW_MARGIN
         for _ in range(params.max_new_tokens):
-            tokens, token_logprobs = sample_next_tokens(logits, params, [generators[seq] for seq in live])
+            row_generators = [generators[seq] for seq in live] if isinstance(generators, list) else generators
+            tokens, token_logprobs = sample_next_tokens(logits, params, row_generators)
             keep: list[int] = []
             for row, (seq, token, logprob) in enumerate(
                 zip(live, tokens.tolist(), token_logprobs.tolist(), strict=True)
@@ -249,7 +253,7 @@ def sample_next_tokens(
         params: temperature (0 = greedy), ``top_k`` (<= 0 = off), ``top_p`` (1 = off).
         generator: the random stream (None = torch's global one), or one per row: row r then draws
             from ``generator[r]`` alone, whatever the other rows are. The same generator object may
-            appear in several rows (one stream for the batch, drawn row by row).
+            appear in several rows.
 
     Returns:
         ``(tokens [batch] long, logprobs [batch] float32)``; see the module docstring for which
