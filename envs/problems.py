@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from envs.errors import EnvError
+
 __all__ = [
     "BUILTIN_SETS",
     "PROBLEM_FAMILIES",
@@ -39,7 +41,7 @@ __all__ = [
 ]
 
 
-class ProblemSourceError(ValueError):
+class ProblemSourceError(EnvError, ValueError):
     """A problem source cannot be read. The message names the file (and line) and the fix."""
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import gymnasium
 
 from envs.code_interpreter import CodeInterpreterEnv
+from envs.errors import EnvError
 from envs.problems import PROBLEM_FAMILIES, builtin_set_path, load_problems
 from envs.tools import ToolSpec, add_tool, get_tool
 
@@ -43,7 +44,7 @@ BENCHMARKS = {"AIME2024": "aime2024", "AIME2025": "aime2025", "AMC23": "amc23", 
 """Benchmark environment name -> built-in set (``envs.problems.BUILTIN_SETS``)."""
 
 
-class EnvRegistrationError(ValueError):
+class EnvRegistrationError(EnvError, ValueError):
     """An environment id is malformed or taken; the message says what to do."""
 
 

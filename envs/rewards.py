@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
+from envs.errors import EnvError
+
 __all__ = [
     "AnswerChecker",
     "AnswerCheckerError",
@@ -44,7 +46,7 @@ __all__ = [
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 
 
-class AnswerCheckerError(RuntimeError):
+class AnswerCheckerError(EnvError, RuntimeError):
     """The answer-checking infrastructure failed (not: the answer was wrong, which is ``False``)."""
 
 

@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from envs.errors import EnvError
 from envs.tool_env import EpisodeInfrastructureError
 from envs.trajectory import Trajectory, TrajectoryBuilder
 
@@ -55,7 +56,7 @@ EpisodeEnd = Literal["terminated", "truncated", "budget", "failed"]
 logger = logging.getLogger(__name__)
 
 
-class RolloutError(RuntimeError):
+class RolloutError(EnvError, RuntimeError):
     """The runner cannot continue: an engine broke the protocol or a chat template cannot be diffed."""
 
 

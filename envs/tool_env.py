@@ -33,6 +33,7 @@ import gymnasium
 from gymnasium.spaces import Text
 from gymnasium.spaces.space import Space
 
+from envs.errors import EnvError
 from envs.formats import ToolCall, ToolFormat, clean_model_text, get_format, observation_charset, printable
 from envs.problems import (
     DIFFICULTIES,
@@ -56,11 +57,11 @@ MAX_OBSERVATION_CHARS = 1 << 20
 """``observation_space.max_length``; observations are clipped to it (with a marker)."""
 
 
-class EnvStateError(RuntimeError):
+class EnvStateError(EnvError, RuntimeError):
     """The environment was used out of order (``step`` before ``reset`` or after the episode ended)."""
 
 
-class EpisodeInfrastructureError(RuntimeError):
+class EpisodeInfrastructureError(EnvError, RuntimeError):
     """The episode's infrastructure failed (its sandbox or container died or was removed, a Docker API
     error, the pool had no sandbox to lease): not the model's doing, so not an observation. The env
     has already ended the episode and given its sandbox back as broken (the pool replaces it); the

@@ -27,15 +27,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from envs.errors import EnvError
 from sandbox.base import Sandbox
 from sandbox.result import ExecResult
 
 
-class ToolRegistryError(LookupError):
+class ToolRegistryError(EnvError, LookupError):
     """A tool could not be registered or found; the message says why and what to do."""
 
 
-class ToolInputError(Exception):
+class ToolInputError(EnvError):
     """Raised by a tool when the model's arguments are unusable; the message is shown to the model."""
 
 

@@ -29,8 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from envs.errors import EnvError
 
-class TrajectoryError(ValueError):
+
+class TrajectoryError(EnvError, ValueError):
     """A trajectory whose fields disagree (lengths, mask values, spans)."""
 
 

@@ -297,34 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Failures whose message already names the cause and the fix: shown as one line."""
-    from envs.problems import ProblemSourceError
+    """Failures whose message already names the cause and the fix, shown as one line: the error root
+    of each package (none of them needs torch, so a broken torch install cannot hide the error)."""
+    from envs.errors import EnvError
     from sandbox.errors import SandboxError
-    from stare_agent.engines.openai_engine import OpenAIEngineError
+    from stare_agent.errors import StareError
 
-    errors: list[type[BaseException]] = [
-        ProblemSourceError,
-        SandboxError,
-        FileNotFoundError,
-        OpenAIEngineError,
-    ]
-    try:  # these need torch; a broken torch install must not hide the original error
-        from stare_agent.algorithms.dynamic_sampling import DynamicSamplingShortfall
-        from stare_agent.config import ConfigError
-        from stare_agent.engines.sglang_engine import SGLangUnavailableError
-        from stare_agent.models import ModelLoadError
-        from stare_agent.sft_data import SFTDataError
-
-        errors += [
-            ConfigError,
-            ModelLoadError,
-            SGLangUnavailableError,
-            SFTDataError,
-            DynamicSamplingShortfall,
-        ]
-    except ImportError:
-        pass
-    return tuple(errors)
+    return (SandboxError, EnvError, StareError, FileNotFoundError)
 
 
 # Left out of the slim install (`pip install stare-agent`: sandbox and envs only).

@@ -62,7 +62,7 @@ def load_sft_traces(config: RunConfig) -> tuple[list[Trace], dict[str, int]]:
     if not traces:
         raise SFTDataError(
             f"none of {n} procedural {family!r} traces reproduced the gold answer in the sandbox: "
-            "check the sandbox (stare-agent sandbox check) and its limits (sandbox.limits.timeout_s)"
+            "run `stare-agent sandbox doctor` and check the limits (sandbox.limits.timeout_s)"
         )
     return traces, {"rejected": rejected}
 

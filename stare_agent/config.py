@@ -35,6 +35,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from sandbox.config import SandboxConfig
 from stare_agent.algorithms.losses import check_loss_options
 from stare_agent.algorithms.stare import check_adaptive_options, check_stare_options
+from stare_agent.errors import StareError
 
 CONFIG_FILENAME = "config.yaml"
 ALGORITHMS = ("grpo_ds", "stare")
@@ -49,7 +50,7 @@ LOGGER_BACKENDS = ("tensorboard", "wandb")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
-class ConfigError(ValueError):
+class ConfigError(StareError, ValueError):
     """A config file or override is invalid; the message names the key, the rule and the fix."""
 
 

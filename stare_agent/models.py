@@ -33,6 +33,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from stare_agent.errors import StareError
+
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_NAME = "smollm2-135m-instruct"
 DEFAULT_POLICY = EMBEDDED_PREFIX + EMBEDDED_NAME
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
     from stare_agent.config import LoRAConfig
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(StareError, RuntimeError):
     """A policy or tokenizer could not be loaded; the message names the cause and the fix."""
 
 

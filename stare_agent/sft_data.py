@@ -41,6 +41,7 @@ from envs.rollout import ToolTurnGlue, render_chat
 from envs.tools import get_tool, render_exec_result
 from envs.trajectory import Trajectory, TrajectoryBuilder
 from sandbox.base import Sandbox
+from stare_agent.errors import StareError
 
 StepKind = Literal["model", "tool"]
 TraceFormat = Literal["retool", "openai", "tora"]
@@ -51,7 +52,7 @@ _TORA_BLOCK = re.compile(
 )
 
 
-class SFTDataError(ValueError):
+class SFTDataError(StareError, ValueError):
     """SFT data that cannot be read or converted; the message names the row, the cause and the fix."""
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol, TypeVar
 
+from stare_agent.errors import StareError
+
 
 class RewardedGroup(Protocol):
     """Anything with the rewards of one group of responses to the same prompt."""
@@ -25,7 +27,7 @@ class RewardedGroup(Protocol):
 G = TypeVar("G", bound=RewardedGroup)
 
 
-class DynamicSamplingShortfall(RuntimeError):
+class DynamicSamplingShortfall(StareError, RuntimeError):
     """``max_batches`` were drawn and fewer than ``target_groups`` groups had differing rewards."""
 
 

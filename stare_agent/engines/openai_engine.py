@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from envs.rollout import FinishReason, Generation, RolloutError, SamplingParams, Tokenizer, stream_seed
+from stare_agent.errors import StareError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 
-class OpenAIEngineError(RolloutError):
+class OpenAIEngineError(StareError, RolloutError):
     """The OpenAI-compatible server could not be used (unreachable, refused a request, or lacks ids)."""
 
 

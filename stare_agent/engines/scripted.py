@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from envs.rollout import FinishReason, Generation, SamplingParams, Tokenizer
+from stare_agent.errors import StareError
 
 Script = Sequence[str] | Callable[[str, int], str]
 
 
-class ScriptError(RuntimeError):
+class ScriptError(StareError, RuntimeError):
     """The environment asked for a turn the script does not have."""
 
 

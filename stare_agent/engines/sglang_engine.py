@@ -27,11 +27,12 @@ from typing import Any
 import torch
 
 from envs.rollout import FinishReason, Generation, RolloutError, SamplingParams, stream_seed
+from stare_agent.errors import StareError
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
 
-class SGLangUnavailableError(ImportError):
+class SGLangUnavailableError(StareError, ImportError):
     """SGLang (or the CUDA GPU it needs) is not available on this machine."""
 
 
