@@ -11,7 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from envs.trajectory import TrajectoryBuilder
 from stare_agent.config import load_config
@@ -21,7 +23,18 @@ from stare_agent.models import tiny_model
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _worker(model_dir: str, out_dir: str) -> None:
+def _gathered(module) -> dict[str, torch.Tensor]:
+    """Every parameter of a ZeRO-3 module, whole (gathered one at a time)."""
+    import deepspeed
+
+    out = {}
+    for name, p in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            out[name] = p.detach().clone()
+    return out
+
+
+def _worker(model_dir: str, out_dir: str, lora: bool) -> None:
     """Run by each torchrun rank."""
     import torch.distributed as dist
 
@@ -32,6 +45,7 @@ def _worker(model_dir: str, out_dir: str) -> None:
             "deepspeed.zero_stage=3",
             "deepspeed.precision=fp32",
             "optim.lr=1e-2",
+            f"model.lora.r={4 if lora else 0}",
         ],
     )
     model, tokenizer = load_training_policy(cfg)
@@ -43,19 +57,21 @@ def _worker(model_dir: str, out_dir: str) -> None:
         "full_numel": sum(p.ds_numel for p in params.values()),
     }
     learner = Learner.from_config(model, tokenizer, cfg)
-    start = dict(learner.named_weights())  # gathered, whole
+    start = _gathered(learner.module)
     g = torch.Generator().manual_seed(dist.get_rank())
     b = TrajectoryBuilder(torch.randint(100, 5000, (5,), generator=g).tolist())
     b.append(torch.randint(100, 5000, (7,), generator=g).tolist(), 1, [-1.0] * 7)
     metrics = learner.update([b.build(reward=1.0)], [1.0 if dist.get_rank() == 0 else -1.0])
-    changed = any(not torch.equal(p, start[n]) for n, p in learner.named_weights())
+    changed = [n for n, p in _gathered(learner.module).items() if not torch.equal(p, start[n])]
+    learner.export_hf(f"{out_dir}/hf")
     torch.save(
         {**loaded, "start": start, "skipped": metrics["skipped"], "changed": changed},
         f"{out_dir}/rank{dist.get_rank()}.pt",
     )
 
 
-def test_zero3_loads_partitioned_and_trains_with_two_ranks(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_zero3_loads_partitioned_and_trains_with_two_ranks(lora, tmp_path):
     model, tokenizer = tiny_model(seed=4)
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
@@ -66,7 +82,7 @@ def test_zero3_loads_partitioned_and_trains_with_two_ranks(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1"]
-    command += [f"--master_port={port}", __file__, str(tmp_path / "model"), str(tmp_path)]
+    command += [f"--master_port={port}", __file__, str(tmp_path / "model"), str(tmp_path), str(int(lora))]
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
@@ -76,10 +92,25 @@ def test_zero3_loads_partitioned_and_trains_with_two_ranks(tmp_path):
         assert r["local_numel"] == 0  # no rank holds a whole parameter outside a gather
         assert r["partition_numel"] <= full // 2 + 64 * len(list(model.parameters()))  # about half
         assert r["skipped"] == 0.0 and r["changed"]
+        if lora:  # only the adapters moved
+            assert all(".lora_" in name for name in r["changed"])
     # the partitions hold the checkpoint's weights (rank 0 read it and scattered it)
     for name, p in model.named_parameters():
-        assert torch.equal(ranks[0]["start"][name], p.detach()), name
+        start = {k.replace(".base_layer.", "."): v for k, v in ranks[0]["start"].items()}
+        assert torch.equal(start[name], p.detach()), name
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.tensor([list(range(100, 116))])
+    with torch.no_grad():
+        merged = exported(input_ids=ids).logits
+        assert not torch.allclose(merged, model(input_ids=ids).logits, atol=1e-5)  # the trained policy
+        if lora:
+            import peft
+
+            adapted = peft.PeftModel.from_pretrained(
+                tiny_model(seed=4)[0], tmp_path / "hf" / "adapter"
+            ).eval()
+            torch.testing.assert_close(adapted(input_ids=ids).logits, merged, atol=1e-5, rtol=1e-5)
 
 
 if __name__ == "__main__":  # torchrun entry point
-    _worker(sys.argv[1], sys.argv[2])
+    _worker(sys.argv[1], sys.argv[2], bool(int(sys.argv[3])))
