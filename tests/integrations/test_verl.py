@@ -29,6 +29,14 @@ OVERLAY = REPO / ".venv" / "verl-overlay"
 pytestmark = pytest.mark.docker
 
 
+def overlay_env() -> dict[str, str]:
+    """The environment of a subprocess that imports verl's Hydra-based modules from the overlay."""
+    if not (OVERLAY / "hydra").is_dir():
+        message = f"{OVERLAY} has no hydra: run scripts/setup_integrations.sh"
+        pytest.fail(message) if os.environ.get("CI") == "true" else pytest.skip(message)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(OVERLAY), str(REPO)])}
+
+
 def _wait_idle(pool, size: int, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while (stats := pool.stats()).idle < size:
@@ -134,10 +142,7 @@ def test_verl_agent_loop_keeps_each_trajectorys_sandbox_across_its_calls(docker_
     the sandbox follows the trajectory (its AgentData), not the per-call instance, runs its calls one
     at a time, and goes back when the trajectory ends."""
     require("verl")
-    if not (OVERLAY / "hydra").is_dir():
-        message = f"{OVERLAY} has no hydra: run scripts/setup_integrations.sh"
-        pytest.fail(message) if os.environ.get("CI") == "true" else pytest.skip(message)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(OVERLAY), str(REPO)])}
+    env = overlay_env()
     done = subprocess.run(
         [sys.executable, "-c", AGENT_LOOP], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
     )
@@ -148,7 +153,27 @@ def test_verl_agent_loop_keeps_each_trajectorys_sandbox_across_its_calls(docker_
     assert (leased, leased_after, idle_after) == (2, 0, 2)
 
 
+COMPOSE = textwrap.dedent(
+    """
+    import json, os, sys
+
+    import verl
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(os.path.join(os.path.dirname(verl.__file__), "trainer", "config"), version_base=None):
+        config = compose("ppo_trainer", overrides=sys.argv[1:])
+    print("RESULT " + json.dumps({
+        "reward": OmegaConf.to_container(config.reward.custom_reward_function),
+        "multi_turn": OmegaConf.to_container(config.actor_rollout_ref.rollout.multi_turn),
+    }))
+    """
+)
+
+
 def test_readme_reward_overrides_score_through_verls_reward_manager():
+    """The README's overrides, composed with verl's own trainer config by Hydra (in the overlay), load
+    our compute_score through verl's loader; verl's naive reward manager scores with it."""
     require("verl")
     import torch
     from omegaconf import OmegaConf
@@ -158,19 +183,28 @@ def test_readme_reward_overrides_score_through_verls_reward_manager():
 
     from tests.helpers_tokenizers import smollm2_tokenizer
 
-    overrides = {}
-    for line in readme_block("python3 -m verl.trainer.main_ppo").splitlines():
-        key, _, value = line.strip().rstrip("\\").strip().lstrip("+").partition("=")
-        if key.startswith("custom_reward_function."):
-            overrides[key.removeprefix("custom_reward_function.")] = value
-    assert overrides == {
+    overrides = [
+        line.strip().rstrip("\\").strip() for line in readme_block("python3 -m verl").splitlines()[1:]
+    ]
+    env = overlay_env()
+    done = subprocess.run(
+        [sys.executable, "-c", COMPOSE, *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    composed = json.loads(line.removeprefix("RESULT "))
+    assert composed["reward"] == {
         "path": "pkg://stare_integrations.verl_tool",
         "name": "compute_score",
-        "reward_kwargs.mode": "plus_minus",
+        "reward_kwargs": {"mode": "plus_minus"},
     }
-    config = OmegaConf.create({"reward": {"custom_reward_function": {}}})
-    for key, value in overrides.items():
-        OmegaConf.update(config, f"reward.custom_reward_function.{key}", value)
+    assert composed["multi_turn"]["tool_config_path"] == "stare_tool_config.yaml"
+    config = OmegaConf.create({"reward": {"custom_reward_function": composed["reward"]}})
     compute_score = get_custom_reward_fn(config)
     tokenizer = smollm2_tokenizer()
 
