@@ -48,6 +48,7 @@ from envs.tool_env import EpisodeInfrastructureError
 from envs.trajectory import Trajectory, TrajectoryBuilder
 
 if TYPE_CHECKING:
+    from envs.formats import ToolFormat
     from envs.tool_env import ToolEnv
 
 FinishReason = Literal["stop", "length", "eos"]
@@ -257,6 +258,33 @@ class ToolTurnGlue:
         return end + ids[n:]
 
 
+def render_prompt(
+    tokenizer: Tokenizer,
+    info: Mapping[str, Any],
+    format: ToolFormat,
+    *,
+    template_tools: bool | None = None,
+) -> tuple[str, list[dict[str, Any]] | None]:
+    """The prompt of an episode, for RL and SFT alike: the chat template over the ``messages`` of the
+    env's reset ``info``, with the generation prompt.
+
+    The env's tool schemas (``info["tools"]``) go to the chat template when ``template_tools`` says
+    so, or by default when the format answers in ``tool`` messages and its own system prompt (which
+    lists the tools) is not the first message. Returns (prompt text, the schemas given to the
+    template or None); the glue of ``tool`` messages must be rendered with the same schemas.
+    """
+    tools = info.get("tools") or None
+    if template_tools is None:
+        messages = info["messages"]
+        own_prompt = format.system_prompt(tools) if tools else None
+        has_own = (
+            bool(messages) and messages[0].get("role") == "system" and own_prompt in messages[0]["content"]
+        )
+        template_tools = format.observation_role == "tool" and bool(tools) and not has_own
+    tools = list(tools) if template_tools and tools else None
+    return render_chat(tokenizer, info["messages"], tools=tools, add_generation_prompt=True), tools
+
+
 def render_chat(
     tokenizer: Tokenizer,
     messages: Sequence[Mapping[str, Any]],
@@ -420,8 +448,7 @@ class RolloutRunner:
 
     def _start(self, env: ToolEnv, info: dict[str, Any], key: str, reset_kwargs: dict[str, Any]) -> _Episode:
         """Render and tokenize the prompt; pick the glue for ``tool``-role formats."""
-        tools = info.get("tools") if self._wants_template_tools(env, info) else None
-        prompt = render_chat(self.tokenizer, info["messages"], tools=tools, add_generation_prompt=True)
+        prompt, tools = render_prompt(self.tokenizer, info, env.format, template_tools=self.template_tools)
         episode = _Episode(
             env=env,
             builder=TrajectoryBuilder(_encode(self.tokenizer, prompt)),
@@ -432,15 +459,6 @@ class RolloutRunner:
         if env.format.observation_role == "tool":
             episode.glue = self._glue_for(tools)
         return episode
-
-    def _wants_template_tools(self, env: ToolEnv, info: Mapping[str, Any]) -> bool:
-        if self.template_tools is not None:
-            return self.template_tools and bool(info.get("tools"))
-        if env.format.observation_role != "tool" or not info.get("tools"):
-            return False
-        messages = info["messages"]
-        own_prompt = env.format.system_prompt(info["tools"])
-        return not (messages and messages[0].get("role") == "system" and own_prompt in messages[0]["content"])
 
     def _glue_for(self, tools: Sequence[Mapping[str, Any]] | None) -> ToolTurnGlue:
         key = tuple(sorted(str(t) for t in tools)) if tools else ()

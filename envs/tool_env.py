@@ -124,6 +124,19 @@ def resolve_problems(problems: Sequence[Problem] | str | os.PathLike[str]) -> li
     return loaded
 
 
+def initial_messages(problem: str, *, system_prompt: str, prompt_template: str) -> list[dict[str, Any]]:
+    """The messages an episode starts from, for RL and SFT alike: the system prompt (none when empty)
+    and the user message ``prompt_template`` with the problem, made printable as every observation is.
+
+    Example:
+        >>> initial_messages("1+1?\x1b", system_prompt="", prompt_template="Solve: {problem}")
+        [{'role': 'user', 'content': 'Solve: 1+1?\\\\x1b'}]
+    """
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": printable(prompt_template.format(problem=problem))})
+    return messages
+
+
 class ToolEnv(gymnasium.Env[str, str]):
     """Solve a problem with tools over several turns; reward = verified final answer.
 
@@ -240,9 +253,10 @@ class ToolEnv(gymnasium.Env[str, str]):
         super().reset(seed=seed)
         self._end_episode()
         self.problem = self._choose_problem(options or {})
-        prompt = printable(self.prompt_template.format(problem=self.problem.problem))
-        self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        self.messages.append({"role": "user", "content": prompt})
+        self.messages = initial_messages(
+            self.problem.problem, system_prompt=self.system_prompt, prompt_template=self.prompt_template
+        )
+        prompt = self.messages[-1]["content"]
         self._turn = self._num_tool_calls = self._num_parse_errors = 0
         self._active = True
         info = {

@@ -37,7 +37,9 @@ from typing import Any, Literal
 
 from envs.formats import CODE_TOOL, ReToolFormat, ToolCall, get_format
 from envs.problems import Problem, ProblemSourceError, generate_problems, read_rows
-from envs.rollout import ToolTurnGlue, render_chat
+from envs.rollout import ToolTurnGlue
+from envs.rollout import render_prompt as rollout_prompt
+from envs.tool_env import initial_messages
 from envs.tools import get_tool, render_exec_result
 from envs.trajectory import Trajectory, TrajectoryBuilder
 from sandbox.base import Sandbox
@@ -305,13 +307,19 @@ def render_prompt(
     prompt_template: str = "{problem}",
 ) -> str:
     """The prompt text exactly as the RL environment renders it (system prompt, user message, generation prompt)."""
+    return _prompt(tokenizer, problem, format, system_prompt, prompt_template)[0]
+
+
+def _prompt(
+    tokenizer: Any, problem: str, format: str, system_prompt: str | None, prompt_template: str
+) -> tuple[str, list[dict[str, Any]] | None]:
+    """(prompt text, tool schemas given to the chat template) through the env's and the rollout's own
+    helpers: the code tool, the format's system prompt when None, printable user text."""
     tool_format = get_format(format)
-    system = (
-        tool_format.system_prompt([get_tool(CODE_TOOL).schema()]) if system_prompt is None else system_prompt
-    )
-    messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": prompt_template.format(problem=problem)})
-    return render_chat(tokenizer, messages, add_generation_prompt=True)
+    tools = [get_tool(CODE_TOOL).schema()]
+    system = tool_format.system_prompt(tools) if system_prompt is None else system_prompt
+    messages = initial_messages(problem, system_prompt=system, prompt_template=prompt_template)
+    return rollout_prompt(tokenizer, {"messages": messages, "tools": tools}, tool_format)
 
 
 def trace_to_trajectory(
@@ -322,15 +330,13 @@ def trace_to_trajectory(
     Each step is tokenized on its own (``add_special_tokens=False``), as the rollout tokenizes an
     observation; model tokens get log-prob 0.0 (SFT has no sampling policy).
     """
-    prompt = render_prompt(
-        tokenizer,
-        trace.problem,
-        format=trace.format,
-        system_prompt=system_prompt,
-        prompt_template=prompt_template,
-    )
+    prompt, template_tools = _prompt(tokenizer, trace.problem, trace.format, system_prompt, prompt_template)
     builder = TrajectoryBuilder(_encode(tokenizer, prompt))
-    glue = ToolTurnGlue(tokenizer) if trace.format == "hermes" else None
+    glue = (
+        ToolTurnGlue(tokenizer, template_tools)
+        if get_format(trace.format).observation_role == "tool"
+        else None
+    )
     eos = tokenizer.eos_token_id
     if eos is None:
         raise SFTDataError(
