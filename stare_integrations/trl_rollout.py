@@ -46,6 +46,8 @@ class EnvRollout:
             the trainer's ``max_completion_length``.
         engine: ``trainer -> Engine``; default a ``TransformersEngine`` on the trainer's (unwrapped) model.
         template_tools: See :class:`~envs.rollout.RolloutRunner`.
+        max_episode_retries: How often an episode lost to a sandbox failure is started over before it
+            is given up (see :class:`~envs.rollout.RolloutRunner`).
 
     Sampling follows the trainer's config (``temperature``, ``top_p``, ``top_k``). An episode lost to a
     sandbox failure (after the runner's retries) comes back as one masked EOS token with reward None,
@@ -60,6 +62,7 @@ class EnvRollout:
         max_response_tokens: int | None = None,
         engine: Callable[[Any], Engine] | None = None,
         template_tools: bool | None = None,
+        max_episode_retries: int = 2,
     ) -> None:
         self.make_env = make_env
         self.envs: list[ToolEnv] = [make_env()]
@@ -77,6 +80,7 @@ class EnvRollout:
         self.max_response_tokens = max_response_tokens
         self.engine = engine
         self.template_tools = template_tools
+        self.max_episode_retries = max_episode_retries
 
     def dataset(self) -> datasets.Dataset:
         """TRL's ``train_dataset``: one conversational prompt per problem (the problem text)."""
@@ -102,6 +106,7 @@ class EnvRollout:
                 top_k=trainer.args.top_k or None,
             ),
             template_tools=self.template_tools,
+            max_episode_retries=self.max_episode_retries,
         )
         trajectories = runner.run(self.envs[: len(problems)], options=[{"problem": p} for p in problems])
         eos = trainer.processing_class.eos_token_id

@@ -100,3 +100,55 @@ def test_readme_trl_example_runs_one_step_with_the_models_own_rollouts(docker_re
     assert namespace["pool"].closed
     [logged] = [entry for entry in trainer.state.log_history if "reward" in entry]
     assert logged["reward"] == 0.0  # a random model answers nothing right
+
+
+def test_an_episode_lost_to_the_sandbox_is_left_out_of_the_step(docker_ready, tmp_path):
+    """The container of one episode is removed mid-episode (no retry): that episode comes back as one
+    masked EOS with reward None, which TRL leaves out; the step runs on."""
+    require("trl")
+    import docker
+    from trl import GRPOTrainer
+
+    from sandbox import SandboxPool
+    from stare_agent.engines.scripted import ScriptedEngine
+    from stare_agent.models import tiny_model
+    from stare_integrations.trl_rollout import EnvRollout, env_reward
+
+    model, tokenizer = tiny_model()
+
+    def doomed(prompt_text: str, turn: int) -> str:
+        if turn == 1:  # the env of this episode (the second) holds a sandbox now: remove its container
+            container = rollout.envs[1]._sandbox.inner.container
+            docker.from_env().containers.get(container.id).remove(force=True)
+        return "<code>\n```python\nx = 1\nprint(x)\n```\n</code>"
+
+    scripts = [[CODE_TURN, "<answer>\\boxed{204}</answer>"], doomed]
+    pool = SandboxPool(2, backend="docker")
+    rollout = EnvRollout(
+        lambda: CodeInterpreterEnv([PROBLEM], pool=pool, max_turns=3),
+        engine=lambda trainer: ScriptedEngine(trainer.processing_class, scripts),
+        max_episode_retries=0,
+    )
+    outputs = []
+
+    def recorded(prompts, trainer):
+        outputs.append(rollout(prompts, trainer))
+        return outputs[-1]
+
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=env_reward,
+        args=_config(tmp_path),
+        train_dataset=rollout.dataset(),
+        rollout_func=recorded,
+    )
+    try:
+        trainer.train()
+    finally:
+        rollout.close()
+        pool.close()
+    [out] = outputs
+    assert out["env_reward"] == [1.0, None]
+    assert (out["completion_ids"][1], out["env_mask"][1]) == ([tokenizer.eos_token_id], [0])
+    assert trainer.state.global_step == 1
