@@ -2,6 +2,7 @@
 
 - :class:`TransformersEngine`: any transformers causal LM, CPU or GPU, in process.
 - :class:`SGLangEngine`: SGLang's offline engine on a CUDA GPU (optional).
+- :class:`OpenAIEngine`: any OpenAI-compatible server (vLLM, SGLang, ...) over plain HTTP; no torch.
 - :class:`ScriptedEngine`: replays given turn texts token-exactly (tests, benchmarks); no torch.
 
 Each is imported on first use, so that this package imports without SGLang, and
@@ -14,13 +15,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from stare_agent.engines.openai_engine import OpenAIEngine
     from stare_agent.engines.scripted import ScriptedEngine
     from stare_agent.engines.sglang_engine import SGLangEngine
     from stare_agent.engines.transformers_engine import TransformersEngine
 
-__all__ = ["SGLangEngine", "ScriptedEngine", "TransformersEngine"]
+__all__ = ["OpenAIEngine", "SGLangEngine", "ScriptedEngine", "TransformersEngine"]
 
 _LAZY = {
+    "OpenAIEngine": "stare_agent.engines.openai_engine",
     "ScriptedEngine": "stare_agent.engines.scripted",
     "SGLangEngine": "stare_agent.engines.sglang_engine",
     "TransformersEngine": "stare_agent.engines.transformers_engine",

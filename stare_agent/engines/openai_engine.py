@@ -168,7 +168,7 @@ class OpenAIEngine:
             return model
         if len(served) == 1:
             if model is not None:
-                log.warning("the server serves %r, not %r: using %r", served[0], model, served[0])
+                log.info("the server serves %r, not %r: using %r", served[0], model, served[0])
             return served[0]
         names = ", ".join(served) or "none"
         raise OpenAIEngineError(
