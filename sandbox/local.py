@@ -56,6 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import psutil
 from jupyter_client.connect import write_connection_file
 from jupyter_client.launcher import launch_kernel
 
@@ -383,32 +384,16 @@ def network_isolated() -> bool:
 
 
 def _user_process_count(uid: int) -> int:
-    count = 0
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid:
-                count += 1
-        except OSError:
-            pass
-    return count
+    """Processes whose real uid is ``uid`` (what RLIMIT_NPROC counts)."""
+    return sum(1 for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == uid)
 
 
 def _descendants(root: int) -> list[int]:
-    """PIDs of every process below ``root`` (from /proc parent links)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parents[int(entry)] = int(
-                    Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]
-                )
-            except (OSError, IndexError, ValueError):
-                pass
-    found, frontier = [], [root]
-    while frontier:
-        frontier = [pid for pid, ppid in parents.items() if ppid in frontier]
-        found += frontier
-    return found
+    """PIDs of every process below ``root``."""
+    try:
+        return [child.pid for child in psutil.Process(root).children(recursive=True)]
+    except psutil.Error:  # gone already, or not ours to see
+        return []
 
 
 class _LocalKernel:

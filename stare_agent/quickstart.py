@@ -67,6 +67,7 @@ def quickstart(
 ) -> dict[str, Any]:
     """Run the main job (see the module docstring); returns the before/after numbers and paths."""
     import torch
+    from transformers import set_seed
 
     from envs.rollout import SamplingParams
     from sandbox import SandboxPool
@@ -97,7 +98,7 @@ def quickstart(
 
     # 2. model
     t0 = time.perf_counter()
-    torch.manual_seed(config.trainer.seed)
+    set_seed(config.trainer.seed)
     model, tokenizer = load_policy(config.model.name_or_path)
     phase("model", t0)
 

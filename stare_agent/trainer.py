@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
+from transformers import set_seed
 
 from envs.problems import Problem, generate_problems, load_problems, procedural_family
 from envs.rollout import RolloutRunner, SamplingParams
@@ -183,7 +184,7 @@ class Trainer:
             model, tokenizer = load_training_policy(config)  # partitioned at load under ZeRO-3
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        _seed_everything(config.trainer.seed)
+        set_seed(config.trainer.seed)  # python, numpy, torch and CUDA generators
         self.tokenizer = tokenizer
         self.learner = Learner.from_config(model, tokenizer, config)
         self.rank, self.world = self.learner.rank, self.learner.world_size
@@ -625,12 +626,6 @@ def _truncate_metrics(path: Path, step: int) -> None:
         line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
     ]
     path.write_text("".join(line + "\n" for line in kept))
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def _rng_state() -> dict[str, Any]:
