@@ -18,6 +18,11 @@ The learner runs with ``torch.distributed``: gloo on CPU (fp32) and NCCL on GPUs
 ``deepspeed``/``torchrun``; a plain single process works too (it sets up a world of one on a free
 loopback port).
 
+Its DeepSpeed config is :func:`deepspeed_config` (generated, with a user's ``deepspeed.config`` JSON
+merged over it and checked); :func:`load_training_policy` loads the policy for it (partitioned under
+ZeRO-3); with ``model.lora`` only LoRA adapters train (see :class:`Learner`); the learning-rate
+schedule is :func:`lr_scheduler` (``transformers.get_scheduler``).
+
 Example:
     >>> from stare_agent.config import load_config
     >>> from stare_agent.models import tiny_model
