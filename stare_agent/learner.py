@@ -153,7 +153,7 @@ def load_training_policy(config: RunConfig) -> tuple[Any, Any]:
     )
 
 
-# Keys of a user's DeepSpeed config that the learner sets itself: (what sets them, the fix).
+# Keys of a user's DeepSpeed config that the learner sets itself, and why (for the error line).
 _OWNED_KEYS = {
     "train_micro_batch_size_per_gpu": "the learner splits batches by deepspeed.micro_batch_tokens",
     "gradient_accumulation_steps": "the learner accumulates over deepspeed.micro_batch_tokens micro-batches",
