@@ -283,3 +283,28 @@ def test_an_episode_lost_to_the_infrastructure_is_left_out_and_the_step_goes_on(
         trainer.close()
     assert metrics["failed_episodes"] == 1
     assert metrics["skipped"] == 0 and metrics["kept_groups"] >= 1 and math.isfinite(metrics["loss"])
+
+
+def test_training_rollouts_do_not_depend_on_the_wave_size(tmp_path, problem_file):
+    """Each training episode samples from its own stream, keyed by (group, sample): playing the
+    groups in waves of 1 or of 4 sandboxes gives the same episodes, and the two samples of a group differ."""
+    from stare_agent.engines import TransformersEngine
+
+    problems = ProblemStream(str(problem_file), seed=0).take(2)
+    played = {}
+    for wave in (1, 4):
+        model, tokenizer = tiny_model()
+        config = make_config(
+            tmp_path / str(wave), problem_file, f"sandbox.pool_size={wave}", "env.max_response_tokens=24"
+        )
+        trainer = Trainer(
+            config, model=model, tokenizer=tokenizer, engine=TransformersEngine(model, tokenizer)
+        )
+        try:
+            trainer.step = 1
+            groups = trainer._rollout_groups(problems, draw=1)
+        finally:
+            trainer.close()
+        played[wave] = [[t.response_ids for t in g.trajectories] for g in groups]
+    assert played[1] == played[4]
+    assert all(a != b for a, b in played[4])
