@@ -253,10 +253,8 @@ def test_logprobs_match_the_transformers_model(engine, tokenizer):
 def test_seeded_episode_is_reproduced_whatever_its_batch(engine, tokenizer, pool):
     together, _ = _play(engine, tokenizer, pool, [0, 1, 2], max_turns=1, budget=48)
     alone, _ = _play(engine, tokenizer, pool, [1], max_turns=1, budget=48)
-    again, _ = _play(engine, tokenizer, pool, [0, 1, 2], max_turns=1, budget=48)
     other_seed, _ = _play(engine, tokenizer, pool, [0, 1, 2], seed=8, max_turns=1, budget=48)
-    assert [t.response_ids for t in again] == [t.response_ids for t in together]
-    assert alone[0].response_ids == together[1].response_ids
+    assert alone[0].response_ids == together[1].response_ids  # same seed, played alone: same episode
     assert [t.response_ids for t in other_seed] != [t.response_ids for t in together]
     # Episodes of one draw get different streams (not one shared seed).
     assert len({tuple(t.response_ids) for t in together}) == 3
@@ -278,3 +276,33 @@ def test_eval_cli_end_to_end(vllm_server, tmp_path, capsys):
     assert len(rows) == 2
     summary = json.loads((out / "summary.json").read_text())
     assert "avg@1" in summary and summary.get("failed_episodes", 0) == 0
+
+
+def test_server_without_token_ids_is_refused_or_reencoded_with_a_warning(vllm_server, tokenizer):
+    # vLLM asked for neither `token_ids` nor "token_id:N" log-prob tokens answers like a text-only server.
+    text_only = {"return_token_ids": False, "return_tokens_as_token_ids": False}
+    prompt = tokenizer.encode(
+        render_chat(tokenizer, [{"role": "user", "content": "Hi!"}]), add_special_tokens=False
+    )
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    with OpenAIEngine(vllm_server["base_url"], extra_body=text_only) as engine:
+        with pytest.raises(OpenAIEngineError, match="returned no token ids.*serve with vLLM"):
+            engine.generate([prompt], params, [])
+    with OpenAIEngine(
+        vllm_server["base_url"], extra_body=text_only, tokenizer=tokenizer, text_fallback=True
+    ) as engine:
+        with pytest.warns(UserWarning, match="NOT token-exact"):
+            (fallback,) = engine.generate([prompt], params, [])
+    with OpenAIEngine(vllm_server["base_url"]) as engine:
+        (exact,) = engine.generate([prompt], params, [])
+    assert tokenizer.decode(fallback.token_ids) == tokenizer.decode(exact.token_ids)  # greedy: same text
+    assert fallback.logprobs == [0.0] * len(fallback.token_ids) and any(lp < 0 for lp in exact.logprobs)
+
+
+def test_request_the_server_refuses_is_one_line_with_its_message(engine, tokenizer):
+    too_long = [tokenizer.eos_token_id] * 2100  # the server runs with --max-model-len 2048
+    with pytest.raises(
+        OpenAIEngineError, match=r"HTTP 400: .*maximum context length is 2048.*--max-model-len"
+    ) as info:
+        engine.generate([too_long], SamplingParams(max_new_tokens=8), [])
+    assert "\n" not in str(info.value)  # the server's message and our fix, on one line
