@@ -192,7 +192,7 @@ def _worker_main(conn: Any) -> None:
             return
         prediction, gold = request
         try:
-            reply = (_math_verify(prediction, gold), None)
+            reply: tuple[bool, str | None] = (_math_verify(prediction, gold), None)
         except Exception as exc:  # noqa: BLE001 - a bad answer is a wrong answer, not a crash
             reply = (False, f"{type(exc).__name__}: {exc}"[:500])
         conn.send(reply)
@@ -567,7 +567,7 @@ def compute_reward(
         -1.0
     """
     has_answer = response_answer is not None
-    correct = has_answer and answers_equivalent(response_answer, gold, checker=checker)
+    correct = response_answer is not None and answers_equivalent(response_answer, gold, checker=checker)
     base = 1.0 if correct else (0.0 if config.mode == "binary" else -1.0)
     bonus = 0.0
     if num_tool_calls > 0 and (correct or not config.bonus_requires_correct):

@@ -167,7 +167,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, **kwargs: Any) -> list[int]: ...
 
-    def decode(self, token_ids: Sequence[int], **kwargs: Any) -> str: ...
+    # Hugging Face types the result str | list[str] (batched input); for one sequence it is a str.
+    def decode(self, token_ids: list[int], **kwargs: Any) -> Any: ...
 
 
 @dataclass

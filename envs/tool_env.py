@@ -47,7 +47,7 @@ from envs.rewards import AnswerChecker, RewardConfig, compute_reward
 from envs.tools import BoundTool, ToolResult, ToolSpec, get_tool
 from sandbox.config import SandboxConfig
 from sandbox.errors import SandboxError
-from sandbox.pool import PooledSandbox, SandboxPool
+from sandbox.pool import Backend, PooledSandbox, SandboxPool
 from sandbox.result import truncate_text
 
 MAX_ACTION_CHARS = 1 << 18
@@ -171,7 +171,7 @@ class ToolEnv(gymnasium.Env[str, str]):
         tools: Sequence[str | ToolSpec] = ("code_interpreter",),
         format: str | ToolFormat = "hermes",
         pool: SandboxPool | None = None,
-        sandbox_backend: str = "auto",
+        sandbox_backend: Backend = "auto",
         sandbox_config: SandboxConfig | None = None,
         max_turns: int = 8,
         max_tool_calls: int = 8,

@@ -165,14 +165,14 @@ class CgroupUsage:
         if self.peak_file.name != "memory.peak":  # v1: resets the file for every reader
             error = _write(self.peak_file, b"0")
         else:
-            error = self._reset_v2()
+            error = self._reset_v2(self.peak_file)
         self.peak_resettable = _permitted(error)
         return error == 0
 
-    def _reset_v2(self) -> int:
+    def _reset_v2(self, peak_file: Path) -> int:
         try:
             if self._peak_fd is None:
-                self._peak_fd = os.open(self.peak_file, os.O_RDWR | os.O_CLOEXEC)
+                self._peak_fd = os.open(peak_file, os.O_RDWR | os.O_CLOEXEC)
             os.write(self._peak_fd, b"reset\n")
         except OSError as exc:
             self.forget()

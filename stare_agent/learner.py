@@ -487,7 +487,10 @@ class Learner:
             logp, _ = self._forward(micro)
             width = logp.shape[1]
             rows = torch.tensor(idx, device=self.device)
-            take = lambda t: None if t is None else t.to(self.device)[rows, :width].to(logp.dtype)  # noqa: E731
+
+            def take(t: Tensor) -> Tensor:
+                return t.to(self.device)[rows, :width].to(logp.dtype)
+
             old = take(old_logprobs) if old_logprobs is not None else logp.detach()
             mask = micro["response_mask"]
             raw, metrics = policy_loss(
@@ -495,7 +498,7 @@ class Learner:
                 old,
                 take(advantages),
                 mask,
-                take(weights),
+                take(weights) if weights is not None else None,
                 eps_low=cfg.eps_low,
                 eps_high=cfg.eps_high,
                 clip_c=cfg.clip_c,
@@ -772,6 +775,7 @@ def _merged_lora_state_dict(model: Any) -> dict[str, Tensor]:
         layer = deltas.get(key)
         if layer is not None:
             for adapter in layer.active_adapters:
-                value = value + layer.get_delta_weight(adapter).to(value.dtype)
+                # peft's lora.Linear defines it; the LoraLayer mixin the isinstance names does not declare it
+                value = value + layer.get_delta_weight(adapter).to(value.dtype)  # type: ignore[attr-defined]
         out[key.replace(".base_layer.", ".")] = value.cpu().clone()
     return out

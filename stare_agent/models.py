@@ -206,7 +206,7 @@ def load_policy(
     tokenizer = AutoTokenizer.from_pretrained(path)
     if zero3_config is None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved_dtype)
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # transformers' typed wrapper of to() reads wrong
     else:
         from transformers.integrations import HfDeepSpeedConfig
 
@@ -242,8 +242,13 @@ def apply_lora(model: PreTrainedModel, lora: LoRAConfig) -> Any:
     targets: str | list[str] = (
         "all-linear" if list(lora.target_modules) == ["all-linear"] else list(lora.target_modules)
     )
+    # peft annotates lora_alpha as int; a float alpha works the same (the scale is alpha / r)
     config = peft.LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, bias="none"
+        r=lora.r,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        bias="none",
     )
     try:
         wrapped = peft.get_peft_model(model, config)

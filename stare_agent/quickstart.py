@@ -15,17 +15,20 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from sandbox.pool import Backend
 
 from stare_agent.config import RunConfig, cpu_has_bf16, load_config
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 
-def pick_backend(requested: str) -> str:
+def pick_backend(requested: str) -> Backend:
     """``docker`` when usable (building the image if only it is missing), else ``local`` for ``auto``."""
     if requested != "auto":
-        return requested
+        return cast("Backend", requested)  # one of SANDBOX_BACKENDS: the config checked it
     from sandbox import docker_available
     from sandbox.build import build_image, image_exists
     from sandbox.config import DEFAULT_IMAGE

@@ -27,7 +27,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from sandbox.pool import Backend
 
 from stare_agent.config import ConfigError, RunConfig, load_config
 
@@ -159,7 +162,8 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
         data.prompts_per_step
     )
     t0 = time.perf_counter()
-    pool = SandboxPool(config.sandbox.pool_size, backend=config.sandbox.backend, config=config.sandbox.limits)
+    backend = cast("Backend", config.sandbox.backend)  # one of SANDBOX_BACKENDS: the config checked it
+    pool = SandboxPool(config.sandbox.pool_size, backend=backend, config=config.sandbox.limits)
     try:
         report = evaluate(
             problems,

@@ -32,7 +32,7 @@ import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -56,6 +56,10 @@ from stare_agent.batch import collate
 from stare_agent.config import RunConfig, check_env_id
 from stare_agent.learner import Learner, load_training_policy
 from stare_agent.metrics import StepLogger, rollout_metrics
+
+if TYPE_CHECKING:
+    from sandbox.pool import Backend
+    from stare_agent.algorithms.stare import Scope, Variant
 
 CHECKPOINT_PREFIX = "step-"
 
@@ -213,6 +217,7 @@ class Trainer:
         self.step = 0
         self._pool: Any = None
         self._envs: list[ToolEnv] = []
+        self._last_drawn: list[Trajectory] = []  # the trajectories of this step's draws
 
     # ------------------------------------------------------------------ the loop
 
@@ -335,7 +340,7 @@ class Trainer:
         W, M = self.controller.W, self.controller.M
 
         # 7. STARE weights on mask-1 tokens (GRPO-ds: none)
-        weights, stare_metrics = None, {}
+        weights, stare_metrics = None, dict[str, float]()
         if alg.name == "stare":
             weights, stare_metrics = self._stare_weights(
                 trajectories, A_tok, logp, mask, gate_on, W, M, sequence_ids, Hbar
@@ -393,11 +398,11 @@ class Trainer:
             logp,
             mask,
             gate_on=gate_on,
-            variant=alg.variant,
+            variant=cast("Variant", alg.variant),  # the config checked variant and scope
             P=alg.P,
             W=W,
             M=M,
-            scope=alg.scope,
+            scope=cast("Scope", alg.scope),
             micro_batches=self.learner.micro_batches(trajectories) if alg.scope == "micro_batch" else None,
             sequence_ids=sequence_ids.to(logp.device),
             Hbar=Hbar,
@@ -470,7 +475,8 @@ class Trainer:
             from sandbox import SandboxPool
 
             sb = self.config.sandbox
-            self._pool = SandboxPool(sb.pool_size, backend=sb.backend, config=sb.limits)
+            backend = cast("Backend", sb.backend)  # one of SANDBOX_BACKENDS: the config checked it
+            self._pool = SandboxPool(sb.pool_size, backend=backend, config=sb.limits)
         return self._pool
 
     def _model_texts(self, trajectories: list[Trajectory]) -> list[str]:

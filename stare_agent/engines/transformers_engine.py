@@ -62,7 +62,7 @@ class TransformersEngine:
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if next(model.parameters()).device != self.device:
-            model.to(self.device)
+            model.to(self.device)  # type: ignore[arg-type]  # transformers' typed wrapper of to() reads wrong
         self.eos_token_ids = frozenset(
             eos_token_ids if eos_token_ids is not None else _default_eos(model, tokenizer)
         )
@@ -223,7 +223,7 @@ class TransformersEngine:
             ValueError: a tensor's shape differs from the model's.
         """
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        own = dict(self.model.named_parameters())
+        own: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         own.update(self.model.named_buffers())
         with torch.no_grad():
             for name, tensor in items:
