@@ -6,7 +6,17 @@ as entry points (groups ``stare_agent.tools`` and ``stare_agent.envs``). No torc
 """
 
 from envs.code_interpreter import CodeInterpreterEnv
-from envs.formats import FORMATS, HermesFormat, ParsedTurn, ReToolFormat, ToolCall, ToolFormat, get_format
+from envs.formats import (
+    FORMATS,
+    HermesFormat,
+    ParsedTurn,
+    ReToolFormat,
+    ToolCall,
+    ToolFormat,
+    get_format,
+    register_format,
+    unregister_format,
+)
 from envs.registry import load_plugins, make_benchmark_env, register_builtin_envs, register_tool_env
 from envs.tool_env import EnvStateError, EpisodeInfrastructureError, ToolEnv
 from envs.tools import (
@@ -41,8 +51,10 @@ __all__ = [
     "load_plugins",
     "make_benchmark_env",
     "register_builtin_envs",
+    "register_format",
     "register_tool",
     "register_tool_env",
+    "unregister_format",
     "unregister_tool",
 ]
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
+from envs.errors import EnvError
 from envs.rewards import extract_boxed
 
 CODE_TOOL = "code_interpreter"
@@ -350,17 +351,65 @@ class HermesFormat(ToolFormat):
         )
 
 
-FORMATS: dict[str, type[ToolFormat]] = {"retool": ReToolFormat, "hermes": HermesFormat}
+class FormatRegistryError(EnvError, KeyError):
+    """A format name that is unknown, taken, or not a name; the message lists the valid ones."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class _FormatRegistry(dict[str, type[ToolFormat]]):
+    """Formats by name: refuses to overwrite one and lists the valid names on a failed lookup."""
+
+    def __setitem__(self, name: str, cls: type[ToolFormat]) -> None:
+        if name in self:
+            raise FormatRegistryError(
+                f"tool format {name!r} is already registered ({self[name].__qualname__}): choose another name"
+            )
+        super().__setitem__(name, cls)
+
+    def __missing__(self, name: str) -> type[ToolFormat]:
+        raise FormatRegistryError(f"Unknown tool format {name!r}: use one of {sorted(self)}")
+
+
+FORMATS: _FormatRegistry = _FormatRegistry(retool=ReToolFormat, hermes=HermesFormat)
+"""The tool-call formats by name; add one with :func:`register_format`."""
+
+
+def register_format(cls: type[ToolFormat]) -> type[ToolFormat]:
+    """Register a :class:`ToolFormat` subclass under its ``name`` (usable as a class decorator).
+
+    A third-party package can also declare it as an entry point in the group
+    ``stare_agent.formats`` (loaded at ``import envs``), which makes ``env.format=<name>`` valid.
+
+    Example:
+        >>> @register_format
+        ... class ShoutFormat(ReToolFormat):
+        ...     name = "shout"
+        >>> get_format("shout").name
+        'shout'
+        >>> unregister_format("shout")
+
+    Raises:
+        FormatRegistryError: the name is taken, or ``cls`` is not a ``ToolFormat`` with a name.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, ToolFormat)) or cls.name in ("", "abstract"):
+        raise FormatRegistryError(f"{cls!r} is not a ToolFormat subclass with a name: set its `name`")
+    FORMATS[cls.name] = cls
+    return cls
+
+
+def unregister_format(name: str) -> None:
+    """Remove a format (a no-op when it is not registered)."""
+    FORMATS.pop(name, None)
 
 
 def get_format(name: str | ToolFormat) -> ToolFormat:
     """A format instance by name (an instance passes through).
 
     Raises:
-        KeyError: unknown name; the message lists the valid ones.
+        FormatRegistryError: unknown name (a ``KeyError``); the message lists the valid ones.
     """
     if isinstance(name, ToolFormat):
         return name
-    if name not in FORMATS:
-        raise KeyError(f"Unknown tool format {name!r}: use one of {sorted(FORMATS)}")
     return FORMATS[name]()

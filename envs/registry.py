@@ -10,8 +10,9 @@ Built-in ids (registered when ``envs`` is imported):
   ``data_path`` (a file or the folder holding ``aime2024.jsonl`` etc.) or ``$STARE_DATA_DIR``.
 
 Third-party packages declare entry points in the groups ``stare_agent.tools`` (the object is loaded,
-which runs its ``@register_tool``; a ``ToolSpec`` is registered) and ``stare_agent.envs`` (a callable
-is called with no arguments to register its environments). They are loaded once, at import of
+which runs its ``@register_tool``; a ``ToolSpec`` is registered), ``stare_agent.envs`` (a callable
+is called with no arguments to register its environments) and ``stare_agent.formats`` (a
+``ToolFormat`` subclass, registered under its ``name``). They are loaded once, at import of
 ``envs``; a plugin that fails to load is reported with a warning and skipped.
 
 Example:
@@ -34,11 +35,13 @@ import gymnasium
 
 from envs.code_interpreter import CodeInterpreterEnv
 from envs.errors import EnvError
+from envs.formats import register_format
 from envs.problems import PROBLEM_FAMILIES, builtin_set_path, load_problems
 from envs.tools import ToolSpec, add_tool, get_tool
 
 TOOL_GROUP = "stare_agent.tools"
 ENV_GROUP = "stare_agent.envs"
+FORMAT_GROUP = "stare_agent.formats"
 DATA_DIR_VAR = "STARE_DATA_DIR"
 BENCHMARKS = {"AIME2024": "aime2024", "AIME2025": "aime2025", "AMC23": "amc23", "MATH500": "math500"}
 """Benchmark environment name -> built-in set (``envs.problems.BUILTIN_SETS``)."""
@@ -145,12 +148,14 @@ def load_plugins(*, reload: bool = False) -> list[str]:
             return []
         _plugins_loaded = True
         loaded = []
-        for group in (TOOL_GROUP, ENV_GROUP):
+        for group in (TOOL_GROUP, ENV_GROUP, FORMAT_GROUP):
             for entry_point in importlib.metadata.entry_points(group=group):
                 try:
                     target = entry_point.load()
                     if isinstance(target, ToolSpec):
                         add_tool(target)
+                    elif group == FORMAT_GROUP:
+                        register_format(target)
                     elif group == ENV_GROUP and callable(target):
                         target()
                 except Exception as exc:  # noqa: BLE001 - one broken plugin must not break `import envs`

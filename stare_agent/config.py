@@ -199,7 +199,9 @@ class EnvConfig:
 
     def __post_init__(self) -> None:
         if self.format is not None:
-            _one_of("env", "format", self.format, ("retool", "hermes"))
+            from envs.formats import FORMATS  # the registry: third-party formats count too
+
+            _one_of("env", "format", self.format, sorted(FORMATS))
         _one_of("env", "engine", self.engine, ENGINES)
         _positive("env", self, "max_response_tokens", "temperature")
         for name in ("max_turns", "max_tool_calls"):
