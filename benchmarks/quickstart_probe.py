@@ -1,9 +1,11 @@
 """Cold-start SFT settings for the quickstart: which ones make the embedded SmolLM2-135M use the code tool.
 
 For each setting: procedural ReTool traces (solution code REALLY run in the sandbox, by
-``stare_agent.sft_data.procedural_traces``), a plain AdamW loop on the masked NLL of the model-written
-tokens (interpreter output masked), then a tool-use evaluation on held-out procedural problems (a
-different seed). The untouched model is evaluated first, in the same run, with the same settings.
+``stare_agent.sft_data.procedural_traces``), the product's cold-start SFT (``stare_agent.cold_start.sft``
+with ``configs/quickstart.yaml`` and the setting's overrides: the DeepSpeed learner, its schedule and
+its precision, exactly the loop ``stare-agent quickstart`` runs), then the product's tool-use evaluation
+(``stare_agent.evaluation.evaluate``) on held-out procedural problems (a different seed). The untouched
+model is evaluated first, in the same run, with the same settings.
 
 Prints one row per setting: traces, SFT steps, SFT wall and CPU seconds (CPU / 2 is roughly the wall
 time on an idle 2-core machine), seconds per step, mean sequence length, baseline and after-SFT
@@ -17,20 +19,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
 import os
-import random
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from envs.problems import generate_problems
 from envs.rollout import SamplingParams
 from sandbox import make_sandbox
+from stare_agent import cold_start
+from stare_agent.config import load_config
 from stare_agent.engines.transformers_engine import TransformersEngine
 from stare_agent.evaluation import evaluate
 from stare_agent.models import load_policy
-from stare_agent.sft_data import Trace, procedural_traces, trace_to_trajectory
+from stare_agent.sft_data import Trace, procedural_traces, write_retool_jsonl
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 
 @dataclass(frozen=True)
@@ -43,10 +52,9 @@ class Setting:
     difficulty: int = 1
     lr: float = 1e-4
     batch_size: int = 8
-    steps: int = 40
+    steps: int = 40  # rounded up to whole epochs (sft.epochs) of the product's loop
     warmup: int = 4
-    bf16: bool = False  # torch.autocast(bfloat16) on the CPU
-    freeze_embeddings: bool = False
+    bf16: bool = False  # deepspeed.precision=bf16-autocast (fp32 weights, bf16 forward passes)
 
 
 def _short(code: str, output: str, answer: str) -> tuple[str, str]:
@@ -88,7 +96,6 @@ SETTINGS = {
         Setting("bare-lr1e-4-s40", template="bare"),
         Setting("explained-lr1e-4-s40", template="explained"),
         Setting("short-lr1e-4-s40-bf16", bf16=True),
-        Setting("short-lr1e-4-s40-frozen-emb", freeze_embeddings=True),
         Setting("short-lr1e-4-s40-d12", difficulty=12),  # half difficulty 1, half difficulty 2
     ]
 }
@@ -115,62 +122,45 @@ def make_traces(setting: Setting, families: list[str], seed: int, sandbox) -> li
 
 
 def sft(model, tokenizer, traces: list[Trace], setting: Setting, seed: int) -> dict[str, float]:
-    """Plain AdamW on the masked token-mean NLL; returns wall/CPU seconds and the loss curve ends."""
-    rows = []
-    for trace in traces:
-        t = trace_to_trajectory(trace, tokenizer)
-        rows.append((t.prompt_ids + t.response_ids, [0] * len(t.prompt_ids) + list(t.loss_mask)))
-    params = [p for n, p in model.named_parameters() if not (setting.freeze_embeddings and "embed" in n)]
-    if setting.freeze_embeddings:
-        model.get_input_embeddings().weight.requires_grad_(False)
-    optimizer = torch.optim.AdamW(params, lr=setting.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    rng = random.Random(seed)
-    order: list[int] = []
-    losses: list[float] = []
-    model.train()
-    wall0, cpu0 = time.perf_counter(), time.process_time()
-    load0 = os.getloadavg()[0]
-    tokens = 0
-    for step in range(setting.steps):
-        if len(order) < setting.batch_size:
-            fresh = list(range(len(rows)))
-            rng.shuffle(fresh)
-            order.extend(fresh)
-        batch = [rows[i] for i in order[: setting.batch_size]]
-        del order[: setting.batch_size]
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.full((len(batch), width), tokenizer.pad_token_id or 0, dtype=torch.long)
-        attn = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.bool)
-        for r, (seq, m) in enumerate(batch):
-            ids[r, : len(seq)] = torch.tensor(seq)
-            attn[r, : len(seq)] = 1
-            mask[r, : len(seq)] = torch.tensor(m, dtype=torch.bool)
-        tokens += int(attn.sum())
-        # token t is predicted from position t - 1: logits only where the target is a model token
-        target_mask = mask[:, 1:]
-        scale = min(1.0, (step + 1) / max(1, setting.warmup))
-        for group in optimizer.param_groups:
-            group["lr"] = setting.lr * scale
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setting.bf16):
-            hidden = model.model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]
-            logits = model.lm_head(hidden[target_mask]).float()
-        loss = torch.nn.functional.cross_entropy(logits, ids[:, 1:][target_mask])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    """The product's cold-start SFT (``cold_start.sft``) on ``traces`` with the quickstart config and
+    the setting's overrides; returns wall/CPU seconds and the loss curve ends."""
+    with tempfile.TemporaryDirectory(prefix="quickstart-probe-") as tmp:
+        run_dir = Path(tmp)
+        data = write_retool_jsonl(traces, run_dir / "traces.jsonl")
+        steps_per_epoch = max(len(traces) // setting.batch_size, 1)
+        epochs = math.ceil(setting.steps / steps_per_epoch)
+        config = load_config(
+            QUICKSTART,
+            [
+                f"sft.data={data}",
+                "sft.format=retool",
+                f"sft.lr={setting.lr}",
+                f"sft.batch_size={setting.batch_size}",
+                f"sft.epochs={epochs}",
+                f"sft.warmup_ratio={min(setting.warmup / (epochs * steps_per_epoch), 0.5)}",
+                f"sft.output_dir={run_dir / 'model'}",
+                f"trainer.run_dir={run_dir}",
+                f"trainer.seed={seed}",
+                f"deepspeed.precision={'bf16-autocast' if setting.bf16 else 'fp32'}",
+                "logger.backends=[]",
+            ],
+        )
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        load0 = os.getloadavg()[0]
+        summary = cold_start.sft(config, model=model, tokenizer=tokenizer)
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        logged = [json.loads(line) for line in (run_dir / cold_start.LOG_FILENAME).read_text().splitlines()]
+    losses = [row["loss"] for row in logged if "loss" in row and not row.get("skipped")]
+    tokens = sum(row.get("tokens", 0) for row in logged)
     model.eval()
-    model.get_input_embeddings().weight.requires_grad_(True)
     return {
+        "steps": summary["steps"],
         "wall_s": wall,
         "cpu_s": cpu,
         "load": (load0 + os.getloadavg()[0]) / 2,
-        "mean_len": tokens / (setting.steps * setting.batch_size),
-        "loss_first": sum(losses[:3]) / len(losses[:3]),
-        "loss_last": sum(losses[-3:]) / len(losses[-3:]),
+        "mean_len": tokens / max(summary["steps"] * setting.batch_size, 1),
+        "loss_first": sum(losses[:3]) / max(len(losses[:3]), 1),
+        "loss_last": sum(losses[-3:]) / max(len(losses[-3:]), 1),
     }
 
 
@@ -276,8 +266,8 @@ def main() -> None:
     print(header)
     for setting, n, _trace_s, stats, after, _eval_s in rows:
         print(
-            f"{setting.name:<30} {n:>6} {setting.steps:>5} {setting.batch_size:>3} {stats['wall_s']:>8.0f} "
-            f"{stats['cpu_s']:>8.0f} {stats['wall_s'] / setting.steps:>6.1f} {stats['mean_len']:>5.0f} "
+            f"{setting.name:<30} {n:>6} {stats['steps']:>5} {setting.batch_size:>3} {stats['wall_s']:>8.0f} "
+            f"{stats['cpu_s']:>8.0f} {stats['wall_s'] / stats['steps']:>6.1f} {stats['mean_len']:>5.0f} "
             f"{stats['load']:>5.1f} {stats['loss_first']:>5.2f}>{stats['loss_last']:<5.2f} {base[key]:>5.2f} "
             f"{after[key]:>5.2f} {base['tool_calls_per_episode']:>4.2f}>{after['tool_calls_per_episode']:<4.2f}"
         )
