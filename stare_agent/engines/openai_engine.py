@@ -5,7 +5,7 @@ Every prompt of a ``generate`` call is one ``POST {base_url}/completions`` reque
 OpenAI ones (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``logprobs``):
 
 - ``return_token_ids`` (vLLM >= 0.10.2): the choice carries ``token_ids``, the sampled ids;
-- ``return_tokens_as_token_ids``: ``logprobs.tokens`` read ``"token_id:<id>"`` (older vLLM, SGLang);
+- ``return_tokens_as_token_ids``: ``logprobs.tokens`` read ``"token_id:<id>"`` (older vLLM);
 - ``include_stop_str_in_output`` and ``skip_special_tokens = false``: the text and ids run up to and
   including the token that completed a stop string, and an EOS token is returned, as the
   :class:`~envs.rollout.Engine` protocol asks;
