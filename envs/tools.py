@@ -78,6 +78,9 @@ _JSON_CHECKS: dict[str, Callable[[Any], bool]] = {
 def schema_from_signature(fn: Callable[..., Any]) -> dict[str, Any]:
     """JSON schema of ``fn``'s keyword arguments (``sandbox`` and ``self`` excluded).
 
+    Not ``transformers.utils.get_json_schema``: ``envs`` installs without transformers (the slim
+    install), and that function refuses any tool whose docstring does not describe every argument.
+
     >>> schema_from_signature(lambda expression, digits=10: None)["required"]
     ['expression']
     """
