@@ -316,15 +316,16 @@ class Learner:
             weight_decay=optim.weight_decay,
         )
 
-        self.engine, _, _, self.scheduler = deepspeed.initialize(
+        # The DeepSpeed-wrapped model (DeepSpeed's "engine"; in this package an engine samples rollouts).
+        self.ds_model, _, _, self.scheduler = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
             lr_scheduler=lambda opt: lr_scheduler(opt, optim, total_steps),
             config=self._deepspeed_dict(),
         )
-        # Under LoRA, engine.module is the PeftModel; module is the adapted model inside it, which
+        # Under LoRA, ds_model.module is the PeftModel; module is the adapted model inside it, which
         # scores and samples through the adapters like any Hugging Face causal LM.
-        self.module = self.engine.module.get_base_model() if self.lora is not None else self.engine.module
+        self.module = self.ds_model.module.get_base_model() if self.lora is not None else self.ds_model.module
         self.steps_applied = 0
         self.steps_skipped = 0
         self._last_applied = True
@@ -387,7 +388,7 @@ class Learner:
         ids, attention = micro["input_ids"], micro["attention_mask"]
         if self.ds_config.zero_stage == 3:
             # ZeRO-3 partitions the LM head, so score from the logits the model itself computes.
-            logits = self.engine(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
+            logits = self.ds_model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
             return logprobs_and_entropy_from_logits(
                 logits, ids[:, 1:], chunk_size=self.ds_config.logprob_chunk_size, temperature=self.temperature
             )
@@ -416,7 +417,7 @@ class Learner:
         B, L = len(trajectories), max(t.num_tokens for t in trajectories)
         logp = torch.zeros(B, L - 1, dtype=torch.float32, device=self.device)
         entropy = torch.zeros_like(logp)
-        self.engine.eval()
+        self.ds_model.eval()
         try:
             for idx, real in self._padded_split(trajectories):
                 micro = self._collate(trajectories, idx)
@@ -429,7 +430,7 @@ class Learner:
                 logp[rows, :width] = torch.where(valid, lp.float(), 0.0)
                 entropy[rows, :width] = torch.where(valid, ent.float(), 0.0)
         finally:
-            self.engine.train()
+            self.ds_model.train()
         return logp, entropy
 
     # ------------------------------------------------------------------ steps
@@ -565,7 +566,7 @@ class Learner:
         weighted: dict[str, float] = {}
         tokens = 0.0
         for i, (idx, real) in enumerate(split):
-            self.engine.set_gradient_accumulation_boundary(i == len(split) - 1)
+            self.ds_model.set_gradient_accumulation_boundary(i == len(split) - 1)
             micro = self._collate(trajectories, idx)
             loss, metrics = micro_loss(micro, idx)
             if not real:
@@ -576,7 +577,7 @@ class Learner:
                 loss = loss.detach().nan_to_num(0.0) + float("nan") * loss
             else:
                 total_loss += float(loss.detach())
-            self.engine.backward(loss)
+            self.ds_model.backward(loss)
             if real:
                 n = float(micro["response_mask"].sum())
                 tokens += n
@@ -605,8 +606,10 @@ class Learner:
 
     def _apply_or_skip(self, finite_loss: bool) -> float:
         """Step when loss and gradient are finite; otherwise drop the gradients. Returns the grad norm."""
-        engine = self.engine
-        wrapped = hasattr(engine.optimizer, "overflow")  # ZeRO and bf16 optimizers check overflow themselves
+        ds_model = self.ds_model
+        wrapped = hasattr(
+            ds_model.optimizer, "overflow"
+        )  # ZeRO and bf16 optimizers check overflow themselves
         if not wrapped:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             norm = (
@@ -615,21 +618,21 @@ class Learner:
                 else 0.0
             )
             if not (finite_loss and math.isfinite(norm)):
-                engine.zero_grad()
+                ds_model.zero_grad()
                 self._last_applied = False
                 self.steps_skipped += 1
                 return norm
-            engine.step()
+            ds_model.step()
             self._last_applied = True
             self.steps_applied += 1
             return norm
-        engine.step()  # a poisoned (NaN) gradient makes DeepSpeed discard the step and its gradients
-        self._last_applied = bool(engine.was_step_applied()) and finite_loss
+        ds_model.step()  # a poisoned (NaN) gradient makes DeepSpeed discard the step and its gradients
+        self._last_applied = bool(ds_model.was_step_applied()) and finite_loss
         if self._last_applied:
             self.steps_applied += 1
         else:
             self.steps_skipped += 1
-        norm = engine.get_global_grad_norm()
+        norm = ds_model.get_global_grad_norm()
         return float("nan") if norm is None else float(norm)
 
     # ------------------------------------------------------------------ weights and checkpoints
@@ -690,13 +693,13 @@ class Learner:
         adapters = None
         if self.lora is not None:
             with self._gathered():
-                adapters = {k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()}
+                adapters = {k: v.detach().cpu().clone() for k, v in self.ds_model.module.state_dict().items()}
         if self.rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
             self.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(directory)
             if adapters is not None:
-                self.engine.module.save_pretrained(directory / ADAPTER_DIRNAME, state_dict=adapters)
+                self.ds_model.module.save_pretrained(directory / ADAPTER_DIRNAME, state_dict=adapters)
         if self.world_size > 1:
             dist.barrier()
         return directory
@@ -712,7 +715,7 @@ class Learner:
         directory = Path(directory)
         state = dict(client_state or {})
         state["learner"] = {"steps_applied": self.steps_applied, "steps_skipped": self.steps_skipped}
-        self.engine.save_checkpoint(
+        self.ds_model.save_checkpoint(
             str(directory),
             tag=CHECKPOINT_TAG,
             client_state=state,
@@ -733,7 +736,7 @@ class Learner:
                 f"no learner checkpoint in {directory} (expected {directory / CHECKPOINT_TAG}/): "
                 "pass a directory written by Learner.save_checkpoint"
             )
-        path, client = self.engine.load_checkpoint(
+        path, client = self.ds_model.load_checkpoint(
             str(directory), tag=CHECKPOINT_TAG, load_module_strict=self.lora is None
         )
         if path is None:

@@ -47,13 +47,13 @@ def test_user_config_sets_stage_offload_and_buckets_and_trains(tmp_path):
     assert cfg.deepspeed.zero_stage == 2  # the file's stage, deepspeed.zero_stage left unset
     model, tokenizer = tiny_model(seed=0)
     learner = Learner.from_config(model, tokenizer, cfg)
-    engine = learner.engine
-    assert engine.zero_optimization_stage() == 2
-    assert engine.zero_reduce_bucket_size() == 1234567
-    assert engine.zero_allgather_bucket_size() == 2345678
-    assert engine.zero_offload_optimizer().device == "cpu"
-    assert engine.steps_per_print() == 100
-    assert engine.gradient_clipping() == cfg.optim.grad_clip  # the learner's keys kept
+    ds_model = learner.ds_model
+    assert ds_model.zero_optimization_stage() == 2
+    assert ds_model.zero_reduce_bucket_size() == 1234567
+    assert ds_model.zero_allgather_bucket_size() == 2345678
+    assert ds_model.zero_offload_optimizer().device == "cpu"
+    assert ds_model.steps_per_print() == 100
+    assert ds_model.gradient_clipping() == cfg.optim.grad_clip  # the learner's keys kept
     start = {n: p.detach().clone() for n, p in learner.named_weights()}
     metrics = learner.update(_batch(), [1.0, -1.0])
     assert metrics["skipped"] == 0.0

@@ -91,7 +91,7 @@ def top_k_count(P: float, n: int) -> int:
 
 
 def entropy_gate(
-    entropy: Tensor, response_mask: Tensor, H_tgt: float = 0.3, *, group: Any = None
+    entropy: Tensor, response_mask: Tensor, H_tgt: float = 0.3, *, process_group: Any = None
 ) -> tuple[bool, float, dict[str, float]]:
     """Closed-loop gate: ``gate_on = Hbar < H_tgt`` with ``Hbar = sum(mask * H) / sum(mask)``.
 
@@ -103,7 +103,7 @@ def entropy_gate(
         entropy: [B, T] full-vocabulary entropy H_t of each token (detached here).
         response_mask: [B, T], 1 = model-generated token.
         H_tgt: target entropy (default 0.3).
-        group: optional process group (default: the world).
+        process_group: optional process group (default: the world).
 
     Returns:
         (gate_on, Hbar, metrics). Raises ValueError when no rank has a mask-1 token.
@@ -111,7 +111,7 @@ def entropy_gate(
     mask = response_mask.bool()
     stats = torch.stack([entropy.detach()[mask].double().sum(), mask.sum().double()])
     if _distributed():
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=process_group)
     total, count = stats.tolist()
     if count == 0:
         raise ValueError(
@@ -178,7 +178,7 @@ def stare_weights(
     micro_batch_size: int | None = None,
     sequence_ids: Tensor | None = None,
     Hbar: float | None = None,
-    group: Any = None,
+    process_group: Any = None,
 ) -> tuple[Tensor, Tensor, Tensor, dict[str, float]]:
     """STARE token weights ``w_t`` (see the module docstring for the formulas).
 
@@ -201,7 +201,7 @@ def stare_weights(
             ``stare/L_plus_above_entropy``, the fraction of L+ whose surprisal exceeds it (the
             paper's criticality argument: reinforcing exactly those raises entropy; the sign of
             the effect flips near s = H).
-        group: optional process group (default: the world) of the global selection and of the
+        process_group: optional process group (default: the world) of the global selection and of the
             metrics.
 
     Returns:
@@ -209,7 +209,7 @@ def stare_weights(
         for O1), metrics). L+/L- are computed even when the gate is off, for logging. The metrics
         describe the whole batch on all ranks in both scopes (counts summed, surprisal quantiles
         over every rank's mask-1 tokens): with torch.distributed initialized every rank of
-        ``group`` calls this once per batch.
+        ``process_group`` calls this once per batch.
     """
     check_stare_options(variant=variant, scope=scope, P=P, W=W, M=M)
     if not (advantages.shape == logprobs.shape == response_mask.shape and advantages.dim() == 2):
@@ -231,7 +231,7 @@ def stare_weights(
 
     # --- selection: exact top-k by s (ties: smaller key first) inside each selection block
     # the process group of the metrics, and of the selection in the global scope (None: no communication)
-    everyone = (group if group is not None else dist.group.WORLD) if _distributed() else None
+    everyone = (process_group if process_group is not None else dist.group.WORLD) if _distributed() else None
     comm = everyone if scope == "global" else None
     seq_key = _sequence_keys(B, sequence_ids, s.device, comm)
     L_plus = torch.zeros_like(mask)
@@ -282,15 +282,15 @@ def _selection_blocks(
     return [torch.tensor(list(rows), dtype=torch.int64, device=device) for rows in micro_batches]
 
 
-def _top_k(s: Tensor, candidates: Tensor, seq_key: Tensor, P: float, group: Any) -> Tensor:
-    """Mask [b, T] of the top ``ceil(P * n)`` of the n candidates by s, over all ranks when ``group`` is used.
+def _top_k(s: Tensor, candidates: Tensor, seq_key: Tensor, P: float, process_group: Any) -> Tensor:
+    """Mask [b, T] of the top ``ceil(P * n)`` of the n candidates by s, over all ranks when ``process_group`` is used.
 
     Exact: the k-th largest value v is found with a selection (kthvalue); all candidates with
     s > v are taken, and the remaining slots go to the candidates with s == v in key order.
     """
     flat_idx = candidates.flatten().nonzero().squeeze(1)
     s_c = s.flatten()[flat_idx]
-    all_s = _gather_cat(s_c, group)
+    all_s = _gather_cat(s_c, process_group)
     n = all_s.numel()
     k = top_k_count(P, n)
     selected = torch.zeros(candidates.numel(), dtype=torch.bool, device=s.device)
@@ -305,7 +305,7 @@ def _top_k(s: Tensor, candidates: Tensor, seq_key: Tensor, P: float, group: Any)
     T = candidates.shape[1]
     tied_idx = flat_idx[tied]
     tied_key = (seq_key[tied_idx // T] << _POSITION_BITS) | (tied_idx % T)
-    chosen = torch.sort(_gather_cat(tied_key, group)).values[:need]
+    chosen = torch.sort(_gather_cat(tied_key, process_group)).values[:need]
     selected[flat_idx[above]] = True
     selected[tied_idx[torch.isin(tied_key, chosen)]] = True
     return selected.view_as(candidates)
@@ -352,35 +352,35 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _gather_cat(x: Tensor, group: Any) -> Tensor:
-    """Concatenate a 1-D tensor of any length over all ranks in rank order (identity without group)."""
-    if group is None:
+def _gather_cat(x: Tensor, process_group: Any) -> Tensor:
+    """Concatenate a 1-D tensor of any length over all ranks in rank order (identity without process_group)."""
+    if process_group is None:
         return x
-    world = dist.get_world_size(group=group)
+    world = dist.get_world_size(group=process_group)
     length = torch.tensor([x.numel()], dtype=torch.int64, device=x.device)
     lengths = [torch.zeros_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length, group=group)
+    dist.all_gather(lengths, length, group=process_group)
     longest = int(max(int(t) for t in lengths))
     padded = torch.zeros(longest, dtype=x.dtype, device=x.device)
     padded[: x.numel()] = x
     parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
+    dist.all_gather(parts, padded, group=process_group)
     return torch.cat([part[: int(size)] for part, size in zip(parts, lengths, strict=True)])
 
 
-def _sequence_keys(B: int, sequence_ids: Tensor | None, device: torch.device, group: Any) -> Tensor:
+def _sequence_keys(B: int, sequence_ids: Tensor | None, device: torch.device, process_group: Any) -> Tensor:
     """[B] int64 global tie-break keys: ``sequence_ids`` (checked distinct) or the global row index."""
     if sequence_ids is None:
         rows = torch.arange(B, dtype=torch.int64, device=device)
         offset = 0
-        if group is not None:
-            sizes = _gather_cat(torch.tensor([B], dtype=torch.int64, device=device), group)
-            offset = int(sizes[: dist.get_rank(group=group)].sum())
+        if process_group is not None:
+            sizes = _gather_cat(torch.tensor([B], dtype=torch.int64, device=device), process_group)
+            offset = int(sizes[: dist.get_rank(group=process_group)].sum())
         return rows + offset
     ids = sequence_ids.to(device=device, dtype=torch.int64).flatten()
     if ids.numel() != B:
         raise ValueError(f"sequence_ids has {ids.numel()} entries for {B} sequences: pass one id per row")
-    all_ids = _gather_cat(ids, group)
+    all_ids = _gather_cat(ids, process_group)
     if all_ids.numel() and (all_ids.min() < 0 or all_ids.max() >= 1 << (62 - _POSITION_BITS)):
         raise ValueError("sequence_ids must lie in [0, 2**30): use episode indices, not hashes")
     if torch.unique(all_ids).numel() != all_ids.numel():
