@@ -607,9 +607,8 @@ class Learner:
     def _apply_or_skip(self, finite_loss: bool) -> float:
         """Step when loss and gradient are finite; otherwise drop the gradients. Returns the grad norm."""
         ds_model = self.ds_model
-        wrapped = hasattr(
-            ds_model.optimizer, "overflow"
-        )  # ZeRO and bf16 optimizers check overflow themselves
+        # ZeRO and bf16 optimizers check overflow themselves
+        wrapped = hasattr(ds_model.optimizer, "overflow")
         if not wrapped:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             norm = (
