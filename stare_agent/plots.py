@@ -47,7 +47,6 @@ def plot_dashboard(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     dirs = [Path(run_dirs)] if isinstance(run_dirs, str | Path) else [Path(d) for d in run_dirs]
     if not dirs:
@@ -86,12 +85,7 @@ def plot_dashboard(
             targets = [r["H_tgt"] for records in runs for r in records if "H_tgt" in r]
             if targets:
                 ax.axhline(float(targets[-1]), ls="--", color="gray", label=f"H_tgt = {targets[-1]:g}")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _finish_panel(ax, title, ylabel)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(", ".join(names) if len(names) <= 4 else f"{len(names)} runs", fontsize=11)
@@ -139,7 +133,6 @@ def plot_study(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    from matplotlib.ticker import MaxNLocator
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -162,12 +155,7 @@ def plot_study(
                     ax.fill_between(steps, lo, hi, color=color, alpha=0.15, lw=0)
         if key == "entropy" and h_tgt is not None:
             ax.axhline(h_tgt, ls="--", color="gray", label=f"H_tgt = {h_tgt:g}")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _finish_panel(ax, title, ylabel)
     seeds = sorted({len(s) for s in runs.values()})
     fig.suptitle(
         f"GRPO-ds vs STARE: mean and min-max band over {'/'.join(map(str, seeds))} seed(s)", fontsize=11
@@ -192,3 +180,15 @@ def _by_step(seed_runs: Any, key: str) -> tuple[list[int], Any]:
     per_seed = [{r["step"]: v for r in recs if (v := value(r)) is not None} for recs in seed_runs]
     steps = sorted({s for d in per_seed for s in d})
     return steps, np.array([[d.get(s, np.nan) for s in steps] for d in per_seed], dtype=float)
+
+
+def _finish_panel(ax: Any, title: str, ylabel: str) -> None:
+    """The common look of a panel: integer steps on x, title, labels, grid and legend."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
