@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import doctest
-
 import pytest
 import torch
 
-import stare_agent.batch
 from envs.trajectory import Trajectory, TrajectoryBuilder
 from stare_agent.batch import collate, pack, split_by_token_budget
 
@@ -102,8 +99,3 @@ def test_errors_name_the_fix():
         collate(_two(), pad_id=0, advantages=[1.0])
     with pytest.raises(ValueError, match="pass at least one"):
         pack([])
-
-
-def test_module_doctest():
-    result = doctest.testmod(stare_agent.batch)
-    assert result.attempted > 0 and result.failed == 0

@@ -173,12 +173,3 @@ def test_no_product_file_refers_to_the_shared_folder():
                 if pattern.search(line):
                     offenders.append(f"{file.relative_to(REPO)}:{number}: {line.strip()[:100]}")
     assert not offenders, "\n".join(offenders)
-
-
-def test_module_doctest():
-    import doctest
-
-    import stare_agent.config_reference
-
-    result = doctest.testmod(stare_agent.config_reference)
-    assert result.failed == 0 and result.attempted > 0

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import doctest
 import json
 
 import pytest
 
-import envs.trajectory
 from envs.trajectory import Trajectory, TrajectoryBuilder, TrajectoryError
 
 
@@ -85,8 +83,3 @@ def test_builder_refuses_inconsistent_segments():
     with pytest.raises(TrajectoryError, match="use 1 for sampled tokens"):
         b.append([2], 2)
     assert len(b) == 0  # nothing half-appended
-
-
-def test_module_doctest():
-    result = doctest.testmod(envs.trajectory)
-    assert result.attempted > 0 and result.failed == 0
