@@ -10,6 +10,7 @@ errors for an unreachable server. Without .venv-vllm these tests skip, unless ST
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -124,12 +125,21 @@ def vllm_server(tmp_path_factory):
         print(f"vllm serve healthy after {time.monotonic() - started:.1f} s")
         yield {"base_url": f"http://127.0.0.1:{port}/v1", "model": str(model_path), "port": port}
     finally:
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=20)
+        _kill_group(process)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, then SIGKILL to what is left (its engine-core process)."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=20)
 
 
 @pytest.fixture(scope="module")
