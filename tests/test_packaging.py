@@ -33,7 +33,7 @@ from envs.problems import BUILTIN_SETS
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "deepspeed")
 NOT_IN_THE_WHEEL = (".git", ".venv", "runs", "build", "dist", "tests", "benchmarks", "*.egg-info")
-NOT_IN_THE_WHEEL += ("__pycache__", ".*_cache", ".hypothesis", ".cache")
+NOT_IN_THE_WHEEL += ("__pycache__", ".*_cache", ".hypothesis", ".cache", ".venv-*")  # .venv-vllm: GBs
 
 
 def run(*cmd: str | Path, cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
