@@ -49,3 +49,16 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} not found")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny random model with the real tokenizer, saved in Hugging Face format (a model directory
+    on disk, as a user passes to ``model.name_or_path``)."""
+    from stare_agent.models import tiny_model
+
+    path = tmp_path_factory.mktemp("tiny")
+    model, tokenizer = tiny_model()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -8,10 +8,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-from stare_agent.models import tiny_model
-
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -24,15 +20,6 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         timeout=timeout,
         env=env,
     )
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    model, tokenizer = tiny_model()
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def test_bad_input_is_one_line_of_cause_and_fix(tmp_path):

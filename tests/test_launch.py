@@ -13,20 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from stare_agent.models import tiny_model
-
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 BIN = Path(sys.executable).parent
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    model, tokenizer = tiny_model()
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def train_args(model_dir: Path, run_dir: Path) -> list[str]:

@@ -11,10 +11,10 @@ import pytest
 
 from stare_agent.config import ConfigError
 from stare_agent.study import plan, run_numbers
-from tests.test_cli import cli, model_dir  # noqa: F401 - the tiny model saved on disk
+from tests.test_cli import cli
 
 
-def test_study_smoke_makes_figure_table_and_data_then_resumes(tmp_path, model_dir):  # noqa: F811
+def test_study_smoke_makes_figure_table_and_data_then_resumes(tmp_path, model_dir):
     root = tmp_path / "study"
     args = [
         "study",
