@@ -257,13 +257,20 @@ def make_tool_env(env_id: str, **kwargs: Any) -> Any:
     so Gymnasium's checker and order-enforcing wrappers are left out.
 
     Raises:
-        ConfigError: the id is not registered, or its env is not an ``envs.ToolEnv``.
+        ConfigError: the id is not registered, its env is not an ``envs.ToolEnv``, or it is registered
+            with ``max_episode_steps`` (a wrapper's limit, which the unwrapped env would lose silently).
     """
     import gymnasium
 
     from envs.tool_env import ToolEnv
 
     check_env_id(env_id)
+    steps = gymnasium.spec(env_id.split(":")[-1]).max_episode_steps
+    if steps is not None:
+        raise ConfigError(
+            f"env.id={env_id!r} is registered with max_episode_steps={steps}, a TimeLimit wrapper the rollout "
+            f"runner does not use: register it with max_turns={steps} among its kwargs instead"
+        )
     env = gymnasium.make(env_id, disable_env_checker=True, **kwargs).unwrapped
     if not isinstance(env, ToolEnv):
         env.close()

@@ -157,6 +157,19 @@ def test_eval_kwargs_change_evaluation_only_and_bad_ids_fail_before_the_model_lo
         config_for(tmp_path, "env.kwargs={pool: 1}")
 
 
+def test_an_env_registered_with_max_episode_steps_is_refused_not_silently_unlimited():
+    from stare_agent.config import make_tool_env
+
+    gymnasium.register("demo/Capped-v0", entry_point="envs.tool_env:ToolEnv", max_episode_steps=4)
+    try:
+        with pytest.raises(
+            ConfigError, match=r"max_episode_steps=4, a TimeLimit .* max_turns=4 among its kwargs"
+        ):
+            make_tool_env("demo/Capped-v0")
+    finally:
+        gymnasium.registry.pop("demo/Capped-v0")
+
+
 PLUGIN = f"""
 import runpy
 
