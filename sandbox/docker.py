@@ -307,6 +307,10 @@ class _ContainerKernel:
         in C code), else a restarted container (the kernel died, so the warden has exited)."""
         if self.is_alive() and self.renew(timeout_s=RESTART_RENEW_TIMEOUT_S):
             return
+        self.restart_container()
+
+    def restart_container(self) -> None:
+        """Stop the container and start it again: new tmpfs mounts, a new warden, a new kernel."""
         self.container.stop(timeout=0)  # waits until every process of the container is gone
         if self.usage is not None:
             self.usage.forget()
@@ -483,7 +487,11 @@ class DockerSandbox(KernelSandbox):
                 return
             except SandboxError as exc:  # e.g. the warden found something it could not wipe
                 logger.warning("fresh kernel did not start (%s); restarting the container", exc)
-        driver.restart()
+        if self._host is None:
+            driver.restart()
+        else:
+            driver.expect_new_kernel()
+            self._host.restart_container()
         driver.wait_ready(self.start_timeout)
 
     def is_alive(self) -> bool:

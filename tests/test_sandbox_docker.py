@@ -98,9 +98,15 @@ def test_soft_and_hard_reset_clear_state(sb: DockerSandbox) -> None:
     assert sb.run("import os\nos.listdir('/work'), os.path.exists('/tmp/g'), os.environ.get('E')").stdout == (
         "([], False, None)\n"
     )
+    started = sb.container.attrs["State"]["StartedAt"]
+    sb.reset()
+    sb.container.reload()
+    assert sb.container.attrs["State"]["StartedAt"] == started  # the default keeps the container
     sb.run("w = 1")
     sb.reset(hard=True)
     assert sb.run("w").error.type == "NameError"
+    sb.container.reload()
+    assert sb.container.attrs["State"]["StartedAt"] != started  # hard: a restarted container
 
 
 def test_container_is_hardened(sb: DockerSandbox) -> None:
