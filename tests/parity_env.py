@@ -14,6 +14,22 @@ from envs.code_interpreter import CodeInterpreterEnv
 from envs.formats import ReToolFormat
 
 ENV_ID = "test/Parity-v0"
+# A small RL run on this env with the tiny model: one-turn episodes of a few tokens, groups of 4
+# whose rewards differ, a large learning rate so one step visibly moves the weights, and the gate
+# always on (a random model's entropy is far below H_tgt = 100).
+PARITY_RUN = (
+    f"env.id=tests.parity_env:{ENV_ID}",
+    "env.max_response_tokens=12",
+    "env.max_turns=1",
+    "data.train=multiplication",
+    "data.prompts_per_step=2",
+    "data.samples_per_prompt=4",
+    "data.max_sampling_batches=2",
+    "sandbox.backend=local",
+    "sandbox.pool_size=8",
+    "optim.lr=1e-2",
+    "algorithm.H_tgt=100.0",
+)
 
 
 class FirstWordFormat(ReToolFormat):

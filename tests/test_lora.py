@@ -17,6 +17,7 @@ from stare_agent.config import load_config
 from stare_agent.engines import TransformersEngine
 from stare_agent.learner import ADAPTER_DIRNAME, Learner
 from stare_agent.models import ModelLoadError, tiny_model
+from tests.parity_env import PARITY_RUN
 
 peft = pytest.importorskip("peft")
 
@@ -215,17 +216,7 @@ def _rl_config(run_dir, steps: int):
         None,
         [
             *LORA,
-            "env.id=tests.parity_env:test/Parity-v0",
-            "env.max_response_tokens=12",
-            "env.max_turns=1",
-            "data.train=multiplication",
-            "data.prompts_per_step=2",
-            "data.samples_per_prompt=4",
-            "data.max_sampling_batches=2",
-            "sandbox.backend=local",
-            "sandbox.pool_size=8",
-            "optim.lr=1e-2",
-            "algorithm.H_tgt=100.0",
+            *PARITY_RUN,
             "logger.backends=[]",
             f"trainer.steps={steps}",
             "trainer.checkpoint_every=0",

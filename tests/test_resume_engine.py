@@ -8,6 +8,7 @@ from stare_agent.config import load_config
 from stare_agent.engines import TransformersEngine
 from stare_agent.models import tiny_model
 from stare_agent.trainer import Trainer
+from tests.parity_env import PARITY_RUN
 
 
 class RecordingEngine(TransformersEngine):
@@ -28,17 +29,7 @@ def _run(run_dir, steps: int, resume: bool) -> RecordingEngine:
     config = load_config(
         None,
         [
-            "env.id=tests.parity_env:test/Parity-v0",
-            "env.max_response_tokens=12",
-            "env.max_turns=1",
-            "data.train=multiplication",
-            "data.prompts_per_step=2",
-            "data.samples_per_prompt=4",
-            "data.max_sampling_batches=2",
-            "sandbox.backend=local",
-            "sandbox.pool_size=8",
-            "optim.lr=1e-2",
-            "algorithm.H_tgt=100.0",
+            *PARITY_RUN,
             f"trainer.steps={steps}",
             "trainer.checkpoint_every=1",
             f"trainer.run_dir={run_dir}",
