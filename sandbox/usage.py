@@ -173,7 +173,9 @@ class CgroupUsage:
         try:
             if self._peak_fd is None:
                 self._peak_fd = os.open(peak_file, os.O_RDWR | os.O_CLOEXEC)
-            os.write(self._peak_fd, b"reset\n")
+            # At offset 0, like every read: a cgroup file ignores the offset, but a plain
+            # write would move it on each reset.
+            os.pwrite(self._peak_fd, b"reset\n", 0)
         except OSError as exc:
             self.forget()
             return exc.errno or errno.EIO
