@@ -90,29 +90,37 @@ def _eval(args: argparse.Namespace) -> int:
     problems = eval_problems(
         data.eval, seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
     )
-    engine, tokenizer = _eval_engine(args, config.model.name_or_path)
-    report = evaluate(
-        problems,
-        engine=engine,
-        tokenizer=tokenizer,
-        samples=data.eval_samples,
-        sampling=SamplingParams(
-            temperature=data.eval_temperature, top_p=data.eval_top_p, seed=config.trainer.seed
-        ),
-        max_response_tokens=env.max_response_tokens,
-        batch_size=args.batch_size,
-        env_id=env.id,
-        env_kwargs=env_kwargs,
-        out_dir=args.out,
-    )
+    engine, tokenizer = _eval_engine(args, config)
+    try:
+        report = evaluate(
+            problems,
+            engine=engine,
+            tokenizer=tokenizer,
+            samples=data.eval_samples,
+            sampling=SamplingParams(
+                temperature=data.eval_temperature, top_p=data.eval_top_p, seed=config.trainer.seed
+            ),
+            max_response_tokens=env.max_response_tokens,
+            batch_size=args.batch_size,
+            env_id=env.id,
+            env_kwargs=env_kwargs,
+            out_dir=args.out,
+        )
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
     print(report.table())
     print(f"per-problem results: {args.out}/results.jsonl")
     return 0
 
 
-def _eval_engine(args: argparse.Namespace, model_name: str) -> tuple[Any, Any]:
-    """The engine `stare-agent eval --engine` names, and the tokenizer the rollouts use."""
-    if args.engine == "openai":
+def _eval_engine(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
+    """The engine `stare-agent eval --engine` names (default: env.engine), and the rollouts' tokenizer."""
+    from stare_agent.engines.vllm_engine import pick_engine, vllm_engine_from_config
+
+    model_name = config.model.name_or_path
+    name = pick_engine(args.engine or config.env.engine, config.env.vllm.python)
+    if name == "openai":
         from stare_agent.engines.openai_engine import OpenAIEngine
         from stare_agent.models import load_tokenizer
 
@@ -130,6 +138,15 @@ def _eval_engine(args: argparse.Namespace, model_name: str) -> tuple[Any, Any]:
         )
         print(f"engine: openai at {args.base_url}, model {engine.model}")
         return engine, tokenizer
+    if name == "vllm":
+        from stare_agent.models import load_tokenizer
+
+        tokenizer = load_tokenizer(model_name)
+        engine = vllm_engine_from_config(config.env.vllm, model_name, seed=config.trainer.seed)
+        print(f"engine: vllm {engine.info['vllm_version']} ({engine.info['dtype']}, python {engine.python})")
+        return engine, tokenizer
+    if name == "sglang":
+        raise SystemExit("stare-agent eval has no --engine sglang: use --engine vllm, transformers or openai")
     from stare_agent.engines import TransformersEngine
     from stare_agent.models import load_policy
 
@@ -233,9 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument(
         "--engine",
-        default="transformers",
-        choices=["transformers", "openai"],
-        help="transformers: load --model here; openai: a served model behind --base-url (vLLM, SGLang, ...)",
+        choices=["transformers", "vllm", "auto", "openai"],
+        help="env.engine (default: the config's, transformers): transformers loads --model here; vllm runs "
+        "vllm.LLM in a worker (env.vllm.*); auto: vllm when found, else transformers; openai: a served "
+        "model behind --base-url (vLLM, SGLang, ...)",
     )
     p.add_argument("--base-url", help="--engine openai: the server's API root, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--api-key", help="--engine openai: the server's API key (default: $OPENAI_API_KEY)")

