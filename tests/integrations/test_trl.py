@@ -35,25 +35,13 @@ def _config(tmp_path, **overrides):
     return GRPOConfig(**{**settings, **overrides})
 
 
-def test_one_grpo_step_trains_on_env_episodes_with_tool_output_masked(docker_ready, tmp_path):
-    """Two episodes of one prompt: one runs code in the sandbox and answers right, one answers wrong.
-    The env's rewards (1, 0) reach TRL, its advantages are nonzero, the step changes the weights, and
-    the sandbox's output is in the completion with env_mask 0."""
-    require("trl")
+def _one_step(model, tokenizer, rollout, tmp_path, *, closing=()):
+    """One ``GRPOTrainer`` step whose rollouts come from ``rollout``; returns (trainer, its outputs).
+    ``rollout`` and the ``closing`` objects are closed afterwards, whatever happens."""
     from trl import GRPOTrainer
 
-    from sandbox import SandboxPool
-    from stare_agent.engines.scripted import ScriptedEngine
-    from stare_agent.models import tiny_model
-    from stare_integrations.trl_rollout import EnvRollout, env_reward
+    from stare_integrations.trl_rollout import env_reward
 
-    model, tokenizer = tiny_model()
-    scripts = [[CODE_TURN, "<answer>\\boxed{204}</answer>"], ["<answer>\\boxed{7}</answer>"]]
-    pool = SandboxPool(1, backend="docker")
-    rollout = EnvRollout(
-        lambda: CodeInterpreterEnv([PROBLEM], pool=pool, max_turns=3),
-        engine=lambda trainer: ScriptedEngine(trainer.processing_class, scripts),
-    )
     outputs = []
 
     def recorded(prompts, trainer):
@@ -68,12 +56,34 @@ def test_one_grpo_step_trains_on_env_episodes_with_tool_output_masked(docker_rea
         train_dataset=rollout.dataset(),
         rollout_func=recorded,
     )
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:
         trainer.train()
     finally:
         rollout.close()
-        pool.close()
+        for thing in closing:
+            thing.close()
+    return trainer, outputs
+
+
+def test_one_grpo_step_trains_on_env_episodes_with_tool_output_masked(docker_ready, tmp_path):
+    """Two episodes of one prompt: one runs code in the sandbox and answers right, one answers wrong.
+    The env's rewards (1, 0) reach TRL, its advantages are nonzero, the step changes the weights, and
+    the sandbox's output is in the completion with env_mask 0."""
+    require("trl")
+    from sandbox import SandboxPool
+    from stare_agent.engines.scripted import ScriptedEngine
+    from stare_agent.models import tiny_model
+    from stare_integrations.trl_rollout import EnvRollout
+
+    model, tokenizer = tiny_model()
+    scripts = [[CODE_TURN, "<answer>\\boxed{204}</answer>"], ["<answer>\\boxed{7}</answer>"]]
+    pool = SandboxPool(1, backend="docker")
+    rollout = EnvRollout(
+        lambda: CodeInterpreterEnv([PROBLEM], pool=pool, max_turns=3),
+        engine=lambda trainer: ScriptedEngine(trainer.processing_class, scripts),
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer, outputs = _one_step(model, tokenizer, rollout, tmp_path, closing=[pool])
     [out] = outputs
     assert out["env_reward"] == [1.0, 0.0] and out["num_tool_calls"] == [1, 0]
     ids, mask = out["completion_ids"][0], out["env_mask"][0]
@@ -107,12 +117,11 @@ def test_an_episode_lost_to_the_sandbox_is_left_out_of_the_step(docker_ready, tm
     masked EOS with reward None, which TRL leaves out; the step runs on."""
     require("trl")
     import docker
-    from trl import GRPOTrainer
 
     from sandbox import SandboxPool
     from stare_agent.engines.scripted import ScriptedEngine
     from stare_agent.models import tiny_model
-    from stare_integrations.trl_rollout import EnvRollout, env_reward
+    from stare_integrations.trl_rollout import EnvRollout
 
     model, tokenizer = tiny_model()
 
@@ -129,25 +138,7 @@ def test_an_episode_lost_to_the_sandbox_is_left_out_of_the_step(docker_ready, tm
         engine=lambda trainer: ScriptedEngine(trainer.processing_class, scripts),
         max_episode_retries=0,
     )
-    outputs = []
-
-    def recorded(prompts, trainer):
-        outputs.append(rollout(prompts, trainer))
-        return outputs[-1]
-
-    trainer = GRPOTrainer(
-        model=model,
-        processing_class=tokenizer,
-        reward_funcs=env_reward,
-        args=_config(tmp_path),
-        train_dataset=rollout.dataset(),
-        rollout_func=recorded,
-    )
-    try:
-        trainer.train()
-    finally:
-        rollout.close()
-        pool.close()
+    trainer, outputs = _one_step(model, tokenizer, rollout, tmp_path, closing=[pool])
     [out] = outputs
     assert out["env_reward"] == [1.0, None]
     assert (out["completion_ids"][1], out["env_mask"][1]) == ([tokenizer.eos_token_id], [0])
