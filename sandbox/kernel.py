@@ -19,10 +19,12 @@ Timeout policy of ``KernelDriver.execute``:
 Nothing the kernel sends can make ``execute`` raise: every message is checked before it is used
 (signature, framing, field types), and one that fails is skipped and counted
 (``ExecResult.skipped_messages``); past ``MAX_SKIPPED_MESSAGES`` in one call the kernel is restarted.
-Host memory per kernel stays bounded while reading: the sockets refuse frames over
-``MAX_MESSAGE_BYTES`` (zmq ``MAXMSGSIZE``: the kernel is disconnected, nothing is buffered) and
-queue at most ``RECEIVE_HWM`` messages, and the kernel sends its output in chunks that fit
-(``BOUNDED_OUTPUT``). If a dropped message took the kernel's "idle" with it, the call ends once the
+Host memory per kernel stays bounded while reading: the output channel (iopub) is read frame by
+frame (``sandbox.zmtp.BoundedSubscriber``), keeping one message of at most ``MAX_MESSAGE_BYTES``
+and dropping bigger ones, or ones of too many frames, as they stream by (zmq would hold a message
+of any number of frames whole); the shell socket refuses frames over ``MAX_MESSAGE_BYTES`` (zmq
+``MAXMSGSIZE``) and queues at most ``RECEIVE_HWM`` messages; and the kernel sends its output in
+chunks that fit (``BOUNDED_OUTPUT``). If a dropped message took the kernel's "idle" with it, the call ends once the
 execute reply has come and the output channel stays quiet.
 
 CPU seconds and peak memory are read on the host (``sandbox.usage``: the container's cgroup, or
@@ -44,6 +46,7 @@ from jupyter_client.connect import KernelConnectionInfo
 from sandbox.base import Sandbox
 from sandbox.errors import SandboxClosed, SandboxError
 from sandbox.result import ExecError, ExecResult
+from sandbox.zmtp import BoundedSubscriber, DroppedMessage
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 """CSI escape sequences (colours, cursor moves) that IPython puts in tracebacks."""
@@ -192,10 +195,12 @@ class KernelDriver:
         self._context.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self.client = BlockingKernelClient(context=self._context)
         self.client.load_connection_info(cast(KernelConnectionInfo, connection_info))
-        self.client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
+        self.client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
         # The channels themselves, not BlockingKernelClient.get_*_msg: those run each read through
-        # an asyncio loop (jupyter_core.run_sync), about 0.1 ms a message.
-        self._iopub = self.client.iopub_channel
+        # an asyncio loop (jupyter_core.run_sync), about 0.1 ms a message. iopub is read frame by
+        # frame (sandbox.zmtp): zmq would hold a message of any number of frames whole.
+        self._iopub_path = f"{connection_info['ip']}-{connection_info['iopub_port']}"
+        self._iopub = _Channel(self._connect_iopub(), self.client.session)
         self._shell = self.client.shell_channel
         self.ready = False
         self._renew = False  # True when the sockets may be dead: the next wait renews them
@@ -232,7 +237,7 @@ class KernelDriver:
                 self._renew = True  # until fresh sockets reached the kernel
                 for channel, connect in (
                     (self._shell, self.client.connect_shell),
-                    (self._iopub, self.client.connect_iopub),
+                    (self._iopub, self._connect_iopub),
                 ):
                     if channel.socket is not None:
                         channel.socket.close(linger=0)
@@ -280,8 +285,12 @@ class KernelDriver:
             return True
         return False
 
+    def _connect_iopub(self) -> BoundedSubscriber:
+        return BoundedSubscriber(self._iopub_path, max_message_bytes=MAX_MESSAGE_BYTES)
+
     def close(self) -> None:
-        self.client.stop_channels()
+        self._iopub.socket.close()
+        self._shell.close()
         self._context.destroy(linger=0)
 
     def restart(self) -> None:
@@ -467,7 +476,10 @@ class KernelDriver:
         socket = channel.socket
         if socket is None or not socket.poll(int(timeout * 1000)):
             return None
-        frames = socket.recv_multipart()
+        try:
+            frames = socket.recv_multipart()
+        except DroppedMessage as exc:
+            raise MalformedMessage(str(exc)) from None
         try:
             _, frames = channel.session.feed_identities(frames)
             msg = channel.session.deserialize(frames)
@@ -520,6 +532,13 @@ class KernelDriver:
         socket = self._shell.socket
         while socket is not None and socket.poll(0):
             socket.recv_multipart()
+
+
+class _Channel:
+    """A channel as ``_receive`` reads it: a socket and the session that checks its messages."""
+
+    def __init__(self, socket: Any, session: Any) -> None:
+        self.socket, self.session = socket, session
 
 
 class MalformedMessage(Exception):

@@ -157,3 +157,45 @@ def test_printing_500_mb_keeps_host_memory_bounded(docker_ready) -> None:
     growth, tail, truncated, duration = json.loads(child.stdout.splitlines()[-1])
     assert truncated and tail.endswith("x" * 20), tail
     assert growth < 100 * 2**20, f"host peak RSS grew by {growth / 2**20:.0f} MiB reading 500 MB"
+
+
+MANY_PARTS_CHILD = """
+import json, sys
+from sandbox import DockerSandbox, SandboxConfig
+from sandbox.usage import ProcessUsage
+
+me = ProcessUsage(__import__('os').getpid())
+with DockerSandbox(SandboxConfig(max_output_chars=1000)) as sb:
+    sb.run("kept = 7")
+    me.reset_peak()
+    before = me.peak_bytes()
+    # One message of 4,000 parts of 64 KiB (250 MiB) on the kernel's own iopub socket, sent from
+    # its IOPub thread; zero-copy, so the kernel holds one part, the host would receive them all.
+    result = sb.run(
+        "import threading, zmq\\n"
+        "thread, done = get_ipython().kernel.iopub_thread, threading.Event()\\n"
+        "def flood(part=b'x' * 2**16):\\n"
+        "    for _ in range(4000):\\n"
+        "        thread.socket.send(part, zmq.SNDMORE, copy=False)\\n"
+        "    thread.socket.send(b'')\\n"
+        "    done.set()\\n"
+        "thread.schedule(flood)\\n"
+        "done.wait(60)\\n"
+        "print('sent')",
+        timeout=120,
+    )
+    after = sb.run("print(kept)")
+    print(json.dumps([me.peak_bytes() - before, result.stdout, result.skipped_messages, after.stdout]))
+"""
+
+
+def test_a_message_of_many_parts_keeps_host_memory_bounded(docker_ready) -> None:
+    child = subprocess.run(
+        [sys.executable, "-c", MANY_PARTS_CHILD],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    growth, stdout, skipped, after = json.loads(child.stdout.splitlines()[-1])
+    assert growth < 100 * 2**20, f"host peak RSS grew by {growth / 2**20:.0f} MiB on a 250 MiB message"
+    assert stdout.startswith("sent\n") and skipped >= 1, (stdout, skipped)
+    assert after == "7\n"  # the connection and the kernel's state survive
