@@ -196,3 +196,33 @@ def split_by_token_budget(
     if current:
         micro.append(current)
     return micro
+
+
+def bucket_by_length(trajectories: Sequence[Trajectory], max_tokens: int) -> list[list[int]]:
+    """Micro-batches of at most ``max_tokens`` padded tokens, trajectories of similar length together.
+
+    The batch is sorted by length (longest first, ties in batch order), then split greedily like
+    :func:`split_by_token_budget`: each micro-batch is padded to a width close to all of its rows,
+    instead of to the longest of whatever happens to lie next to it in the batch.
+
+    Returns:
+        Lists of indices into ``trajectories`` (each index once), e.g. ``[[2, 0], [1]]``.
+
+    Raises:
+        ValueError: one trajectory alone exceeds ``max_tokens``.
+
+    Example:
+        >>> from envs.trajectory import TrajectoryBuilder
+        >>> def traj(n):
+        ...     b = TrajectoryBuilder([1] * n); b.append([2], 1, [0.0]); return b.build(reward=0.0)
+        >>> batch = [traj(2), traj(9), traj(3), traj(8)]
+        >>> split_by_token_budget(batch, 20), bucket_by_length(batch, 20)
+        ([[0, 1], [2, 3]], [[1, 3], [2, 0]])
+    """
+    order = sorted(range(len(trajectories)), key=lambda i: -trajectories[i].num_tokens)
+    try:
+        split = split_by_token_budget([trajectories[i] for i in order], max_tokens, padded=True)
+    except ValueError:
+        split_by_token_budget(trajectories, max_tokens, padded=True)  # the same error, in batch order
+        raise
+    return [[order[j] for j in micro] for micro in split]

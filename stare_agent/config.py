@@ -558,6 +558,14 @@ class DeepSpeedConfig:
             into as many micro-batches as this needs, with gradient accumulation, and still takes ONE
             optimizer step.
         logprob_chunk_size: Tokens whose full-vocabulary logits exist at once when scoring.
+        score_response_only: Run the LM head and the full-vocabulary softmax only on the positions
+            that are scored (mask-1 tokens: what the model wrote), not on prompt, tool output or
+            padding, whose log-probs no loss and no STARE statistic reads (the learner's scores are 0
+            there). Same values up to float rounding; false: the whole sequence, as before.
+        bucket_by_length: Group trajectories of similar length into the learner's micro-batches
+            (sorted by length before the token-budget split) so that little of each micro-batch is
+            padding. Same loss and gradient up to float rounding (STARE's ``micro_batch`` scope keeps
+            the batch-order split); false: consecutive trajectories, as before.
         dist_backend: ``auto`` (NCCL on GPU, gloo on CPU), ``nccl`` or ``gloo``.
         config: Path of a DeepSpeed JSON config merged over the generated one (see above); null: none.
     """
@@ -566,6 +574,8 @@ class DeepSpeedConfig:
     precision: str = "auto"
     micro_batch_tokens: int = 16384
     logprob_chunk_size: int = 1024
+    score_response_only: bool = True
+    bucket_by_length: bool = True
     dist_backend: str = "auto"
     config: str | None = None
 

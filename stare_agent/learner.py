@@ -49,9 +49,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from envs.trajectory import Trajectory
-from stare_agent.algorithms.logprobs import causal_lm_logprobs_and_entropy, logprobs_and_entropy_from_logits
+from stare_agent.algorithms.logprobs import (
+    causal_lm_logprobs_and_entropy,
+    logprobs_and_entropy_from_logits,
+    scatter_scored,
+)
 from stare_agent.algorithms.losses import policy_loss
-from stare_agent.batch import collate, split_by_token_budget
+from stare_agent.batch import bucket_by_length, collate, split_by_token_budget
 from stare_agent.config import (
     AlgorithmConfig,
     ConfigError,
@@ -351,15 +355,24 @@ class Learner:
     # ------------------------------------------------------------------ batching
 
     def micro_batches(self, trajectories: Sequence[Trajectory]) -> list[list[int]]:
-        """How this rank's batch is split (lists of indices), by the padded-token budget.
+        """This rank's batch split in order (lists of consecutive indices) by the padded-token budget.
 
-        The trainer uses the same split for STARE's ``micro_batch`` scope.
+        STARE's ``micro_batch`` scope selects inside these groups (the trainer asks for them). The
+        forward passes run on :meth:`compute_batches`, the same split unless ``bucket_by_length``.
         """
         return split_by_token_budget(trajectories, self.ds_config.micro_batch_tokens, padded=True)
 
+    def compute_batches(self, trajectories: Sequence[Trajectory]) -> list[list[int]]:
+        """The micro-batches the forward and backward passes run on: with ``deepspeed.bucket_by_length``
+        trajectories of similar length together (:func:`~stare_agent.batch.bucket_by_length`), else
+        :meth:`micro_batches`. Which trajectories share a micro-batch changes padding, not results."""
+        if self.ds_config.bucket_by_length:
+            return bucket_by_length(trajectories, self.ds_config.micro_batch_tokens)
+        return self.micro_batches(trajectories)
+
     def _padded_split(self, trajectories: Sequence[Trajectory]) -> list[tuple[list[int], bool]]:
         """Micro-batches plus zero-weight repeats so every rank runs the same count: (indices, real)."""
-        split = self.micro_batches(trajectories)
+        split = self.compute_batches(trajectories)
         count = torch.tensor([len(split)], dtype=torch.long, device=self._comm_device)
         if self.world_size > 1:
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -386,18 +399,27 @@ class Learner:
 
     def _forward_inner(self, micro: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         ids, attention = micro["input_ids"], micro["attention_mask"]
+        # Only mask-1 positions are ever read (losses, gate, weights): the rest skip the LM head.
+        scored = micro["response_mask"].bool() if self.ds_config.score_response_only else None
+        chunk = self.ds_config.logprob_chunk_size
         if self.ds_config.zero_stage == 3:
             # ZeRO-3 partitions the LM head, so score from the logits the model itself computes.
             logits = self.ds_model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
-            return logprobs_and_entropy_from_logits(
-                logits, ids[:, 1:], chunk_size=self.ds_config.logprob_chunk_size, temperature=self.temperature
+            if scored is None:
+                return logprobs_and_entropy_from_logits(
+                    logits, ids[:, 1:], chunk_size=chunk, temperature=self.temperature
+                )
+            logp, entropy = logprobs_and_entropy_from_logits(
+                logits[scored], ids[:, 1:][scored], chunk_size=chunk, temperature=self.temperature
             )
+            return scatter_scored(logp, scored), scatter_scored(entropy, scored)
         return causal_lm_logprobs_and_entropy(
             self.module,
             ids,
             attention,
-            chunk_size=self.ds_config.logprob_chunk_size,
+            chunk_size=chunk,
             temperature=self.temperature,
+            score_mask=scored,
             use_cache=False,
         )
 
@@ -410,7 +432,8 @@ class Learner:
 
         Returns:
             (logp, entropy), float32 [B, L-1] on the learner's device, aligned with
-            ``stare_agent.batch.collate(trajectories)`` (column t scores token t + 1); 0 on padding.
+            ``stare_agent.batch.collate(trajectories)`` (column t scores token t + 1); 0 on padding,
+            and with ``deepspeed.score_response_only`` (the default) 0 on every mask-0 position too.
         """
         if not trajectories:
             raise ValueError("cannot score an empty batch: pass at least one trajectory")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from envs.trajectory import Trajectory, TrajectoryBuilder
-from stare_agent.batch import collate, pack, split_by_token_budget
+from stare_agent.batch import bucket_by_length, collate, pack, split_by_token_budget
 
 
 def _two() -> list[Trajectory]:
@@ -90,6 +90,18 @@ def test_split_by_token_budget_counts_padding_or_tokens():
     assert split_by_token_budget(trajectories, 10, padded=False) == [[0, 1, 2, 3]]  # 8 tokens
     assert split_by_token_budget(trajectories, 5) == [[0], [1, 2, 3]]
     assert split_by_token_budget([], 5) == []
+
+
+def test_bucket_by_length_puts_similar_lengths_together():
+    trajectories = [_of_length(n) for n in (2, 9, 3, 8, 9)]
+    # in batch order: [2, 9] pads to 18, then [3, 8] to 16, [9] alone: 43 padded tokens for 31
+    assert split_by_token_budget(trajectories, 20) == [[0, 1], [2, 3], [4]]
+    # longest first (ties in batch order): [9, 9] = 18, [8, 3] = 16 -> then 2 fits: 3 x 8 > 20, alone
+    assert bucket_by_length(trajectories, 20) == [[1, 4], [3, 2], [0]]
+    assert bucket_by_length(trajectories, 100) == [[1, 4, 3, 2, 0]]
+    assert bucket_by_length([], 5) == []
+    with pytest.raises(ValueError, match="trajectory 1 has 9 tokens"):  # named by its place in the batch
+        bucket_by_length(trajectories, 8)
 
 
 def test_errors_name_the_fix():

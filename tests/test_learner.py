@@ -171,21 +171,72 @@ def test_sft_loss_ignores_mask0_tokens(learner):
     _restore(learner, start)
 
 
-def test_logprobs_match_plain_forward_and_ignore_padding(learner, batch):
+@pytest.mark.parametrize("response_only", [True, False])
+def test_logprobs_match_plain_forward_and_ignore_padding(learner, batch, response_only):
     learner.ds_config.micro_batch_tokens = 40
-    logp, entropy = learner.compute_logprobs_and_entropy(batch)
-    learner.ds_config.micro_batch_tokens = 100_000
+    learner.ds_config.score_response_only = response_only
+    try:
+        logp, entropy = learner.compute_logprobs_and_entropy(batch)
+    finally:
+        learner.ds_config.micro_batch_tokens = 100_000
+        learner.ds_config.score_response_only = True
     model = copy.deepcopy(learner.module).eval()
     for i, t in enumerate(batch):
         ids = torch.tensor([t.input_ids])
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, :-1].float()
         expected = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
-        n = t.num_tokens - 1
-        torch.testing.assert_close(logp[i, :n], expected, atol=1e-5, rtol=1e-5)
-        assert torch.all(logp[i, n:] == 0) and torch.all(entropy[i, n:] == 0)
         p = torch.softmax(logits, -1)
-        torch.testing.assert_close(entropy[i, :n], -(p * torch.log(p)).sum(-1), atol=1e-4, rtol=1e-4)
+        expected_entropy = -(p * torch.log(p)).sum(-1)
+        n = t.num_tokens - 1
+        # scored: every position, or (the default) only the mask-1 ones; 0 elsewhere
+        scored = torch.ones(n, dtype=torch.bool)
+        if response_only:
+            scored = torch.tensor([0] * (len(t.prompt_ids) - 1) + list(t.loss_mask), dtype=torch.bool)
+            assert 0 < int(scored.sum()) < n
+        torch.testing.assert_close(logp[i, :n][scored], expected[scored], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(entropy[i, :n][scored], expected_entropy[scored], atol=1e-4, rtol=1e-4)
+        assert torch.all(logp[i, :n][~scored] == 0) and torch.all(entropy[i, :n][~scored] == 0)
+        assert torch.all(logp[i, n:] == 0) and torch.all(entropy[i, n:] == 0)
+
+
+@pytest.mark.parametrize("step", ["update", "sft_step"])
+def test_fast_learner_path_takes_the_same_step_as_the_old_one(learner, batch, step):
+    """deepspeed.score_response_only and bucket_by_length (the defaults) change the work, not the step:
+    the parameters after one step equal those of the old path (whole sequences scored, micro-batches
+    in batch order) to float rounding, on a batch split into several micro-batches both ways."""
+    advantages = [1.0, -0.5, 0.25, -1.5, 0.75]
+    L = max(t.num_tokens for t in batch)
+    weights = 0.9 + 0.2 * torch.rand(len(batch), L - 1, generator=torch.Generator().manual_seed(5))
+    start = _params(learner)
+    ds = learner.ds_config
+    ds.micro_batch_tokens = 40
+
+    def one_step(fast: bool) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        ds.score_response_only = ds.bucket_by_length = fast
+        try:
+            if step == "update":
+                metrics = learner.update(batch, advantages, weights)
+            else:
+                metrics = learner.sft_step(batch)
+            return metrics, {k: v - start[k] for k, v in _params(learner).items()}
+        finally:
+            _restore(learner, start)
+            ds.score_response_only = ds.bucket_by_length = True
+
+    try:
+        old, delta_old = one_step(False)
+        assert learner.compute_batches(batch) != learner.micro_batches(batch)  # the split differs
+        new, delta_new = one_step(True)
+    finally:
+        ds.micro_batch_tokens = 100_000
+    assert old["skipped"] == new["skipped"] == 0.0 and old["tokens"] == new["tokens"]
+    assert new["loss"] == pytest.approx(old["loss"], rel=1e-5)
+    assert new["grad_norm"] == pytest.approx(old["grad_norm"], rel=1e-4)
+    assert sum(int((d != 0).sum()) for d in delta_old.values()) > 0  # the step moved the weights
+    for name, d in delta_old.items():
+        scale = float(d.abs().max()) + 1e-12
+        torch.testing.assert_close(delta_new[name], d, atol=1e-5 * scale + 2.4e-7, rtol=0, msg=name)
 
 
 def test_checkpoint_round_trip(learner, batch, tmp_path):
@@ -353,7 +404,7 @@ def test_bf16_autocast_on_cpu_keeps_fp32_weights_and_tracks_fp32_scores(batch):
         model, tokenizer, load_config(None, [*LINEAR_ADAM, "deepspeed.precision=bf16-autocast"])
     )
     logp, _ = learner.compute_logprobs_and_entropy(batch)
-    mask = collate(batch, learner.pad_id)["attention_mask"][:, 1:].bool()
+    mask = collate(batch, learner.pad_id)["response_mask"].bool()  # the scored positions
     # bf16 activations: close to the fp32 scores, not equal
     assert torch.allclose(logp[mask], fp32_logp.detach()[mask], atol=0.1)
     assert not torch.equal(logp[mask], fp32_logp.detach()[mask])

@@ -78,9 +78,17 @@ def causal_lm_logprobs_and_entropy(
     *,
     chunk_size: int = 1024,
     temperature: float = 1.0,
+    score_mask: Tensor | None = None,
     **forward_kwargs: Any,
 ) -> tuple[Tensor, Tensor]:
     """Run a Hugging Face causal LM's backbone and score ``input_ids[:, 1:]`` chunk by chunk.
+
+    Args:
+        score_mask: [N, L-1] bool, or None for every position. When given, only the marked positions
+            go through the LM head and the softmax (e.g. the response tokens of RL, whose prompt
+            positions are never scored: for a 350-token prompt and 100 sampled tokens, 78 % of the
+            head's work); the others come back as 0 and carry no gradient. The marked positions'
+            values are the same as without the mask, up to float rounding.
 
     Returns:
         (logp [N, L-1], entropy [N, L-1]); column t scores token ``input_ids[:, t + 1]``.
@@ -93,15 +101,33 @@ def causal_lm_logprobs_and_entropy(
             )
     head = model.get_output_embeddings()
     outputs = model.base_model(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs)
-    hidden = outputs.last_hidden_state[:, :-1]
-    return chunked_logprobs_and_entropy(
+    hidden, targets = outputs.last_hidden_state[:, :-1], input_ids[:, 1:]
+    if score_mask is not None:
+        _check(score_mask.shape, targets.shape, chunk_size, temperature)
+        hidden, targets = hidden[score_mask], targets[score_mask]
+    logp, entropy = chunked_logprobs_and_entropy(
         hidden,
         head.weight,
-        input_ids[:, 1:],
+        targets,
         lm_head_bias=head.bias,
         chunk_size=chunk_size,
         temperature=temperature,
     )
+    if score_mask is None:
+        return logp, entropy
+    return scatter_scored(logp, score_mask), scatter_scored(entropy, score_mask)
+
+
+def scatter_scored(values: Tensor, score_mask: Tensor) -> Tensor:
+    """Values [S] of the S marked positions of ``score_mask`` [N, T] put back in place: [N, T], 0 elsewhere.
+
+    Differentiable in ``values`` (the unmarked positions are constants).
+
+    Example:
+        >>> scatter_scored(torch.tensor([1.0, 2.0]), torch.tensor([[False, True], [True, False]])).tolist()
+        [[0.0, 1.0], [2.0, 0.0]]
+    """
+    return values.new_zeros(score_mask.shape).masked_scatter(score_mask, values)
 
 
 def _check(lead_shape: torch.Size, targets_shape: torch.Size, chunk_size: int, temperature: float) -> None:

@@ -126,6 +126,40 @@ def test_causal_lm_matches_the_models_own_logits():
     torch.testing.assert_close(grad, model.lm_head.weight.grad, rtol=1e-10, atol=1e-10)
 
 
+def test_score_mask_scores_only_the_marked_positions_with_the_same_values_and_gradients():
+    """Positions left out of score_mask skip the LM head: 0 there, the full pass's values and the full
+    pass's parameter gradients elsewhere (float64, so any difference beyond rounding shows)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).double()
+    input_ids = torch.randint(0, 97, (2, 12))
+    scored = torch.zeros(2, 11, dtype=torch.bool)
+    scored[0, 6:9] = scored[1, 4:] = True  # a response with tool output after it; one running to the end
+    coef = torch.randn(2, 11, dtype=torch.float64) * scored  # a loss that reads only the scored positions
+
+    def run(score_mask):
+        model.zero_grad()
+        logp, entropy = causal_lm_logprobs_and_entropy(model, input_ids, chunk_size=4, score_mask=score_mask)
+        (coef * logp).sum().backward()
+        return logp.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    logp_all, entropy_all, grads_all = run(None)
+    logp, entropy, grads = run(scored)
+    torch.testing.assert_close(logp[scored], logp_all[scored], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(entropy[scored], entropy_all[scored], rtol=1e-12, atol=1e-12)
+    assert torch.all(logp[~scored] == 0) and torch.all(entropy[~scored] == 0)
+    assert (logp_all[~scored] != 0).all()  # the unmasked pass did score them
+    for name, grad in grads_all.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-10, atol=1e-12, msg=name)
+    with pytest.raises(ValueError, match="must match the leading shape"):
+        causal_lm_logprobs_and_entropy(model, input_ids, score_mask=scored[:, 1:])
+
+
 def test_errors():
     with pytest.raises(ValueError, match="must match the leading shape"):
         chunked_logprobs_and_entropy(torch.zeros(3, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long))
