@@ -1,299 +1,270 @@
-"""Cold-start SFT settings for the quickstart: which ones make the embedded SmolLM2-135M use the code tool.
+"""Cold-start SFT settings for the quickstart and the entropy study: how much SFT the embedded
+SmolLM2-135M needs to use the code tool, and how far it collapses its sampling distribution.
 
-For each setting: procedural ReTool traces (solution code REALLY run in the sandbox, by
-``stare_agent.sft_data.procedural_traces``), the product's cold-start SFT (``stare_agent.cold_start.sft``
-with ``configs/quickstart.yaml`` and the setting's overrides: the DeepSpeed learner, its schedule and
-its precision, exactly the loop ``stare-agent quickstart`` runs), then the product's tool-use evaluation
-(``stare_agent.evaluation.evaluate``) on held-out procedural problems (a different seed). The untouched
-model is evaluated first, in the same run, with the same settings.
+For each setting (``sft.*`` overrides of ``configs/quickstart.yaml``): the product's cold-start SFT
+(``stare_agent.cold_start.sft``: procedural ReTool traces whose interpreter output is REALLY produced
+in the sandbox, the DeepSpeed learner with its schedule and precision, exactly the loop
+``stare-agent quickstart`` runs), then the product's tool-use evaluation
+(``stare_agent.evaluation.evaluate``) of the SFT policy twice:
 
-Prints one row per setting: traces, SFT steps, SFT wall and CPU seconds (CPU / 2 is roughly the wall
-time on an idle 2-core machine), seconds per step, mean sequence length, baseline and after-SFT
-accuracy, tool calls per episode, and the load average while training (the machine is shared).
+- greedy, on the quickstart's 40 held-out problems (its before/after table's accuracy);
+- sampled as RL samples (``env.temperature`` 1.0, ``env.top_p`` 1.0, seeded), ``--sampled-k`` episodes
+  on each of the first ``--sampled-n`` held-out problems: the mean reward, the fraction of groups
+  (problems) whose rewards differ (GRPO's signal), and the mean full-vocabulary entropy of the
+  policy over the model-written tokens of those episodes (``stare_agent.metrics.policy_entropy``:
+  the STARE gate's H-bar, the quantity compared with H_tgt = 0.3).
 
-Run: ``.venv/bin/python benchmarks/quickstart_probe.py --settings short-lr1e-4-s40``
+The untouched model is measured first, in the same run, the same way.
+
+Run (the machine is shared: long, not a timing measurement, so niced):
+``nice -n 15 .venv/bin/python benchmarks/quickstart_probe.py --settings r112-e2 r112-e1 r48-e1``
 (``--list`` shows the named settings).
+
+Measured 2026-12-01 on the 2-core CI machine (AMD EPYC, avx512_bf16; bf16-autocast; Docker sandbox),
+shared with other engineers' jobs (load 2-4), niced, so the seconds are about 1.5-2x a quiet run's;
+steps and tokens do not move. 40 held-out problems greedy; sampled: 16 problems x 4, T = 1.0:
+
+    setting          traces ep   lr     steps tokens  sft_s  greedy  tools  sampled  H-bar  groups var
+    (results in the report of the calibration, filled in below when measured)
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
+from transformers import set_seed
 
-from envs.problems import generate_problems
 from envs.rollout import SamplingParams
-from sandbox import make_sandbox
+from sandbox import SandboxPool
 from stare_agent import cold_start
-from stare_agent.config import load_config
+from stare_agent.config import RunConfig, load_config
 from stare_agent.engines.transformers_engine import TransformersEngine
 from stare_agent.evaluation import evaluate
+from stare_agent.metrics import policy_entropy
 from stare_agent.models import load_policy
-from stare_agent.sft_data import Trace, procedural_traces, write_retool_jsonl
+from stare_agent.quickstart import usable_precision
+from stare_agent.trainer import eval_problems
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One cold-start SFT configuration."""
+    """One cold-start SFT configuration: ``sft.*`` fields over the quickstart config's."""
 
     name: str
-    template: str = "short"  # how the model-written steps read (see TEMPLATES)
-    traces_per_family: int = 16
-    difficulty: int = 1
+    rows: int = 112  # sft.procedural_rows: traces (problems whose real output matched the gold)
+    epochs: int = 2
     lr: float = 1e-4
     batch_size: int = 8
-    steps: int = 40  # rounded up to whole epochs (sft.epochs) of the product's loop
-    warmup: int = 4
-    bf16: bool = False  # deepspeed.precision=bf16-autocast (fp32 weights, bf16 forward passes)
+    max_tokens: int = 1024
 
+    def overrides(self) -> list[str]:
+        return [
+            f"sft.procedural_rows={self.rows}",
+            f"sft.epochs={self.epochs}",
+            f"sft.lr={self.lr}",
+            f"sft.batch_size={self.batch_size}",
+            f"sft.max_tokens={self.max_tokens}",
+        ]
 
-def _short(code: str, output: str, answer: str) -> tuple[str, str]:
-    return (
-        f"I'll compute this with Python.\n<code>\n```python\n{code}\n```\n</code>",
-        f"<answer>\\boxed{{{answer}}}</answer>",
-    )
-
-
-def _bare(code: str, output: str, answer: str) -> tuple[str, str]:
-    return f"<code>\n```python\n{code}\n```\n</code>", f"<answer>\\boxed{{{answer}}}</answer>"
-
-
-def _explained(code: str, output: str, answer: str) -> tuple[str, str]:
-    return (
-        f"I'll compute this with Python.\n<code>\n```python\n{code}\n```\n</code>",
-        f"The code printed {answer}, so the answer is {answer}.\n<answer>\\boxed{{{answer}}}</answer>",
-    )
-
-
-TEMPLATES = {"short": _short, "bare": _bare, "explained": _explained}
 
 SETTINGS = {
     s.name: s
     for s in [
-        Setting("smoke", traces_per_family=2, batch_size=2, steps=2),
-        Setting("short-lr1e-4-s40"),
-        Setting("bf16-short-lr1e-4-s30", steps=30, bf16=True),
-        Setting("bf16-short-lr2e-4-s30", steps=30, lr=2e-4, bf16=True),
-        Setting("bf16-bare-lr1e-4-s30", template="bare", steps=30, bf16=True),
-        Setting("bf16-explained-lr1e-4-s30", template="explained", steps=30, bf16=True),
-        Setting("bf16-short-lr1e-4-s20", steps=20, bf16=True),
-        Setting("bf16-short-lr1e-4-s20-bs12", steps=20, batch_size=12, bf16=True),
-        Setting("short-lr3e-5-s40", lr=3e-5),
-        Setting("short-lr2e-4-s40", lr=2e-4),
-        Setting("short-lr1e-4-s20", steps=20),
-        Setting("short-lr1e-4-s60", steps=60),
-        Setting("short-lr1e-4-s40-bs4", batch_size=4),
-        Setting("bare-lr1e-4-s40", template="bare"),
-        Setting("explained-lr1e-4-s40", template="explained"),
-        Setting("short-lr1e-4-s40-bf16", bf16=True),
-        Setting("short-lr1e-4-s40-d12", difficulty=12),  # half difficulty 1, half difficulty 2
+        Setting("smoke", rows=8, epochs=1, batch_size=4),
+        Setting("r112-e2"),  # the quickstart's settings before this calibration (28 steps)
+        Setting("r112-e1", epochs=1),
+        Setting("r64-e2", rows=64),
+        Setting("r64-e1", rows=64, epochs=1),
+        Setting("r48-e2", rows=48),
+        Setting("r48-e1", rows=48, epochs=1),
+        Setting("r48-e1-lr5e-5", rows=48, epochs=1, lr=5e-5),
+        Setting("r32-e1", rows=32, epochs=1),
+        Setting("r32-e1-lr5e-5", rows=32, epochs=1, lr=5e-5),
+        Setting("r64-e1-lr5e-5", rows=64, epochs=1, lr=5e-5),
+        Setting("r112-e1-lr5e-5", epochs=1, lr=5e-5),
     ]
 }
 
 
-def make_traces(setting: Setting, families: list[str], seed: int, sandbox) -> list[Trace]:
-    """Procedural traces of every family, rewritten into ``setting.template`` (outputs stay real)."""
-    template = TEMPLATES[setting.template]
-    difficulties = [1, 2] if setting.difficulty == 12 else [setting.difficulty]
-    traces: list[Trace] = []
-    for family in families:
-        for difficulty in difficulties:
-            n = setting.traces_per_family // len(difficulties)
-            made, _rejected = procedural_traces(family, n, sandbox, seed=seed, difficulty=difficulty)
-            traces.extend(made)
-    out = []
-    for trace in traces:
-        (_, first), (_, observation), _ = trace.steps
-        code = first.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
-        turn_1, turn_2 = template(code, observation, trace.answer or "")
-        steps = [("model", turn_1), ("tool", observation), ("model", turn_2)]
-        out.append(dataclasses.replace(trace, steps=steps))
-    return out
+def quickstart_config(overrides: list[str], sandbox: str) -> RunConfig:
+    """The quickstart config with ``overrides``, its precision as the quickstart would run it here."""
+    return usable_precision(load_config(QUICKSTART, [f"sandbox.backend={sandbox}", *overrides]))
 
 
-def sft(model, tokenizer, traces: list[Trace], setting: Setting, seed: int) -> dict[str, float]:
-    """The product's cold-start SFT (``cold_start.sft``) on ``traces`` with the quickstart config and
-    the setting's overrides; returns wall/CPU seconds and the loss curve ends."""
+def sft(model: Any, tokenizer: Any, config: RunConfig) -> dict[str, float]:
+    """The product's cold-start SFT (``cold_start.sft``) of ``model`` in place, in a temporary run dir;
+    returns its steps, wall seconds, trained tokens and the loss curve's ends."""
     with tempfile.TemporaryDirectory(prefix="quickstart-probe-") as tmp:
         run_dir = Path(tmp)
-        data = write_retool_jsonl(traces, run_dir / "traces.jsonl")
-        steps_per_epoch = max(len(traces) // setting.batch_size, 1)
-        epochs = math.ceil(setting.steps / steps_per_epoch)
-        config = load_config(
-            QUICKSTART,
-            [
-                f"sft.data={data}",
-                "sft.format=retool",
-                f"sft.lr={setting.lr}",
-                f"sft.batch_size={setting.batch_size}",
-                f"sft.epochs={epochs}",
-                f"sft.warmup_ratio={min(setting.warmup / (epochs * steps_per_epoch), 0.5)}",
-                f"sft.output_dir={run_dir / 'model'}",
-                f"trainer.run_dir={run_dir}",
-                f"trainer.seed={seed}",
-                f"deepspeed.precision={'bf16-autocast' if setting.bf16 else 'fp32'}",
-                "logger.backends=[]",
-            ],
+        config = replace(
+            config,
+            sft=replace(config.sft, output_dir=str(run_dir / "model")),
+            trainer=replace(config.trainer, run_dir=str(run_dir)),
+            logger=replace(config.logger, backends=[]),
         )
-        wall0, cpu0 = time.perf_counter(), time.process_time()
-        load0 = os.getloadavg()[0]
+        wall0, load0 = time.perf_counter(), os.getloadavg()[0]
         summary = cold_start.sft(config, model=model, tokenizer=tokenizer)
-        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        wall = time.perf_counter() - wall0
         logged = [json.loads(line) for line in (run_dir / cold_start.LOG_FILENAME).read_text().splitlines()]
     losses = [row["loss"] for row in logged if "loss" in row and not row.get("skipped")]
-    tokens = sum(row.get("tokens", 0) for row in logged)
     model.eval()
     return {
+        "traces": summary["trained_traces"],
         "steps": summary["steps"],
-        "wall_s": wall,
-        "cpu_s": cpu,
+        "tokens": sum(row.get("tokens", 0) for row in logged),
+        "sft_s": wall,
         "load": (load0 + os.getloadavg()[0]) / 2,
-        "mean_len": tokens / max(summary["steps"] * setting.batch_size, 1),
         "loss_first": sum(losses[:3]) / max(len(losses[:3]), 1),
         "loss_last": sum(losses[-3:]) / max(len(losses[-3:]), 1),
     }
 
 
-def run_eval(model, tokenizer, problems, args) -> tuple[dict[str, float], float]:
-    engine = TransformersEngine(model, tokenizer, max_batch_size=args.eval_batch)
-    sampling = SamplingParams(temperature=args.temperature, top_p=1.0, seed=0)
-    t0 = time.perf_counter()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.eval_bf16):
-        report = _evaluate(problems, engine, tokenizer, sampling, args)
-    by_family: dict[str, list[bool]] = {}
-    for problem, result in zip(problems, report.problems, strict=True):
-        by_family.setdefault(problem.meta["family"], []).extend(result.correct)
-    metrics = dict(report.metrics)
-    metrics["by_family"] = {f: sum(c) / len(c) for f, c in sorted(by_family.items())}  # type: ignore[assignment]
-    return metrics, time.perf_counter() - t0
+def measure(model: Any, tokenizer: Any, config: RunConfig, pool: SandboxPool, args: Any) -> dict[str, float]:
+    """Greedy accuracy on the quickstart's held-out problems, then the sampled (RL) statistics.
 
-
-def _evaluate(problems, engine, tokenizer, sampling, args):
-    return evaluate(
-        problems,
-        engine=engine,
-        tokenizer=tokenizer,
-        samples=args.samples,
-        sampling=sampling,
-        max_response_tokens=args.max_response_tokens,
-        batch_size=args.eval_batch,
-        env_kwargs={"format": "retool", "sandbox_backend": args.sandbox, "max_turns": 3},
-        progress=False,
+    One code path: both are ``evaluate`` with the config's env; H-bar is ``policy_entropy`` on the
+    sampled episodes, under the precision the quickstart's RL runs in.
+    """
+    data, env, seed = config.data, config.env, config.trainer.seed
+    autocast = torch.bfloat16 if config.deepspeed.precision == "bf16-autocast" else None
+    engine = TransformersEngine(model, tokenizer, autocast_dtype=autocast)
+    problems = eval_problems(
+        data.eval or "mixed", seed=seed, difficulty=data.difficulty, limit=data.eval_limit
     )
+
+    def run(problem_list, samples, sampling, evaluation):
+        return evaluate(
+            problem_list,
+            engine=engine,
+            tokenizer=tokenizer,
+            samples=samples,
+            sampling=sampling,
+            max_response_tokens=env.max_response_tokens,
+            batch_size=max(config.sandbox.pool_size, 1),
+            env_id=env.id,
+            env_kwargs={**env.env_kwargs(evaluation=evaluation), "pool": pool},
+            progress=False,
+            keep_trajectories=not evaluation,
+        )
+
+    t0 = time.perf_counter()
+    greedy = run(
+        problems,
+        data.eval_samples,
+        SamplingParams(temperature=data.eval_temperature, top_p=data.eval_top_p, seed=seed),
+        True,
+    )
+    t1 = time.perf_counter()
+    sampled = run(
+        problems[: args.sampled_n],
+        args.sampled_k,
+        SamplingParams(temperature=env.temperature, top_p=env.top_p, seed=seed),
+        False,
+    )
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast is not None):
+        entropy = policy_entropy(model, sampled.trajectories, tokenizer.pad_token_id or 0)
+    groups = sampled.problems
+    return {
+        "greedy_acc": greedy.metrics[f"avg@{data.eval_samples}"],
+        "tools": greedy.metrics["tool_calls_per_episode"],
+        "greedy_s": t1 - t0,
+        "sampled_reward": sampled.metrics[f"avg@{args.sampled_k}"],
+        "entropy": entropy,
+        "groups_var": sum(0 < sum(g.correct) < len(g.correct) for g in groups) / max(len(groups), 1),
+        "sampled_tokens": sampled.metrics["response_tokens_mean"],
+        "sampled_s": time.perf_counter() - t1,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", nargs="*", default=["short-lr1e-4-s40"])
+    parser.add_argument("--settings", nargs="*", default=["r112-e2"])
     parser.add_argument("--list", action="store_true")
-    parser.add_argument("--eval-n", type=int, default=40)
-    parser.add_argument("--eval-seed", type=int, default=1000)
-    parser.add_argument("--eval-difficulty", type=int, default=1)
-    parser.add_argument("--eval-batch", type=int, default=20)
-    parser.add_argument("--samples", type=int, default=1)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--max-response-tokens", type=int, default=256)
-    parser.add_argument("--families", default="all")
+    parser.add_argument("--sampled-n", type=int, default=16, help="held-out problems sampled at T = 1")
+    parser.add_argument("--sampled-k", type=int, default=4, help="samples per problem (a GRPO group)")
     parser.add_argument("--sandbox", default="docker", choices=["docker", "local"])
-    parser.add_argument("--eval-bf16", action="store_true", help="generate under bfloat16 autocast")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--show", type=int, default=0, help="print this many after-SFT episodes")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        help="a dotted override of the quickstart config",
+    )
     args = parser.parse_args()
     if args.list:
         for s in SETTINGS.values():
             print(s)
         return
+    unknown = [name for name in args.settings if name not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown setting {unknown[0]!r}: --list shows the named settings")
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    from envs.problems import PROBLEM_FAMILIES
-
-    families = sorted(PROBLEM_FAMILIES) if args.families == "all" else args.families.split(",")
-    held_out = generate_problems("mixed", args.eval_n, seed=args.eval_seed, difficulty=args.eval_difficulty)
-    held_out = [p for p in held_out if p.meta["family"] in families] if args.families != "all" else held_out
+    base_config = quickstart_config(args.overrides, args.sandbox)
     print(
-        f"held-out: {len(held_out)} problems, families {families}, load {os.getloadavg()[0]:.1f}", flush=True
+        f"quickstart config {QUICKSTART.name}, precision {base_config.deepspeed.precision}, sandbox "
+        f"{args.sandbox}, load {os.getloadavg()[0]:.1f}",
+        flush=True,
     )
-
-    rows = []
-    if not args.skip_baseline:
-        model, tokenizer = load_policy()
-        base, base_s = run_eval(model, tokenizer, held_out, args)
-        print(f"baseline: {base}  ({base_s:.0f}s)", flush=True)
-    else:
-        base = {f"avg@{args.samples}": float("nan"), "tool_calls_per_episode": float("nan")}
-    sandbox = make_sandbox(args.sandbox)
+    rows: list[tuple[str, Setting | None, dict[str, float]]] = []
+    pool = SandboxPool(base_config.sandbox.pool_size, backend=args.sandbox, config=base_config.sandbox.limits)
     try:
+        if not args.skip_baseline:
+            set_seed(base_config.trainer.seed)
+            model, tokenizer = load_policy(base_config.model.name_or_path)
+            row = measure(model, tokenizer, base_config, pool, args)
+            print(f"untouched model: {row}", flush=True)
+            rows.append(("untouched model", None, row))
         for name in args.settings:
             setting = SETTINGS[name]
-            model, tokenizer = load_policy()
-            t0 = time.perf_counter()
-            traces = make_traces(setting, families, seed=0, sandbox=sandbox)
-            trace_s = time.perf_counter() - t0
-            stats = sft(model, tokenizer, traces, setting, seed=0)
-            after, eval_s = run_eval(model, tokenizer, held_out, args)
-            print(
-                f"{name}: traces {len(traces)} in {trace_s:.0f}s; sft {stats}; after {after} ({eval_s:.0f}s)",
-                flush=True,
-            )
-            if args.show:
-                _show(model, tokenizer, held_out[: args.show], args)
-            rows.append((setting, len(traces), trace_s, stats, after, eval_s))
+            config = quickstart_config([*args.overrides, *setting.overrides()], args.sandbox)
+            set_seed(config.trainer.seed)
+            model, tokenizer = load_policy(config.model.name_or_path)
+            row = sft(model, tokenizer, config)
+            row.update(measure(model, tokenizer, config, pool, args))
+            print(f"{name}: {row}", flush=True)
+            rows.append((name, setting, row))
+            del model
     finally:
-        sandbox.close()
+        pool.close()
+    print(table(rows, base_config, args))
 
-    key = f"avg@{args.samples}"
-    print()
-    print(
-        f"eval: {len(held_out)} held-out problems (mixed, difficulty {args.eval_difficulty}, seed "
-        f"{args.eval_seed}), T={args.temperature}, samples={args.samples}, "
-        f"max_response_tokens={args.max_response_tokens}"
-    )
-    header = (
-        f"{'setting':<30} {'traces':>6} {'steps':>5} {'bs':>3} {'sft_wall':>8} {'sft_cpu':>8} "
-        f"{'s/step':>6} {'len':>5} {'load':>5} {'loss':>11} {'base':>5} {'after':>5} {'tools':>9}"
-    )
-    print(header)
-    for setting, n, _trace_s, stats, after, _eval_s in rows:
-        print(
-            f"{setting.name:<30} {n:>6} {stats['steps']:>5} {setting.batch_size:>3} {stats['wall_s']:>8.0f} "
-            f"{stats['cpu_s']:>8.0f} {stats['wall_s'] / stats['steps']:>6.1f} {stats['mean_len']:>5.0f} "
-            f"{stats['load']:>5.1f} {stats['loss_first']:>5.2f}>{stats['loss_last']:<5.2f} {base[key]:>5.2f} "
-            f"{after[key]:>5.2f} {base['tool_calls_per_episode']:>4.2f}>{after['tool_calls_per_episode']:<4.2f}"
+
+def table(rows: list[tuple[str, Setting | None, dict[str, float]]], config: RunConfig, args: Any) -> str:
+    """One line per setting, the untouched model first."""
+    lines = [
+        "",
+        f"greedy: {config.data.eval_limit} held-out problems (avg@{config.data.eval_samples}); sampled: "
+        f"{args.sampled_n} of them x {args.sampled_k} at T = {config.env.temperature:g}, top-p "
+        f"{config.env.top_p:g}; H-bar = policy entropy on the sampled episodes' model tokens (H_tgt = "
+        f"{config.algorithm.H_tgt:g})",
+        f"{'setting':<16} {'traces':>6} {'ep':>2} {'lr':>7} {'steps':>5} {'tokens':>6} {'sft_s':>6} "
+        f"{'s/step':>6} {'load':>4} {'loss':>11} {'greedy':>6} {'tools':>5} {'sampled':>7} {'H-bar':>6} "
+        f"{'grp var':>7}",
+    ]
+    for name, s, r in rows:
+        sft_part = (
+            f"{r['traces']:>6} {s.epochs:>2} {s.lr:>7.0e} {r['steps']:>5} {r['tokens']:>6} {r['sft_s']:>6.0f} "
+            f"{r['sft_s'] / max(r['steps'], 1):>6.1f} {r['load']:>4.1f} {r['loss_first']:>5.2f}>{r['loss_last']:<5.3f}"
+            if s is not None
+            else f"{'-':>6} {'-':>2} {'-':>7} {'-':>5} {'-':>6} {'-':>6} {'-':>6} {'-':>4} {'-':>11}"
         )
-
-
-def _show(model, tokenizer, problems, args) -> None:
-    """Print a few greedy after-SFT episodes, to see what the model writes."""
-    from envs.code_interpreter import CodeInterpreterEnv
-    from envs.rollout import RolloutRunner
-
-    engine = TransformersEngine(model, tokenizer)
-    runner = RolloutRunner(
-        tokenizer,
-        engine,
-        max_response_tokens=args.max_response_tokens,
-        sampling=SamplingParams(temperature=0.0),
-    )
-    envs = [CodeInterpreterEnv(problems, tokenizer=tokenizer, sandbox_backend=args.sandbox) for _ in problems]
-    try:
-        trajectories = runner.run(envs, options=[{"problem": p} for p in problems])
-    finally:
-        for env in envs:
-            env.close()
-    for problem, t in zip(problems, trajectories, strict=True):
-        print(f"--- {problem.id} gold {problem.answer} correct {t.info.get('correct')}")
-        print(tokenizer.decode(t.response_ids))
+        lines.append(
+            f"{name:<16} {sft_part} {r['greedy_acc']:>6.3f} {r['tools']:>5.2f} {r['sampled_reward']:>7.3f} "
+            f"{r['entropy']:>6.3f} {r['groups_var']:>7.2f}"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
