@@ -52,7 +52,7 @@ from typing import Any
 
 from sandbox.config import SANDBOX_UID, SandboxConfig
 from sandbox.errors import SandboxError, SandboxUnavailable
-from sandbox.kernel import KERNEL_ARGS, KernelDriver, KernelSandbox
+from sandbox.kernel import KERNEL_ARGS, KERNEL_BOOT, KernelDriver, KernelSandbox
 from sandbox.owner import owner_gone, owner_id, remove_sandbox_dir
 from sandbox.shutdown import exit_on_sigterm
 from sandbox.usage import CgroupUsage, cgroup_dir
@@ -77,7 +77,8 @@ CONN_LOCKED = 0o2750
 KERNEL_COMMAND = ("python3", "-c", (Path(__file__).parent / "warden.py").read_text())
 """The container's main process (under tini): the warden (``sandbox/warden.py``), which binds the
 kernel's sockets under ``umask 007`` (mode 0770, connectable through the group), forks each kernel
-and wipes the container between episodes. Its arguments: the connection file, then the kernel's."""
+and wipes the container between episodes. Its arguments: the connection file, the code each kernel runs before it serves
+(``KERNEL_BOOT``), then the kernel's."""
 
 RENEW_TIMEOUT_S = 5.0
 """How long ``reset()`` waits for the processes of an episode to be gone before it restarts the
@@ -140,7 +141,7 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
     memory = f"{config.memory_mb}m"
     file_bytes = config.tmpfs_mb * 2**20  # no file in the sandbox can be larger than /work
     options = {
-        "command": [*KERNEL_COMMAND, f"{CONN_DIR}/kernel.json", *KERNEL_ARGS],
+        "command": [*KERNEL_COMMAND, f"{CONN_DIR}/kernel.json", KERNEL_BOOT, *KERNEL_ARGS],
         "group_add": [str(conn_group)] if conn_group is not None else [],
         "environment": env,
         "user": config.user,
@@ -468,6 +469,7 @@ class DockerSandbox(KernelSandbox):
             max_output_chars=self.config.max_output_chars,
             restart_grace_s=self.config.restart_grace_s,
             warm_tracebacks=False,  # the warden did, once for all its kernels
+            boot_in_kernel=True,  # each kernel runs KERNEL_BOOT before it serves (warden.run_boot)
         )
         self._driver.wait_ready(self.start_timeout)
 

@@ -173,6 +173,8 @@ class KernelDriver:
         restart_grace_s: Time after a deadline to interrupt, then restart, the kernel.
         warm_tracebacks: Run ``WARM_TRACEBACKS`` in each new kernel (False when the process that
             starts kernels has warmed the traceback machinery for them, as the Docker warden does).
+        boot_in_kernel: The kernel ran ``KERNEL_BOOT`` itself before serving (the Docker warden
+            does), so it is not sent as a first request.
     """
 
     def __init__(
@@ -183,8 +185,10 @@ class KernelDriver:
         max_output_chars: int,
         restart_grace_s: float,
         warm_tracebacks: bool = True,
+        boot_in_kernel: bool = False,
     ) -> None:
         self.host = host
+        self.boot_in_kernel = boot_in_kernel
         self.max_output_chars = max_output_chars
         self.restart_grace_s = restart_grace_s
         self.warm_tracebacks = warm_tracebacks
@@ -222,7 +226,8 @@ class KernelDriver:
         self.ready = True
         if self.warm_tracebacks:
             self.run_quiet(WARM_TRACEBACKS, max(1.0, deadline - time.monotonic()))
-        self.run_quiet(f"{BOOT_SNAPSHOT}\n{BOUNDED_OUTPUT}", max(1.0, deadline - time.monotonic()))
+        if not self.boot_in_kernel:
+            self.run_quiet(KERNEL_BOOT, max(1.0, deadline - time.monotonic()))
 
     def _connect(self, deadline: float, timeout: float, *, renew: bool) -> None:
         """Wait until the kernel answers on shell and its iopub reaches us; with ``renew``, on
@@ -623,6 +628,10 @@ BOOT_SNAPSHOT = (
 )
 """Run once after each kernel start (outside the user namespace): records what ``reset_code``
 restores, and forgets the error of ``WARM_TRACEBACKS`` (``sys.last_*``)."""
+
+KERNEL_BOOT = f"{BOOT_SNAPSHOT}\n{BOUNDED_OUTPUT}"
+"""What each new kernel runs before the first call: sent as a request by the driver, or run by
+the Docker warden in the kernel process before it serves (one round trip less per reset)."""
 
 WARM_TRACEBACKS = "1/0"
 """Run once after each kernel start, and fails on purpose: the first error in a kernel pays for

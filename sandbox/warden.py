@@ -1,7 +1,7 @@
 """The warden: the process in a sandbox container that starts each kernel and wipes up after it.
 
 This file is a program that runs *inside* the container (its Python, stdlib and ipykernel only;
-nothing from this package): ``python3 -c <this source> <connection file> <kernel args>``, as the
+nothing from this package): ``python3 -c <this source> <connection file> <boot code> <kernel args>``, as the
 child of tini. It never runs model code, so the reset between episodes does not depend on the
 good behaviour of the interpreter that ran it:
 
@@ -190,7 +190,20 @@ def warm_tracebacks():
             AutoFormattedTB(mode="Context", color_scheme=scheme).structured_traceback(*sys.exc_info())
 
 
-def prepare_kernel(kernel_args):
+def warm_cells(shell):
+    """Take, once here, the first-use costs of every cell and message that a forked kernel would
+    otherwise pay each time: compiling ``tokenize``'s regular expressions (IPython tokenizes every
+    cell: about 15 ms), IPython's input transformers, and the date parsing of message headers."""
+    from jupyter_client.jsonutil import extract_dates
+
+    for cell in ("x = 1\n", "print(x)\nx\n"):
+        shell.should_run_async(
+            cell, transformed_cell=shell.transform_cell(cell), preprocessing_exc_tuple=None
+        )
+    extract_dates({"date": "2020-01-01T00:00:00.000000Z"})
+
+
+def prepare_kernel(kernel_args, boot):
     """Do once, here, the part of a kernel's start-up that is the same for every kernel and runs
     no model code: parse its options, load its profile (read while /tmp is still fresh), and build
     its IPython shell (magics, prefilters, completer: most of the start-up). ipykernel asks for the
@@ -217,13 +230,26 @@ def prepare_kernel(kernel_args):
 
         if ipykernel.version_info[0] != 6:
             raise RuntimeError(f"written for ipykernel 6, found {ipykernel.__version__}")
+        # No debugger: nothing attaches to a sandbox's kernel, and making one per kernel costs
+        # about a millisecond of every reset (and exposes a debug channel for nothing).
+        ipykernel.ipkernel._is_debugpy_available = False
         app = IPKernelApp.instance()
         app._init_asyncio_patch()
         BaseIPythonApplication.initialize(app, argv)  # what IPKernelApp.initialize does first
         app.init_pdb()
         app.init_blackhole()
         app.init_connection_file()
-        ZMQInteractiveShell.instance(parent=app, profile_dir=app.profile_dir, compiler_class=XCachingCompiler)
+        shell = ZMQInteractiveShell.instance(
+            parent=app, profile_dir=app.profile_dir, compiler_class=XCachingCompiler
+        )
+        # Also once here: IPython's default extensions (storemagic: registering its magics is
+        # about 5 ms of a kernel's start), and no startup files in any kernel (the profile's are
+        # under the wiped /tmp, the image has no system-wide ones: 2 ms of globbing).
+        app.shell = shell
+        app.init_extensions()
+        app.shell = None
+        app._run_startup_files = lambda: None
+        warm_cells(shell)
     except Exception as exc:  # noqa: BLE001 - a slower start, not a failure
         log(f"could not prepare kernels ({type(exc).__name__}: {exc}); each starts from scratch")
         return launch
@@ -233,9 +259,10 @@ def prepare_kernel(kernel_args):
         app.session.pid = os.getpid()  # made in the warden: it refuses to send "from a fork"
         app.init_poller()
         app.init_sockets()
-        app.init_heartbeat()
-        app.write_connection_file()
-        app.log_connection_info()
+        # Left out, as nothing here uses them and each costs every reset: the heartbeat (a zmq
+        # context and a thread; the host does not ping), rewriting the connection file (the
+        # warden wrote it), and printing the connection info to the container's log.
+        app._ports = {name: getattr(app, f"{name}_port") for name in CHANNELS}
         app.init_io()
         try:
             app.init_signal()
@@ -247,13 +274,27 @@ def prepare_kernel(kernel_args):
         app.init_shell()
         if app.shell:
             app.init_gui_pylab()
-            app.init_extensions()
             app.init_code()
+        run_boot(boot)
         sys.stdout.flush()
         sys.stderr.flush()
         app.start()
 
     return serve
+
+
+def run_boot(boot):
+    """Run the host's boot code (``sandbox.kernel.KERNEL_BOOT``: bounded output messages, the
+    snapshot a soft reset restores) in the new kernel before it serves, so the host need not send
+    it as a first request. A failure is logged: the host's own bounds still hold."""
+    if not boot:
+        return
+    from IPython import get_ipython
+
+    try:
+        exec(boot, {"get_ipython": get_ipython})
+    except Exception as exc:  # noqa: BLE001 - the kernel still works, with larger messages
+        log(f"boot code failed: {type(exc).__name__}: {exc}")
 
 
 def bind_listeners(info):
@@ -339,7 +380,7 @@ def exit_status(status):
 
 
 def main(argv):
-    connection_file, kernel_args = argv[0], argv[1:]
+    connection_file, boot, kernel_args = argv[0], argv[1], argv[2:]
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     sys.path[:] = [p for p in sys.path if p and os.path.abspath(p) != "/work"]
@@ -373,7 +414,7 @@ def main(argv):
     state = process_state()
     work_mode = stat.S_IMODE(os.stat("/work").st_mode)
     write_kernel_file(info)
-    serve = prepare_kernel(kernel_args)
+    serve = prepare_kernel(kernel_args, boot)
     gc.freeze()  # what the warden built stays out of the collector: fewer copy-on-write pages
     if threading.active_count() != 1:
         log("threads started before fork: exiting")
