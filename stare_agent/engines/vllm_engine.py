@@ -146,6 +146,8 @@ class VLLMEngine:
         call_timeout_s: the most seconds one ``generate`` or weight update may take.
         eos_token_ids: ids reported as ``"eos"`` when vLLM stops on a stop token; default: any token
             vLLM stopped on (its EOS ids).
+        sampling_overrides: extra vLLM ``SamplingParams`` fields for every request (they win over
+            ours), e.g. ``{"structured_outputs": {"regex": ...}}`` or ``{"ignore_eos": True}``.
         env: extra environment variables for the worker (they win over ours).
         **llm_kwargs: further ``vllm.LLM`` keyword arguments (they win over ours).
 
@@ -167,6 +169,7 @@ class VLLMEngine:
         startup_timeout_s: float = 300.0,
         call_timeout_s: float = 1800.0,
         eos_token_ids: Iterable[int] | None = None,
+        sampling_overrides: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         **llm_kwargs: Any,
     ) -> None:
@@ -181,6 +184,7 @@ class VLLMEngine:
         self.dtype = dtype
         self.call_timeout_s = call_timeout_s
         self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else None
+        self.sampling_overrides = dict(sampling_overrides or {})
         self.last_sync_s: float | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -219,6 +223,7 @@ class VLLMEngine:
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",  # the log tail of a dying worker is complete
             **(env or {}),
         }
         self._start(kwargs, worker_env, startup_timeout_s)
@@ -379,6 +384,7 @@ class VLLMEngine:
         if not prompts:
             return []
         sampling = vllm_sampling_params(params, stop, [len(p) for p in prompts], self.max_model_len)
+        sampling = [{**s, **self.sampling_overrides} for s in sampling]
         outputs = self._call("generate", prompts=[[int(t) for t in p] for p in prompts], sampling=sampling)
         return [self._to_generation(*out) for out in outputs]
 

