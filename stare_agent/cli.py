@@ -142,9 +142,9 @@ def _eval_engine(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
         from stare_agent.models import load_tokenizer
 
         tokenizer = load_tokenizer(model_name)
-        engine = vllm_engine_from_config(config.env.vllm, model_name, seed=config.trainer.seed)
-        print(f"engine: vllm {engine.info['vllm_version']} ({engine.info['dtype']}, python {engine.python})")
-        return engine, tokenizer
+        vllm = vllm_engine_from_config(config.env.vllm, model_name, seed=config.trainer.seed)
+        print(f"engine: vllm {vllm.info['vllm_version']} ({vllm.info['dtype']}, python {vllm.python})")
+        return vllm, tokenizer
     if name == "sglang":
         raise SystemExit("stare-agent eval has no --engine sglang: use --engine vllm, transformers or openai")
     from stare_agent.engines import TransformersEngine

@@ -2,7 +2,8 @@
 
 1. sandbox   Docker when a daemon and the image are there (the image is built if only it is
              missing), else the local backend with its warning
-2. model     the embedded model (converted from GGUF once, then cached)
+2. model     the embedded model (converted from GGUF once, then cached), and the rollout engine:
+             vLLM (a worker process of .venv-vllm) when found, else the transformers engine
 3. baseline  tool-use evaluation on held-out procedural problems
 4. SFT       ReTool traces made by running solution code in the sandbox; cold-start SFT
 5. RL        a few STARE-O1 steps
@@ -65,22 +66,41 @@ def usable_precision(config: RunConfig) -> RunConfig:
     return config
 
 
+def start_engine(config: RunConfig, model: Any, tokenizer: Any) -> tuple[str, Any]:
+    """The fastest rollout engine here (``env.engine``; ``auto``: vLLM when a Python with vLLM is
+    found), as ``(description, engine)``. A vLLM engine that fails to start under ``auto`` falls back
+    to the transformers engine, saying why in one line."""
+    import torch
+
+    from stare_agent.engines import TransformersEngine
+    from stare_agent.engines.vllm_engine import VLLMEngineError, pick_engine, vllm_engine_from_config
+
+    env = config.env
+    if pick_engine(env.engine, env.vllm.python) == "vllm":
+        section = env.vllm
+        if section.dtype == "bfloat16" and not torch.cuda.is_available() and not cpu_has_bf16():
+            section = replace(section, dtype="float32")  # bf16 without AVX-512 BF16 is slower than fp32
+        try:
+            engine = vllm_engine_from_config(section, config.model.name_or_path, seed=config.trainer.seed)
+            return f"vllm {engine.info['vllm_version']} ({engine.info['dtype']}, worker process)", engine
+        except VLLMEngineError as exc:
+            if env.engine != "auto":
+                raise
+            print(f"[engine] vLLM did not start, using the transformers engine: {exc}")
+    autocast = torch.bfloat16 if config.deepspeed.precision == "bf16-autocast" else None
+    dtype = "bf16 autocast" if autocast is not None else "fp32"
+    return f"transformers ({dtype}, in process)", TransformersEngine(
+        model, tokenizer, autocast_dtype=autocast
+    )
+
+
 def quickstart(
     config_path: str | Path = CONFIG, overrides: tuple[str, ...] | list[str] = ()
 ) -> dict[str, Any]:
     """Run the main job (see the module docstring); returns the before/after numbers and paths."""
-    import torch
     from transformers import set_seed
 
-    from envs.rollout import SamplingParams
-    from sandbox import SandboxPool
-    from stare_agent.cold_start import sft
-    from stare_agent.engines import TransformersEngine
-    from stare_agent.evaluation import evaluate
-    from stare_agent.metrics import policy_entropy, read_metrics
     from stare_agent.models import load_policy
-    from stare_agent.plots import plot_dashboard
-    from stare_agent.trainer import Trainer, eval_problems, latest_checkpoint
 
     start = time.perf_counter()
     times: dict[str, float] = {}
@@ -103,7 +123,41 @@ def quickstart(
     t0 = time.perf_counter()
     set_seed(config.trainer.seed)
     model, tokenizer = load_policy(config.model.name_or_path)
+    engine_name, engine = start_engine(config, model, tokenizer)
+    print(f"[engine] {engine_name}")
     phase("model", t0)
+    try:
+        result = _run(config, run_dir, model, tokenizer, engine, backend, times, phase)
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
+    result["engine"] = engine_name
+    result["total_s"] = time.perf_counter() - start
+    (run_dir / "quickstart.json").write_text(json.dumps(result, indent=2, default=str))
+    print(format_table(result))
+    return result
+
+
+def _run(
+    config: RunConfig,
+    run_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    engine: Any,
+    backend: Backend,
+    times: dict[str, float],
+    phase: Any,
+) -> dict[str, Any]:
+    """Steps 3 to 6 with one rollout engine; the before/after numbers."""
+    import torch
+
+    from envs.rollout import SamplingParams
+    from sandbox import SandboxPool
+    from stare_agent.cold_start import sft
+    from stare_agent.evaluation import evaluate
+    from stare_agent.metrics import policy_entropy, read_metrics
+    from stare_agent.plots import plot_dashboard
+    from stare_agent.trainer import Trainer, eval_problems, latest_checkpoint
 
     data, env = config.data, config.env
     autocast = torch.bfloat16 if config.deepspeed.precision == "bf16-autocast" else None
@@ -117,7 +171,7 @@ def quickstart(
             t = time.perf_counter()
             report = evaluate(
                 problems,
-                engine=TransformersEngine(model, tokenizer, autocast_dtype=autocast),
+                engine=engine,
                 tokenizer=tokenizer,
                 samples=data.eval_samples,
                 sampling=SamplingParams(
@@ -145,12 +199,16 @@ def quickstart(
     # 4. cold-start SFT (trains `model` in place and exports it)
     t0 = time.perf_counter()
     sft_summary = sft(config, model=model, tokenizer=tokenizer)
+    own_copy = getattr(engine, "model", None) is not model  # vLLM: give it the SFT weights
+    if own_copy:
+        engine.update_weights(model.named_parameters())
     phase("sft", t0)
 
-    # 5. STARE-O1 RL, starting from the SFT model
+    # 5. STARE-O1 RL, starting from the SFT model; the trainer syncs an engine with its own copy after
+    # every update (the transformers engine: the trainer's own, on the module it trains)
     t0 = time.perf_counter()
     rl_config = replace(config, model=replace(config.model, name_or_path=sft_summary["output_dir"]))
-    Trainer(rl_config, model=model, tokenizer=tokenizer).fit()
+    Trainer(rl_config, model=model, tokenizer=tokenizer, engine=engine if own_copy else None).fit()
     phase("rl", t0)
     steps = read_metrics(run_dir)
     gate_activity = sum(float(r.get("gate_on", 0)) for r in steps) / max(len(steps), 1)
@@ -176,13 +234,10 @@ def quickstart(
         "rl_steps": len(steps),
         "sft": sft_summary,
         "times_s": times,
-        "total_s": time.perf_counter() - start,
         "run_dir": str(run_dir),
         "dashboard": str(dashboard),
         "checkpoint_hf": str(checkpoint / "hf") if checkpoint else None,
     }
-    (run_dir / "quickstart.json").write_text(json.dumps(result, indent=2, default=str))
-    print(format_table(result))
     return result
 
 
@@ -203,7 +258,8 @@ def format_table(result: dict[str, Any]) -> str:
     ]
     width = max(len(r[0]) for r in rows)
     lines = [
-        f"\n{result['problems']} held-out procedural problems x {k} samples, sandbox: {result['backend']}",
+        f"\n{result['problems']} held-out procedural problems x {k} samples, sandbox: {result['backend']}, "
+        f"engine: {result.get('engine', 'transformers')}",
         f"{'':<{width}}  {'before':>8}  {'after':>8}",
         *(f"{name:<{width}}  {x:>8}  {y:>8}" for name, x, y in rows),
         _rl_entropy_line(result),

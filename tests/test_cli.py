@@ -42,6 +42,7 @@ def test_sft_then_train_then_plot(tmp_path, model_dir):
         "sandbox.pool_size=4",
         "env.max_response_tokens=32",
         "deepspeed.precision=fp32",
+        "env.engine=transformers",  # the quickstart's auto picks vLLM where found (tests/test_vllm_engine.py)
     ]
     done = cli(
         "sft",

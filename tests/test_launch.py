@@ -36,6 +36,7 @@ def train_args(model_dir: Path, run_dir: Path) -> list[str]:
         "algorithm.scope=micro_batch",
         "algorithm.H_tgt=100.0",
         "deepspeed.precision=fp32",
+        "env.engine=transformers",  # the quickstart's auto would start a vLLM worker per rank
         "trainer.steps=1",
         f"trainer.run_dir={run_dir}",
     ]

@@ -14,6 +14,7 @@ def _result(rl_entropy):
         "H_tgt": 0.3,
         "problems": 40,
         "backend": "docker",
+        "engine": "vllm 0.32.0 (bfloat16, worker process)",
         "total_s": 60.0,
         "times_s": {"sft": 30.0},
         "run_dir": "runs/quickstart",
@@ -35,3 +36,8 @@ def test_table_reports_greedy_and_sampled_entropy_under_distinct_names():
 
 def test_table_says_when_no_rl_step_trained():
     assert "sampled RL rollouts (gate's H-bar): no RL step trained" in format_table(_result([float("nan")]))
+
+
+def test_table_names_the_rollout_engine():
+    table = format_table(_result([0.28]))
+    assert "sandbox: docker, engine: vllm 0.32.0 (bfloat16, worker process)" in table
