@@ -8,7 +8,11 @@ Sections (each a function registered in ``SECTIONS``):
   embedded model (SmolLM2-135M-Instruct, float32) at batch 1, 16 and 64, with 64 new tokens per
   sequence (EOS and stop strings off, so every sequence generates exactly that many), AIME 2024
   problems rendered with the chat template as prompts; median of ``--repeats`` runs. The baseline,
-  in the same run, is ``model.generate`` of transformers with the same sampling settings. With
+  in the same run, is ``model.generate`` of transformers with the same sampling settings. Engines:
+  ``transformers`` (fp32), ``transformers-bf16`` (bf16 autocast), ``vllm`` and ``vllm-fp32`` (the
+  vLLM engine's worker in bf16 and fp32, with a Python that has vLLM: ``scripts/setup_vllm.sh``), whose
+  weight sync (``update_weights`` of the whole model, median) and log-prob gap to the transformers
+  model in fp32 (batch 16) are reported too. With
   ``--engines ...,sglang`` on a CUDA machine (``benchmarks/gpu_check.sh``) the SGLang engine is timed
   too. Also reported: the embedded model's first conversion (fresh cache, new process) and its
   cached load (new process).
@@ -115,6 +119,19 @@ def _median_seconds(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def _machine() -> str:
+    """The CPU model and core count, and the load average when the run started."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model
+            )
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"
+
+
 def _load_times() -> tuple[float, float]:
     """(first conversion in a fresh cache, cached load), each in a new process, without imports."""
     script = (
@@ -150,6 +167,30 @@ def bench_engine_throughput(args: argparse.Namespace) -> None:
         calls["TransformersEngine"] = _engine_call(engine, params)
     if "hf-generate" in args.engines:
         calls[BASELINE] = _hf_generate_call(model, tokenizer, params)
+    if "transformers-bf16" in args.engines:
+        bf16 = TransformersEngine(
+            model,
+            tokenizer,
+            eos_token_ids=[],
+            max_batch_size=max(args.batch_sizes),
+            autocast_dtype=torch.bfloat16,
+        )
+        calls["TransformersEngine bf16"] = _engine_call(bf16, params)
+    vllm_engines = {}
+    for name, dtype in (("vllm", "bfloat16"), ("vllm-fp32", "float32")):
+        if name in args.engines:
+            from stare_agent.engines import VLLMEngine
+
+            started = time.perf_counter()
+            vllm_engines[f"VLLMEngine {dtype}"] = engine = VLLMEngine(
+                embedded_model_path(),
+                dtype=dtype,
+                max_model_len=2048,
+                kv_cache_gib=1,
+                sampling_overrides={"ignore_eos": True},
+            )
+            print(f"VLLMEngine {dtype}: worker ready in {time.perf_counter() - started:.1f} s")
+            calls[f"VLLMEngine {dtype}"] = _engine_call(engine, params)
     if "sglang" in args.engines:
         from stare_agent.engines import SGLangEngine
 
@@ -163,7 +204,7 @@ def bench_engine_throughput(args: argparse.Namespace) -> None:
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     print(
-        f"\nEngine throughput: embedded SmolLM2-135M-Instruct (float32) on {args.device}, "
+        f"\nEngine throughput: embedded SmolLM2-135M-Instruct on {args.device} ({_machine()}), "
         f"{args.new_tokens} new tokens per sequence, AIME 2024 prompts, median of {args.repeats} "
         f"(torch threads: {torch.get_num_threads()})\n"
     )
@@ -185,12 +226,42 @@ def bench_engine_throughput(args: argparse.Namespace) -> None:
             print(f"| {label:<30} | " + " | ".join(f"{r:>14.2f}x" for r in ratios) + " |")
     if "sglang" in args.engines:
         sglang_engine.close()
+    for name, engine in vllm_engines.items():
+        print(_vllm_sync_and_gap(name, engine, model, tokenizer, params, args.repeats))
+        engine.close()
     if args.load_times:
         first, cached = _load_times()
         print(
             f"\nEmbedded model: first conversion {first:.1f} s (fresh cache, new process); "
             f"cached load_policy() {cached:.2f} s (new process, imports excluded)"
         )
+
+
+def _vllm_sync_and_gap(name, engine, model, tokenizer, params, repeats: int) -> str:
+    """A vLLM engine's whole-model weight sync time (median) and its log-prob gap to the transformers
+    model (float32) on 16 of its own samples."""
+    import torch
+
+    syncs, parts = [], []
+    for _ in range(repeats):
+        engine.update_weights(model.named_parameters())
+        syncs.append(engine.last_sync_s)
+        parts.append(engine.last_sync_parts)
+    prompts = _prompts(tokenizer, 16)
+    gaps = []
+    for prompt, out in zip(prompts, engine.generate(prompts, replace(params, seed=0), []), strict=True):
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / params.temperature
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        gaps.append((torch.tensor(out.logprobs) - expected).abs())
+    gap = torch.cat(gaps)
+    return (
+        f"{name}: weight sync {statistics.median(syncs):.2f} s (median of {repeats}, 135M parameters; "
+        f"file {statistics.median(p['write_s'] for p in parts):.2f} s, "
+        f"worker reload {statistics.median(p['reload_s'] for p in parts):.2f} s); "
+        f"log-prob gap to transformers fp32: mean {gap.mean():.1e}, max {gap.max():.1e} nats/token"
+    )
 
 
 # --------------------------------------------------------------------------- runner overhead
@@ -323,8 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="throughput: cpu or cuda")
     parser.add_argument(
         "--engines",
-        default="transformers,hf-generate",
-        help="throughput: comma list of transformers, hf-generate, sglang",
+        default="transformers,transformers-bf16,hf-generate,vllm,vllm-fp32",
+        help="throughput: comma list of transformers, transformers-bf16, hf-generate, vllm, vllm-fp32, sglang",
     )
     parser.add_argument("--batch-sizes", default="1,16,64", help="throughput: comma list")
     parser.add_argument("--new-tokens", type=int, default=64)

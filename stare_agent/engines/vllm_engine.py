@@ -186,6 +186,7 @@ class VLLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else None
         self.sampling_overrides = dict(sampling_overrides or {})
         self.last_sync_s: float | None = None
+        self.last_sync_parts: dict[str, float] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._dir = Path(tempfile.mkdtemp(prefix="stare-vllm-"))
@@ -412,7 +413,8 @@ class VLLMEngine:
 
         The tensors are written in the engine's dtype to a safetensors file on ``/dev/shm``; the worker
         reloads the model from it (checkpoint names, e.g. ``model.layers.0.mlp.up_proj.weight``; a
-        name the model lacks is refused by vLLM). ``last_sync_s`` holds the time it took.
+        name the model lacks is refused by vLLM). ``last_sync_s`` holds the time it took,
+        ``last_sync_parts`` its parts (``write_s``: the file; ``reload_s``: the worker's reload).
         """
         import torch
         from safetensors.torch import save_file
@@ -432,10 +434,12 @@ class VLLMEngine:
         try:
             save_file(tensors, str(path))
             del tensors
-            self._call("reload_weights", path=str(path))
+            written = time.perf_counter()
+            reload_s = self._call("reload_weights", path=str(path))
         finally:
             path.unlink(missing_ok=True)
         self.last_sync_s = time.perf_counter() - start
+        self.last_sync_parts = {"write_s": written - start, "reload_s": float(reload_s)}
 
     # ------------------------------------------------------------------ lifetime
 
