@@ -5,8 +5,9 @@ Checked: multi-turn ReTool and hermes episodes through the runner keep exactly t
 (tool output masked 0); log-probs agree with the learner's recomputation under the sampling temperature
 (and greedy: the model's own); a weight update changes the outputs and restoring the weights restores
 them, on prompts longer than a prefix-cache block; per-prompt seeds do not depend on batch companions;
-stop strings keep their completing token, EOS is returned; a worker that cannot start or dies is one
-line with the cause and the fix. Without a Python with vLLM these tests skip, unless
+stop strings keep their completing token, EOS is returned; `env.engine=vllm` in the trainer (the engine
+holds each update) and in `stare-agent eval`; a worker that cannot start or dies is one line with the
+cause and the fix. Without a Python with vLLM these tests skip, unless
 STARE_REQUIRE_VLLM=1 (CI), where they fail with the fix.
 """
 
@@ -248,6 +249,83 @@ def test_worker_that_cannot_start_is_one_line_with_its_cause(tmp_path):
     message = str(info.value)
     assert "\n" not in message
     assert "No module named 'vllm'" in message and "setup_vllm.sh" in message
+
+
+class _Borrowed:
+    """The module's engine, lent to code that would start (and close) one of its own."""
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self._engine = engine
+        self.closed = False
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _lend(engine, monkeypatch) -> list:
+    """``vllm_engine_from_config`` hands out the module's engine; returns the (section, path) calls."""
+    from stare_agent.engines import vllm_engine
+
+    calls: list = []
+
+    def from_config(section, model_name_or_path, *, seed=0):
+        calls.append((section, model_name_or_path, _Borrowed(engine)))
+        return calls[-1][2]
+
+    monkeypatch.setattr(vllm_engine, "vllm_engine_from_config", from_config)
+    return calls
+
+
+@pytest.mark.slow  # a DeepSpeed learner of the 135M model and one RL step: ~30 s alone, more on a busy machine
+def test_trainer_with_env_engine_vllm_syncs_it_after_each_update(
+    engine, tokenizer, tmp_path, monkeypatch, capsys
+):
+    from stare_agent.config import load_config
+    from stare_agent.models import load_policy
+    from stare_agent.trainer import Trainer
+    from tests.parity_env import PARITY_RUN
+
+    calls = _lend(engine, monkeypatch)
+    config = load_config(
+        None,
+        [*PARITY_RUN, "env.engine=vllm", "env.vllm.dtype=float32", "optim.lr=1e-4", "data.prompts_per_step=1",
+         "sandbox.pool_size=4", "deepspeed.precision=fp32", f"trainer.run_dir={tmp_path}", "logger.backends=[]"],
+    )  # fmt: skip
+    policy, _ = load_policy("embedded:smollm2-135m-instruct")
+    trainer = Trainer(config, model=policy, tokenizer=tokenizer)
+    assert "rollout engine: vllm" in capsys.readouterr().out
+    ((section, path, borrowed),) = calls
+    assert section.dtype == "float32" and path == "embedded:smollm2-135m-instruct"
+    prompt = _chat(tokenizer, "What is 6 * 7?")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    try:
+        trainer.step = 1
+        metrics = trainer.train_step()
+        assert not metrics.get("skipped") and metrics["time/sync_s"] > 0
+        (out,) = engine.generate([prompt], greedy)
+        learner = _learner_logprobs(trainer.learner.module, prompt, out.token_ids, 1.0)
+        assert (torch.tensor(out.logprobs) - learner).abs().max() < 1e-3  # the engine holds the update
+    finally:
+        trainer.close()
+    assert borrowed.closed  # an engine the trainer started is closed with it
+
+
+def test_eval_cli_with_engine_vllm(engine, tmp_path, monkeypatch, capsys):
+
+    from stare_agent.cli import main
+
+    calls = _lend(engine, monkeypatch)
+    out = tmp_path / "eval"
+    code = main(
+        ["eval", "--engine", "vllm", "--data", "aime2024", "--limit", "2", "--samples", "1",
+         "--max-response-tokens", "32", "--backend", "local", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0 and "engine: vllm " in capsys.readouterr().out
+    assert calls[0][2].closed
+    assert len((out / "results.jsonl").read_text().splitlines()) == 2
 
 
 def test_dead_worker_is_one_line_with_the_cause_and_fix(engine, tokenizer):
