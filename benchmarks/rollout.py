@@ -177,20 +177,29 @@ def bench_engine_throughput(args: argparse.Namespace) -> None:
         )
         calls["TransformersEngine bf16"] = _engine_call(bf16, params)
     vllm_engines = {}
-    for name, dtype in (("vllm", "bfloat16"), ("vllm-fp32", "float32")):
+    # vllm-pinned: vLLM's own thread settings (OpenMP threads pinned to cores, libgomp's default waits)
+    # instead of the engine's unpinned, passive ones.
+    pinned = {"VLLM_CPU_OMP_THREADS_BIND": "auto", "OMP_WAIT_POLICY": ""}
+    for name, dtype, env in (
+        ("vllm", "bfloat16", {}),
+        ("vllm-fp32", "float32", {}),
+        ("vllm-pinned", "bfloat16", pinned),
+    ):
         if name in args.engines:
             from stare_agent.engines import VLLMEngine
 
+            label = f"VLLMEngine {dtype}" + (" pinned" if env else "")
             started = time.perf_counter()
-            vllm_engines[f"VLLMEngine {dtype}"] = engine = VLLMEngine(
+            vllm_engines[label] = engine = VLLMEngine(
                 embedded_model_path(),
                 dtype=dtype,
                 max_model_len=2048,
                 kv_cache_gib=1,
                 sampling_overrides={"ignore_eos": True},
+                env=env,
             )
-            print(f"VLLMEngine {dtype}: worker ready in {time.perf_counter() - started:.1f} s")
-            calls[f"VLLMEngine {dtype}"] = _engine_call(engine, params)
+            print(f"{label}: worker ready in {time.perf_counter() - started:.1f} s")
+            calls[label] = _engine_call(engine, params)
     if "sglang" in args.engines:
         from stare_agent.engines import SGLangEngine
 
@@ -395,7 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--engines",
         default="transformers,transformers-bf16,hf-generate,vllm,vllm-fp32",
-        help="throughput: comma list of transformers, transformers-bf16, hf-generate, vllm, vllm-fp32, sglang",
+        help="throughput: comma list of transformers, transformers-bf16, hf-generate, vllm, vllm-fp32, "
+        "vllm-pinned, sglang",
     )
     parser.add_argument("--batch-sizes", default="1,16,64", help="throughput: comma list")
     parser.add_argument("--new-tokens", type=int, default=64)
