@@ -53,6 +53,7 @@ from stare_agent.algorithms.logprobs import (
     causal_lm_logprobs_and_entropy,
     logprobs_and_entropy_from_logits,
     scatter_scored,
+    shared_prompt_logprobs_and_entropy,
 )
 from stare_agent.algorithms.losses import policy_loss
 from stare_agent.batch import bucket_by_length, collate, split_by_token_budget
@@ -363,12 +364,45 @@ class Learner:
         return split_by_token_budget(trajectories, self.ds_config.micro_batch_tokens, padded=True)
 
     def compute_batches(self, trajectories: Sequence[Trajectory]) -> list[list[int]]:
-        """The micro-batches the forward and backward passes run on: with ``deepspeed.bucket_by_length``
-        trajectories of similar length together (:func:`~stare_agent.batch.bucket_by_length`), else
-        :meth:`micro_batches`. Which trajectories share a micro-batch changes padding, not results."""
+        """The micro-batches the forward and backward passes run on. Which trajectories share a
+        micro-batch changes the work, not the results:
+
+        - with :attr:`shares_prompts`, the trajectories of one prompt (a GRPO group) form micro-batches
+          of their own, whose prompt runs once (:func:`shared_prompt_logprobs_and_entropy`);
+        - the others, with ``deepspeed.bucket_by_length``, go by similar length
+          (:func:`~stare_agent.batch.bucket_by_length`), else in batch order (:meth:`micro_batches`).
+        """
+        budget = self.ds_config.micro_batch_tokens
+        rest = list(range(len(trajectories)))
+        split: list[list[int]] = []
+        if self.shares_prompts:
+            groups: dict[tuple[int, ...], list[int]] = {}
+            for i, t in enumerate(trajectories):
+                groups.setdefault(tuple(t.prompt_ids), []).append(i)
+            rest = [g[0] for g in groups.values() if len(g) == 1]
+            for group in (g for g in groups.values() if len(g) > 1):
+                split += [
+                    [group[j] for j in m] for m in bucket_by_length([trajectories[i] for i in group], budget)
+                ]
+        if not rest:
+            return split
         if self.ds_config.bucket_by_length:
-            return bucket_by_length(trajectories, self.ds_config.micro_batch_tokens)
-        return self.micro_batches(trajectories)
+            tail = bucket_by_length([trajectories[i] for i in rest], budget)
+        else:
+            tail = split_by_token_budget([trajectories[i] for i in rest], budget, padded=True)
+        return split + [[rest[j] for j in m] for m in tail]
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether trajectories of one prompt run it once: ``deepspeed.share_prompts`` with
+        ``score_response_only``, below ZeRO-3 and without gradient checkpointing (which drops caches)."""
+        ds = self.ds_config
+        return (
+            ds.share_prompts
+            and ds.score_response_only
+            and ds.zero_stage != 3
+            and not any(getattr(m, "gradient_checkpointing", False) for m in self.module.modules())
+        )
 
     def _padded_split(self, trajectories: Sequence[Trajectory]) -> list[tuple[list[int], bool]]:
         """Micro-batches plus zero-weight repeats so every rank runs the same count: (indices, real)."""
@@ -402,6 +436,16 @@ class Learner:
         # Only mask-1 positions are ever read (losses, gate, weights): the rest skip the LM head.
         scored = micro["response_mask"].bool() if self.ds_config.score_response_only else None
         chunk = self.ds_config.logprob_chunk_size
+        if "shared_prompt_length" in micro and scored is not None:
+            return shared_prompt_logprobs_and_entropy(
+                self.module,
+                ids,
+                attention,
+                int(micro["shared_prompt_length"]),
+                scored,
+                chunk_size=chunk,
+                temperature=self.temperature,
+            )
         if self.ds_config.zero_stage == 3:
             # ZeRO-3 partitions the LM head, so score from the logits the model itself computes.
             logits = self.ds_model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
@@ -424,7 +468,11 @@ class Learner:
         )
 
     def _collate(self, trajectories: Sequence[Trajectory], idx: list[int]) -> dict[str, Tensor]:
-        return collate([trajectories[i] for i in idx], self.pad_id, self.device)
+        micro = collate([trajectories[i] for i in idx], self.pad_id, self.device)
+        prompt = trajectories[idx[0]].prompt_ids
+        if self.shares_prompts and len(idx) > 1 and all(trajectories[i].prompt_ids == prompt for i in idx):
+            micro["shared_prompt_length"] = torch.tensor(len(prompt))
+        return micro
 
     @torch.no_grad()
     def compute_logprobs_and_entropy(self, trajectories: Sequence[Trajectory]) -> tuple[Tensor, Tensor]:

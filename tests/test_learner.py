@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from envs.trajectory import Trajectory, TrajectoryBuilder
-from stare_agent.algorithms.logprobs import causal_lm_logprobs_and_entropy
+from stare_agent.algorithms.logprobs import causal_lm_logprobs_and_entropy, shared_prompt_logprobs_and_entropy
 from stare_agent.algorithms.losses import policy_loss
 from stare_agent.batch import collate
 from stare_agent.config import OptimConfig, load_config
@@ -200,21 +200,52 @@ def test_logprobs_match_plain_forward_and_ignore_padding(learner, batch, respons
         assert torch.all(logp[i, n:] == 0) and torch.all(entropy[i, n:] == 0)
 
 
-@pytest.mark.parametrize("step", ["update", "sft_step"])
-def test_fast_learner_path_takes_the_same_step_as_the_old_one(learner, batch, step):
-    """deepspeed.score_response_only and bucket_by_length (the defaults) change the work, not the step:
-    the parameters after one step equal those of the old path (whole sequences scored, micro-batches
-    in batch order) to float rounding, on a batch split into several micro-batches both ways."""
-    advantages = [1.0, -0.5, 0.25, -1.5, 0.75]
+def _grouped(batch: list[Trajectory]) -> list[Trajectory]:
+    """The batch plus two GRPO-like groups: three samples of one prompt, two of another."""
+    out = list(batch)
+    for seed, prompt, shapes in ((20, 6, [(4, 3, 2), (2, 0, 0), (5, 2, 3)]), (30, 4, [(3, 1, 6), (6, 0, 0)])):
+        for k, (first, tool, last) in enumerate(shapes):
+            t = _trajectory(seed + k, prompt, first, tool, last)
+            out.append(Trajectory(_trajectory(seed, prompt, 1, 0, 0).prompt_ids, *astuple_rest(t)))
+    return out
+
+
+def astuple_rest(t: Trajectory) -> tuple:
+    return t.response_ids, t.loss_mask, t.logprobs, t.turn_spans
+
+
+@pytest.mark.parametrize("step", ["update", "sft_step", "logprobs"])
+def test_fast_learner_path_takes_the_same_step_as_the_old_one(learner, batch, step, monkeypatch):
+    """deepspeed.score_response_only, bucket_by_length and share_prompts (the defaults) change the work,
+    not the results: the parameters after one step (and the scores) equal those of the old path (whole
+    sequences scored, micro-batches in batch order, every prompt run per trajectory) to float rounding,
+    on a batch split into several micro-batches both ways, with two groups that share a prompt."""
+    batch = _grouped(batch)
+    advantages = [1.0, -0.5, 0.25, -1.5, 0.75, 1.0, -1.0, 0.5, -0.5, 0.5]
     L = max(t.num_tokens for t in batch)
     weights = 0.9 + 0.2 * torch.rand(len(batch), L - 1, generator=torch.Generator().manual_seed(5))
     start = _params(learner)
     ds = learner.ds_config
     ds.micro_batch_tokens = 40
 
+    mask = collate(batch, learner.pad_id)["response_mask"].bool()
+    shared_rows: list[int] = []  # rows of the micro-batches that ran their prompt once
+
+    def spy(model, input_ids, *args, **kwargs):
+        shared_rows.append(input_ids.shape[0])
+        return shared_prompt_logprobs_and_entropy(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr("stare_agent.learner.shared_prompt_logprobs_and_entropy", spy)
+
     def one_step(fast: bool) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-        ds.score_response_only = ds.bucket_by_length = fast
+        ds.score_response_only = ds.bucket_by_length = ds.share_prompts = fast
         try:
+            if step == "logprobs":
+                logp, entropy = learner.compute_logprobs_and_entropy(batch)
+                return {"skipped": 0.0, "tokens": 0.0, "loss": 1.0, "grad_norm": 1.0}, {
+                    "logp": logp[mask],
+                    "entropy": entropy[mask],
+                }
             if step == "update":
                 metrics = learner.update(batch, advantages, weights)
             else:
@@ -222,12 +253,17 @@ def test_fast_learner_path_takes_the_same_step_as_the_old_one(learner, batch, st
             return metrics, {k: v - start[k] for k, v in _params(learner).items()}
         finally:
             _restore(learner, start)
-            ds.score_response_only = ds.bucket_by_length = True
+            ds.score_response_only = ds.bucket_by_length = ds.share_prompts = True
 
     try:
         old, delta_old = one_step(False)
-        assert learner.compute_batches(batch) != learner.micro_batches(batch)  # the split differs
+        split = learner.compute_batches(batch)
+        assert split != learner.micro_batches(batch)  # the split differs
+        assert sorted(i for m in split for i in m) == list(range(len(batch)))
+        assert [7, 5] in split and [8, 9] in split  # a group's samples run their prompt once, longest first
+        assert not shared_rows
         new, delta_new = one_step(True)
+        assert sorted(shared_rows) == [2, 2]
     finally:
         ds.micro_batch_tokens = 100_000
     assert old["skipped"] == new["skipped"] == 0.0 and old["tokens"] == new["tokens"]

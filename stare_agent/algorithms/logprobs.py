@@ -118,6 +118,66 @@ def causal_lm_logprobs_and_entropy(
     return scatter_scored(logp, score_mask), scatter_scored(entropy, score_mask)
 
 
+def shared_prompt_logprobs_and_entropy(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prompt_length: int,
+    score_mask: Tensor,
+    *,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """:func:`causal_lm_logprobs_and_entropy` for N sequences that start with the same prompt, run once.
+
+    The first ``prompt_length - 1`` tokens (the prompt but its last token, whose logits score the
+    first response token) go through the backbone once, as a batch of one; its keys and values are
+    repeated for the N rows, which run only their own tokens on top of them. Gradients flow through
+    the shared prompt's keys and values (summed over the N rows, as N separate passes would sum them).
+    For a group of G samples of a P-token prompt with R-token responses the backbone runs
+    P + G * R tokens instead of G * (P + R); the values are the same up to float rounding.
+
+    Args:
+        input_ids: [N, L] right-padded sequences whose first ``prompt_length`` tokens are equal.
+        attention_mask: [N, L] (1 on tokens, 0 on padding).
+        prompt_length: P, at least 1.
+        score_mask: [N, L-1] bool, the positions scored (none inside the prompt, i.e. before column P-1).
+
+    Returns:
+        (logp [N, L-1], entropy [N, L-1]), 0 where ``score_mask`` is False.
+    """
+    N, L = input_ids.shape
+    _check(score_mask.shape, torch.Size((N, L - 1)), chunk_size, temperature)
+    if not 1 <= prompt_length <= L or score_mask[:, : prompt_length - 1].any():
+        raise ValueError(
+            f"prompt_length {prompt_length}: need 1 <= P <= {L} and no scored column before P - 1"
+        )
+    head = model.get_output_embeddings()
+    P = prompt_length - 1  # tokens in the shared prefix
+    cache = None
+    if P > 0:
+        cache = model.base_model(input_ids=input_ids[:1, :P], use_cache=True).past_key_values
+        cache.batch_repeat_interleave(N)
+    positions = torch.arange(P, L, device=input_ids.device)[None].expand(N, -1)
+    outputs = model.base_model(
+        input_ids=input_ids[:, P:],
+        attention_mask=attention_mask,
+        position_ids=positions,
+        cache=cache,
+        use_cache=cache is not None,
+    )
+    own = score_mask[:, P:]  # the scored columns; column P + j is the rows' own position j
+    logp, entropy = chunked_logprobs_and_entropy(
+        outputs.last_hidden_state[:, :-1][own],
+        head.weight,
+        input_ids[:, P + 1 :][own],
+        lm_head_bias=head.bias,
+        chunk_size=chunk_size,
+        temperature=temperature,
+    )
+    return scatter_scored(logp, score_mask), scatter_scored(entropy, score_mask)
+
+
 def scatter_scored(values: Tensor, score_mask: Tensor) -> Tensor:
     """Values [S] of the S marked positions of ``score_mask`` [N, T] put back in place: [N, T], 0 elsewhere.
 
