@@ -35,6 +35,7 @@ the messages it sends back.
 from __future__ import annotations
 
 import collections
+import hmac
 import re
 import time
 from typing import Any, Protocol, cast
@@ -42,6 +43,7 @@ from typing import Any, Protocol, cast
 import zmq
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.session import DELIM
 
 from sandbox.base import Sandbox
 from sandbox.errors import SandboxClosed, SandboxError
@@ -486,17 +488,11 @@ class KernelDriver:
         except DroppedMessage as exc:
             raise MalformedMessage(str(exc)) from None
         try:
-            _, frames = channel.session.feed_identities(frames)
-            msg = channel.session.deserialize(frames)
+            return _unpack(channel.session, frames)
+        except MalformedMessage:
+            raise
         except Exception as exc:  # noqa: BLE001 - whatever the kernel sent, it is only skipped
             raise MalformedMessage(f"{exc.__class__.__name__}: {str(exc)[:200]}") from None
-        if not (
-            isinstance(msg.get("parent_header"), dict)
-            and isinstance(msg.get("msg_type"), str)
-            and isinstance(msg.get("content"), dict)
-        ):
-            raise MalformedMessage("wrong field types")
-        return msg
 
     def _replied(self, msg_id: str) -> bool:
         """True when the execute reply to ``msg_id`` is among the shell messages received so far."""
@@ -548,6 +544,42 @@ class _Channel:
 
 class MalformedMessage(Exception):
     """A message from the kernel that cannot be used (skipped and counted, never raised to callers)."""
+
+
+def _unpack(session: Any, frames: list[bytes]) -> dict[str, Any]:
+    """A kernel's message from its frames: signature checked, JSON parts parsed.
+
+    What ``Session.deserialize`` does, less what the driver does not need and costs a third of
+    its CPU per call: parsing every date of the headers (kept as strings here) and the replay
+    check of signatures (the kernel holds the key: it can sign anything it wants to send).
+
+    Raises:
+        MalformedMessage: no delimiter, too few parts, a bad signature, or fields of wrong types.
+    """
+    try:
+        frames = frames[frames.index(DELIM) + 1 :]
+    except ValueError:
+        raise MalformedMessage("no delimiter") from None
+    if len(frames) < 5:
+        raise MalformedMessage("too few parts")
+    if session.auth is not None and not hmac.compare_digest(frames[0], session.sign(frames[1:5])):
+        raise MalformedMessage("invalid signature")
+    header, parent, metadata, content = (session.unpack(frame) for frame in frames[1:5])
+    if not (
+        isinstance(header, dict)
+        and isinstance(header.get("msg_type"), str)
+        and isinstance(parent, dict)
+        and isinstance(content, dict)
+    ):
+        raise MalformedMessage("wrong field types")
+    return {
+        "header": header,
+        "msg_id": header.get("msg_id"),
+        "msg_type": header["msg_type"],
+        "parent_header": parent,
+        "metadata": metadata,
+        "content": content,
+    }
 
 
 def encodable(text: str) -> str:

@@ -233,6 +233,9 @@ def prepare_kernel(kernel_args, boot):
         # No debugger: nothing attaches to a sandbox's kernel, and making one per kernel costs
         # about a millisecond of every reset (and exposes a debug channel for nothing).
         ipykernel.ipkernel._is_debugpy_available = False
+        # No execute_input broadcast (the code of each request, echoed on iopub for other
+        # clients): the host is the only client and skips it; one message less per call.
+        ipykernel.kernelbase.Kernel._publish_execute_input = lambda *args, **kwargs: None
         app = IPKernelApp.instance()
         app._init_asyncio_patch()
         BaseIPythonApplication.initialize(app, argv)  # what IPKernelApp.initialize does first
