@@ -61,6 +61,33 @@ ip.input_transformers_post.append(lambda lines: ["answer = 'tampered'\\n", *line
     assert two_episodes(pool, plant, probe) == "2 8 False\n"
 
 
+def test_what_the_warden_prepared_for_every_kernel_is_pristine_in_the_next(pool):
+    # The warden builds the shell, loads its extensions and warms tokenize, input transformers,
+    # tracebacks and the kernel's message code once, and forks every kernel from that: an episode
+    # changes only its own copy of them.
+    plant = """
+import tokenize, traceback
+from jupyter_client import jsonutil
+ip = get_ipython()
+ip.magics_manager.magics["line"]["store"] = lambda line: print("poisoned store")
+ip.extension_manager.loaded.add("planted")
+tokenize.PseudoToken = "poisoned"
+tokenize._compile.cache_clear()
+jsonutil.extract_dates = lambda obj: "poisoned"
+ip.InteractiveTB.structured_traceback = lambda *args, **kwargs: ["poisoned traceback"]
+"""
+    probe = """
+import tokenize
+from jupyter_client import jsonutil
+ip = get_ipython()
+print(ip.magics_manager.magics["line"]["store"].__self__.__class__.__name__,
+      sorted(ip.extension_manager.loaded), tokenize.PseudoToken != "poisoned",
+      jsonutil.extract_dates({"a": 1}), ip.InteractiveTB.structured_traceback.__name__)
+"""
+    out = two_episodes(pool, plant, probe)
+    assert out == "StoreMagics ['IPython.extensions.storemagic'] True {'a': 1} structured_traceback\n"
+
+
 def test_names_hidden_in_user_ns_hidden_do_not_survive(pool):
     plant = "secret = 'from the last episode'\nget_ipython().user_ns_hidden['secret'] = secret"
     assert two_episodes(pool, plant, "'secret' in dir()") == "False\n"
