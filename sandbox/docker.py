@@ -280,19 +280,14 @@ class _ContainerKernel:
         wardens = [pid for pid in before if _parent(pid) == self.init_pid]
         if len(wardens) != 1:
             return False
-        doomed = before - {self.init_pid, wardens[0]}
+        doomed = {pid: _pidfd(pid) for pid in before - {self.init_pid, wardens[0]}}
         if not _signal_child(wardens[0], self.init_pid, signal.SIGUSR1):
             try:  # not our process to signal (a non-root host): tini forwards it to the warden
                 self.container.kill(signal="SIGUSR1")
             except Exception as exc:  # noqa: BLE001 - the caller restarts the container
                 logger.debug("signalling the warden failed: %s", exc)
                 return False
-        deadline = time.monotonic() + timeout_s
-        while _pids(self.procs_file) & doomed:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.001)
-        return True
+        return _wait_gone(doomed, self.procs_file, time.monotonic() + timeout_s)
 
     def meter(self) -> CgroupUsage | None:
         return self.usage
@@ -355,6 +350,42 @@ class _ContainerKernel:
         return f"exit code {code}" + (
             f" (signal {code - 128})" if isinstance(code, int) and code > 128 else ""
         )
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid`` (readable once it has exited), or None when it is gone already or
+    cannot be had here (then its cgroup is read instead)."""
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
+def _wait_gone(doomed: dict[int, int | None], procs_file: Path, deadline: float) -> bool:
+    """Wait until no process of ``doomed`` ({pid: pidfd or None}) is left in the cgroup whose
+    ``cgroup.procs`` is ``procs_file``; False at the deadline. Closes the pidfds.
+
+    A pidfd polls readable once its process has exited, which is after it left its cgroup, so the
+    wait sleeps in ``poll`` instead of reading the cgroup every millisecond; the cgroup is read
+    once to confirm (and every millisecond for a process without a pidfd)."""
+    fds = [fd for fd in doomed.values() if fd is not None]
+    try:
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        pending = len(fds)
+        while pending and time.monotonic() < deadline:
+            for fd, _ in poller.poll(max(1, min(50, int((deadline - time.monotonic()) * 1000)))):
+                poller.unregister(fd)
+                pending -= 1
+        while _pids(procs_file) & doomed.keys():  # at once when every pidfd said so
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _pids(procs_file: Path) -> set[int]:
