@@ -12,8 +12,11 @@ good behaviour of the interpreter that ran it:
    on these listeners, so the connection dir never has to be writable again), and records its
    rlimits and scheduling.
 2. It forks a kernel: signal dispositions and mask back to default, dumpable again, cwd
-   ``/work``, then ``ipykernel_launcher``. Forking after the imports makes a fresh kernel cost
-   one kernel initialisation (tens of milliseconds), not a new interpreter.
+   ``/work``, then the rest of ipykernel's start-up and the host's boot code. Forking after the
+   imports, the shell, its extensions and the first-use caches (``prepare_kernel``) makes a fresh
+   kernel cost its sockets, threads and copy-on-write page faults (about 20 ms of CPU), not a new
+   interpreter. What the warden built is the zygote of every kernel: a kernel changes only its
+   own copy of it, and the next one forks from the untouched original.
 3. On SIGUSR1 (the host's "next episode") it SIGKILLs every process in the container but tini
    and itself until none is left, empties ``/work``, ``/tmp``, ``/dev/shm`` and ``/dev/mqueue``,
    removes every SysV IPC object, checks that its rlimits, nice value, scheduler and CPU
