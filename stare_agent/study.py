@@ -108,8 +108,9 @@ def study(
     verdict = "in" if lo <= calibration["mean_reward"] <= hi else "OUTSIDE"
     print(
         f"[calibration] SFT policy on the first RL draws at temperature {base.env.temperature:g}: mean reward "
-        f"{calibration['mean_reward']:.3f}, groups with reward variance {calibration['groups_with_variance']:.2f} "
-        f"({verdict} the {lo}-{hi} band)",
+        f"{calibration['mean_reward']:.3f} ({verdict} the {lo}-{hi} band), groups with reward variance "
+        f"{calibration['groups_with_variance']:.2f}, entropy on its sampled tokens (the gate's H-bar) "
+        f"{calibration.get('entropy', math.nan):.3f} (H_tgt = {base.algorithm.H_tgt:g})",
         flush=True,
     )
     for variant, seed in pairs:
@@ -140,7 +141,9 @@ def cold_start(config: RunConfig, root: Path) -> Path:
 
 
 def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
-    """Mean reward of the SFT policy on the problems of the first RL draw, sampled as in RL."""
+    """Mean reward of the SFT policy on the problems of the first RL draw, sampled as in RL, the
+    fraction of those groups whose rewards differ, and the policy's entropy on the model-written tokens
+    of those episodes (``policy_entropy``: the gate's H-bar, to compare with H_tgt)."""
     path = root / "calibration.json"
     if path.is_file():
         return json.loads(path.read_text())
@@ -150,6 +153,7 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
     from sandbox import SandboxPool
     from stare_agent.engines import TransformersEngine
     from stare_agent.evaluation import evaluate
+    from stare_agent.metrics import policy_entropy
     from stare_agent.models import load_policy
     from stare_agent.quickstart import usable_precision
     from stare_agent.trainer import ProblemStream
@@ -176,9 +180,13 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
             env_id=env.id,
             env_kwargs={**env.env_kwargs(), "pool": pool},
             progress=False,
+            keep_trajectories=True,
         )
     finally:
         pool.close()
+    device = next(model.parameters()).device.type
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=autocast is not None):
+        entropy = policy_entropy(model, report.trajectories, tokenizer.pad_token_id or 0)
     results = report.problems
     result = {
         "problems": len(results),
@@ -187,6 +195,7 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
         "mean_reward": sum(sum(r.correct) for r in results) / max(sum(len(r.correct) for r in results), 1),
         "groups_with_variance": sum(0 < sum(r.correct) < len(r.correct) for r in results)
         / max(len(results), 1),
+        "entropy": entropy,
         "seconds": time.perf_counter() - t0,
     }
     path.write_text(json.dumps(result, indent=2))
@@ -311,7 +320,7 @@ def format_table(summary: dict[str, dict[str, Any]], calibration: dict[str, Any]
     lines = [
         f"Start (SFT policy, temperature {calibration['temperature']:g}): mean reward "
         f"{calibration['mean_reward']:.3f} on {calibration['problems']} x {calibration['samples_per_problem']} "
-        f"RL draws; H_tgt = {h_tgt:g}.",
+        f"RL draws, entropy on those sampled tokens {calibration.get('entropy', math.nan):.3f}; H_tgt = {h_tgt:g}.",
         "",
         "| variant | seeds | " + " | ".join(title for _, title in COLUMNS) + " |",
         "|---|---:|" + "---:|" * len(COLUMNS),

@@ -33,6 +33,9 @@ def test_study_smoke_makes_figure_table_and_data_then_resumes(tmp_path, model_di
     done = cli(*args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[calibration] SFT policy on the first RL draws at temperature 1: mean reward" in done.stdout
+    # the start's entropy on its own sampled tokens (the gate's H-bar) is printed and kept
+    assert "entropy on its sampled tokens (the gate's H-bar)" in done.stdout
+    assert json.loads((root / "calibration.json").read_text())["entropy"] > 0
     for name in ("study.png", "study.csv", "study.md", "study.json", "calibration.json"):
         assert (root / name).is_file(), name
     assert (root / "study.png").stat().st_size > 20_000
