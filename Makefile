@@ -31,3 +31,4 @@ bench: docker
 	.venv/bin/python benchmarks/rewards.py
 	.venv/bin/python benchmarks/stare_overhead.py
 	.venv/bin/python benchmarks/rollout.py
+	.venv/bin/python benchmarks/learner_speed.py
