@@ -11,6 +11,10 @@ batch, however many micro-batches the token budget ``deepspeed.micro_batch_token
   gradient of one big batch (the other aggregations scale the same way, see ``_loss_scale``).
 - Every rank runs the same number of micro-batches (ranks with fewer run zero-weight repeats), so
   ZeRO's collectives always pair up.
+- The work is cut without changing the result beyond float rounding (each switch in ``deepspeed``,
+  on by default, false for the old path): the LM head and softmax run on scored tokens only
+  (``score_response_only``), micro-batches group similar lengths (``bucket_by_length``), and the
+  samples of one prompt run it once (``share_prompts``); see :meth:`Learner.compute_batches`.
 - A step whose loss or gradient norm is NaN/inf is never applied: gradients are dropped, the
   optimizer, scheduler and parameters are left untouched, and the metrics say ``skipped = 1``.
 
