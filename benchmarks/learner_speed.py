@@ -124,6 +124,39 @@ def bench(
     return {key: statistics.median(v) for key, v in times.items()}
 
 
+def work(learner: Learner, trajectories: list[Trajectory], switches: dict[str, bool]) -> tuple[int, int]:
+    """(token positions through the backbone, padding included; rows through the LM head) of one pass."""
+    for name, value in switches.items():
+        setattr(learner.ds_config, name, value)
+    backbone = head = 0
+    for idx in learner.compute_batches(trajectories):
+        rows = [trajectories[i] for i in idx]
+        width = max(t.num_tokens for t in rows)
+        shared = (
+            learner.shares_prompts and len(rows) > 1 and all(t.prompt_ids == rows[0].prompt_ids for t in rows)
+        )
+        prefix = len(rows[0].prompt_ids) - 1 if shared else 0
+        backbone += prefix + len(rows) * (width - prefix)
+        head += (
+            sum(t.num_sampled_tokens for t in rows)
+            if switches["score_response_only"]
+            else len(rows) * (width - 1)
+        )
+    return backbone, head
+
+
+def print_work(learner: Learner, rl: list[Trajectory], sft: list[Trajectory]) -> None:
+    print("\nwork per pass (counted, not timed: the same on any machine)")
+    print(
+        f"| {'batch':<28} | {'backbone tokens old':>19} | {'new':>7} | {'LM-head rows old':>16} | {'new':>7} |"
+    )
+    print(f"|{'-' * 30}|{'-' * 21}|{'-' * 9}|{'-' * 18}|{'-' * 9}|")
+    for name, batch in ((f"RL, {len(rl)} trajectories", rl), (f"SFT, {len(sft)} traces", sft)):
+        (b_old, h_old), (b_new, h_new) = work(learner, batch, OLD), work(learner, batch, NEW)
+        print(f"| {name:<28} | {b_old:19d} | {b_new:7d} | {h_old:16d} | {h_new:7d} |")
+    work(learner, rl, NEW)
+
+
 def make_learner(precision: str) -> Learner:
     config = load_config(CONFIG, [f"deepspeed.precision={precision}"])
     model, tokenizer = load_policy(config.model.name_or_path)
@@ -137,6 +170,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="8 trajectories, 4 SFT traces, 1 repeat")
     parser.add_argument("--skip-fp32", action="store_true", help="SFT in bf16-autocast only")
+    parser.add_argument(
+        "--work-only", action="store_true", help="count the work of old and new, time nothing"
+    )
     args = parser.parse_args()
     if args.quick:
         args.trajectories, args.sft_batch, args.repeats = 8, 4, 1
@@ -149,6 +185,9 @@ def main() -> None:
     rl_tokens = sum(t.num_tokens for t in rl)
     sft_tokens = sum(t.num_tokens for t in sft)
     advantages = [1.0 if t.reward else -1.0 for t in rl]
+    if args.work_only:
+        print_work(make_learner("bf16-autocast"), rl, sft)
+        return
 
     sft_times: dict[tuple[str, str], float] = {}
 
@@ -208,6 +247,7 @@ def main() -> None:
             f"| {precision:<15} | {sft_tokens / padded:19.0f} | {sft_tokens / bucketed:21.0f} | "
             f"{padded / bucketed:7.2f}x |"
         )
+    print_work(make_learner("fp32") if args.skip_fp32 else make_learner("bf16-autocast"), rl, sft)
     print(f"\nafter: {load_note()}")
 
 
