@@ -21,7 +21,7 @@ from stare_agent.errors import StareError
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL = {"stare_agent.engines.sglang_engine"}  # imports sglang only when an engine is built
 # Control flow inside one module, never raised to a caller: not an error of the package's API.
-INTERNAL = {"sandbox.kernel.MalformedMessage"}
+INTERNAL = {"sandbox.kernel.MalformedMessage", "sandbox.zmtp.DroppedMessage"}
 
 
 def _import_all() -> None:
