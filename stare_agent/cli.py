@@ -69,9 +69,8 @@ EVAL_FLAGS = {
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from envs.rollout import SamplingParams
     from stare_agent.config import load_config, make_tool_env
-    from stare_agent.evaluation import evaluate
+    from stare_agent.evaluation import evaluate_config
     from stare_agent.trainer import eval_problems
 
     flags = [
@@ -92,18 +91,13 @@ def _eval(args: argparse.Namespace) -> int:
     )
     engine, tokenizer = _eval_engine(args, config)
     try:
-        report = evaluate(
-            problems,
+        report = evaluate_config(
+            config,
             engine=engine,
             tokenizer=tokenizer,
-            samples=data.eval_samples,
-            sampling=SamplingParams(
-                temperature=data.eval_temperature, top_p=data.eval_top_p, seed=config.trainer.seed
-            ),
-            max_response_tokens=env.max_response_tokens,
-            batch_size=args.batch_size,
-            env_id=env.id,
             env_kwargs=env_kwargs,
+            batch_size=args.batch_size,
+            problems=problems,
             out_dir=args.out,
         )
     finally:

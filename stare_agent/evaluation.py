@@ -170,6 +170,48 @@ def summarize(results: Sequence[ProblemResult], samples: int) -> dict[str, float
     return metrics
 
 
+def evaluate_config(
+    config: Any,
+    *,
+    engine: Engine,
+    tokenizer: Tokenizer,
+    env_kwargs: dict[str, Any],
+    batch_size: int,
+    greedy: bool = False,
+    problems: Sequence[Problem] | None = None,
+    **options: Any,
+) -> EvalReport:
+    """:func:`evaluate` as a run config says: the one way the trainer, ``stare-agent eval`` and the
+    quickstart evaluate.
+
+    ``data.eval`` problems (seeded by ``trainer.seed``, ``data.difficulty``, at most ``data.eval_limit``)
+    unless ``problems`` are given; ``data.eval_samples`` episodes per problem at ``data.eval_temperature``
+    / ``data.eval_top_p`` (``greedy``: one temperature-0 episode), seeded by ``trainer.seed``; the env
+    ``env.id`` with ``env_kwargs`` (the caller adds the pool or the sandbox settings to
+    ``env.env_kwargs(evaluation=True)``) and ``env.max_response_tokens``. ``options`` go to
+    :func:`evaluate` (``out_dir``, ``progress``, ``keep_trajectories``).
+    """
+    from stare_agent.trainer import eval_problems
+
+    data, env, seed = config.data, config.env, config.trainer.seed
+    if problems is None:
+        problems = eval_problems(data.eval, seed=seed, difficulty=data.difficulty, limit=data.eval_limit)
+    return evaluate(
+        problems,
+        engine=engine,
+        tokenizer=tokenizer,
+        samples=1 if greedy else data.eval_samples,
+        sampling=SamplingParams(
+            temperature=0.0 if greedy else data.eval_temperature, top_p=data.eval_top_p, seed=seed
+        ),
+        max_response_tokens=env.max_response_tokens,
+        batch_size=batch_size,
+        env_id=env.id,
+        env_kwargs=env_kwargs,
+        **options,
+    )
+
+
 def evaluate(
     problems: Sequence[Problem] | str | Path,
     *,

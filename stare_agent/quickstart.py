@@ -151,10 +151,9 @@ def _run(
     """Steps 3 to 6 with one rollout engine; the before/after numbers."""
     import torch
 
-    from envs.rollout import SamplingParams
     from sandbox import SandboxPool
     from stare_agent.cold_start import sft
-    from stare_agent.evaluation import evaluate
+    from stare_agent.evaluation import evaluate_config
     from stare_agent.metrics import policy_entropy, read_metrics
     from stare_agent.plots import plot_dashboard
     from stare_agent.trainer import Trainer, eval_problems, latest_checkpoint
@@ -169,18 +168,13 @@ def _run(
 
         def run_eval(tag: str) -> dict[str, float]:
             t = time.perf_counter()
-            report = evaluate(
-                problems,
+            report = evaluate_config(
+                config,
                 engine=engine,
                 tokenizer=tokenizer,
-                samples=data.eval_samples,
-                sampling=SamplingParams(
-                    temperature=data.eval_temperature, top_p=data.eval_top_p, seed=config.trainer.seed
-                ),
-                max_response_tokens=env.max_response_tokens,
-                batch_size=max(config.sandbox.pool_size, 1),
-                env_id=env.id,
                 env_kwargs={**env.env_kwargs(evaluation=True), "pool": pool},
+                batch_size=max(config.sandbox.pool_size, 1),
+                problems=problems,
                 out_dir=run_dir / f"eval_{tag}",
                 keep_trajectories=True,
             )

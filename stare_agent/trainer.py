@@ -530,24 +530,15 @@ class Trainer:
     def evaluate(self, *, greedy: bool = False) -> Any:
         """Validation on ``data.eval`` with the current policy (avg@k etc.); ``greedy``: one
         temperature-0 sample per problem instead of ``data.eval_samples`` at ``data.eval_temperature``."""
-        from stare_agent.evaluation import evaluate
+        from stare_agent.evaluation import evaluate_config
 
-        data, env = self.config.data, self.config.env
-        temperature = 0.0 if greedy else data.eval_temperature
-        return evaluate(
-            eval_problems(
-                data.eval, seed=self.config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
-            ),
+        return evaluate_config(
+            self.config,
             engine=self.engine,
             tokenizer=self.tokenizer,
-            samples=1 if greedy else data.eval_samples,
-            sampling=SamplingParams(
-                temperature=temperature, top_p=data.eval_top_p, seed=self.config.trainer.seed
-            ),
-            max_response_tokens=env.max_response_tokens,
+            env_kwargs={**self.config.env.env_kwargs(evaluation=True), "pool": self._sandbox_pool()},
             batch_size=self.config.sandbox.pool_size,  # one leased sandbox per live episode at most
-            env_id=env.id,
-            env_kwargs={**env.env_kwargs(evaluation=True), "pool": self._sandbox_pool()},
+            greedy=greedy,
             progress=False,
         )
 
