@@ -25,6 +25,7 @@ def test_study_smoke_makes_figure_table_and_data_then_resumes(tmp_path, model_di
         "sandbox.pool_size=4",
         "env.max_response_tokens=32",
         "deepspeed.precision=fp32",
+        "env.engine=transformers",  # the study's vLLM engine in the trainer: tests/test_vllm_engine.py
         "data.eval_limit=2",
         # a random model never answers right: without dynamic sampling its zero-variance groups still
         # go through the whole step (advantages, gate, weights, update)
