@@ -14,8 +14,8 @@ allocations) of:
 - ``setup``: building the trainer (model load, engine start), once per path.
 
 A step whose draws kept fewer groups with reward variance than ``data.prompts_per_step`` trains on
-the ones it kept (``data.on_short_batch=keep``); one that kept none trains nothing and counts for
-the rollout columns only.
+the ones it kept (the quickstart's ``data.on_short_batch=train``); one that kept none trains nothing
+and counts for the rollout columns only.
 
 The paths are override lists on top of the config: ``--old`` (default: the path before the speed
 work: the transformers engine, and the learner scoring every position, padding in batch order and
@@ -64,7 +64,6 @@ def run_path(model: str, steps: int, overrides: list[str], out: Path) -> None:
                 "trainer.checkpoint_every=0",
                 "trainer.eval_every=0",
                 f"trainer.run_dir={run_dir}",
-                "data.on_short_batch=keep",  # a step that kept fewer groups still trains on them
                 *overrides,
             ],
         )
