@@ -89,6 +89,7 @@ def run_path(model: str, steps: int, overrides: list[str], out: Path) -> None:
                 "step": m["time/step_s"],
                 "sampled_tokens": sampled,
                 "episodes": episodes,
+                "trained": m.get("kept_groups", 0) * data.samples_per_prompt,  # trajectories updated on
                 "reward": m["reward_mean"],
                 "entropy": m.get("entropy", nan),
             }
@@ -144,7 +145,16 @@ def main() -> None:
 
     print(f"\nOne RL step of configs/quickstart.yaml from {args.model}, {args.steps} steps per path")
     print(f"machine: {_machine()}; load average after each path: {', '.join(f'{x:.1f}' for x in load)}\n")
-    header = ["path", "engine", "setup s", *(f"{c} s" for c in COLUMNS), "gen tok/s", "reward", "entropy"]
+    header = [
+        "path",
+        "engine",
+        "setup s",
+        *(f"{c} s" for c in COLUMNS),
+        "gen tok/s",
+        "trained",
+        "reward",
+        "entropy",
+    ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     med: dict[str, dict[str, float]] = {}
@@ -157,6 +167,7 @@ def main() -> None:
         cells += [f"{med[name][c]:.1f}" for c in COLUMNS]
         cells += [
             f"{med[name]['tok/s']:.0f}",
+            "/".join(str(s["trained"]) for s in steps),
             f"{_median(steps, 'reward'):.2f}",
             f"{_median(steps, 'entropy'):.3f}",
         ]
@@ -167,7 +178,11 @@ def main() -> None:
         if c == "tok/s":
             old, new = new, old  # higher is better: show the speed-up the same way round
         ratio.append(f"{old / new:.2f}x" if new == new and new > 0 and old == old else "-")
-    print("| " + " | ".join([*ratio, "", ""]) + " |")
+    print("| " + " | ".join([*ratio, "", "", ""]) + " |")
+    print("\n`trained`: trajectories each step updated on (dynamic sampling keeps different groups on")
+    print(
+        "each path, so compare log-prob/update seconds per trajectory, or use benchmarks/learner_speed.py)."
+    )
     print("\nTargets (issue 13): rollout >= 3x faster than the old path; step <= 40 s.")
 
 
