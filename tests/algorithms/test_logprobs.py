@@ -104,7 +104,8 @@ def test_bfloat16_inputs_compute_in_float32():
     assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
 
 
-def test_causal_lm_matches_the_models_own_logits():
+def _tiny_llama64():
+    """A 2-layer random Llama in float64 (seed 0), so that any difference beyond rounding shows."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -112,7 +113,11 @@ def test_causal_lm_matches_the_models_own_logits():
         vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
-    model = LlamaForCausalLM(config).double()
+    return LlamaForCausalLM(config).double()
+
+
+def test_causal_lm_matches_the_models_own_logits():
+    model = _tiny_llama64()
     input_ids = torch.randint(0, 97, (2, 12))
     logp, entropy = causal_lm_logprobs_and_entropy(model, input_ids, torch.ones_like(input_ids), chunk_size=5)
     logp.sum().backward()
@@ -129,14 +134,7 @@ def test_causal_lm_matches_the_models_own_logits():
 def test_score_mask_scores_only_the_marked_positions_with_the_same_values_and_gradients():
     """Positions left out of score_mask skip the LM head: 0 there, the full pass's values and the full
     pass's parameter gradients elsewhere (float64, so any difference beyond rounding shows)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config).double()
+    model = _tiny_llama64()
     input_ids = torch.randint(0, 97, (2, 12))
     scored = torch.zeros(2, 11, dtype=torch.bool)
     scored[0, 6:9] = scored[1, 4:] = True  # a response with tool output after it; one running to the end
