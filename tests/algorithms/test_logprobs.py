@@ -11,6 +11,7 @@ from stare_agent.algorithms.logprobs import (
     causal_lm_logprobs_and_entropy,
     chunked_logprobs_and_entropy,
     logprobs_and_entropy_from_logits,
+    shared_prompt_logprobs_and_entropy,
 )
 
 
@@ -226,3 +227,44 @@ def test_bf16_autocast_logits_path_matches_autograd():
 
     for ours, ref in zip(grads(True), grads(False), strict=True):
         assert _relative_error(ours, ref) < 1e-3
+
+
+def test_a_shared_prompt_gives_the_per_row_values_and_gradients_in_float64(monkeypatch):
+    """N samples of one prompt: running the prompt once and sharing its keys and values gives the
+    per-row pass's log-probs, entropies and parameter gradients to float64 rounding. Llama's RMSNorm
+    computes in float32 even in a float64 model, which alone would leave ~2e-8 between the two
+    summation orders, so it runs in the model's dtype here."""
+    from transformers.models.llama import modeling_llama
+
+    def rms_norm_in_input_dtype(self, hidden):
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
+    model = _tiny_llama64()
+    P, R, N = 10, 6, 4
+    ids = torch.cat([torch.randint(0, 97, (1, P)).expand(N, -1), torch.randint(0, 97, (N, R))], dim=1)
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = mask[3, -1:] = 0  # two rows end early (right padding)
+    scored = torch.zeros(N, P + R - 1, dtype=torch.bool)
+    scored[:, P - 1 :] = True
+    scored &= mask[:, 1:].bool()
+    coef = torch.randn(N, P + R - 1, dtype=torch.float64) * scored
+
+    def run(fn):
+        model.zero_grad()
+        logp, entropy = fn()
+        (coef * (logp + 0.1 * entropy)).sum().backward()
+        return logp.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    logp, entropy, grads = run(
+        lambda: causal_lm_logprobs_and_entropy(model, ids, mask, chunk_size=5, score_mask=scored)
+    )
+    logp_s, entropy_s, grads_s = run(
+        lambda: shared_prompt_logprobs_and_entropy(model, ids, mask, P, scored, chunk_size=5)
+    )
+    torch.testing.assert_close(logp_s, logp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(entropy_s, entropy, rtol=1e-12, atol=1e-12)
+    assert logp.ne(0).sum() == scored.sum()  # every scored position was scored
+    for name, grad in grads.items():
+        assert (grads_s[name] - grad).norm() <= 1e-12 * grad.norm(), name
