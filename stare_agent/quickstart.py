@@ -66,40 +66,13 @@ def usable_precision(config: RunConfig) -> RunConfig:
     return config
 
 
-def start_engine(config: RunConfig, model: Any, tokenizer: Any) -> tuple[str, Any]:
-    """The fastest rollout engine here (``env.engine``; ``auto``: vLLM when a Python with vLLM is
-    found), as ``(description, engine)``. A vLLM engine that fails to start under ``auto`` falls back
-    to the transformers engine, saying why in one line."""
-    import torch
-
-    from stare_agent.engines import TransformersEngine
-    from stare_agent.engines.vllm_engine import VLLMEngineError, pick_engine, vllm_engine_from_config
-
-    env = config.env
-    if pick_engine(env.engine, env.vllm.python) == "vllm":
-        section = env.vllm
-        if section.dtype == "bfloat16" and not torch.cuda.is_available() and not cpu_has_bf16():
-            section = replace(section, dtype="float32")  # bf16 without AVX-512 BF16 is slower than fp32
-        try:
-            engine = vllm_engine_from_config(section, config.model.name_or_path, seed=config.trainer.seed)
-            return f"vllm {engine.info['vllm_version']} ({engine.info['dtype']}, worker process)", engine
-        except VLLMEngineError as exc:
-            if env.engine != "auto":
-                raise
-            print(f"[engine] vLLM did not start, using the transformers engine: {exc}")
-    autocast = torch.bfloat16 if config.deepspeed.precision == "bf16-autocast" else None
-    dtype = "bf16 autocast" if autocast is not None else "fp32"
-    return f"transformers ({dtype}, in process)", TransformersEngine(
-        model, tokenizer, autocast_dtype=autocast
-    )
-
-
 def quickstart(
     config_path: str | Path = CONFIG, overrides: tuple[str, ...] | list[str] = ()
 ) -> dict[str, Any]:
     """Run the main job (see the module docstring); returns the before/after numbers and paths."""
     from transformers import set_seed
 
+    from stare_agent.engines import start_engine
     from stare_agent.models import load_policy
 
     start = time.perf_counter()
@@ -123,7 +96,8 @@ def quickstart(
     t0 = time.perf_counter()
     set_seed(config.trainer.seed)
     model, tokenizer = load_policy(config.model.name_or_path)
-    engine_name, engine = start_engine(config, model, tokenizer)
+    autocast = config.deepspeed.precision == "bf16-autocast"
+    engine_name, engine = start_engine(config, model, tokenizer, autocast=autocast)
     print(f"[engine] {engine_name}")
     phase("model", t0)
     try:

@@ -508,24 +508,18 @@ class Trainer:
         return self._engine
 
     def _make_engine(self) -> Any:
-        from stare_agent.engines.vllm_engine import pick_engine, vllm_engine_from_config
+        from stare_agent.engines import start_engine
 
-        env = self.config.env
-        name = pick_engine(env.engine, env.vllm.python)
+        description, engine = start_engine(
+            self.config,
+            self.learner.module,
+            self.tokenizer,
+            autocast=self.learner.precision == "bf16-autocast",
+        )
         if self.rank == 0:
-            print(f"rollout engine: {name}" + (" (env.engine=auto)" if env.engine == "auto" else ""))
-        if name == "sglang":
-            from stare_agent.engines import SGLangEngine
-
-            return SGLangEngine(self.config.model.name_or_path)
-        if name == "vllm":  # its own copy of the weights, synced after every update
-            return vllm_engine_from_config(
-                env.vllm, self.config.model.name_or_path, seed=self.config.trainer.seed
-            )
-        from stare_agent.engines import TransformersEngine
-
-        autocast = torch.bfloat16 if self.learner.precision == "bf16-autocast" else None
-        return TransformersEngine(self.learner.module, self.tokenizer, autocast_dtype=autocast)
+            auto = " (env.engine=auto)" if self.config.env.engine == "auto" else ""
+            print(f"rollout engine: {description}{auto}")
+        return engine
 
     def evaluate(self, *, greedy: bool = False) -> Any:
         """Validation on ``data.eval`` with the current policy (avg@k etc.); ``greedy``: one
