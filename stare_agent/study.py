@@ -68,15 +68,22 @@ CSV_NAME, FIGURE_NAME, TABLE_NAME = "study.csv", "study.png", "study.md"
 def plan(variants: Sequence[str], seeds: int, ablation_seeds: int) -> list[tuple[str, int]]:
     """(variant, seed) pairs: ``seeds`` seeds for the main variants, ``ablation_seeds`` for the rest.
 
-    >>> plan(["grpo-ds", "no-off-state"], seeds=2, ablation_seeds=1)
-    [('grpo-ds', 0), ('grpo-ds', 1), ('no-off-state', 0)]
+    Seed by seed, main variants before ablations, so that a study stopped early already compares
+    every main variant on the same seeds.
+
+    >>> plan(["no-off-state", "grpo-ds", "stare-o1"], seeds=2, ablation_seeds=1)
+    [('grpo-ds', 0), ('stare-o1', 0), ('grpo-ds', 1), ('stare-o1', 1), ('no-off-state', 0)]
     """
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ConfigError(f"unknown study variant {unknown[0]!r}: use one of {', '.join(VARIANTS)}")
     if seeds < 1 or ablation_seeds < 1:
         raise ConfigError(f"--seeds {seeds} and --ablation-seeds {ablation_seeds} must be >= 1")
-    return [(v, s) for v in variants for s in range(seeds if v in MAIN_VARIANTS else ablation_seeds)]
+    main = [v for v in variants if v in MAIN_VARIANTS]
+    ablations = [v for v in variants if v not in MAIN_VARIANTS]
+    return [(v, s) for s in range(seeds) for v in main] + [
+        (v, s) for s in range(ablation_seeds) for v in ablations
+    ]
 
 
 def study(

@@ -67,11 +67,14 @@ def test_study_smoke_makes_figure_table_and_data_then_resumes(tmp_path, model_di
     assert again.stdout.count("finished earlier") == 2
 
 
-def test_plan_gives_main_variants_all_seeds_and_rejects_unknown_names():
-    assert plan(["stare-c2", "open-loop-w2"], seeds=3, ablation_seeds=1) == [
+def test_plan_gives_main_variants_all_seeds_seed_by_seed_and_rejects_unknown_names():
+    assert plan(["open-loop-w2", "stare-c2", "grpo-ds"], seeds=3, ablation_seeds=1) == [
         ("stare-c2", 0),
+        ("grpo-ds", 0),
         ("stare-c2", 1),
+        ("grpo-ds", 1),
         ("stare-c2", 2),
+        ("grpo-ds", 2),
         ("open-loop-w2", 0),
     ]
     with pytest.raises(ConfigError, match="unknown study variant 'stare-o2': use one of grpo-ds, stare-o1"):
