@@ -4,10 +4,14 @@ The runner speaks tokens to the engine and text to the environments:
 
 1. ``env.reset()``; the prompt is ``info["messages"]`` rendered by the tokenizer's chat template with
    the generation prompt, then tokenized once.
-2. Each turn, ONE ``engine.generate`` call continues every live episode, stopping on the format's stop
-   strings (or EOS) with ``max_new_tokens`` = the remaining response-token budget. The sampled tokens
-   are appended exactly as returned (mask 1), never decoded and re-encoded; they are decoded only to
-   hand the text to ``env.step``, and the ``env.step`` calls of a turn run in parallel threads.
+2. Model turns stop on the format's stop strings (or EOS) with ``max_new_tokens`` = the remaining
+   response-token budget. With a :class:`ContinuousEngine` (vLLM) each episode's turn is submitted
+   on its own, as soon as the episode is ready for it, and joins the engine's running batch: an
+   episode whose tool call returned early does not wait for the slowest episode's turn. With a batch
+   :class:`Engine`, ONE ``engine.generate`` call continues every live episode once all of them wait
+   for it (lockstep turns). The sampled tokens are appended exactly as returned (mask 1), never
+   decoded and re-encoded; they are decoded only to hand the text to ``env.step``, and the env calls
+   run in parallel threads, each as soon as its turn is back.
 3. The observation is tokenized and appended with mask 0. For formats whose observations stay inside
    the assistant message (``observation_role == "assistant"``, ReTool) that is the observation text
    alone. For ``tool``-role observations (hermes) it is the chat-template glue too: the end of the
@@ -39,7 +43,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -158,6 +162,19 @@ class Engine(Protocol):
         ...
 
 
+@runtime_checkable
+class ContinuousEngine(Engine, Protocol):
+    """An engine that batches continuously (vLLM): a prompt submitted while others are in flight joins
+    their batch at the next decoding step."""
+
+    def submit(self, prompt: list[int], params: SamplingParams, stop: list[str]) -> Future[Generation]:
+        """Start one prompt's continuation now; ``params.seeds``, when set, holds its one seed.
+
+        Returns a future of its :class:`Generation` (or of the error that ended it).
+        """
+        ...
+
+
 class Tokenizer(Protocol):
     """The slice of the Hugging Face tokenizer interface the runner uses."""
 
@@ -175,8 +192,11 @@ class Tokenizer(Protocol):
 class RolloutStats:
     """Where the wall time of one :meth:`RolloutRunner.run` went.
 
-    ``env_s`` is the wall time of the (parallel) reset and step phases; ``overhead_s`` is everything
-    else the runner did: templates, tokenizing observations, decoding turns, bookkeeping.
+    ``engine_s`` is the wall time spent waiting for model turns (generate calls; with a
+    :class:`ContinuousEngine`, waits while any turn was in flight), ``env_s`` the wall time spent
+    waiting for env calls alone (resets, steps); ``overhead_s`` is everything else the runner did:
+    templates, tokenizing observations, decoding turns, bookkeeping. ``engine_calls`` counts
+    ``generate`` calls, or ``submit`` calls of a continuous engine.
     """
 
     episodes: int = 0
@@ -428,17 +448,7 @@ class RolloutRunner:
                 self._start(env, info, key, kw)
                 for env, (_, info), key, kw in zip(envs, resets, keys, reset_kwargs, strict=True)
             ]
-            turn = 0
-            while live := [ep for ep in episodes if ep.end is None]:
-                generations = self._generate(live, turn, stats)
-                calls = [self._take_turn(ep, gen) for ep, gen in zip(live, generations, strict=True)]
-                results = self._env_phase(stats, pool, calls)
-                for ep, result in zip(live, results, strict=True):
-                    if isinstance(result, EpisodeInfrastructureError):
-                        self._retry_or_fail(ep, result, stats)
-                    else:
-                        self._take_step(ep, result)
-                turn += 1
+            self._play(episodes, pool, stats)
         trajectories = [self._build(ep) for ep in episodes]
         for t in trajectories:
             stats.sampled_tokens += t.num_sampled_tokens
@@ -446,6 +456,69 @@ class RolloutRunner:
         stats.total_s = time.perf_counter() - start
         self.last_stats = stats
         return trajectories
+
+    def _play(self, episodes: list[_Episode], pool: ThreadPoolExecutor, stats: RolloutStats) -> None:
+        """Take turns and env steps until every episode has ended: each episode asks for its next turn
+        as soon as its env step is back; a batch engine is called once every turn in flight waits for it."""
+        continuous = isinstance(self.engine, ContinuousEngine)
+        order = {id(ep): i for i, ep in enumerate(episodes)}
+        in_flight: dict[Future[Any], tuple[_Episode, bool]] = {}  # future -> (episode, is a model turn)
+        waiting: list[tuple[_Episode, Future[Generation]]] = []  # turns for the next batch generate call
+
+        def ask(ep: _Episode) -> None:
+            if continuous:
+                future = self._submit(ep, stats)
+            else:
+                future = Future()
+                waiting.append((ep, future))
+            in_flight[future] = (ep, True)
+
+        for ep in episodes:
+            ask(ep)
+        batches = 0
+        while in_flight:
+            if waiting and all(is_turn for _, is_turn in in_flight.values()):
+                waiting.sort(key=lambda item: order[id(item[0])])
+                generations = self._generate([ep for ep, _ in waiting], batches, stats)
+                for (_, future), generation in zip(waiting, generations, strict=True):
+                    future.set_result(generation)
+                waiting.clear()
+                batches += 1
+            turns_in_flight = continuous and any(is_turn for _, is_turn in in_flight.values())
+            t0 = time.perf_counter()
+            done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+            if turns_in_flight:
+                stats.engine_s += time.perf_counter() - t0
+            else:
+                stats.env_s += time.perf_counter() - t0
+            for future in done:
+                ep, is_turn = in_flight.pop(future)
+                if is_turn:
+                    fn, kwargs = self._take_turn(ep, future.result())
+                    in_flight[pool.submit(fn, **kwargs)] = (ep, False)
+                    continue
+                try:
+                    result: Any = future.result()
+                except EpisodeInfrastructureError as exc:  # it concerns that episode alone
+                    self._retry_or_fail(ep, exc, stats)
+                else:
+                    self._take_step(ep, result)
+                if ep.end is None:
+                    ask(ep)
+
+    def _submit(self, ep: _Episode, stats: RolloutStats) -> Future[Generation]:
+        """Submit one episode's next turn to a continuous engine, with its own budget and stream."""
+        assert isinstance(self.engine, ContinuousEngine)
+        base = self.sampling.seed
+        params = replace(
+            self.sampling,
+            max_new_tokens=self.max_response_tokens - len(ep.builder),
+            seed=None if base is None else base + ep.turns,
+            seeds=None if base is None else (stream_seed(base, ep.key, ep.turns),),
+        )
+        stats.engine_calls += 1
+        stats.turns += 1
+        return self.engine.submit(ep.builder.context_ids, params, sorted(ep.env.format.stop_strings))
 
     def _start(self, env: ToolEnv, info: dict[str, Any], key: str, reset_kwargs: dict[str, Any]) -> _Episode:
         """Render and tokenize the prompt; pick the glue for ``tool``-role formats."""
@@ -468,7 +541,7 @@ class RolloutRunner:
         return self._glue[key]
 
     def _generate(self, live: list[_Episode], turn: int, stats: RolloutStats) -> list[Generation]:
-        """One engine call for every live episode, with the largest remaining budget as the limit."""
+        """One batch engine call for the episodes ``live``, with the largest remaining budget as the limit."""
         remaining = max(self.max_response_tokens - len(ep.builder) for ep in live)
         base = self.sampling.seed
         if base is None:

@@ -8,13 +8,24 @@ log-probs; inserted tokens carry mask 0 and log-prob 0.
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
 
 from envs.code_interpreter import CodeInterpreterEnv
 from envs.problems import Problem
-from envs.rollout import Engine, Generation, RolloutError, RolloutRunner, SamplingParams, render_chat
+from envs.rollout import (
+    ContinuousEngine,
+    Engine,
+    Generation,
+    RolloutError,
+    RolloutRunner,
+    SamplingParams,
+    render_chat,
+)
 from envs.trajectory import Trajectory
 from stare_agent.engines.scripted import ScriptedEngine, ScriptError
 from tests.helpers_tokenizers import TOKENIZERS
@@ -78,6 +89,32 @@ class RecordingEngine:
         self.inner.update_weights(named_tensors)
 
 
+class ContinuousRecordingEngine(RecordingEngine):
+    """A continuous engine: each submitted turn is replayed at once and handed back from another
+    thread after ``delay(prompt)`` seconds; ``events`` logs ``("submit" | "done", prompt length, time)``."""
+
+    def __init__(self, inner: ScriptedEngine, delay=lambda prompt: 0.01) -> None:
+        super().__init__(inner)
+        self.delay = delay
+        self.events: list[tuple[str, int, float]] = []
+        self._lock = threading.Lock()
+
+    def submit(self, prompt: list[int], params: SamplingParams, stop: list[str]) -> Future[Generation]:
+        assert params.seeds is None or len(params.seeds) == 1
+        with self._lock:
+            self.events.append(("submit", len(prompt), time.monotonic()))
+            generation = self.generate([prompt], params, stop)[0]
+        future: Future[Generation] = Future()
+
+        def finish() -> None:
+            with self._lock:
+                self.events.append(("done", len(prompt), time.monotonic()))
+            future.set_result(generation)
+
+        threading.Timer(self.delay(prompt), finish).start()
+        return future
+
+
 @pytest.fixture(scope="module")
 def pool():
     """Three local-kernel sandboxes shared by the module's tests (exactness needs no container)."""
@@ -106,13 +143,17 @@ def make_envs(pool):
         env.close()
 
 
-@pytest.fixture
-def play(make_envs):
-    """``play(fmt, tokenizer, scripts, budget=4096, **env_kwargs)`` -> trajectories, envs, engine, runner."""
+@pytest.fixture(params=["batch", "continuous"])
+def play(make_envs, request):
+    """``play(fmt, tokenizer, scripts, budget=4096, **env_kwargs)`` -> trajectories, envs, engine, runner,
+    with a batch engine (lockstep turns) and with a continuous one (each turn submitted on its own)."""
 
     def run(fmt: str, tokenizer, scripts, budget: int = 4096, **env_kwargs):
         envs = make_envs(fmt, tokenizer, n=len(scripts), **env_kwargs)
-        engine = RecordingEngine(ScriptedEngine(tokenizer, scripts))
+        scripted = ScriptedEngine(tokenizer, scripts)
+        engine = (
+            RecordingEngine(scripted) if request.param == "batch" else ContinuousRecordingEngine(scripted)
+        )
         runner = RolloutRunner(tokenizer, engine, max_response_tokens=budget)
         trajectories = runner.run(envs, options=[{"problem_index": i} for i in range(len(scripts))])
         return trajectories, envs, engine, runner
@@ -153,8 +194,10 @@ def _expected_text(tokenizer, env: CodeInterpreterEnv, tools) -> str:
 def test_decoded_trajectory_reproduces_the_conversation(fmt, tokenizer, play):
     trajectories, envs, engine, _ = play(fmt, tokenizer, scripts_for(fmt))
 
-    # All live episodes advance together: one engine call per turn.
-    assert engine.batch_sizes == [3, 2, 2]
+    # A batch engine: all live episodes advance together, one engine call per turn. A continuous one:
+    # one call per episode turn.
+    continuous = isinstance(engine, ContinuousEngine)
+    assert engine.batch_sizes == ([1] * 7 if continuous else [3, 2, 2])
     for t, env in zip(trajectories, envs, strict=True):
         assert _decode(tokenizer, t.input_ids) == _expected_text(tokenizer, env, tools=None)
         _check_engine_tokens(t, engine)
@@ -259,7 +302,7 @@ def test_budget_cuts_tool_output_and_ends_the_episode(fmt, play):
     assert t.reward == 0.0 and len(t.turn_spans) == 1
     # The other episode is unaffected, and the engine was asked for at most the remaining budget.
     assert cut[1].input_ids == full[1].input_ids and cut[1].info["finish_reason"] == "terminated"
-    assert runner.last_stats.engine_calls == 1
+    assert runner.last_stats.engine_calls == (2 if isinstance(engine, ContinuousEngine) else 1)
 
 
 def test_budget_cuts_a_model_turn_without_stepping_the_env(make_envs):
@@ -293,6 +336,55 @@ def test_env_steps_of_a_turn_run_in_parallel(play):
     trajectories, _, _, runner = play("retool", tokenizer, [[sleep, "\\boxed{42}"]] * 3)
     assert [t.info["num_tool_calls"] for t in trajectories] == [1, 1, 1]
     assert runner.last_stats.env_s < 2.5  # three 1-second calls, run side by side
+
+
+def test_continuous_engine_turns_do_not_wait_for_the_slowest_episode(make_envs):
+    """An episode whose tool call came back asks for its next turn while another episode's (slow)
+    first turn is still being generated; a batch engine would wait for it."""
+    tokenizer = TOKENIZERS["smollm2"]()
+    envs = make_envs("retool", tokenizer, n=2)
+    scripts = [[_retool_code("print(6 * 7)"), "\\boxed{42}"], ["Thinking long... \\boxed{144}"]]
+    first_prompts: list[int] = []
+
+    def delay(prompt: list[int]) -> float:  # the second episode's first turn takes 3 s
+        first_prompts.append(len(prompt))
+        return 3.0 if len(first_prompts) == 2 else 0.05
+
+    engine = ContinuousRecordingEngine(ScriptedEngine(tokenizer, scripts), delay=delay)
+    runner = RolloutRunner(tokenizer, engine, max_response_tokens=512)
+    trajectories = runner.run(envs, options=[{"problem_index": 0}, {"problem_index": 1}])
+
+    assert [t.info["correct"] for t in trajectories] == [True, True]
+    assert [len(t.turn_spans) for t in trajectories] == [2, 1]
+    submits = [at for kind, _, at in engine.events if kind == "submit"]
+    slow_done = max(at for kind, _, at in engine.events if kind == "done")
+    assert (
+        len(submits) == 3 and submits[2] < slow_done - 1.0
+    )  # episode 1's turn 2 went out while episode 2 ran
+    assert runner.last_stats.engine_calls == 3 and runner.last_stats.turns == 3
+    assert runner.last_stats.engine_s >= 2.5  # waiting on the slow turn counts as engine time
+
+
+def test_continuous_engine_gets_one_seed_per_turn_as_the_batch_path_derives_it(make_envs):
+    from envs.rollout import stream_seed
+
+    tokenizer = TOKENIZERS["smollm2"]()
+    seen: list[tuple[int | None, tuple[int, ...] | None, int]] = []
+
+    class Seeds(ContinuousRecordingEngine):
+        def submit(self, prompt, params, stop):
+            seen.append((params.seed, params.seeds, params.max_new_tokens))
+            return super().submit(prompt, params, stop)
+
+    envs = make_envs("retool", tokenizer, n=2, problems="multiplication")
+    engine = Seeds(ScriptedEngine(tokenizer, [[_retool_code("print(1)"), "\\boxed{1}"], ["\\boxed{1}"]]))
+    runner = RolloutRunner(tokenizer, engine, max_response_tokens=256, sampling=SamplingParams(seed=100))
+    trajectories = runner.run(envs, seeds=7, episode_keys=["a", "b"])
+    assert sorted(seen[:2]) == sorted(
+        [(100, (stream_seed(100, "a", 0),), 256), (100, (stream_seed(100, "b", 0),), 256)]
+    )
+    # Turn 2 of episode "a": its own stream for turn 1, and its own remaining budget.
+    assert seen[2] == (101, (stream_seed(100, "a", 1),), 256 - trajectories[0].turn_spans[1][0])
 
 
 # ----------------------------------------------------------------------------- the scripted engine

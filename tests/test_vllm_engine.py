@@ -106,8 +106,26 @@ def _learner_logprobs(model, prompt: list[int], tokens: list[int], temperature: 
     return logp[0, len(prompt) - 1 :]
 
 
+class RecordingSubmits(RecordingEngine):
+    """Records a continuous engine's turns: ``finish()`` fills ``records`` from the submitted futures."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.submitted: list = []
+
+    def submit(self, prompt, params, stop):
+        future = self.inner.submit(prompt, params, stop)
+        self.submitted.append((prompt, future))
+        self.batch_sizes.append(1)
+        return future
+
+    def finish(self) -> None:
+        self.records.extend((prompt, future.result()) for prompt, future in self.submitted)
+
+
+@pytest.mark.parametrize("mode", ["batch", "continuous"])
 @pytest.mark.parametrize("fmt", ["retool", "hermes"])
-def test_multi_turn_episodes_are_token_exact(fmt, engine, tokenizer, pool):
+def test_multi_turn_episodes_are_token_exact(fmt, mode, engine, tokenizer, pool):
     envs = [
         CodeInterpreterEnv(PROBLEMS, format=fmt, pool=pool, tokenizer=tokenizer, timeout_s=10, max_turns=2)
         for _ in PROBLEMS
@@ -115,7 +133,7 @@ def test_multi_turn_episodes_are_token_exact(fmt, engine, tokenizer, pool):
     engine.sampling_overrides = {
         "structured_outputs": {"regex": RETOOL_CALL if fmt == "retool" else HERMES_CALL}
     }
-    recording = RecordingEngine(engine)
+    recording = RecordingEngine(engine) if mode == "batch" else RecordingSubmits(engine)
     runner = RolloutRunner(tokenizer, recording, max_response_tokens=300, sampling=SamplingParams(seed=7))
     try:
         trajectories = runner.run(
@@ -125,7 +143,11 @@ def test_multi_turn_episodes_are_token_exact(fmt, engine, tokenizer, pool):
         engine.sampling_overrides = {}
         for env in envs:
             env.close()
-    assert recording.batch_sizes == [3, 3]  # all episodes advance together, one tool call per turn
+    if mode == "batch":
+        assert recording.batch_sizes == [3, 3]  # all episodes advance together, one tool call per turn
+    else:
+        recording.finish()
+        assert recording.batch_sizes == [1] * 6  # each episode's turn submitted on its own
     for t in trajectories:
         assert len(t.turn_spans) == 2 and t.info["num_tool_calls"] == 2
         _check_engine_tokens(t, recording)  # model tokens == the ids vLLM sampled, with their log-probs
@@ -188,6 +210,30 @@ def test_weight_update_changes_outputs_and_restoring_restores_them(engine, token
     (restored,) = engine.generate([prompt], greedy)
     assert restored.token_ids == before.token_ids
     assert torch.allclose(torch.tensor(restored.logprobs), torch.tensor(before.logprobs), atol=1e-4)
+
+
+def test_submitted_turns_join_the_running_batch_and_a_reload_waits_for_them(engine, tokenizer, model):
+    prompt = _chat(tokenizer, "Count from one to fifty in words.")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=48)
+    engine.sampling_overrides = {"ignore_eos": True}  # every request runs to its max_new_tokens
+    try:
+        (before,) = engine.generate([prompt], greedy)
+        running = engine.submit(prompt, greedy)
+        short = engine.submit(_chat(tokenizer, "Hi!"), SamplingParams(temperature=0.0, max_new_tokens=2))
+        assert len(short.result(timeout=120).token_ids) == 2
+        assert not running.done()  # the short request joined the long one's batch and left it first
+        generator = torch.Generator().manual_seed(0)
+        perturbed = {
+            name: p + 0.05 * p.std() * torch.randn(p.shape, generator=generator)
+            for name, p in model.named_parameters()
+        }
+        engine.update_weights(perturbed)  # sent while `running` is in flight: applied after it finished
+        assert running.done() and running.result().token_ids == before.token_ids  # all old weights
+        assert engine.generate([prompt], greedy)[0].token_ids != before.token_ids
+        engine.update_weights(model.named_parameters())  # restore
+        assert engine.generate([prompt], greedy)[0].token_ids == before.token_ids
+    finally:
+        engine.sampling_overrides = {}
 
 
 def test_seeded_prompts_do_not_depend_on_their_batch(engine, tokenizer):
@@ -328,12 +374,19 @@ def test_eval_cli_with_engine_vllm(engine, tmp_path, monkeypatch, capsys):
     assert len((out / "results.jsonl").read_text().splitlines()) == 2
 
 
-def test_dead_worker_is_one_line_with_the_cause_and_fix(engine, tokenizer):
-    # Last in the module: it kills the shared engine's worker.
-    engine._process.kill()
-    engine._process.wait(timeout=10)
-    with pytest.raises(VLLMEngineError, match=r"the vLLM worker exited with code -9 during generate") as info:
-        engine.generate([_chat(tokenizer, "Hi!")], SamplingParams(max_new_tokens=4))
-    assert "\n" not in str(info.value) and "Fix:" in str(info.value)
-    with pytest.raises(VLLMEngineError, match="closed"):
-        engine.generate([_chat(tokenizer, "Hi!")], SamplingParams(max_new_tokens=4))
+def test_stuck_or_dead_worker_is_one_line_with_the_cause_and_fix(engine, tokenizer):
+    # Last in the module: it stops the shared engine's worker for good.
+    import signal
+
+    engine._process.send_signal(signal.SIGSTOP)  # alive but answering nothing
+    engine.call_timeout_s = 2.0
+    future = engine.submit(_chat(tokenizer, "Hi!"), SamplingParams(max_new_tokens=4))
+    with pytest.raises(VLLMEngineError, match=r"did not finish submit within 2 s.*Fix:") as info:
+        future.result(timeout=60)
+    assert "\n" not in str(info.value)
+    assert engine._process.wait(timeout=30) is not None  # the reader stopped it
+    # Any later call: the worker's exit, with its cause and the fix.
+    for call in (engine.generate, lambda prompts, params: engine.submit(prompts[0], params)):
+        with pytest.raises(VLLMEngineError, match=r"the vLLM worker exited with code -?\d+ during") as info:
+            call([_chat(tokenizer, "Hi!")], SamplingParams(max_new_tokens=4))
+        assert "\n" not in str(info.value) and "Fix:" in str(info.value)

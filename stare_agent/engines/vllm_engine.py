@@ -20,6 +20,13 @@ The engine implements the ``Engine`` protocol of :mod:`envs.rollout` as
   ``stream_seed(params.seed, i)``, else unseeded; vLLM draws each seeded request from its own
   generator, so an episode's tokens do not depend on its batch companions.
 
+It is also a ``ContinuousEngine``: ``submit`` starts one prompt at once, alongside every request in
+flight, and returns a future (vLLM's continuous batching), so the rollout runner sends each
+episode's next turn as soon as its tool call returns instead of waiting for the slowest episode of
+a batch. ``generate`` is ``submit`` for every prompt, then the results in order. A reader thread
+takes the worker's answers; a worker that dies or exceeds ``call_timeout_s`` fails every pending
+future with the cause and the fix, so nothing waits forever.
+
 ``update_weights`` writes the tensors (in the engine's dtype) to a safetensors file on ``/dev/shm``
 (the temp dir where there is none), has the worker reload them in place and reset vLLM's prefix
 cache (whose KV entries the old weights computed); the engine keeps running. For the 135M model in
@@ -36,13 +43,16 @@ import importlib.util
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from itertools import count
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
@@ -187,7 +197,11 @@ class VLLMEngine:
         self.sampling_overrides = dict(sampling_overrides or {})
         self.last_sync_s: float | None = None
         self.last_sync_parts: dict[str, float] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one sender at a time; guards _pending
+        self._ids = count()
+        # call id -> (future, deadline, what, convert): answered by the reader thread
+        self._pending: dict[int, tuple[Future[Any], float, str, Callable[[Any], Any]]] = {}
+        self._reader: threading.Thread | None = None
         self._closed = False
         self._dir = Path(tempfile.mkdtemp(prefix="stare-vllm-"))
         shm = Path("/dev/shm")
@@ -284,6 +298,8 @@ class VLLMEngine:
         listener.close()
         self.info: dict[str, Any] = info
         self.max_model_len = int(info["max_model_len"])
+        self._reader = threading.Thread(target=self._read, name="vllm-reader", daemon=True)
+        self._reader.start()
 
     def _receive(self, what: str, deadline: float, timeout_s: float) -> tuple[str, Any]:
         """The worker's next answer; polls so that a dead or stuck worker raises instead of hanging."""
@@ -301,31 +317,99 @@ class VLLMEngine:
                 f"the vLLM worker's connection broke during {what} ({exc}): {self._fix()}"
             ) from exc
 
-    def _call(self, method: str, **call: Any) -> Any:
+    def _request(
+        self,
+        method: str,
+        call: dict[str, Any],
+        convert: Callable[[Any], Any] = lambda x: x,
+        what: str | None = None,
+    ) -> Future[Any]:
+        """Send one call; its future gets ``convert(result)``, or the VLLMEngineError that ended it
+        (``what`` names the call in errors; default ``method``)."""
+        what = what or method
+        future: Future[Any] = Future()
         with self._lock:
+            self._check_alive(what)  # a dead worker's cause, also once the reader has noticed it
             if self._closed or self._conn is None:
-                raise VLLMEngineError(f"the vLLM engine is closed: make a new VLLMEngine to call {method}")
-            self._check_alive(method)
+                raise VLLMEngineError(f"the vLLM engine is closed: make a new VLLMEngine to call {what}")
+            call_id = next(self._ids)
+            self._pending[call_id] = (future, time.monotonic() + self.call_timeout_s, what, convert)
             try:
-                self._conn.send((method, call))
+                self._conn.send((call_id, method, call))
             except OSError as exc:
+                del self._pending[call_id]
                 self._check_alive(method)
                 raise VLLMEngineError(f"cannot reach the vLLM worker ({exc}): {self._fix()}") from exc
-            status, result = self._receive(
-                method, time.monotonic() + self.call_timeout_s, self.call_timeout_s
-            )
-        if status != "ok":
-            raise VLLMEngineError(f"vLLM refused {method}: {result}")
-        return result
+        return future
+
+    def _read(self) -> None:
+        """The reader thread: hands each answer to its future; fails them all when the worker dies,
+        its connection breaks, or a call outlives ``call_timeout_s`` (the worker is then killed)."""
+        conn = self._conn
+        assert conn is not None
+        while True:
+            try:
+                ready = conn.poll(0.2)
+                answer = conn.recv() if ready else None
+            except (EOFError, OSError, ValueError) as exc:
+                cause = f"{type(exc).__name__}: {exc}"
+
+                def broken(what: str, cause: str = cause) -> BaseException:
+                    return self._exit_error(what) or VLLMEngineError(
+                        f"the vLLM worker's connection broke during {what} ({cause}): {self._fix()}"
+                    )
+
+                self._fail_all(broken)
+                return
+            if answer is None:
+                with self._lock:
+                    late = [
+                        what for _, deadline, what, _ in self._pending.values() if time.monotonic() > deadline
+                    ]
+                if late:
+                    self._kill()
+                    self._fail_all(
+                        lambda what: VLLMEngineError(self._timeout_message(what, self.call_timeout_s))
+                    )
+                    return
+                if self._process is not None and self._process.poll() is not None:
+                    self._fail_all(lambda what: self._exit_error(what) or VLLMEngineError(what))
+                    return
+                continue
+            call_id, status, result = answer
+            with self._lock:
+                entry = self._pending.pop(call_id, None)
+            if entry is None:
+                continue
+            future, _, what, convert = entry
+            try:
+                if status != "ok":
+                    raise VLLMEngineError(f"vLLM refused {what}: {result}")
+                future.set_result(convert(result))
+            except BaseException as exc:  # noqa: BLE001 - the caller of the future raises it
+                future.set_exception(exc)
+
+    def _fail_all(self, error: Callable[[str], BaseException]) -> None:
+        with self._lock:
+            self._closed = True
+            pending, self._pending = self._pending, {}
+        for future, _, what, _ in pending.values():
+            future.set_exception(error(what))
 
     def _check_alive(self, what: str) -> None:
-        process = self._process
-        if process is not None and process.poll() is not None:
+        error = self._exit_error(what)
+        if error is not None:
             self._closed = True
-            raise VLLMEngineError(
-                f"the vLLM worker exited with code {process.returncode} during {what}: "
-                f"{self._log_tail()} (log: {self.log_path}). {self._fix()}"
-            )
+            raise error
+
+    def _exit_error(self, what: str) -> VLLMEngineError | None:
+        process = self._process
+        if process is None or process.poll() is None:
+            return None
+        return VLLMEngineError(
+            f"the vLLM worker exited with code {process.returncode} during {what}: "
+            f"{self._log_tail()} (log: {self.log_path}). {self._fix()}"
+        )
 
     def _fix(self) -> str:
         return (
@@ -355,6 +439,7 @@ class VLLMEngine:
         if process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 process.terminate()
+                process.send_signal(signal.SIGCONT)  # a stopped worker acts on SIGTERM only once resumed
             try:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -374,6 +459,24 @@ class VLLMEngine:
                 no room in ``max_model_len``.
             VLLMEngineError: the worker died, timed out or refused the batch.
         """
+        futures = self._submit_all(prompts, params, stop, "generate")
+        return [future.result() for future in futures]
+
+    def submit(
+        self, prompt: Sequence[int], params: SamplingParams, stop: Sequence[str] = ()
+    ) -> Future[Generation]:
+        """Start one continuation now, in the batch of the requests in flight (see
+        :class:`envs.rollout.ContinuousEngine`); ``params.seeds``, when set, holds its one seed.
+
+        Raises:
+            ValueError: as :meth:`generate`, at once; the future holds a VLLMEngineError when the worker
+                died, timed out or refused the request.
+        """
+        return self._submit_all([prompt], params, stop, "submit")[0]
+
+    def _submit_all(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Sequence[str], what: str
+    ) -> list[Future[Generation]]:
         for index, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {index} is empty: give at least one token (e.g. the BOS token)")
@@ -386,12 +489,17 @@ class VLLMEngine:
             raise ValueError(
                 f"params.seeds has {len(params.seeds)} seeds for {len(prompts)} prompts: pass one per prompt"
             )
-        if not prompts:
-            return []
         sampling = vllm_sampling_params(params, stop, [len(p) for p in prompts], self.max_model_len)
-        sampling = [{**s, **self.sampling_overrides} for s in sampling]
-        outputs = self._call("generate", prompts=[[int(t) for t in p] for p in prompts], sampling=sampling)
-        return [self._to_generation(*out) for out in outputs]
+        convert = lambda out: self._to_generation(*out)  # noqa: E731
+        return [
+            self._request(
+                "submit",
+                {"prompt": [int(t) for t in p], "sampling": {**s, **self.sampling_overrides}},
+                convert,
+                what,
+            )
+            for p, s in zip(prompts, sampling, strict=True)
+        ]
 
     def _to_generation(
         self, token_ids: list[int], logprobs: list[float], reason: str | None, stop_reason: Any
@@ -439,7 +547,7 @@ class VLLMEngine:
             save_file(tensors, str(path))
             del tensors
             written = time.perf_counter()
-            reload_s = self._call("reload_weights", path=str(path))
+            reload_s = self._request("reload_weights", {"path": str(path)}).result()
         finally:
             path.unlink(missing_ok=True)
         self.last_sync_s = time.perf_counter() - start
@@ -451,13 +559,15 @@ class VLLMEngine:
         """Stop the worker (asked first, then terminated) and remove its files. Safe to call twice."""
         if self._closed and self._process is None:
             return
+        closing = None
+        with contextlib.suppress(VLLMEngineError):
+            closing = self._request("close", {})
         self._closed = True
+        if closing is not None:
+            with contextlib.suppress(Exception):
+                closing.result(timeout=5)
         conn, self._conn = self._conn, None
         if conn is not None:
-            with contextlib.suppress(OSError, EOFError, ValueError):
-                conn.send(("close", {}))
-                if conn.poll(5):
-                    conn.recv()
             conn.close()
         if self._process is not None:
             try:

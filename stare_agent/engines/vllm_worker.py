@@ -5,14 +5,17 @@ SOCKET PARENT_PID`` with the interpreter of a venv that has vLLM (``.venv-vllm``
 not installed), so this file imports only the standard library, vLLM, torch and safetensors, and no
 other module of ours imports it. It connects to the parent's ``multiprocessing.connection`` listener
 on the Unix socket ``SOCKET`` (authkey hex in ``$STARE_VLLM_AUTHKEY``), receives the ``vllm.LLM``
-keyword arguments, builds the engine and answers ``("ready", info)``; then it serves one request at a
-time, each ``(method, kwargs)``, answering ``("ok", result)`` or ``("error", one-line message)``:
+keyword arguments, builds the engine and answers ``("ready", info)``. From then on every message is
+``(call id, method, kwargs)`` and every answer ``(call id, "ok", result)`` or ``(call id, "error", one-line
+message)``; the engine keeps stepping while messages arrive (continuous batching):
 
-- ``generate(prompts, sampling)``: token-id prompts and one vLLM ``SamplingParams`` dict per prompt
-  (the parent builds them; a ``structured_outputs`` dict becomes ``StructuredOutputsParams``); returns per prompt ``(token_ids, logprobs, finish_reason, stop_reason)``.
-- ``reload_weights(path)``: loads the tensors of the safetensors file ``path`` in place
-  (``reload_weights`` of the model runner, checkpoint names), repacks a tied output head, and resets
-  the prefix cache, whose KV entries were computed by the old weights.
+- ``submit(prompt, sampling)``: one token-id prompt and its vLLM ``SamplingParams`` dict (the parent
+  builds it; a ``structured_outputs`` dict becomes ``StructuredOutputsParams``) joins the running batch
+  at the next engine step; the answer comes when it finishes: ``(token_ids, logprobs, finish_reason,
+  stop_reason)``. Requests of one batch are simply submitted together.
+- ``reload_weights(path)``: after the requests in flight finish, loads the tensors of the safetensors
+  file ``path`` in place (``reload_weights`` of the model runner, checkpoint names), repacks a tied
+  output head, and resets the prefix cache, whose KV entries were computed by the old weights.
 - ``close()``: answers and exits.
 
 It exits when the parent goes away: end of file on the connection, or the parent pid gone (checked
@@ -50,28 +53,25 @@ def _build(kwargs: dict) -> tuple[object, dict]:
     return llm, info
 
 
-def _generate(llm, prompts: list[list[int]], sampling: list[dict]) -> list[tuple]:
-    from vllm import SamplingParams, TokensPrompt
+def _sampling_params(s: dict):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
-    params = []
-    for s in sampling:
-        if isinstance(s.get("structured_outputs"), dict):  # e.g. {"regex": ...}: constrained decoding
-            from vllm.sampling_params import StructuredOutputsParams
+    if isinstance(s.get("structured_outputs"), dict):  # e.g. {"regex": ...}: constrained decoding
+        from vllm.sampling_params import StructuredOutputsParams
 
-            s = {**s, "structured_outputs": StructuredOutputsParams(**s["structured_outputs"])}
-        params.append(SamplingParams(**s))
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-    results = []
-    for out in outputs:
-        completion = out.outputs[0]
-        ids = [int(t) for t in completion.token_ids]
-        entries = completion.logprobs or []
-        if len(entries) != len(ids):
-            raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(entries)} log-prob entries")
-        logprobs = [float(entry[token].logprob) for entry, token in zip(entries, ids, strict=True)]
-        stop_reason = completion.stop_reason
-        results.append((ids, logprobs, completion.finish_reason, stop_reason))
-    return results
+        s = {**s, "structured_outputs": StructuredOutputsParams(**s["structured_outputs"])}
+    return SamplingParams(**s, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def _result(out) -> tuple:
+    completion = out.outputs[0]
+    ids = [int(t) for t in completion.token_ids]
+    entries = completion.logprobs or []
+    if len(entries) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(entries)} log-prob entries")
+    logprobs = [float(entry[token].logprob) for entry, token in zip(entries, ids, strict=True)]
+    return ids, logprobs, completion.finish_reason, completion.stop_reason
 
 
 def _repack_tied_head(worker) -> bool:
@@ -104,6 +104,79 @@ def _reload_weights(llm, path: str) -> float:
     return time.perf_counter() - start
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def _serve(conn, llm) -> int:
+    """Answer the parent's calls while stepping the engine over every request in flight.
+
+    Calls run in the order they arrive, except that a submitted request joins the batch at once: a
+    weight reload waits until the requests before it finish, and the calls after it wait for it.
+    """
+    engine = llm.llm_engine
+    in_flight: set[str] = set()  # call ids of submitted requests (vLLM reports them by this id)
+    waiting: list[tuple] = []  # calls held behind a weight reload, in order
+    while True:
+        # Take every message that has arrived; block only when there is nothing to step.
+        while conn.poll(0) or not (in_flight or waiting):
+            try:
+                call_id, method, call = conn.recv()
+            except EOFError:
+                return 0  # the parent closed the connection (or died)
+            if method == "close":
+                conn.send((call_id, "ok", None))
+                return 0
+            if waiting or method == "reload_weights":
+                waiting.append((call_id, method, call))
+            else:
+                _start_call(conn, engine, in_flight, call_id, method, call)
+        while waiting and not (in_flight and waiting[0][1] == "reload_weights"):
+            call_id, method, call = waiting.pop(0)
+            if method == "reload_weights":  # nothing in flight: the weights may change
+                try:
+                    conn.send((call_id, "ok", _reload_weights(llm, call["path"])))
+                except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+                    traceback.print_exc()
+                    conn.send((call_id, "error", _one_line(exc)))
+            else:
+                _start_call(conn, engine, in_flight, call_id, method, call)
+        if not in_flight:
+            continue
+        try:
+            outputs = engine.step()
+        except Exception as exc:  # the engine is broken: fail what is in flight, then exit
+            traceback.print_exc()
+            for rid in in_flight:
+                conn.send((int(rid), "error", _one_line(exc)))
+            raise
+        for out in outputs:
+            if out.finished and out.request_id in in_flight:
+                in_flight.discard(out.request_id)
+                try:
+                    answer: tuple = (int(out.request_id), "ok", _result(out))
+                except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+                    answer = (int(out.request_id), "error", _one_line(exc))
+                conn.send(answer)
+
+
+def _start_call(conn, engine, in_flight: set[str], call_id: int, method: str, call: dict) -> None:
+    """Add a submitted request to the running batch, or answer an unknown method."""
+    from vllm import TokensPrompt
+
+    if method != "submit":
+        conn.send((call_id, "error", f"unknown method {method!r}"))
+        return
+    try:
+        prompt = TokensPrompt(prompt_token_ids=[int(t) for t in call["prompt"]])
+        engine.add_request(str(call_id), prompt, _sampling_params(call["sampling"]))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        traceback.print_exc()
+        conn.send((call_id, "error", _one_line(exc)))
+        return
+    in_flight.add(str(call_id))
+
+
 def main(argv: list[str]) -> int:
     from multiprocessing.connection import Client
 
@@ -116,29 +189,10 @@ def main(argv: list[str]) -> int:
             llm, info = _build(kwargs)
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
             traceback.print_exc()
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            conn.send(("error", _one_line(exc)))
             return 1
         conn.send(("ready", info))
-        while True:
-            try:
-                method, call = conn.recv()
-            except EOFError:
-                return 0  # the parent closed the connection (or died)
-            if method == "close":
-                conn.send(("ok", None))
-                return 0
-            try:
-                if method == "generate":
-                    result: object = _generate(llm, call["prompts"], call["sampling"])
-                elif method == "reload_weights":
-                    result = _reload_weights(llm, call["path"])
-                else:
-                    raise ValueError(f"unknown method {method!r}")
-            except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
-                traceback.print_exc()
-                conn.send(("error", " ".join(f"{type(exc).__name__}: {exc}".split())))
-                continue
-            conn.send(("ok", result))
+        return _serve(conn, llm)
     finally:
         conn.close()
 
