@@ -16,6 +16,16 @@ Sections (each a function registered in ``SECTIONS``):
   ``--engines ...,sglang`` on a CUDA machine (``benchmarks/gpu_check.sh``) the SGLang engine is timed
   too. Also reported: the embedded model's first conversion (fresh cache, new process) and its
   cached load (new process).
+- ``draw`` (:func:`bench_draw`): one RL draw of ``configs/quickstart.yaml`` (its prompts per step x
+  samples per prompt, procedural problems, ReTool on the config's sandboxes, temperature 1, seeded as
+  the trainer seeds) from the quickstart's SFT model (``--model``), played by the old path (the
+  transformers engine, lockstep turns), by the vLLM engine in lockstep turns (one ``generate`` per
+  turn of all live episodes) and by the vLLM engine with continuous batching (each episode's turn
+  submitted as soon as its tool call returns). Rounds of one draw per path, in rotating order, the
+  same draw seed for every path within a round; the first round warms up and is left out. Reported:
+  median draw seconds, sampled tokens per second, ratios, and whether the paths sampled the same
+  tokens (per episode, against vLLM lockstep; seeded per-episode streams make them equal when the
+  engine's numbers do not depend on batch composition).
 - ``overhead`` (:func:`bench_runner_overhead`): wall time of the rollout runner outside the engine and
   the sandboxes, as a fraction of rollout time, for ReTool episodes on local sandboxes driven by the
   scripted engine (no-model baseline) and by a tiny random Llama through the transformers engine.
@@ -391,8 +401,114 @@ def bench_runner_overhead(args: argparse.Namespace) -> None:
     print("\n".join(rows))
 
 
+class _Lockstep:
+    """An engine seen without ``submit``: the runner plays it in lockstep turns (one batch per turn)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def generate(self, prompts, params, stop):
+        return self.engine.generate(prompts, params, stop)
+
+    def update_weights(self, named_tensors) -> None:
+        self.engine.update_weights(named_tensors)
+
+
+def bench_draw(args: argparse.Namespace) -> None:
+    """One RL draw of the quickstart configuration: old path vs vLLM lockstep vs vLLM continuous."""
+    import zlib
+
+    from envs.rollout import RolloutRunner, SamplingParams
+    from sandbox import SandboxPool
+    from stare_agent.config import load_config
+    from stare_agent.engines import start_engine
+    from stare_agent.models import load_policy
+    from stare_agent.quickstart import usable_precision
+    from stare_agent.trainer import ProblemStream
+
+    if not Path(args.model, "config.json").is_file():
+        sys.exit(
+            f"no model at {args.model}: run `.venv/bin/stare-agent sft --config configs/quickstart.yaml` or pass --model"
+        )
+    config = usable_precision(
+        load_config(REPO / "configs" / "quickstart.yaml", [f"model.name_or_path={args.model}"])
+    )
+    data, env = config.data, config.env
+    model, tokenizer = load_policy(args.model)
+    G = data.samples_per_prompt
+    _, old = start_engine(
+        replace(config, env=replace(env, engine="transformers")), model, tokenizer, autocast=True
+    )
+    vllm_name, vllm = start_engine(
+        replace(config, env=replace(env, engine="vllm")), model, tokenizer, autocast=True
+    )
+    paths = {"old: transformers, lockstep": old, "vLLM, lockstep": _Lockstep(vllm), "vLLM, continuous": vllm}
+    n = data.prompts_per_step * G
+    pool = SandboxPool(n, backend=config.sandbox.backend, config=config.sandbox.limits)
+    envs = [env.make(pool=pool, tokenizer=tokenizer) for _ in range(n)]
+    stream = ProblemStream(data.train, seed=config.trainer.seed, difficulty=data.difficulty)
+    results: dict[str, list[tuple[float, int]]] = {name: [] for name in paths}
+    same: dict[str, list[int]] = {name: [] for name in paths}
+    print(
+        f"\nOne RL draw of configs/quickstart.yaml: {data.prompts_per_step} problems x {G} samples, "
+        f"{env.max_response_tokens} response tokens, T = {env.temperature:g}; model {args.model}; vLLM: {vllm_name}; "
+        f"{args.repeats} rounds after a warm-up round; machine: {_machine()}\n"
+    )
+    try:
+        for round_ in range(args.repeats + 1):
+            problems = stream.take(data.prompts_per_step)
+            jobs = [(i, k) for i in range(len(problems)) for k in range(G)]
+            seed = zlib.crc32(f"bench-draw/{round_}".encode())
+            names = list(paths)
+            names = names[round_ % len(names) :] + names[: round_ % len(names)]
+            tokens: dict[str, list[list[int]]] = {}
+            for name in names:
+                runner = RolloutRunner(
+                    tokenizer,
+                    paths[name],
+                    max_response_tokens=env.max_response_tokens,
+                    sampling=SamplingParams(temperature=env.temperature, top_p=env.top_p, seed=seed),
+                    continuous=True,  # the lockstep paths' engines have no submit
+                )
+                t0 = time.perf_counter()
+                trajectories = runner.run(
+                    envs,
+                    options=[{"problem": problems[i]} for i, _ in jobs],
+                    episode_keys=[f"{i}/{k}" for i, k in jobs],
+                )
+                seconds = time.perf_counter() - t0
+                tokens[name] = [t.response_ids for t in trajectories]
+                sampled = sum(t.num_sampled_tokens for t in trajectories)
+                print(
+                    f"  round {round_} {name:<28} {seconds:6.1f} s  {sampled:5d} sampled tokens", flush=True
+                )
+                if round_:
+                    results[name].append((seconds, sampled))
+            if round_:
+                for name in paths:
+                    same[name].append(
+                        sum(a == b for a, b in zip(tokens[name], tokens["vLLM, lockstep"], strict=True))
+                    )
+    finally:
+        for e in envs:
+            e.close()
+        pool.close()
+        vllm.close()
+    base = statistics.median(s for s, _ in results["old: transformers, lockstep"])
+    print(
+        "\n| path | draw s (median) | sampled tok/s | old / path | episodes with the same tokens as vLLM lockstep |"
+    )
+    print("|---|---:|---:|---:|---|")
+    for name, runs in results.items():
+        median = statistics.median(s for s, _ in runs)
+        tok_s = statistics.median(t / s for s, t in runs)
+        agree = "/".join(str(k) for k in same[name]) + f" of {n}"
+        print(f"| {name} | {median:.1f} | {tok_s:.0f} | {base / median:.2f}x | {agree} |")
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "throughput": bench_engine_throughput,
+    "draw": bench_draw,
     "overhead": bench_runner_overhead,
 }
 
@@ -410,6 +526,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", default="1,16,64", help="throughput: comma list")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--episodes", type=int, default=16, help="overhead: episodes per batch")
+    parser.add_argument(
+        "--model",
+        default=str(REPO / "runs" / "quickstart" / "sft_model"),
+        help="draw: the SFT model to roll out",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument(

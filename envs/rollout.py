@@ -5,7 +5,7 @@ The runner speaks tokens to the engine and text to the environments:
 1. ``env.reset()``; the prompt is ``info["messages"]`` rendered by the tokenizer's chat template with
    the generation prompt, then tokenized once.
 2. Model turns stop on the format's stop strings (or EOS) with ``max_new_tokens`` = the remaining
-   response-token budget. With a :class:`ContinuousEngine` (vLLM) each episode's turn is submitted
+   response-token budget. With ``continuous=True`` and a :class:`ContinuousEngine` (vLLM) each episode's turn is submitted
    on its own, as soon as the episode is ready for it, and joins the engine's running batch: an
    episode whose tool call returned early does not wait for the slowest episode's turn. With a batch
    :class:`Engine`, ONE ``engine.generate`` call continues every live episode once all of them wait
@@ -368,6 +368,8 @@ class RolloutRunner:
         max_workers: Threads for the parallel ``env.reset``/``env.step`` calls (default: one per env, at most 64).
         max_episode_retries: How often one episode is started over after an infrastructure failure
             before it is given up as ``"failed"`` (see the module docstring, item 6).
+        continuous: Submit each episode's turn on its own when the engine is a
+            :class:`ContinuousEngine` (item 2); False: lockstep turns with any engine.
 
     Each trajectory's ``info`` is the env's last step info (without ``messages`` and ``tools``) with
     ``tool_calls`` gathered over all steps, plus ``finish_reason`` (``"terminated"``/``"truncated"``: the
@@ -388,12 +390,14 @@ class RolloutRunner:
         template_tools: bool | None = None,
         max_workers: int | None = None,
         max_episode_retries: int = 2,
+        continuous: bool = False,
     ) -> None:
         if max_response_tokens < 1:
             raise ValueError(f"max_response_tokens = {max_response_tokens}: use a positive token budget")
         if max_episode_retries < 0:
             raise ValueError(f"max_episode_retries = {max_episode_retries}: use 0 (no retry) or more")
         self.max_episode_retries = max_episode_retries
+        self.continuous = continuous
         self.tokenizer = tokenizer
         self.engine = engine
         self.max_response_tokens = max_response_tokens
@@ -460,7 +464,7 @@ class RolloutRunner:
     def _play(self, episodes: list[_Episode], pool: ThreadPoolExecutor, stats: RolloutStats) -> None:
         """Take turns and env steps until every episode has ended: each episode asks for its next turn
         as soon as its env step is back; a batch engine is called once every turn in flight waits for it."""
-        continuous = isinstance(self.engine, ContinuousEngine)
+        continuous = self.continuous and isinstance(self.engine, ContinuousEngine)
         order = {id(ep): i for i, ep in enumerate(episodes)}
         in_flight: dict[Future[Any], tuple[_Episode, bool]] = {}  # future -> (episode, is a model turn)
         waiting: list[tuple[_Episode, Future[Generation]]] = []  # turns for the next batch generate call

@@ -110,7 +110,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _eval_engine(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
     """The engine `stare-agent eval --engine` names (default: env.engine), and the rollouts' tokenizer."""
-    from stare_agent.engines.vllm_engine import pick_engine, vllm_engine_from_config
+    from stare_agent.engines.vllm_engine import pick_engine
 
     model_name = config.model.name_or_path
     name = pick_engine(args.engine or config.env.engine, config.env.vllm.python)
@@ -132,20 +132,18 @@ def _eval_engine(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
         )
         print(f"engine: openai at {args.base_url}, model {engine.model}")
         return engine, tokenizer
-    if name == "vllm":
-        from stare_agent.models import load_tokenizer
-
-        tokenizer = load_tokenizer(model_name)
-        vllm = vllm_engine_from_config(config.env.vllm, model_name, seed=config.trainer.seed)
-        print(f"engine: vllm {vllm.info['vllm_version']} ({vllm.info['dtype']}, python {vllm.python})")
-        return vllm, tokenizer
     if name == "sglang":
         raise SystemExit("stare-agent eval has no --engine sglang: use --engine vllm, transformers or openai")
-    from stare_agent.engines import TransformersEngine
-    from stare_agent.models import load_policy
+    from dataclasses import replace
 
-    model, tokenizer = load_policy(model_name, device=args.device)
-    return TransformersEngine(model, tokenizer), tokenizer
+    from stare_agent.engines import start_engine
+    from stare_agent.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model_name)
+    config = replace(config, env=replace(config.env, engine=args.engine or config.env.engine))
+    description, engine = start_engine(config, None, tokenizer, device=args.device)
+    print(f"engine: {description}")
+    return engine, tokenizer
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -216,6 +216,13 @@ class EnvConfig:
             settings in ``env.vllm``; about 2-3x faster on a CPU), ``sglang`` (GPU) or ``auto`` (``vllm``
             when a Python with vLLM is found, else ``transformers``).
         vllm: The vLLM engine's settings (``env.vllm.*``).
+        continuous_batching: Submit each episode's next turn as soon as its tool call returns, into the
+            engine's running batch, where the engine can (``vllm``); off: lockstep turns (one batch per
+            turn of all live episodes). Off by default: on a 2-core CPU at the quickstart's scale it
+            was no faster (a draw is bounded by its longest episode's decode steps either way;
+            ``benchmarks/rollout.py --section draw``), and the batch an episode's turn shares then
+            depends on timing, so bf16 tokens may differ from run to run. For long multi-turn
+            episodes on GPUs.
         max_response_tokens: Response-token budget per episode: model turns, tool output and glue
             (the paper: 16K).
         temperature: Sampling temperature (the paper: 1.0); log-probs and entropies are computed at it.
@@ -235,6 +242,7 @@ class EnvConfig:
     eval_kwargs: dict[str, Any] = field(default_factory=dict)
     engine: str = "transformers"
     vllm: VLLMSection = field(default_factory=VLLMSection)
+    continuous_batching: bool = False
     max_response_tokens: int = 16384
     temperature: float = 1.0
     top_p: float = 1.0

@@ -206,6 +206,7 @@ def evaluate_config(
         ),
         max_response_tokens=env.max_response_tokens,
         batch_size=batch_size,
+        continuous_batching=env.continuous_batching,
         env_id=env.id,
         env_kwargs=env_kwargs,
         **options,
@@ -221,6 +222,7 @@ def evaluate(
     sampling: SamplingParams | None = None,
     max_response_tokens: int = 2048,
     batch_size: int = 16,
+    continuous_batching: bool = False,
     limit: int | None = None,
     env_id: str = "stare/CodeInterpreter-v0",
     env_kwargs: dict[str, Any] | None = None,
@@ -238,6 +240,8 @@ def evaluate(
         sampling: Sampling parameters; default temperature 1.0, top-p 0.7 (the paper's validation setting).
         max_response_tokens: Response budget per episode (model turns and tool output).
         batch_size: Episodes advanced together (one engine call per turn for all of them).
+        continuous_batching: Submit each episode's turn on its own to an engine that batches
+            continuously (``envs.rollout.RolloutRunner``'s ``continuous``).
         limit: Evaluate only the first ``limit`` problems.
         env_id: Gymnasium id of the ``ToolEnv`` to play (built-in, registered in Python or by an entry
             point; ``module:id`` imports ``module`` first), made by ``stare_agent.config.make_tool_env``
@@ -259,7 +263,13 @@ def evaluate(
     sampling = sampling or SamplingParams(temperature=1.0, top_p=0.7)
     results = {p.id: ProblemResult(problem_id=p.id, gold=p.answer) for p in problem_list}
     jobs = [(p, i) for p in problem_list for i in range(samples)]
-    runner = RolloutRunner(tokenizer, engine, max_response_tokens=max_response_tokens, sampling=sampling)
+    runner = RolloutRunner(
+        tokenizer,
+        engine,
+        max_response_tokens=max_response_tokens,
+        sampling=sampling,
+        continuous=continuous_batching,
+    )
 
     from sandbox import SandboxPool  # the pool is shared by all envs of the evaluation
     from stare_agent.config import check_env_id, make_tool_env

@@ -465,7 +465,11 @@ class Trainer:
         seed = zlib.crc32(f"rollout/{self.config.trainer.seed}/{self.step}/{draw}".encode())
         sampling = SamplingParams(temperature=env.temperature, top_p=env.top_p, seed=seed)
         return RolloutRunner(
-            self.tokenizer, self.engine, max_response_tokens=env.max_response_tokens, sampling=sampling
+            self.tokenizer,
+            self.engine,
+            max_response_tokens=env.max_response_tokens,
+            sampling=sampling,
+            continuous=env.continuous_batching,
         )
 
     def _get_envs(self, n: int) -> list[ToolEnv]:

@@ -154,7 +154,7 @@ def play(make_envs, request):
         engine = (
             RecordingEngine(scripted) if request.param == "batch" else ContinuousRecordingEngine(scripted)
         )
-        runner = RolloutRunner(tokenizer, engine, max_response_tokens=budget)
+        runner = RolloutRunner(tokenizer, engine, max_response_tokens=budget, continuous=True)
         trajectories = runner.run(envs, options=[{"problem_index": i} for i in range(len(scripts))])
         return trajectories, envs, engine, runner
 
@@ -351,7 +351,7 @@ def test_continuous_engine_turns_do_not_wait_for_the_slowest_episode(make_envs):
         return 3.0 if len(first_prompts) == 2 else 0.05
 
     engine = ContinuousRecordingEngine(ScriptedEngine(tokenizer, scripts), delay=delay)
-    runner = RolloutRunner(tokenizer, engine, max_response_tokens=512)
+    runner = RolloutRunner(tokenizer, engine, max_response_tokens=512, continuous=True)
     trajectories = runner.run(envs, options=[{"problem_index": 0}, {"problem_index": 1}])
 
     assert [t.info["correct"] for t in trajectories] == [True, True]
@@ -363,6 +363,18 @@ def test_continuous_engine_turns_do_not_wait_for_the_slowest_episode(make_envs):
     )  # episode 1's turn 2 went out while episode 2 ran
     assert runner.last_stats.engine_calls == 3 and runner.last_stats.turns == 3
     assert runner.last_stats.engine_s >= 2.5  # waiting on the slow turn counts as engine time
+
+
+def test_continuous_engine_plays_lockstep_turns_unless_the_runner_is_asked(make_envs):
+    tokenizer = TOKENIZERS["smollm2"]()
+    envs = make_envs("retool", tokenizer, n=2)
+    scripts = [[_retool_code("print(6 * 7)"), "\\boxed{42}"], ["\\boxed{144}"]]
+    engine = ContinuousRecordingEngine(ScriptedEngine(tokenizer, scripts))
+    runner = RolloutRunner(
+        tokenizer, engine, max_response_tokens=512
+    )  # continuous=False: reproducible batches
+    runner.run(envs, options=[{"problem_index": 0}, {"problem_index": 1}])
+    assert engine.events == [] and engine.batch_sizes == [2, 1]
 
 
 def test_continuous_engine_gets_one_seed_per_turn_as_the_batch_path_derives_it(make_envs):
@@ -378,7 +390,9 @@ def test_continuous_engine_gets_one_seed_per_turn_as_the_batch_path_derives_it(m
 
     envs = make_envs("retool", tokenizer, n=2, problems="multiplication")
     engine = Seeds(ScriptedEngine(tokenizer, [[_retool_code("print(1)"), "\\boxed{1}"], ["\\boxed{1}"]]))
-    runner = RolloutRunner(tokenizer, engine, max_response_tokens=256, sampling=SamplingParams(seed=100))
+    runner = RolloutRunner(
+        tokenizer, engine, max_response_tokens=256, sampling=SamplingParams(seed=100), continuous=True
+    )
     trajectories = runner.run(envs, seeds=7, episode_keys=["a", "b"])
     assert sorted(seen[:2]) == sorted(
         [(100, (stream_seed(100, "a", 0),), 256), (100, (stream_seed(100, "b", 0),), 256)]

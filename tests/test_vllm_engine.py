@@ -134,7 +134,13 @@ def test_multi_turn_episodes_are_token_exact(fmt, mode, engine, tokenizer, pool)
         "structured_outputs": {"regex": RETOOL_CALL if fmt == "retool" else HERMES_CALL}
     }
     recording = RecordingEngine(engine) if mode == "batch" else RecordingSubmits(engine)
-    runner = RolloutRunner(tokenizer, recording, max_response_tokens=300, sampling=SamplingParams(seed=7))
+    runner = RolloutRunner(
+        tokenizer,
+        recording,
+        max_response_tokens=300,
+        sampling=SamplingParams(seed=7),
+        continuous=mode == "continuous",
+    )
     try:
         trajectories = runner.run(
             envs, options=[{"problem_index": i} for i in range(3)], episode_keys=["a", "b", "c"]

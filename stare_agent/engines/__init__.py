@@ -33,14 +33,17 @@ _LAZY = {
 }
 
 
-def start_engine(config: Any, model: Any, tokenizer: Any, *, autocast: bool = False) -> tuple[str, Any]:
-    """The rollout engine ``env.engine`` names, as ``(description, engine)``: the one way the trainer
-    and the quickstart start theirs.
+def start_engine(
+    config: Any, model: Any, tokenizer: Any, *, autocast: bool = False, device: str = "cpu"
+) -> tuple[str, Any]:
+    """The rollout engine ``env.engine`` names, as ``(description, engine)``: the one way the trainer,
+    the quickstart and ``stare-agent eval`` start theirs.
 
     ``auto``: vLLM when a Python with vLLM is found, else the transformers engine; a vLLM engine that
     fails to start under ``auto`` falls back to the transformers engine, saying why in one line. vLLM
     runs in bf16 only where it is fast (a GPU, or a CPU with AVX-512 BF16), else in fp32. The
-    transformers engine samples from ``model`` itself (under bf16 autocast with ``autocast``).
+    transformers engine samples from ``model`` itself (under bf16 autocast with ``autocast``); with
+    ``model=None`` it loads ``model.name_or_path`` on ``device`` (only then: vLLM and SGLang load their own).
     """
     from dataclasses import replace
 
@@ -68,6 +71,10 @@ def start_engine(config: Any, model: Any, tokenizer: Any, *, autocast: bool = Fa
             print(f"[engine] vLLM did not start, using the transformers engine: {exc}")
     from stare_agent.engines.transformers_engine import TransformersEngine
 
+    if model is None:
+        from stare_agent.models import load_policy
+
+        model, _ = load_policy(config.model.name_or_path, device=device)
     dtype = torch.bfloat16 if autocast else None
     return f"transformers ({'bf16 autocast' if autocast else 'fp32'}, in process)", TransformersEngine(
         model, tokenizer, autocast_dtype=dtype
