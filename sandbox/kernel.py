@@ -19,11 +19,11 @@ Timeout policy of ``KernelDriver.execute``:
 Nothing the kernel sends can make ``execute`` raise: every message is checked before it is used
 (signature, framing, field types), and one that fails is skipped and counted
 (``ExecResult.skipped_messages``); past ``MAX_SKIPPED_MESSAGES`` in one call the kernel is restarted.
-Host memory per kernel stays bounded while reading: the output channel (iopub) is read frame by
-frame (``sandbox.zmtp.BoundedSubscriber``), keeping one message of at most ``MAX_MESSAGE_BYTES``
-and dropping bigger ones, or ones of too many frames, as they stream by (zmq would hold a message
-of any number of frames whole); the shell socket refuses frames over ``MAX_MESSAGE_BYTES`` (zmq
-``MAXMSGSIZE``) and queues at most ``RECEIVE_HWM`` messages; and the kernel sends its output in
+Host memory per kernel stays bounded while reading: both channels the host reads, the output
+channel (iopub) and the request channel (shell), are read frame by frame
+(``sandbox.zmtp.BoundedSocket``), keeping one message of at most ``MAX_MESSAGE_BYTES`` and dropping
+bigger ones, or ones of too many frames, as they stream by (zmq would hold a message of any number
+of frames whole, since its ``MAXMSGSIZE`` bounds each frame); and the kernel sends its output in
 chunks that fit (``BOUNDED_OUTPUT``). If a dropped message took the kernel's "idle" with it, the call ends once the
 execute reply has come and the output channel stays quiet.
 
@@ -48,7 +48,7 @@ from jupyter_client.session import DELIM
 from sandbox.base import Sandbox
 from sandbox.errors import SandboxClosed, SandboxError
 from sandbox.result import ExecError, ExecResult
-from sandbox.zmtp import BoundedSubscriber, DroppedMessage
+from sandbox.zmtp import BoundedSocket, DroppedMessage
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 """CSI escape sequences (colours, cursor moves) that IPython puts in tracebacks."""
@@ -62,19 +62,12 @@ POLL_S = 0.2
 """How often the kernel's liveness is checked while it sends nothing."""
 
 MAX_MESSAGE_BYTES = 4 * 2**20
-"""Largest frame accepted from a kernel (zmq ``MAXMSGSIZE``, set before connecting): a bigger one
-disconnects the kernel's socket (zmq reconnects) instead of being received."""
-
-RECEIVE_HWM = 16
-"""Messages zmq queues per socket on the host (``RCVHWM``): with ``MAX_MESSAGE_BYTES``, a bound of
-64 MiB on what a kernel can make the host hold however fast it sends."""
+"""Largest message (all frames) kept from a kernel; a bigger one is dropped as it streams by."""
 
 OUTPUT_CHUNK_CHARS = 2**18
 """Most characters of output the kernel puts in one message (``BOUNDED_OUTPUT``): even at 6 bytes a
 character in JSON (``\\u0000``), two chunks stay under ``MAX_MESSAGE_BYTES``."""
 
-SEND_TIMEOUT_MS = 1000
-"""A send that finds no connection fails (``zmq.Again``) after this long instead of blocking."""
 
 MAX_SKIPPED_MESSAGES = 100
 """Malformed messages tolerated in one call; past it the kernel is restarted."""
@@ -194,18 +187,17 @@ class KernelDriver:
         self.max_output_chars = max_output_chars
         self.restart_grace_s = restart_grace_s
         self.warm_tracebacks = warm_tracebacks
-        # Our own context: its default socket options apply to every socket before it connects.
-        self._context = zmq.Context()
-        self._context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self._context.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
-        self._context.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        self._context = zmq.Context()  # jupyter-client's; no zmq socket of it reaches the kernel
         self.client = BlockingKernelClient(context=self._context)
         self.client.load_connection_info(cast(KernelConnectionInfo, connection_info))
+        # Both channels read frame by frame (sandbox.zmtp): zmq would hold a message of any number
+        # of frames whole. jupyter-client sends its requests on the shell socket we give it.
+        self._shell_path = f"{connection_info['ip']}-{connection_info['shell_port']}"
+        self._iopub_path = f"{connection_info['ip']}-{connection_info['iopub_port']}"
+        self.client.connect_shell = self._connect_shell  # type: ignore[method-assign,assignment]
         self.client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
         # The channels themselves, not BlockingKernelClient.get_*_msg: those run each read through
-        # an asyncio loop (jupyter_core.run_sync), about 0.1 ms a message. iopub is read frame by
-        # frame (sandbox.zmtp): zmq would hold a message of any number of frames whole.
-        self._iopub_path = f"{connection_info['ip']}-{connection_info['iopub_port']}"
+        # an asyncio loop (jupyter_core.run_sync), about 0.1 ms a message.
         self._iopub = _Channel(self._connect_iopub(), self.client.session)
         self._shell = self.client.shell_channel
         self.ready = False
@@ -243,7 +235,7 @@ class KernelDriver:
             if renew:
                 self._renew = True  # until fresh sockets reached the kernel
                 for channel, connect in (
-                    (self._shell, self.client.connect_shell),
+                    (self._shell, self._connect_shell),
                     (self._iopub, self._connect_iopub),
                 ):
                     if channel.socket is not None:
@@ -292,8 +284,11 @@ class KernelDriver:
             return True
         return False
 
-    def _connect_iopub(self) -> BoundedSubscriber:
-        return BoundedSubscriber(self._iopub_path, max_message_bytes=MAX_MESSAGE_BYTES)
+    def _connect_iopub(self) -> BoundedSocket:
+        return BoundedSocket(self._iopub_path, socket_type="SUB", max_message_bytes=MAX_MESSAGE_BYTES)
+
+    def _connect_shell(self, **_: Any) -> BoundedSocket:
+        return BoundedSocket(self._shell_path, socket_type="DEALER", max_message_bytes=MAX_MESSAGE_BYTES)
 
     def close(self) -> None:
         self._iopub.socket.close()
@@ -532,7 +527,10 @@ class KernelDriver:
         does not wait for its reply; the replies pile up here instead (one per call)."""
         socket = self._shell.socket
         while socket is not None and socket.poll(0):
-            socket.recv_multipart()
+            try:
+                socket.recv_multipart()
+            except DroppedMessage:
+                continue
 
 
 class _Channel:

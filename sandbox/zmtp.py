@@ -1,4 +1,4 @@
-"""A subscriber to a kernel's output channel that holds at most one bounded message in memory.
+"""Connections to a kernel's channels that hold at most one bounded message in memory.
 
 libzmq bounds each *frame* of a message (``MAXMSGSIZE``) and the number of *messages* queued
 (``RCVHWM``), but not the number of frames in one message: it hands a multipart message over
@@ -6,26 +6,32 @@ only once its last frame has arrived, and holds every frame until then. Code in 
 its iopub socket a message of millions of frames (zero-copy: it holds one), and a host reading
 that channel with libzmq holds them all.
 
-``BoundedSubscriber`` speaks ZMTP 3.0 (the wire protocol of zmq, NULL security, as a SUB socket)
-over the channel's unix socket itself and reads it frame by frame: a message is kept only while
+``BoundedSocket`` speaks ZMTP 3.0 (the wire protocol of zmq, NULL security) over the channel's
+unix socket itself, as a SUB socket (the output channel, iopub) or a DEALER socket (the request
+channel, shell, whose kernel side is a ROUTER), and reads it frame by frame: a message is kept only while
 its frames add up to at most ``max_message_bytes`` and ``max_frames``; past that, its frames are
 dropped as they arrive and the message is reported as dropped (``DroppedMessage``), also once
 for every ``DROP_REPORT_BYTES`` or ``DROP_REPORT_FRAMES`` of a message that does not end, so a
 reader that counts them can give up on the kernel. The host holds at most one message, one read
 of ``READ_BYTES`` and a frame header, whatever the kernel sends.
 
-It offers the part of a zmq socket's interface that ``sandbox.kernel`` uses on this channel:
-``poll``, ``recv_multipart`` and ``close``. When the kernel goes away (a reset, a restart) the
-connection is made again at the next ``poll``, as zmq reconnects.
+It offers the part of a zmq socket's interface that ``sandbox.kernel`` and jupyter-client's
+``Session.send`` use: ``poll``, ``recv_multipart``, ``send_multipart`` (DEALER) and ``close``. When
+the kernel goes away (a reset, a restart) the connection is made again at the next ``poll`` or
+send, as zmq reconnects; a send that finds no connection within ``SEND_TIMEOUT_S`` raises
+``zmq.Again``, as a zmq socket with ``SNDTIMEO`` does.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import select
 import socket
 import struct
 import time
+
+import zmq
 
 READ_BYTES = 2**18
 """Most bytes taken from the connection at once."""
@@ -34,10 +40,20 @@ DROP_REPORT_FRAMES = 2**16
 """A message being dropped is reported once more each time this many bytes or frames of it went by."""
 RECONNECT_S = 0.01
 """Pause before connecting again after the kernel closed the connection or refused it."""
+SEND_TIMEOUT_S = 1.0
+"""Most seconds a send waits for a connection, or for room to write, before ``zmq.Again``."""
 
 GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + b"\0" + bytes(31)
 """ZMTP 3.0 greeting: signature, version 3.0, the NULL mechanism, not the server."""
 FLAG_MORE, FLAG_LONG, FLAG_COMMAND = 1, 2, 4
+
+
+class NotSent(zmq.Again):
+    """A send found no connection, or no room to write, in time (a ``zmq.Again`` with its cause)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EAGAIN)
+        self.strerror = message
 
 
 class DroppedMessage(Exception):
@@ -51,24 +67,49 @@ def _command(name: bytes, properties: dict[bytes, bytes]) -> bytes:
     return bytes([FLAG_COMMAND, len(body)]) + body
 
 
-HANDSHAKE = GREETING + _command(b"READY", {b"Socket-Type": b"SUB"})
-"""What this side sends first: the greeting, and READY as a SUB socket."""
+SOCKET_TYPES = ("SUB", "DEALER")
+HANDSHAKES = {kind: GREETING + _command(b"READY", {b"Socket-Type": kind.encode()}) for kind in SOCKET_TYPES}
+"""What this side sends first: the greeting, and READY as a socket of its type."""
 SUBSCRIBE_ALL = b"\x00\x01\x01"
 """A subscription to every topic, sent once the peer's READY came (before it, libzmq takes the
 frame for a handshake command): a message frame ``\\x01`` + the empty topic, ZMTP 3.0's form."""
 
 
-class BoundedSubscriber:
-    """A SUB connection to the ZMTP peer listening at unix socket ``path``.
+def encode_frames(frames: list[bytes]) -> bytes:
+    """One message in ZMTP 3.0 framing: each frame's flags (more, long) and size, then its body.
+
+    >>> encode_frames([b"ab", b""])
+    b'\\x01\\x02ab\\x00\\x00'
+    """
+    out = bytearray()
+    for i, frame in enumerate(frames):
+        body = bytes(frame)
+        more = FLAG_MORE if i < len(frames) - 1 else 0
+        if len(body) > 255:
+            out += bytes([more | FLAG_LONG]) + struct.pack(">Q", len(body))
+        else:
+            out += bytes([more, len(body)])
+        out += body
+    return bytes(out)
+
+
+class BoundedSocket:
+    """A SUB or DEALER connection to the ZMTP peer listening at unix socket ``path``.
 
     Args:
-        path: The unix socket the kernel's PUB socket serves on.
+        path: The unix socket the kernel's PUB (iopub) or ROUTER (shell) socket serves on.
+        socket_type: ``SUB`` (receives everything published) or ``DEALER`` (sends requests too).
         max_message_bytes: Largest message (all frames together) that is kept.
         max_frames: Most frames of a kept message.
     """
 
-    def __init__(self, path: str, *, max_message_bytes: int, max_frames: int = 64) -> None:
+    def __init__(
+        self, path: str, *, socket_type: str = "SUB", max_message_bytes: int, max_frames: int = 64
+    ) -> None:
+        if socket_type not in SOCKET_TYPES:
+            raise ValueError(f"socket_type={socket_type!r}: use one of {', '.join(SOCKET_TYPES)}")
         self.path = path
+        self.socket_type = socket_type
         self.max_message_bytes, self.max_frames = max_message_bytes, max_frames
         self.dropped = 0  # messages (and stretches of unending ones) dropped so far
         self._sock: socket.socket | None = None
@@ -117,6 +158,47 @@ class BoundedSubscriber:
             )
         return message
 
+    def send_multipart(self, frames: list[bytes], copy: bool = True, **_: object) -> None:
+        """Send one message (DEALER), connecting first if needed.
+
+        Raises:
+            zmq.Again: no connection, or no room to write, within ``SEND_TIMEOUT_S`` (the connection is
+                then dropped: a message sent in part would corrupt the stream).
+        """
+        if self.socket_type != "DEALER":
+            raise TypeError(f"a {self.socket_type} socket does not send messages")
+        data = memoryview(encode_frames(frames))
+        deadline = time.monotonic() + SEND_TIMEOUT_S
+        # Messages only after the peer's READY: before it, libzmq takes a frame for a handshake command.
+        while self._sock is None or not self._peer_ready:
+            remaining = deadline - time.monotonic()
+            if self._closed or remaining <= 0:
+                raise NotSent(f"no connection to {self.path} within {SEND_TIMEOUT_S:g} s")
+            if self._sock is None:
+                self._connect()
+                if self._sock is None:
+                    time.sleep(RECONNECT_S)
+            elif select.select([self._sock], [], [], remaining)[0]:
+                self._read()
+        while data:
+            try:
+                data = data[self._sock.send(data) :]
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                self._disconnect()
+                raise zmq.Again(
+                    errno.EAGAIN, f"the connection to {self.path} broke while sending: {exc}"
+                ) from None
+            if data:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._disconnect()
+                    raise zmq.Again(
+                        errno.EAGAIN, f"could not send to {self.path} within {SEND_TIMEOUT_S:g} s"
+                    )
+                select.select([], [self._sock], [], remaining)
+
     def close(self, linger: int | None = None) -> None:
         self._closed = True
         self._disconnect()
@@ -132,7 +214,7 @@ class BoundedSubscriber:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(self.path)
-            sock.sendall(HANDSHAKE)  # a few dozen bytes: always fits the socket's buffer
+            sock.sendall(HANDSHAKES[self.socket_type])  # a few dozen bytes: always fits the socket's buffer
         except OSError:
             sock.close()
             self._retry_at = time.monotonic() + RECONNECT_S
@@ -140,7 +222,7 @@ class BoundedSubscriber:
         sock.setblocking(False)
         self._sock = sock
         self._buffer = bytearray()
-        self._greeted = self._subscribed = False
+        self._greeted = self._peer_ready = False
         self._frames: list[bytes] = []
         self._kept = 0  # bytes of the message being kept
         self._dropping = False
@@ -204,8 +286,10 @@ class BoundedSubscriber:
                 if len(buffer) < head + size:
                     return
                 del buffer[: head + size]
-                if not self._subscribed:
-                    self._subscribed = True
+                if not self._peer_ready:  # its READY: the handshake is done
+                    self._peer_ready = True
+                    if self.socket_type != "SUB":
+                        continue
                     try:
                         self._sock.send(SUBSCRIBE_ALL)  # type: ignore[union-attr]  # 3 bytes: fits
                     except OSError:

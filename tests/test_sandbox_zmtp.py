@@ -1,6 +1,7 @@
-"""``sandbox.zmtp.BoundedSubscriber`` against a real libzmq PUB socket: messages arrive whole,
-messages over the bounds are dropped as they stream by and reported, and the host holds at most
-one bounded message (the Docker-level test is in ``test_sandbox_protocol.py``)."""
+"""``sandbox.zmtp.BoundedSocket`` against real libzmq PUB and ROUTER sockets: messages arrive whole,
+messages over the bounds are dropped as they stream by and reported, the host holds at most one
+bounded message, and a DEALER's requests reach the ROUTER (the Docker-level tests are in
+``test_sandbox_protocol.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import zmq
 
 from sandbox import zmtp
-from sandbox.zmtp import BoundedSubscriber, DroppedMessage
+from sandbox.zmtp import BoundedSocket, DroppedMessage
 
 
 @pytest.fixture
@@ -22,9 +23,9 @@ def pub(tmp_path):
     context.destroy(linger=0)
 
 
-def subscribed(socket, path: str, **bounds) -> BoundedSubscriber:
+def subscribed(socket, path: str, **bounds) -> BoundedSocket:
     """A subscriber that has received a first message (PUB drops what comes before that)."""
-    sub = BoundedSubscriber(path, **{"max_message_bytes": 1000, "max_frames": 8, **bounds})
+    sub = BoundedSocket(path, **{"max_message_bytes": 1000, "max_frames": 8, **bounds})
     for _ in range(200):
         socket.send_multipart([b"hello"])
         if sub.poll(10):
@@ -34,7 +35,7 @@ def subscribed(socket, path: str, **bounds) -> BoundedSubscriber:
     return sub
 
 
-def receive(sub: BoundedSubscriber) -> list[bytes] | str:
+def receive(sub: BoundedSocket) -> list[bytes] | str:
     assert sub.poll(2000), "nothing arrived"
     try:
         return sub.recv_multipart()
@@ -74,7 +75,7 @@ def test_a_message_that_goes_on_is_reported_while_it_streams(pub, monkeypatch) -
 
 def test_it_connects_again_when_the_peer_comes_back(tmp_path) -> None:
     path = str(tmp_path / "iopub")
-    sub = BoundedSubscriber(path, max_message_bytes=1000)  # nobody listens yet: retried at poll
+    sub = BoundedSocket(path, max_message_bytes=1000)  # nobody listens yet: retried at poll
     assert not sub.poll(20)
     for _ in range(2):  # a kernel, then the next one on the same path
         context = zmq.Context()
@@ -88,3 +89,51 @@ def test_it_connects_again_when_the_peer_comes_back(tmp_path) -> None:
         context.destroy(linger=0)
     sub.close()
     assert sub.closed and not sub.poll(0)
+
+
+@pytest.fixture
+def router(tmp_path):
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    path = str(tmp_path / "shell")
+    socket.bind(f"ipc://{path}")
+    yield socket, path
+    context.destroy(linger=0)
+
+
+def test_a_dealer_sends_requests_and_reads_replies_within_the_bounds(router, monkeypatch) -> None:
+    socket, path = router
+    monkeypatch.setattr(zmtp, "DROP_REPORT_FRAMES", 100)
+    dealer = BoundedSocket(path, socket_type="DEALER", max_message_bytes=1000, max_frames=8)
+    dealer.send_multipart([b"<IDS|MSG>", b"x" * 300, b""])  # a long and an empty frame
+    assert socket.poll(2000)
+    identity, *frames = socket.recv_multipart()
+    assert frames == [b"<IDS|MSG>", b"x" * 300, b""]
+    socket.send_multipart([identity, b"reply", b"y" * 256])
+    assert receive(dealer) == [b"reply", b"y" * 256]
+    socket.send(identity, zmq.SNDMORE)
+    for _ in range(250):  # a reply of many parts: dropped as it streams, never held whole
+        socket.send(b"z" * 64, zmq.SNDMORE, copy=False)
+    socket.send(b"end")
+    socket.send_multipart([identity, b"after"])
+    assert [receive(dealer) for _ in range(3)] == ["dropped"] * 3  # two stretches of 100, then its end
+    assert receive(dealer) == [b"after"]
+    assert len(dealer._buffer) <= zmtp.READ_BYTES and dealer._frames == []
+    dealer.close()
+
+
+def test_a_dealer_without_a_peer_raises_again_and_connects_once_one_listens(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(zmtp, "SEND_TIMEOUT_S", 0.2)
+    path = str(tmp_path / "shell")
+    dealer = BoundedSocket(path, socket_type="DEALER", max_message_bytes=1000)
+    with pytest.raises(zmq.Again, match="no connection"):
+        dealer.send_multipart([b"lost"])
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.bind(f"ipc://{path}")
+    dealer.send_multipart([b"hi"])
+    assert socket.poll(2000) and socket.recv_multipart()[1:] == [b"hi"]
+    with pytest.raises(TypeError, match="SUB socket does not send"):
+        BoundedSocket(path, max_message_bytes=10).send_multipart([b"x"])
+    context.destroy(linger=0)
+    dealer.close()
