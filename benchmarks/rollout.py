@@ -188,17 +188,20 @@ def bench_engine_throughput(args: argparse.Namespace) -> None:
         calls["TransformersEngine bf16"] = _engine_call(bf16, params)
     vllm_engines = {}
     # vllm-pinned: vLLM's own thread settings (OpenMP threads pinned to cores, libgomp's default waits)
-    # instead of the engine's unpinned, passive ones.
-    pinned = {"VLLM_CPU_OMP_THREADS_BIND": "auto", "OMP_WAIT_POLICY": ""}
-    for name, dtype, env in (
-        ("vllm", "bfloat16", {}),
-        ("vllm-fp32", "float32", {}),
-        ("vllm-pinned", "bfloat16", pinned),
+    # instead of the engine's unpinned, passive ones; vllm-pinned-passive and vllm-spinning change one
+    # of the two.
+    for name, dtype, env, tag in (
+        ("vllm", "bfloat16", {}, ""),
+        ("vllm-fp32", "float32", {}, ""),
+        ("vllm-pinned", "bfloat16", {"VLLM_CPU_OMP_THREADS_BIND": "auto", "OMP_WAIT_POLICY": ""}, " pinned"),
+        ("vllm-pinned-passive", "bfloat16", {"VLLM_CPU_OMP_THREADS_BIND": "auto"}, " pinned passive"),
+        ("vllm-spinning", "bfloat16", {"OMP_WAIT_POLICY": ""}, " unpinned spinning"),
+        ("vllm-short-spin", "bfloat16", {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "20000"}, " spin 20k"),
     ):
         if name in args.engines:
             from stare_agent.engines import VLLMEngine
 
-            label = f"VLLMEngine {dtype}" + (" pinned" if env else "")
+            label = f"VLLMEngine {dtype}{tag}"
             started = time.perf_counter()
             vllm_engines[label] = engine = VLLMEngine(
                 embedded_model_path(),
@@ -232,10 +235,20 @@ def bench_engine_throughput(args: argparse.Namespace) -> None:
     rates: dict[str, list[float]] = {name: [] for name in calls}
     for call in calls.values():  # untimed warm-up: lazy initialisation, allocator, kernels
         call(_prompts(tokenizer, 1), seed=10_000)
-    for batch in args.batch_sizes:
-        seconds = _median_seconds(calls, _prompts(tokenizer, batch), args.repeats, sync)
-        for name, secs in seconds.items():
-            rates[name].append(batch * args.new_tokens / secs)
+    # --busy N: N processes spin on the cores while every engine is timed (a learner, sandboxes, a
+    # laptop's other work), one extra core's worth of contention each.
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        for batch in args.batch_sizes:
+            seconds = _median_seconds(calls, _prompts(tokenizer, batch), args.repeats, sync)
+            for name, secs in seconds.items():
+                rates[name].append(batch * args.new_tokens / secs)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    if args.busy:
+        print(f"(timed while {args.busy} busy-loop process(es) ran)")
     for name, row in rates.items():
         print(f"| {name:<30} | " + " | ".join(f"{r:>15.1f}" for r in row) + " |")
     for name, row in rates.items():
@@ -521,8 +534,9 @@ def main(argv: list[str] | None = None) -> None:
         "--engines",
         default="transformers,transformers-bf16,hf-generate,vllm,vllm-fp32",
         help="throughput: comma list of transformers, transformers-bf16, hf-generate, vllm, vllm-fp32, "
-        "vllm-pinned, sglang",
+        "vllm-pinned, vllm-pinned-passive, vllm-spinning, vllm-short-spin, sglang",
     )
+    parser.add_argument("--busy", type=int, default=0, help="throughput: busy-loop processes while timing")
     parser.add_argument("--batch-sizes", default="1,16,64", help="throughput: comma list")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--episodes", type=int, default=16, help="overhead: episodes per batch")

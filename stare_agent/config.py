@@ -162,6 +162,12 @@ class VLLMSection:
         kv_cache_gib: KV-cache memory on a CPU (``VLLM_CPU_KVCACHE_SPACE``), held for the run.
         gpu_memory_utilization: Share of GPU memory vLLM may take (GPU builds; the learner needs the rest).
         startup_timeout_s: Most seconds the worker may take to load the model.
+        worker_env: Environment variables of the worker, over the engine's own. Its OpenMP threads are
+            unpinned and wait passively (``VLLM_CPU_OMP_THREADS_BIND=nobind``, ``OMP_WAIT_POLICY=PASSIVE``):
+            on a CPU nothing else uses, spinning threads decode faster (``{OMP_WAIT_POLICY: "",
+            GOMP_SPINCOUNT: "20000"}``: 364 against 285 tok/s at batch 16 on 2 cores), but one other
+            busy process cuts them to 46 tok/s where passive threads keep 118 (``benchmarks/rollout.py
+            --section throughput --busy 1``).
     """
 
     python: str | None = None
@@ -170,6 +176,7 @@ class VLLMSection:
     kv_cache_gib: float = 2.0
     gpu_memory_utilization: float = 0.4
     startup_timeout_s: float = 300.0
+    worker_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _one_of("env.vllm", "dtype", self.dtype, VLLM_DTYPES)

@@ -278,6 +278,19 @@ def test_stop_string_keeps_its_completing_token_and_eos_is_returned(engine, toke
         engine.generate([[]], greedy)
 
 
+def test_worker_env_of_the_config_reaches_the_worker(monkeypatch):
+    from stare_agent.config import load_config
+    from stare_agent.engines import vllm_engine
+
+    made: dict = {}
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda path, **kwargs: made.update(kwargs))
+    config = load_config(
+        None, ["env.vllm.worker_env.GOMP_SPINCOUNT=20000", "env.vllm.worker_env.OMP_WAIT_POLICY=''"]
+    )
+    vllm_engine.vllm_engine_from_config(config.env.vllm, "embedded:smollm2-135m-instruct")
+    assert made["env"] == {"GOMP_SPINCOUNT": "20000", "OMP_WAIT_POLICY": ""}
+
+
 def test_missing_vllm_python_is_a_clear_error_and_auto_falls_back(tmp_path, monkeypatch):
     missing = tmp_path / "no-python"
     with pytest.raises(VLLMUnavailableError, match=r"does not exist: run `bash scripts/setup_vllm.sh`"):

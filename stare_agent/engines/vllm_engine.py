@@ -135,6 +135,7 @@ def vllm_engine_from_config(
         kv_cache_gib=section.kv_cache_gib,
         gpu_memory_utilization=section.gpu_memory_utilization,
         startup_timeout_s=section.startup_timeout_s,
+        env={str(k): str(v) for k, v in section.worker_env.items()},
     )
 
 
