@@ -244,7 +244,12 @@ class KernelDriver:
                 renew = False
             try:
                 msg_id = self.client.kernel_info()
-            except zmq.Again:  # the shell connection is gone (see above)
+            except zmq.Again:  # no connection: the kernel is not up yet, or gone
+                if not self.host.is_alive():
+                    raise SandboxError(
+                        f"the kernel exited while starting ({self.host.death_cause()}): "
+                        "run `stare-agent sandbox doctor`"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise SandboxError(
                         f"could not send to the kernel within {timeout:g} s: run `stare-agent sandbox doctor`"
