@@ -94,3 +94,32 @@ def test_run_numbers_skip_nan_steps_and_take_the_median_step_time():
     assert (n["heldout_sampled_best"], n["heldout_sampled_final"]) == (0.5, 0.5)
     assert (n["heldout_greedy_best"], n["heldout_greedy_final"]) == (0.5, 0.25)
     assert n["seconds_per_step"] == 30.0  # median of 10, 20, 30, 40 (upper middle)
+
+
+def test_engine_auto_is_resolved_once_for_every_run(tmp_path, monkeypatch):
+    """A vLLM worker that fails to start in one run must not put that run on another engine."""
+    from stare_agent import study as study_module
+    from stare_agent.engines import vllm_engine
+
+    runs: list[list[str]] = []
+    monkeypatch.setattr(vllm_engine, "pick_engine", lambda requested, python=None: "vllm")
+    monkeypatch.setattr(study_module, "cold_start", lambda config, root: root / "sft_model")
+    monkeypatch.setattr(
+        study_module,
+        "calibrate",
+        lambda *a: {"mean_reward": 0.5, "groups_with_variance": 1.0, "entropy": 0.1},
+    )
+    monkeypatch.setattr(
+        study_module,
+        "train_one",
+        lambda path, overrides, variant, seed, sft, root: runs.append(list(overrides)),
+    )
+    monkeypatch.setattr(
+        study_module, "write_report", lambda root, *a, **k: (root / "study.md").write_text("") and {}
+    )
+    study_module.study(
+        overrides=[f"trainer.run_dir={tmp_path}", "env.engine=auto"],
+        variants=["grpo-ds", "stare-o1"],
+        seeds=1,
+    )
+    assert len(runs) == 2 and all(r[-1] == "env.engine=vllm" for r in runs)
