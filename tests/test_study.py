@@ -115,7 +115,7 @@ def test_engine_auto_is_resolved_once_for_every_run(tmp_path, monkeypatch):
         lambda path, overrides, variant, seed, sft, root: runs.append(list(overrides)),
     )
     monkeypatch.setattr(
-        study_module, "write_report", lambda root, *a, **k: (root / "study.md").write_text("") and {}
+        study_module, "write_report", lambda root, *a, **k: (root / "study.md").write_text("") or {}
     )
     study_module.study(
         overrides=[f"trainer.run_dir={tmp_path}", "env.engine=auto"],
