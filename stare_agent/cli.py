@@ -182,6 +182,7 @@ def _study(args: argparse.Namespace) -> int:
         seeds=args.seeds,
         ablation_seeds=args.ablation_seeds,
         smoke=args.smoke,
+        report_only=args.report,
     )
     return 0
 
@@ -300,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ablation-seeds", type=int, default=1, help="seeds of each open-loop ablation")
     p.add_argument(
         "--smoke", action="store_true", help="2 variants, 1 seed, 2 tiny steps: checks the pipeline"
+    )
+    p.add_argument(
+        "--report", action="store_true", help="train nothing: figure and table of the runs logged so far"
     )
     p.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. trainer.steps=20")
     p.set_defaults(func=_study)

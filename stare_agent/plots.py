@@ -191,4 +191,5 @@ def _finish_panel(ax: Any, title: str, ylabel: str) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # a panel with nothing logged yet has no legend
+        ax.legend(fontsize=7)

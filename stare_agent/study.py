@@ -94,11 +94,14 @@ def study(
     seeds: int = 3,
     ablation_seeds: int = 1,
     smoke: bool = False,
+    report_only: bool = False,
 ) -> dict[str, Any]:
     """Run (or resume) the study of ``config_path`` and write its report; return the report's numbers.
 
     ``smoke`` runs ``SMOKE_VARIANTS`` with one seed and ``SMOKE_OVERRIDES`` (before ``overrides``).
-    The study directory is the config's ``trainer.run_dir``.
+    ``report_only`` trains nothing: the report of the runs logged so far (finished or not; the table
+    says how many steps each variant has), e.g. while the study runs. The study directory is the
+    config's ``trainer.run_dir``.
     """
     if smoke:
         variants, seeds, ablation_seeds = variants or SMOKE_VARIANTS, 1, 1
@@ -117,6 +120,16 @@ def study(
     root = Path(base.trainer.run_dir)
     root.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    if report_only:
+        calibration_path = root / "calibration.json"
+        if not calibration_path.is_file():
+            raise ConfigError(f"no study in {root} (no calibration.json): run `stare-agent study` first")
+        logged = [(v, s) for v, s in pairs if (root / "runs" / f"{v}-s{s}" / "metrics.jsonl").is_file()]
+        report = write_report(
+            root, logged, json.loads(calibration_path.read_text()), h_tgt=base.algorithm.H_tgt
+        )
+        print(f"{(root / TABLE_NAME).read_text()}\nfigure: {root / FIGURE_NAME}\ndata: {root / CSV_NAME}")
+        return report
 
     sft_dir = cold_start(base, root)
     calibration = calibrate(base, sft_dir, root)
@@ -317,10 +330,13 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     times = sorted(float(r["time/step_s"]) for r in records if _finite(r.get("time/step_s")))
     if times:
         out["seconds_per_step"] = times[len(times) // 2]
+    if records:
+        out["steps"] = float(records[-1]["step"])
     return out
 
 
 COLUMNS = (
+    ("steps", "steps logged"),
     ("entropy_final", "final entropy"),
     ("entropy_auc", "entropy AUC/step"),
     ("heldout_sampled_best", "best held-out acc (sampled)"),
@@ -349,6 +365,8 @@ def format_table(summary: dict[str, dict[str, Any]], calibration: dict[str, Any]
             cells.append(
                 "-"
                 if n is None
+                else f"{n['mean']:g}"
+                if key == "steps"  # mean over seeds
                 else f"{n['mean']:.3f} ± {n['std']:.3f}"
                 if n["n"] > 1
                 else f"{n['mean']:.3f}"

@@ -123,3 +123,27 @@ def test_engine_auto_is_resolved_once_for_every_run(tmp_path, monkeypatch):
         seeds=1,
     )
     assert len(runs) == 2 and all(r[-1] == "env.engine=vllm" for r in runs)
+
+
+def test_report_only_tabulates_the_runs_logged_so_far(tmp_path):
+    from stare_agent.study import study
+
+    (tmp_path / "calibration.json").write_text(
+        json.dumps(
+            {"problems": 4, "samples_per_problem": 4, "temperature": 1.0, "mean_reward": 0.4, "entropy": 0.1}
+        )
+    )
+    for run, steps in (("grpo-ds-s0", 3), ("stare-o1-s0", 1)):  # one finished, one just started
+        (tmp_path / "runs" / run).mkdir(parents=True)
+        rows = [
+            {"step": i, "entropy": 0.1 * i, "reward_mean": 0.5, "time/step_s": 10.0}
+            for i in range(1, steps + 1)
+        ]
+        (tmp_path / "runs" / run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = study(overrides=[f"trainer.run_dir={tmp_path}"], report_only=True)
+    assert set(report["variants"]) == {"grpo-ds", "stare-o1"}  # the other runs have not started
+    table = (tmp_path / "study.md").read_text()
+    assert "| grpo-ds | 1 | 3 | 0.300 |" in table and "| stare-o1 | 1 | 1 | 0.100 |" in table
+    assert (tmp_path / "study.png").stat().st_size > 0
+    with pytest.raises(ConfigError, match="no study in .* run `stare-agent study` first"):
+        study(overrides=[f"trainer.run_dir={tmp_path / 'none'}"], report_only=True)
