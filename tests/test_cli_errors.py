@@ -20,8 +20,9 @@ from stare_agent.errors import StareError
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL = {"stare_agent.engines.sglang_engine"}  # imports sglang only when an engine is built
-# Control flow inside one module, never raised to a caller: not an error of the package's API.
-INTERNAL = {"sandbox.kernel.MalformedMessage", "sandbox.zmtp.DroppedMessage"}
+# Control flow inside the sandbox's kernel driver, never raised to a caller: not an error of the
+# package's API (NotSent is the zmq.Again the driver's reconnect logic catches).
+INTERNAL = {"sandbox.kernel.MalformedMessage", "sandbox.zmtp.DroppedMessage", "sandbox.zmtp.NotSent"}
 
 
 def _import_all() -> None:
