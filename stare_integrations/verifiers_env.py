@@ -29,10 +29,10 @@ from datasets import Dataset
 from envs.formats import find_answer
 from envs.problems import generate_problems, load_problems, procedural_family
 from envs.rewards import RewardConfig, compute_reward
-from envs.tools import BoundTool, get_tool
 from sandbox.config import SandboxConfig
-from sandbox.pool import PooledSandbox, SandboxPool
+from sandbox.pool import SandboxPool
 from sandbox.result import truncate_text
+from stare_integrations._sandboxes import LeasedTools, ToolSession
 
 __all__ = ["StareCodeInterpreterEnv", "correct_answer", "load_environment"]
 
@@ -96,9 +96,9 @@ class StareCodeInterpreterEnv(vf.StatefulToolEnv):
             max_output_chars,
             lease_timeout_s,
         )
-        self.pool: SandboxPool | None = None
+        self._tools = LeasedTools(pool_size, backend, sandbox_config, lease_timeout_s, timeout_s)
         self._lock = threading.Lock()
-        self._sessions: dict[str, tuple[PooledSandbox, BoundTool]] = {}
+        self._sessions: dict[str, ToolSession] = {}
         self.add_tool(self.code_interpreter, args_to_skip=["session"])
 
     async def setup_state(self, state: vf.State, **kwargs: Any) -> vf.State:
@@ -134,33 +134,22 @@ class StareCodeInterpreterEnv(vf.StatefulToolEnv):
         """Close the pool (every sandbox) when verifiers tears the environment down."""
         self.close()
 
+    @property
+    def pool(self) -> SandboxPool | None:
+        """The sandbox pool, once the first call started it."""
+        return self._tools.pool
+
     def close(self) -> None:
         """Give back every sandbox and close the pool. Idempotent."""
         for session in list(self._sessions):
             self._release(session)
-        with self._lock:
-            pool, self.pool = self.pool, None
-        if pool is not None:
-            pool.close()
+        self._tools.close()
 
     def _run(self, session: str, code: str) -> Any:
         with self._lock:
-            if self.pool is None:
-                self.pool = SandboxPool(
-                    self.pool_size,
-                    backend=self.backend,
-                    config=self.sandbox_config,
-                    lease_timeout=self.lease_timeout_s,
-                )
-            pool, leased = self.pool, self._sessions.get(session)
-        if leased is None:
-            sandbox = pool.acquire()
-            options = {} if self.timeout_s is None else {"timeout_s": float(self.timeout_s)}
-            leased = (sandbox, get_tool("code_interpreter").bind(sandbox, **options))
-            with self._lock:
-                self._sessions[session] = leased
+            leased = self._sessions.setdefault(session, ToolSession())
         try:
-            return leased[1]({"code": code})
+            return self._tools.run(leased, {"code": code})
         except Exception:
             self._release(session, broken=True)
             raise
@@ -168,11 +157,8 @@ class StareCodeInterpreterEnv(vf.StatefulToolEnv):
     def _release(self, session: str | None, broken: bool = False) -> None:
         with self._lock:
             leased = self._sessions.pop(session, None) if session else None
-            pool = self.pool
         if leased is not None:
-            leased[1].close()
-            if pool is not None and not pool.closed:
-                pool.release(leased[0], broken=broken)
+            self._tools.end(leased, broken=broken)
 
 
 def load_environment(

@@ -36,10 +36,11 @@ from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 from envs.formats import _strip_fence, find_answer  # the ReTool format's own fence rule
 from envs.rewards import RewardConfig, compute_reward
 from envs.tool_env import EpisodeInfrastructureError, is_infrastructure_error
-from envs.tools import BoundTool, get_tool
+from envs.tools import get_tool
 from sandbox.config import SandboxConfig
-from sandbox.pool import PooledSandbox, SandboxPool
+from sandbox.pool import SandboxPool
 from sandbox.result import truncate_text
+from stare_integrations._sandboxes import LeasedTools, ToolSession
 
 __all__ = ["CodeInterpreterTool", "compute_score"]
 
@@ -47,15 +48,10 @@ _CONFIG_KEYS = {"type", "pool_size", "backend", "timeout_s", "max_output_chars",
 
 
 @dataclass
-class _Session:
-    """One trajectory's sandbox and the code_interpreter bound to it."""
+class _Session(ToolSession):
+    """One trajectory's sandbox and tool, and the tool instances that share it."""
 
-    sandbox: PooledSandbox | None = None
-    tool: BoundTool | None = None
-    calls: int = 0
     instances: set[str] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    """One call at a time: verl may run a turn's tool calls concurrently, and one kernel runs one cell."""
 
 
 class CodeInterpreterTool(BaseTool):
@@ -101,7 +97,9 @@ class CodeInterpreterTool(BaseTool):
         self.sandbox_config = SandboxConfig(**sandbox_options)
         if self.pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {self.pool_size}")
-        self.pool: SandboxPool | None = None
+        self._tools = LeasedTools(
+            self.pool_size, self.backend, self.sandbox_config, self.lease_timeout_s, self.timeout_s
+        )
         self._lock = threading.Lock()
         self._instances: dict[str, _Session] = {}
         self._trajectories: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
@@ -133,7 +131,7 @@ class CodeInterpreterTool(BaseTool):
         if isinstance(code, str):
             parameters = {**parameters, "code": _strip_fence(code)}
         try:
-            result = await asyncio.to_thread(self._run, session, parameters)
+            result = await asyncio.to_thread(self._tools.run, session, parameters)
         except Exception as exc:
             self._end(session, broken=True)
             if is_infrastructure_error(exc):
@@ -171,17 +169,20 @@ class CodeInterpreterTool(BaseTool):
 
     # ------------------------------------------------------------------ ours
 
+    @property
+    def pool(self) -> SandboxPool | None:
+        """The sandbox pool, once the first call started it."""
+        return self._tools.pool
+
     def close(self) -> None:
         """Give back every sandbox and close the pool. Idempotent."""
         with self._lock:
             sessions = [*self._instances.values(), *self._trajectories.values()]
             self._instances.clear()
             self._trajectories.clear()
-            pool, self.pool = self.pool, None
         for session in sessions:
             self._end(session)
-        if pool is not None:
-            pool.close()
+        self._tools.close()
 
     def _session(self, instance_id: str, agent_data: Any | None) -> _Session:
         with self._lock:
@@ -197,38 +198,9 @@ class CodeInterpreterTool(BaseTool):
             self._instances[instance_id] = session
             return session
 
-    def _run(self, session: _Session, parameters: dict[str, Any]) -> Any:
-        """Blocking (in a worker thread): lease on the first call, then run; the calls of one trajectory
-        run one after another, in the order they arrive."""
-        with session.lock:
-            if session.tool is None:
-                pool = self._pool()
-                session.sandbox = pool.acquire(timeout=self.lease_timeout_s)
-                options = {} if self.timeout_s is None else {"timeout_s": float(self.timeout_s)}
-                session.tool = get_tool("code_interpreter").bind(session.sandbox, **options)
-            session.calls += 1
-            return session.tool(parameters)
-
-    def _pool(self) -> SandboxPool:
-        with self._lock:
-            if self.pool is None:
-                self.pool = SandboxPool(
-                    self.pool_size,
-                    backend=self.backend,
-                    config=self.sandbox_config,
-                    lease_timeout=self.lease_timeout_s,
-                )
-            return self.pool
-
     def _end(self, session: _Session, broken: bool = False) -> None:
         """Close the session's tool and give its sandbox back (replaced when ``broken``)."""
-        tool, session.tool = session.tool, None
-        sandbox, session.sandbox = session.sandbox, None
-        if tool is not None:
-            tool.close()
-        pool = self.pool
-        if sandbox is not None and pool is not None and not pool.closed:
-            pool.release(sandbox, broken=broken)
+        self._tools.end(session, broken=broken)
 
 
 def compute_score(
