@@ -83,13 +83,13 @@ def encode_frames(frames: list[bytes]) -> bytes:
     """
     out = bytearray()
     for i, frame in enumerate(frames):
-        body = bytes(frame)
+        size = memoryview(frame).nbytes
         more = FLAG_MORE if i < len(frames) - 1 else 0
-        if len(body) > 255:
-            out += bytes([more | FLAG_LONG]) + struct.pack(">Q", len(body))
+        if size > 255:
+            out += bytes([more | FLAG_LONG]) + struct.pack(">Q", size)
         else:
-            out += bytes([more, len(body)])
-        out += body
+            out += bytes([more, size])
+        out += frame
     return bytes(out)
 
 
@@ -187,16 +187,12 @@ class BoundedSocket:
                 pass
             except OSError as exc:
                 self._disconnect()
-                raise zmq.Again(
-                    errno.EAGAIN, f"the connection to {self.path} broke while sending: {exc}"
-                ) from None
+                raise NotSent(f"the connection to {self.path} broke while sending: {exc}") from None
             if data:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self._disconnect()
-                    raise zmq.Again(
-                        errno.EAGAIN, f"could not send to {self.path} within {SEND_TIMEOUT_S:g} s"
-                    )
+                    raise NotSent(f"could not send to {self.path} within {SEND_TIMEOUT_S:g} s")
                 select.select([], [self._sock], [], remaining)
 
     def close(self, linger: int | None = None) -> None:

