@@ -465,6 +465,11 @@ class DataConfig:
         dynamic_sampling: Drop groups whose rewards are all equal and resample (the "-ds" of GRPO-ds).
         max_sampling_batches: Most prompt batches sampled for one step before giving up on filling it
             (the paper's cap: 10).
+        prompts_per_draw: Prompts in each of those batches (verl's DAPO ``gen_batch_size``); None is
+            ``prompts_per_step``. A larger draw plays more episodes in one engine batch, which costs
+            little more when the draw's time is bound by its longest episode, and spares a second
+            draw when the first keeps too few groups with reward variance. The first
+            ``prompts_per_step`` groups with variance are kept, in draw order, as before.
         on_short_batch: What a step does when dynamic sampling still holds fewer than
             ``prompts_per_step`` groups after ``max_sampling_batches``: ``train`` on the groups it has,
             ``skip`` the update (the data is consumed, the step counts, ``skipped`` = 1), or ``raise``
@@ -488,11 +493,14 @@ class DataConfig:
     samples_per_prompt: int = 8
     dynamic_sampling: bool = True
     max_sampling_batches: int = 10
+    prompts_per_draw: int | None = None
     on_short_batch: str = "train"
     dedupe: bool = True
 
     def __post_init__(self) -> None:
         _positive("data", self, "eval_samples", "prompts_per_step", "max_sampling_batches")
+        if self.prompts_per_draw is not None:
+            _positive("data", self, "prompts_per_draw")
         _one_of("data", "on_short_batch", self.on_short_batch, SHORT_BATCH_ACTIONS)
         _one_of("data", "difficulty", self.difficulty, (1, 2, 3))
         if self.samples_per_prompt < 2:

@@ -275,11 +275,10 @@ class Trainer:
         # is the checking part of time/rollout_s, summed over episodes)
         check_before = sum(env.check_time_s for env in self._envs)
         drawn: list[Group] = []
+        per_draw = data.prompts_per_draw or data.prompts_per_step
 
         def draw_batch() -> list[Group]:
-            groups = self._rollout_groups(
-                self.stream.take(data.prompts_per_step), draw=len(drawn) // data.prompts_per_step + 1
-            )
+            groups = self._rollout_groups(self.stream.take(per_draw), draw=len(drawn) // per_draw + 1)
             drawn.extend(groups)
             return groups
 
@@ -291,7 +290,7 @@ class Trainer:
                 on_shortfall="raise" if data.on_short_batch == "raise" else "keep",
             )
         else:
-            kept, ds_metrics = [g for g in draw_batch() if g.trajectories], {}
+            kept, ds_metrics = [g for g in draw_batch() if g.trajectories][: data.prompts_per_step], {}
         t_rollout = time.perf_counter() - t0
         episodes = [t for g in drawn for t in g.trajectories]
         metrics: dict[str, Any] = {**rollout_metrics(episodes, self._model_texts(episodes)), **ds_metrics}

@@ -77,3 +77,53 @@ def test_shortfall_trains_on_fewer_skips_or_raises_as_configured(tmp_path, capsy
         ConfigError, match="data.on_short_batch='drop' is not valid: use one of train, skip, raise"
     ):
         load_config(None, ["data.on_short_batch=drop"])
+
+
+class _Batches(ScriptedEngine):
+    """Records the number of prompts of every engine call."""
+
+    def __init__(self, tokenizer, turn) -> None:
+        super().__init__(tokenizer, turn)
+        self.sizes: list[int] = []
+
+    def generate(self, prompts, params, stop):
+        self.sizes.append(len(prompts))
+        return super().generate(prompts, params, stop)
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_a_larger_draw_plays_its_prompts_in_one_batch_and_keeps_prompts_per_step(tmp_path, dynamic):
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
+    config = load_config(
+        None,
+        overrides(str(tmp_path / "run"), str(problems), 1)
+        + [
+            "data.prompts_per_step=1",
+            "data.prompts_per_draw=2",  # both problems, 2 samples each, in one draw
+            "data.max_sampling_batches=1",
+            "sandbox.pool_size=4",  # one sandbox per concurrent episode
+            f"data.dynamic_sampling={str(dynamic).lower()}",
+        ],
+    )
+    model, tokenizer = tiny_model()
+    engine = _Batches(tokenizer, policy())
+    trainer = Trainer(config, model=model, tokenizer=tokenizer, engine=engine)
+    try:
+        trainer.step = 1
+        metrics = trainer.train_step()
+    finally:
+        trainer.close()
+    assert engine.sizes == [4]  # one turn of 2 problems x 2 samples, one engine call
+    assert metrics["kept_groups"] == 1
+    if dynamic:  # problem a's group is the only one with reward variance, whichever came first
+        assert (metrics["ds/batches_drawn"], metrics["ds/groups_drawn"], metrics["ds/reached_target"]) == (
+            1.0,
+            2.0,
+            1.0,
+        )
+
+
+def test_prompts_per_draw_must_be_positive():
+    with pytest.raises(ConfigError, match=r"data.prompts_per_draw=0 must be > 0"):
+        load_config(None, ["data.prompts_per_draw=0"])
