@@ -19,8 +19,9 @@ and counts for the rollout columns only.
 
 The paths are override lists on top of the config: ``--old`` (default: the path before the speed
 work: the transformers engine, and the learner scoring every position, padding in batch order and
-running every sample's prompt) and ``--new`` (default: the fastest engine available,
-``env.engine=auto``, and the learner's defaults).
+running every sample's prompt), ``--new`` (default: the fastest engine available,
+``env.engine=auto``, and the learner's defaults) and any ``--path NAME=OVERRIDES`` (repeatable), each
+with its ratio to the old path, e.g. ``--path 'draw8=env.engine=auto data.prompts_per_draw=8'``.
 
 Run: ``.venv/bin/python benchmarks/rl_step.py`` (needs ``runs/quickstart/sft_model``: make it with
 ``.venv/bin/stare-agent sft --config configs/quickstart.yaml``; ``--model`` picks another).
@@ -74,7 +75,7 @@ def run_path(model: str, steps: int, overrides: list[str], out: Path) -> None:
         trainer.fit()
         rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").open()]
     data, nan = config.data, float("nan")
-    per_draw = data.prompts_per_step * data.samples_per_prompt
+    per_draw = (data.prompts_per_draw or data.prompts_per_step) * data.samples_per_prompt
     steps_out = []
     for m in rows:
         episodes = m.get("ds/batches_drawn", 1) * per_draw
@@ -121,6 +122,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--old", default=OLD, help=f"overrides of the old path (default: {OLD!r})")
     parser.add_argument("--new", default=NEW, help=f"overrides of the new path (default: {NEW!r})")
+    parser.add_argument(
+        "--path", action="append", default=[], metavar="NAME=OVERRIDES", help="a further path (repeatable)"
+    )
     parser.add_argument("--one-path", default=None, help=argparse.SUPPRESS)  # child process
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -132,9 +136,17 @@ def main() -> None:
             f"no model at {args.model}: make the quickstart's SFT model first with "
             "`.venv/bin/stare-agent sft --config configs/quickstart.yaml`, or pass --model DIR"
         )
+    paths = {"old": args.old, "new": args.new}
+    for spec in args.path:
+        name, sep, overrides = spec.partition("=")
+        if not sep or not name or name in paths:
+            sys.exit(
+                f"--path {spec!r}: write NAME=OVERRIDES with a new name, e.g. 'draw8=data.prompts_per_draw=8'"
+            )
+        paths[name] = overrides
     results = {}
     load = []
-    for name, overrides in (("old", args.old), ("new", args.new)):
+    for name, overrides in paths.items():
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             cmd = [sys.executable, __file__, "--model", args.model, "--steps", str(args.steps)]
             cmd += ["--one-path", overrides, "--out", out.name]
@@ -172,13 +184,14 @@ def main() -> None:
             f"{_median(steps, 'entropy'):.3f}",
         ]
         print("| " + " | ".join(cells) + " |")
-    ratio = ["old / new", "", ""]
-    for c in (*COLUMNS, "tok/s"):
-        old, new = med["old"][c], med["new"][c]
-        if c == "tok/s":
-            old, new = new, old  # higher is better: show the speed-up the same way round
-        ratio.append(f"{old / new:.2f}x" if new == new and new > 0 and old == old else "-")
-    print("| " + " | ".join([*ratio, "", "", ""]) + " |")
+    for name in [n for n in results if n != "old"]:
+        ratio = [f"old / {name}", "", ""]
+        for c in (*COLUMNS, "tok/s"):
+            old, new = med["old"][c], med[name][c]
+            if c == "tok/s":
+                old, new = new, old  # higher is better: show the speed-up the same way round
+            ratio.append(f"{old / new:.2f}x" if new == new and new > 0 and old == old else "-")
+        print("| " + " | ".join([*ratio, "", "", ""]) + " |")
     print("\n`trained`: trajectories each step updated on (dynamic sampling keeps different groups on")
     print(
         "each path, so compare log-prob/update seconds per trajectory, or use benchmarks/learner_speed.py)."
