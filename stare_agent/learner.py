@@ -529,8 +529,10 @@ class Learner:
 
         Returns:
             Metrics: ``loss`` (the whole batch's), ``grad_norm``, ``lr``, ``skipped`` (1 when the step
-            was dropped for a non-finite loss or gradient), ``micro_batches``, ``tokens`` and the
-            loss's clip fractions (token-weighted over the batch).
+            was dropped for a non-finite loss or gradient), ``micro_batches``, ``tokens``, the loss's
+            clip fractions and ``entropy``, the pre-update policy's mean entropy of the mask-1 tokens
+            (the gate's Hbar, from this update's own forward pass), token-weighted over the batch
+            on all ranks.
         """
         if self.loss_config is None:
             raise RuntimeError(
@@ -560,7 +562,7 @@ class Learner:
         denominators = self._global_denominators(trajectories)
 
         def micro_loss(micro: dict[str, Tensor], idx: list[int]) -> tuple[Tensor, dict[str, float]]:
-            logp, _ = self._forward(micro)
+            logp, entropy = self._forward(micro)
             width = logp.shape[1]
             rows = torch.tensor(idx, device=self.device)
 
@@ -581,6 +583,9 @@ class Learner:
                 agg=cfg.loss_agg,  # type: ignore[arg-type]
                 norm_length=self.norm_length,
             )
+            n = mask.sum()
+            scored = torch.where(mask.bool(), entropy.detach().double(), 0.0).sum()
+            metrics["entropy"] = float(scored / n) if n > 0 else 0.0
             return raw * self._loss_scale(mask, denominators), metrics
 
         return self._step(trajectories, micro_loss)
@@ -644,6 +649,8 @@ class Learner:
             self.ds_model.set_gradient_accumulation_boundary(i == len(split) - 1)
             micro = self._collate(trajectories, idx)
             loss, metrics = micro_loss(micro, idx)
+            for key in metrics:  # the same keys on every rank, for the all-reduce below
+                weighted.setdefault(key, 0.0)
             if not real:
                 loss = loss * 0.0
             if not torch.isfinite(loss.detach()).all():
@@ -659,9 +666,10 @@ class Learner:
                 for key, value in metrics.items():
                     weighted[key] = weighted.get(key, 0.0) + value * n
         finite = self._all_reduce([0.0 if finite else 1.0])[0] == 0.0
-        loss_sum, tokens_sum = self._all_reduce([total_loss, tokens])
+        keys = sorted(weighted)
+        loss_sum, tokens_sum, *sums = self._all_reduce([total_loss, tokens, *(weighted[k] for k in keys)])
         grad_norm = self._apply_or_skip(finite)
-        out = {key: value / max(tokens, 1.0) for key, value in weighted.items()}
+        out = {key: value / max(tokens_sum, 1.0) for key, value in zip(keys, sums, strict=True)}
         out.update(
             loss=loss_sum / self.world_size,
             grad_norm=grad_norm,

@@ -8,6 +8,7 @@ One step, in the paper's order (docs/algorithm.md, "One training step, in the pa
        sampling     until ``data.prompts_per_step`` groups remain; truncate to exactly that
     4. advantages   A_i = (r_i - mean_group) / (std_group + 1e-6), broadcast to mask-1 tokens
     5. log-probs    pre-update log pi(o_t) and full-vocabulary entropy H_t of every response token
+                    (STARE only; GRPO-ds takes Hbar from its update's own forward pass)
     6. gate         gate_on = Hbar < H_tgt, Hbar the masked token mean over the batch on all ranks
     7. weights      STARE: W on L+, M on L- (C2), 1 elsewhere; GRPO-ds: none
     8. update       one optimizer step of the dual-clip surrogate x weights, token-mean
@@ -49,6 +50,7 @@ from stare_agent.algorithms import (
     broadcast_to_tokens,
     dynamic_sampling,
     entropy_gate,
+    gate,
     grpo_advantages,
     stare_weights,
 )
@@ -326,25 +328,30 @@ class Trainer:
         sequence_ids = torch.tensor([gid for i in mine for gid in kept[i].global_ids])
         A = A_all[rows]
 
-        # 5. pre-update log-probs and entropy ([B, L-1], column t scores token t+1)
+        # 5. pre-update log-probs and entropy ([B, L-1], column t scores token t+1), 6. gate (global
+        # over ranks) and the optional adaptive schedule, 7. STARE weights on mask-1 tokens. GRPO-ds
+        # needs no batch statistic before its loss: its update's own forward pass gives the entropy.
         t1 = time.perf_counter()
-        logp, entropy = self.learner.compute_logprobs_and_entropy(trajectories)
-        mask = collate(trajectories, self.learner.pad_id)["response_mask"].to(logp.device)
-        A_tok = broadcast_to_tokens(A.to(logp.device), mask)
-
-        # 6. gate (global over ranks) and the optional adaptive schedule
-        gate_on, Hbar, gate_metrics = entropy_gate(entropy, mask, alg.H_tgt)
-        if alg.gate == "always_on":  # the paper's open-loop ablation
-            gate_on = True
-        if alg.adaptive:
-            self.controller.update(Hbar)
-        W, M = self.controller.W, self.controller.M
-
-        # 7. STARE weights on mask-1 tokens (GRPO-ds: none)
         weights, stare_metrics = None, dict[str, float]()
         if alg.name == "stare":
+            logp, entropy = self.learner.compute_logprobs_and_entropy(trajectories)
+            mask = collate(trajectories, self.learner.pad_id)["response_mask"].to(logp.device)
+            A_tok = broadcast_to_tokens(A.to(logp.device), mask)
+            gate_on, Hbar, gate_metrics = entropy_gate(entropy, mask, alg.H_tgt)
+            if alg.gate == "always_on":  # the paper's open-loop ablation
+                gate_on = True
+            if alg.adaptive:
+                self.controller.update(Hbar)
             weights, stare_metrics = self._stare_weights(
-                trajectories, A_tok, logp, mask, gate_on, W, M, sequence_ids, Hbar
+                trajectories,
+                A_tok,
+                logp,
+                mask,
+                gate_on,
+                self.controller.W,
+                self.controller.M,
+                sequence_ids,
+                Hbar,
             )
         t_logprob = time.perf_counter() - t1
 
@@ -354,6 +361,12 @@ class Trainer:
         if not update_metrics.get("skipped"):
             self._sync_engine()
         t_update = time.perf_counter() - t2
+        if alg.name != "stare":  # the gate STARE would have seen, logged for comparison
+            Hbar = update_metrics["entropy"]
+            gate_on, gate_metrics = gate(Hbar, alg.H_tgt)
+            if alg.adaptive:
+                self.controller.update(Hbar)
+        W, M = self.controller.W, self.controller.M
 
         metrics.update(adv_metrics)
         metrics.update(gate_metrics)

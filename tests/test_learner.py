@@ -80,6 +80,15 @@ def _reference_gradient(batch, advantages, weights) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+def _reference_entropy(batch) -> float:
+    """The gate's Hbar of the WHOLE batch: the mean entropy of its mask-1 tokens, by a plain forward."""
+    model, tokenizer = tiny_model(seed=0)
+    full = collate(batch, tokenizer.pad_token_id)
+    with torch.no_grad():
+        _, entropy = causal_lm_logprobs_and_entropy(model, full["input_ids"], full["attention_mask"])
+    return float(entropy[full["response_mask"].bool()].double().mean())
+
+
 def test_split_update_equals_one_big_batch(learner, batch):
     advantages = [1.0, -0.5, 0.25, -1.5, 0.75]
     L = max(t.num_tokens for t in batch)
@@ -105,6 +114,9 @@ def test_split_update_equals_one_big_batch(learner, batch):
     assert parts["micro_batches"] == len(split)
     assert whole["tokens"] == parts["tokens"] == sum(t.num_sampled_tokens for t in batch)
     assert parts["loss"] == pytest.approx(whole["loss"], abs=1e-6)
+    # the pre-update entropy from the update's own forward: GRPO-ds logs it without a log-prob pass
+    assert whole["entropy"] == pytest.approx(_reference_entropy(batch), rel=1e-5)
+    assert parts["entropy"] == pytest.approx(whole["entropy"], rel=1e-6)
     assert parts["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-4)
     changed = sum(int((d != 0).sum()) for d in delta_whole.values())
     assert changed > 0.5 * sum(d.numel() for d in delta_whole.values())  # the update moved the weights
@@ -406,6 +418,9 @@ def test_two_ranks_take_the_whole_batch_gradient(zero_stage, batch, tmp_path):
         torch.testing.assert_close(ranks[0]["delta"][name], ranks[1]["delta"][name], atol=0, rtol=0)
         torch.testing.assert_close(-ranks[0]["delta"][name], g, atol=2e-3 * scale + 2.4e-7, rtol=2e-3)
     assert ranks[0]["metrics"]["tokens"] == sum(t.num_sampled_tokens for t in batch)
+    # entropy and clip fractions are token means over both ranks' tokens: the same on each rank
+    assert ranks[0]["metrics"] == ranks[1]["metrics"]
+    assert ranks[0]["metrics"]["entropy"] == pytest.approx(_reference_entropy(batch), rel=1e-5)
     assert [r["skipped"] for r in ranks] == [1.0, 1.0] and all(r["unchanged"] for r in ranks)
 
 

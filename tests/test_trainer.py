@@ -308,3 +308,31 @@ def test_training_rollouts_do_not_depend_on_the_wave_size(tmp_path, problem_file
         played[wave] = [[t.response_ids for t in g.trajectories] for g in groups]
     assert played[1] == played[4]
     assert all(a != b for a, b in played[4])
+
+
+def test_grpo_ds_takes_no_log_prob_pass_and_logs_the_entropy_stare_sees(tmp_path, problem_file, monkeypatch):
+    """GRPO-ds reads the gate's Hbar from its update's own forward pass: the same number the STARE
+    step reads from its pre-update pass, on the same policy and batch, with one forward pass fewer."""
+    from stare_agent.learner import Learner
+
+    seen: dict[str, float] = {}
+    for name in ("stare", "grpo_ds"):
+        model, tokenizer = tiny_model()
+        config = make_config(tmp_path / name, problem_file, f"algorithm.name={name}", "trainer.steps=1")
+        trainer = Trainer(
+            config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
+        )
+        if name == "grpo_ds":
+
+            def no_pass(self, trajectories):
+                raise AssertionError("GRPO-ds took a pre-update log-prob pass")
+
+            monkeypatch.setattr(Learner, "compute_logprobs_and_entropy", no_pass)
+        try:
+            trainer.step = 1
+            metrics = trainer.train_step()
+        finally:
+            trainer.close()
+        assert metrics["stare/entropy"] == metrics["entropy"] and metrics["gate_on"] == 1
+        seen[name] = metrics["entropy"]
+    assert seen["grpo_ds"] == pytest.approx(seen["stare"], rel=1e-5)

@@ -25,6 +25,7 @@ from stare_agent.algorithms.stare import (
     Variant,
     check_stare_options,
     entropy_gate,
+    gate,
     stare_weights,
     top_k_count,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "chunked_logprobs_and_entropy",
     "dynamic_sampling",
     "entropy_gate",
+    "gate",
     "grpo_advantages",
     "has_reward_variance",
     "logprobs_and_entropy_from_logits",

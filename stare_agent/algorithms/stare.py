@@ -118,8 +118,14 @@ def entropy_gate(
             "entropy_gate got no mask-1 tokens on any rank: the batch holds no model-generated token"
         )
     Hbar = total / count
+    gate_on, metrics = gate(Hbar, H_tgt)
+    return gate_on, Hbar, metrics
+
+
+def gate(Hbar: float, H_tgt: float) -> tuple[bool, dict[str, float]]:
+    """``gate_on = Hbar < H_tgt`` for an Hbar already reduced over the batch, and its metrics."""
     gate_on = Hbar < H_tgt
-    return gate_on, Hbar, {"stare/gate_on": float(gate_on), "stare/entropy": Hbar, "stare/H_tgt": H_tgt}
+    return gate_on, {"stare/gate_on": float(gate_on), "stare/entropy": Hbar, "stare/H_tgt": H_tgt}
 
 
 @dataclass
