@@ -54,6 +54,7 @@ SMOKE_OVERRIDES = (
     "data.prompts_per_step=2",
     "data.samples_per_prompt=2",
     "data.max_sampling_batches=1",
+    "data.prompts_per_draw=2",
     "data.eval_limit=4",
     "data.eval_samples=2",
     "sft.procedural_rows=8",
