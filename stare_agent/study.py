@@ -194,7 +194,7 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
     model, tokenizer = load_policy(sft_dir)
     autocast = torch.bfloat16 if config.deepspeed.precision == "bf16-autocast" else None
     problems = ProblemStream(data.train, seed=config.trainer.seed, difficulty=data.difficulty).take(
-        data.prompts_per_step
+        data.prompts_per_draw or data.prompts_per_step
     )
     t0 = time.perf_counter()
     backend = cast("Backend", config.sandbox.backend)  # one of SANDBOX_BACKENDS: the config checked it
