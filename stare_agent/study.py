@@ -312,7 +312,9 @@ def summarize(by_seed: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
 def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     """One run's numbers: entropy at the last step and its area under the curve per step (trapezoid
     over the logged steps, divided by the steps it spans), best and final held-out accuracy (sampled
-    ``eval/avg@k`` and greedy ``eval_greedy/avg@1``), and the median seconds per step.
+    ``eval/avg@k`` and greedy ``eval_greedy/avg@1``), the mean over steps of the fraction of tokens
+    STARE reweighted and of its mean token weight (how far its update is from GRPO-ds's), and the
+    median seconds per step and of its log-prob pass (GRPO-ds takes none).
 
     >>> r = [{"step": 1, "entropy": 0.5}, {"step": 2, "entropy": 0.3}, {"step": 3, "entropy": 0.1}]
     >>> run_numbers(r)["entropy_final"], round(run_numbers(r)["entropy_auc"], 6)
@@ -329,9 +331,14 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
         acc = [float(r[k]) for r in records for k in r if k.startswith(prefix) and _finite(r[k])]
         if acc:
             out[f"heldout_{tag}_best"], out[f"heldout_{tag}_final"] = max(acc), acc[-1]
-    times = sorted(float(r["time/step_s"]) for r in records if _finite(r.get("time/step_s")))
-    if times:
-        out["seconds_per_step"] = times[len(times) // 2]
+    for key, name in (("frac_reweighted", "reweighted"), ("stare/mean_weight", "mean_weight")):
+        values = [float(r[key]) for r in records if _finite(r.get(key))]
+        if values:
+            out[name] = _mean(values)
+    for key, name in (("time/step_s", "seconds_per_step"), ("time/logprob_s", "logprob_seconds")):
+        times = sorted(float(r[key]) for r in records if _finite(r.get(key)))
+        if times:
+            out[name] = times[len(times) // 2]
     if records:
         out["steps"] = float(records[-1]["step"])
     return out
@@ -345,7 +352,10 @@ COLUMNS = (
     ("heldout_sampled_final", "final held-out acc (sampled)"),
     ("heldout_greedy_best", "best held-out acc (greedy)"),
     ("heldout_greedy_final", "final held-out acc (greedy)"),
+    ("reweighted", "tokens reweighted"),
+    ("mean_weight", "mean token weight"),
     ("seconds_per_step", "s/step"),
+    ("logprob_seconds", "log-prob pass s/step"),
 )
 
 
