@@ -181,14 +181,17 @@ def reap_orphans(client: Any = None) -> int:
     clean up. Returns how many."""
     client = client or docker_client()
     removed = 0
-    for container in client.containers.list(all=True, filters={"label": OWNER_LABEL}):
-        if not owner_gone(container.labels.get(OWNER_LABEL, "")):
+    # The list endpoint's own fields (labels, mounts), no inspection per container: other owners
+    # create and remove their containers meanwhile, and one gone between the list and its
+    # inspection would fail this whole start.
+    for entry in client.api.containers(all=True, filters={"label": OWNER_LABEL}):
+        if not owner_gone((entry.get("Labels") or {}).get(OWNER_LABEL, "")):
             continue  # another host's, or its owner is alive
-        dirs = [m["Source"] for m in container.attrs.get("Mounts", []) if m.get("Destination") == CONN_DIR]
+        dirs = [m["Source"] for m in entry.get("Mounts") or [] if m.get("Destination") == CONN_DIR]
         try:
-            container.remove(force=True)
+            client.api.remove_container(entry["Id"], force=True)
         except Exception as exc:  # noqa: BLE001 - already gone or being removed: nothing to do
-            logger.debug("could not remove orphan %s: %s", container.short_id, exc)
+            logger.debug("could not remove orphan %s: %s", entry["Id"][:12], exc)
             continue
         for path in dirs:
             remove_sandbox_dir(path)  # only the project's own temp dirs, whatever the mount says

@@ -136,3 +136,38 @@ def test_local_reaping_skips_dirs_of_other_users_and_outside_the_temp_root(tmp_p
         assert reap_local_dirs() >= 1 and not mine.exists()  # the reaper does work on its own dirs
     finally:
         shutil.rmtree(mine, ignore_errors=True)
+
+
+@pytest.mark.docker
+def test_reaping_survives_containers_removed_while_it_runs(docker_ready):
+    """Another owner's pool removes its containers while a new pool starts and reaps: a container
+    gone between the listing and a later look at it must not fail the new pool's start."""
+    from sandbox.config import DEFAULT_IMAGE
+    from sandbox.docker import LABEL, OWNER_LABEL, docker_client, reap_orphans
+
+    client = docker_client()
+    # one of a live owner (this process) and one of a dead owner: both vanish right after the list
+    containers = [
+        client.containers.create(
+            DEFAULT_IMAGE, ["true"], labels={LABEL: "1", OWNER_LABEL: owner}, network_mode="none"
+        )
+        for owner in (owner_id(), a_dead_owner())
+    ]
+    ids = {c.id for c in containers}
+    api = client.api
+    listed = api.containers
+
+    def list_then_vanish(*args, **kwargs):
+        entries = listed(*args, **kwargs)
+        for c in containers:
+            api.remove_container(c.id, force=True)  # what the other owner's close() does meanwhile
+        return entries
+
+    api.containers = list_then_vanish
+    try:
+        reap_orphans(client)  # before: docker.errors.NotFound from inspecting a vanished container
+    finally:
+        api.containers = listed
+        for leftover in client.containers.list(all=True, filters={"label": LABEL}):
+            if leftover.id in ids:
+                leftover.remove(force=True)
