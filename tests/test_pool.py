@@ -569,10 +569,14 @@ def test_real_pool_hands_out_clean_sandboxes_replaces_dead_ones_and_leaves_nothi
 
 
 CHILD = """
-import json, sys, time, traceback
+import json, signal, sys, time, traceback
 from sandbox.config import SandboxConfig
 from sandbox.pool import SandboxPool
 
+# Ctrl-C as in a program run from a terminal, however the test suite was started: a shell's
+# background job (`cmd &` without job control) starts with SIGINT ignored, and Python then installs
+# no KeyboardInterrupt handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 backend, token, mode = sys.argv[1:]
 pool = SandboxPool(2, backend=backend, config=SandboxConfig(env={"STARE_POOL_PROBE": token}, timeout_s=120))
 with pool.lease() as a, pool.lease() as b:
