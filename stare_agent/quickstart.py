@@ -99,17 +99,46 @@ def quickstart(
     autocast = config.deepspeed.precision == "bf16-autocast"
     engine_name, engine = start_engine(config, model, tokenizer, autocast=autocast)
     print(f"[engine] {engine_name}")
-    phase("model", t0)
+    eval_name, eval_engine = None, engine
     try:
-        result = _run(config, run_dir, model, tokenizer, engine, backend, times, phase)
+        if config.data.eval_fp32:
+            eval_name, eval_engine = fp32_eval_engine(config, model, tokenizer, engine)
+            if eval_name:
+                print(f"[engine] before/after evaluation: {eval_name}")
+        phase("model", t0)
+        result = _run(config, run_dir, model, tokenizer, engine, eval_engine, backend, times, phase)
     finally:
-        if hasattr(engine, "close"):
-            engine.close()
+        for e in {id(engine): engine, id(eval_engine): eval_engine}.values():
+            if hasattr(e, "close"):
+                e.close()
     result["engine"] = engine_name
+    result["eval_engine"] = eval_name
     result["total_s"] = time.perf_counter() - start
     (run_dir / "quickstart.json").write_text(json.dumps(result, indent=2, default=str))
     print(format_table(result))
     return result
+
+
+def fp32_eval_engine(config: RunConfig, model: Any, tokenizer: Any, engine: Any) -> tuple[str | None, Any]:
+    """The engine of the before/after table under ``data.eval_fp32``, as ``(description, engine)``.
+
+    Greedy decoding takes an argmax, which bf16 rounding flips in a few episodes (the quickstart's SFT
+    model: 0.800 in fp32, 0.750 in bf16; ``benchmarks/eval_engines.py``), so the table decodes in fp32
+    while the rollouts keep bf16's speed: beside a transformers engine under autocast, a transformers
+    engine on the same ``model`` without it; beside a vLLM worker in bf16, a second worker in fp32
+    (``_run`` gives it the policy's weights before each evaluation). ``(None, engine)`` when
+    ``engine`` already decodes in fp32, or is another kind (SGLang).
+    """
+    from stare_agent.engines import TransformersEngine, VLLMEngine
+    from stare_agent.engines import vllm_engine as vllm_module
+
+    if isinstance(engine, TransformersEngine) and engine.autocast_dtype is not None:
+        return "transformers (fp32, in process)", TransformersEngine(model, tokenizer)
+    if isinstance(engine, VLLMEngine) and engine.info["dtype"] != "float32":
+        section = replace(config.env.vllm, dtype="float32")
+        fp32 = vllm_module.vllm_engine_from_config(section, config.model.name_or_path, seed=config.trainer.seed)
+        return f"vllm {fp32.info['vllm_version']} (float32, worker process)", fp32
+    return None, engine
 
 
 def _run(
@@ -118,11 +147,13 @@ def _run(
     model: Any,
     tokenizer: Any,
     engine: Any,
+    eval_engine: Any,
     backend: Backend,
     times: dict[str, float],
     phase: Any,
 ) -> dict[str, Any]:
-    """Steps 3 to 6 with one rollout engine; the before/after numbers."""
+    """Steps 3 to 6 with one rollout engine (and ``eval_engine`` for the evaluations); the before/after
+    numbers."""
     import torch
 
     from sandbox import SandboxPool
@@ -142,9 +173,11 @@ def _run(
 
         def run_eval(tag: str) -> dict[str, float]:
             t = time.perf_counter()
+            if eval_engine is not engine and getattr(eval_engine, "model", None) is not model:
+                eval_engine.update_weights(model.named_parameters())  # a worker of its own
             report = evaluate_config(
                 config,
-                engine=engine,
+                engine=eval_engine,
                 tokenizer=tokenizer,
                 env_kwargs={**env.env_kwargs(evaluation=True), "pool": pool},
                 batch_size=max(config.sandbox.pool_size, 1),
@@ -227,7 +260,8 @@ def format_table(result: dict[str, Any]) -> str:
     width = max(len(r[0]) for r in rows)
     lines = [
         f"\n{result['problems']} held-out procedural problems x {k} samples, sandbox: {result['backend']}, "
-        f"engine: {result.get('engine', 'transformers')}",
+        f"engine: {result.get('engine', 'transformers')}"
+        + (f", evaluated by {result['eval_engine']}" if result.get("eval_engine") else ""),
         f"{'':<{width}}  {'before':>8}  {'after':>8}",
         *(f"{name:<{width}}  {x:>8}  {y:>8}" for name, x, y in rows),
         _rl_entropy_line(result),
@@ -253,4 +287,4 @@ def _rl_entropy_line(result: dict[str, Any]) -> str:
     )
 
 
-__all__ = ["format_table", "pick_backend", "quickstart", "usable_precision"]
+__all__ = ["format_table", "fp32_eval_engine", "pick_backend", "quickstart", "usable_precision"]

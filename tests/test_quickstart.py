@@ -41,3 +41,30 @@ def test_table_says_when_no_rl_step_trained():
 def test_table_names_the_rollout_engine():
     table = format_table(_result([0.28]))
     assert "sandbox: docker, engine: vllm 0.32.0 (bfloat16, worker process)" in table
+
+
+def test_table_names_the_fp32_evaluation_engine_beside_the_rollout_engine():
+    result = {**_result([0.28]), "eval_engine": "vllm 0.32.0 (float32, worker process)"}
+    assert (
+        "engine: vllm 0.32.0 (bfloat16, worker process), evaluated by vllm 0.32.0 (float32, worker process)"
+        in format_table(result)
+    )
+
+
+def test_fp32_evaluation_beside_a_bf16_transformers_engine_is_the_same_model_without_autocast():
+    import torch
+
+    from stare_agent.config import load_config
+    from stare_agent.engines import TransformersEngine
+    from stare_agent.models import tiny_model
+    from stare_agent.quickstart import fp32_eval_engine
+
+    config = load_config(None, ["data.eval_fp32=true"])
+    model, tokenizer = tiny_model()
+    bf16 = TransformersEngine(model, tokenizer, autocast_dtype=torch.bfloat16)
+    name, engine = fp32_eval_engine(config, model, tokenizer, bf16)
+    assert name == "transformers (fp32, in process)"
+    assert isinstance(engine, TransformersEngine) and engine is not bf16
+    assert engine.model is model and engine.autocast_dtype is None  # no copy, nothing to sync
+    fp32 = TransformersEngine(model, tokenizer)
+    assert fp32_eval_engine(config, model, tokenizer, fp32) == (None, fp32)  # already fp32: itself

@@ -393,6 +393,21 @@ def test_eval_cli_with_engine_vllm(engine, tmp_path, monkeypatch, capsys):
     assert len((out / "results.jsonl").read_text().splitlines()) == 2
 
 
+def test_quickstart_evaluates_a_bf16_rollout_engine_on_a_second_worker_in_fp32(engine, tokenizer, model, monkeypatch):
+    from stare_agent.config import load_config
+    from stare_agent.quickstart import fp32_eval_engine
+
+    calls = _lend(engine, monkeypatch)  # the module's fp32 worker stands in for the second one
+    config = load_config(None, ["env.engine=vllm", "env.vllm.kv_cache_gib=1", "data.eval_fp32=true"])
+    bf16 = VLLMEngine.__new__(VLLMEngine)  # a bf16 rollout engine, as far as the choice looks
+    bf16.info = {**engine.info, "dtype": "bfloat16"}
+    name, fp32 = fp32_eval_engine(config, model, tokenizer, bf16)
+    ((section, path, borrowed),) = calls
+    assert section.dtype == "float32" and section.kv_cache_gib == 1 and path == "embedded:smollm2-135m-instruct"
+    assert fp32 is borrowed and name == f"vllm {engine.info['vllm_version']} (float32, worker process)"
+    assert fp32_eval_engine(config, model, tokenizer, engine) == (None, engine)  # fp32 already: itself
+
+
 def test_stuck_or_dead_worker_is_one_line_with_the_cause_and_fix(engine, tokenizer):
     # Last in the module: it stops the shared engine's worker for good.
     import signal
