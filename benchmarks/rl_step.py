@@ -19,9 +19,11 @@ and counts for the rollout columns only.
 
 The paths are override lists on top of the config: ``--old`` (default: the path before the speed
 work: the transformers engine, and the learner scoring every position, padding in batch order and
-running every sample's prompt), ``--new`` (default: the fastest engine available,
-``env.engine=auto``, and the learner's defaults) and any ``--path NAME=OVERRIDES`` (repeatable), each
-with its ratio to the old path, e.g. ``--path 'draw8=env.engine=auto data.prompts_per_draw=8'``.
+running every sample's prompt, and up to two draws of 4 prompts, the second one when the first kept
+fewer than 4 groups with reward variance), ``--new`` (default: the fastest engine available,
+``env.engine=auto``, the learner's defaults and the config's one draw of 8 prompts) and any
+``--path NAME=OVERRIDES`` (repeatable), each with its ratio to the old path, e.g. ``--path
+'draw4=env.engine=auto data.prompts_per_draw=4 data.max_sampling_batches=2'`` (the engine alone).
 
 Run: ``.venv/bin/python benchmarks/rl_step.py`` (needs ``runs/quickstart/sft_model``: make it with
 ``.venv/bin/stare-agent sft --config configs/quickstart.yaml``; ``--model`` picks another).
@@ -45,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "quickstart.yaml"
 OLD = (
     "env.engine=transformers deepspeed.score_response_only=false deepspeed.bucket_by_length=false "
-    "deepspeed.share_prompts=false"
+    "deepspeed.share_prompts=false data.prompts_per_draw=4 data.max_sampling_batches=2"
 )
 NEW = "env.engine=auto"
 COLUMNS = ("rollout", "log-prob", "update", "sync", "step")
