@@ -136,7 +136,9 @@ def fp32_eval_engine(config: RunConfig, model: Any, tokenizer: Any, engine: Any)
         return "transformers (fp32, in process)", TransformersEngine(model, tokenizer)
     if isinstance(engine, VLLMEngine) and engine.info["dtype"] != "float32":
         section = replace(config.env.vllm, dtype="float32")
-        fp32 = vllm_module.vllm_engine_from_config(section, config.model.name_or_path, seed=config.trainer.seed)
+        fp32 = vllm_module.vllm_engine_from_config(
+            section, config.model.name_or_path, seed=config.trainer.seed
+        )
         return f"vllm {fp32.info['vllm_version']} (float32, worker process)", fp32
     return None, engine
 

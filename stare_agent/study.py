@@ -144,6 +144,7 @@ def study(
         f"{calibration.get('entropy', math.nan):.3f} (H_tgt = {base.algorithm.H_tgt:g})",
         flush=True,
     )
+    start_eval(config_path, overrides, sorted({s for _, s in pairs}), sft_dir, root)
     for variant, seed in pairs:
         train_one(config_path, overrides, variant, seed, sft_dir, root)
     report = write_report(root, pairs, calibration, h_tgt=base.algorithm.H_tgt)
@@ -233,16 +234,14 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
     return result
 
 
-def train_one(
-    config_path: str | Path, overrides: Sequence[str], variant: str, seed: int, sft_dir: Path, root: Path
-) -> Path:
-    """Train one variant and seed from the SFT model; skip it when finished, resume it when interrupted."""
-    from stare_agent.metrics import read_metrics
+def run_config(
+    config_path: str | Path, overrides: Sequence[str], variant: str, seed: int, sft_dir: Path, run_dir: Path
+) -> RunConfig:
+    """The training config of one run: the study's config, ``overrides``, the variant's algorithm, the
+    seed, the run directory and the SFT model; nothing else differs between runs."""
     from stare_agent.quickstart import usable_precision
-    from stare_agent.trainer import Trainer
 
-    run_dir = root / "runs" / f"{variant}-s{seed}"
-    config = usable_precision(
+    return usable_precision(
         load_config(
             config_path,
             [
@@ -254,6 +253,52 @@ def train_one(
             ],
         )
     )
+
+
+def start_eval(
+    config_path: str | Path, overrides: Sequence[str], seeds: Sequence[int], sft_dir: Path, root: Path
+) -> dict[int, dict[str, float]]:
+    """Held-out accuracy of the shared start (the SFT model) on each seed's held-out problems, evaluated
+    as that seed's runs evaluate at their steps (the same Trainer code, engine, problems and sampling
+    seeds): the step 0 of the figure. Kept in ``start_eval.json``; a seed evaluated earlier is reused."""
+    from stare_agent.trainer import Trainer
+
+    path = root / "start_eval.json"
+    done = {int(k): v for k, v in json.loads(path.read_text()).items()} if path.is_file() else {}
+    for seed in [s for s in seeds if s not in done]:
+        config = run_config(
+            config_path, overrides, MAIN_VARIANTS[0], seed, sft_dir, root / "start" / f"s{seed}"
+        )
+        trainer = Trainer(config)
+        try:
+            metrics = {f"eval/{k}": v for k, v in trainer.evaluate().metrics.items()}
+            if config.data.eval_greedy:
+                metrics.update(
+                    {f"eval_greedy/{k}": v for k, v in trainer.evaluate(greedy=True).metrics.items()}
+                )
+        finally:
+            trainer.close()
+            del trainer
+            gc.collect()
+        done[seed] = metrics
+        path.write_text(json.dumps(done, indent=2))
+        print(
+            f"[start seed {seed}] held-out accuracy of the SFT policy: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "/avg@" in k),
+            flush=True,
+        )
+    return done
+
+
+def train_one(
+    config_path: str | Path, overrides: Sequence[str], variant: str, seed: int, sft_dir: Path, root: Path
+) -> Path:
+    """Train one variant and seed from the SFT model; skip it when finished, resume it when interrupted."""
+    from stare_agent.metrics import read_metrics
+    from stare_agent.trainer import Trainer
+
+    run_dir = root / "runs" / f"{variant}-s{seed}"
+    config = run_config(config_path, overrides, variant, seed, sft_dir, run_dir)
     done = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
     if done and done[-1]["step"] >= config.trainer.steps:
         print(f"[{variant} seed {seed}] finished earlier: {run_dir}")
@@ -275,13 +320,17 @@ def train_one(
 def write_report(
     root: Path, pairs: Sequence[tuple[str, int]], calibration: dict[str, Any], *, h_tgt: float
 ) -> dict[str, Any]:
-    """``study.csv``, ``study.png`` and ``study.md`` from the runs' ``metrics.jsonl``."""
+    """``study.csv``, ``study.png`` and ``study.md`` from the runs' ``metrics.jsonl``, each run led by
+    its seed's evaluation of the start as step 0 (``start_eval.json``, where the study made it)."""
     from stare_agent.metrics import read_metrics
     from stare_agent.plots import plot_study
 
+    path = root / "start_eval.json"
+    starts = {int(k): v for k, v in json.loads(path.read_text()).items()} if path.is_file() else {}
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
     for variant, seed in pairs:
-        runs.setdefault(variant, {})[seed] = read_metrics(root / "runs" / f"{variant}-s{seed}")
+        start = [{"step": 0, **starts[seed]}] if seed in starts else []
+        runs.setdefault(variant, {})[seed] = start + read_metrics(root / "runs" / f"{variant}-s{seed}")
     rows = [
         {"variant": v, "seed": s, **r}
         for v, by_seed in runs.items()
@@ -295,9 +344,19 @@ def write_report(
         writer.writerows(rows)
     plot_study(runs, root / FIGURE_NAME, h_tgt=h_tgt)
     summary = {v: summarize(by_seed) for v, by_seed in runs.items()}
-    (root / TABLE_NAME).write_text(format_table(summary, calibration, h_tgt))
-    (root / "study.json").write_text(json.dumps({"calibration": calibration, "variants": summary}, indent=2))
-    return {"calibration": calibration, "variants": summary}
+    seeds = sorted({s for _, s in pairs} & set(starts))
+    start_numbers = {
+        name: {"mean": _mean(v), "std": _std(v), "n": len(v)}
+        for name, v in (
+            (name, [float(starts[s][k]) for s in seeds for k in starts[s] if k.startswith(prefix)])
+            for name, prefix in (("heldout_sampled", "eval/avg@"), ("heldout_greedy", "eval_greedy/avg@"))
+        )
+        if v
+    }
+    (root / TABLE_NAME).write_text(format_table(summary, calibration, h_tgt, start_numbers))
+    report = {"calibration": calibration, "start": start_numbers, "variants": summary}
+    (root / "study.json").write_text(json.dumps(report, indent=2))
+    return report
 
 
 def summarize(by_seed: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -312,7 +371,7 @@ def summarize(by_seed: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
 def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     """One run's numbers: entropy at the last step and its area under the curve per step (trapezoid
     over the logged steps, divided by the steps it spans), best and final held-out accuracy (sampled
-    ``eval/avg@k`` and greedy ``eval_greedy/avg@1``), the mean over steps of the fraction of tokens
+    ``eval/avg@k`` and greedy ``eval_greedy/avg@1``, over the trained steps: not the start's step 0), the mean over steps of the fraction of tokens
     STARE reweighted and of its mean token weight (how far its update is from GRPO-ds's), and the
     median seconds per step and of its log-prob pass (GRPO-ds takes none).
 
@@ -328,7 +387,9 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
         area = sum((s1 - s0) * (h0 + h1) / 2 for (s0, h0), (s1, h1) in zip(H, H[1:], strict=False))
         out["entropy_auc"] = area / span if span else H[0][1]
     for tag, prefix in (("sampled", "eval/avg@"), ("greedy", "eval_greedy/avg@")):
-        acc = [float(r[k]) for r in records for k in r if k.startswith(prefix) and _finite(r[k])]
+        acc = [
+            float(r[k]) for r in records if r["step"] > 0 for k in r if k.startswith(prefix) and _finite(r[k])
+        ]
         if acc:
             out[f"heldout_{tag}_best"], out[f"heldout_{tag}_final"] = max(acc), acc[-1]
     for key, name in (("frac_reweighted", "reweighted"), ("stare/mean_weight", "mean_weight")):
@@ -359,12 +420,25 @@ COLUMNS = (
 )
 
 
-def format_table(summary: dict[str, dict[str, Any]], calibration: dict[str, Any], h_tgt: float) -> str:
-    """The markdown table: mean +- std over seeds per variant."""
+def format_table(
+    summary: dict[str, dict[str, Any]],
+    calibration: dict[str, Any],
+    h_tgt: float,
+    start: dict[str, dict[str, float]] | None = None,
+) -> str:
+    """The markdown table: mean +- std over seeds per variant, after a line on the start (the
+    calibration, and ``start``: its held-out accuracy over the seeds' held-out sets)."""
+    held_out = "".join(
+        f", held-out accuracy ({tag}) {n['mean']:.3f}"
+        + (f" ± {n['std']:.3f} over {n['n']} seeds" if n["n"] > 1 else "")
+        for tag, n in ((tag, (start or {}).get(f"heldout_{tag}")) for tag in ("sampled", "greedy"))
+        if n
+    )
     lines = [
         f"Start (SFT policy, temperature {calibration['temperature']:g}): mean reward "
         f"{calibration['mean_reward']:.3f} on {calibration['problems']} x {calibration['samples_per_problem']} "
-        f"RL draws, entropy on those sampled tokens {calibration.get('entropy', math.nan):.3f}; H_tgt = {h_tgt:g}.",
+        f"RL draws, entropy on those sampled tokens {calibration.get('entropy', math.nan):.3f}{held_out}; "
+        f"H_tgt = {h_tgt:g}.",
         "",
         "| variant | seeds | " + " | ".join(title for _, title in COLUMNS) + " |",
         "|---|---:|" + "---:|" * len(COLUMNS),
@@ -400,4 +474,13 @@ def _std(xs: list[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
 
 
-__all__ = ["MAIN_VARIANTS", "VARIANTS", "plan", "run_numbers", "study", "write_report"]
+__all__ = [
+    "MAIN_VARIANTS",
+    "VARIANTS",
+    "plan",
+    "run_config",
+    "run_numbers",
+    "start_eval",
+    "study",
+    "write_report",
+]

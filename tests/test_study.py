@@ -37,20 +37,28 @@ def test_study_smoke_makes_figure_table_and_data_then_resumes(tmp_path, model_di
     # the start's entropy on its own sampled tokens (the gate's H-bar) is printed and kept
     assert "entropy on its sampled tokens (the gate's H-bar)" in done.stdout
     assert json.loads((root / "calibration.json").read_text())["entropy"] > 0
+    # the start is evaluated once per seed, as the runs evaluate, and leads every run as step 0
+    assert "[start seed 0] held-out accuracy of the SFT policy: eval/avg@2" in done.stdout
+    start = json.loads((root / "start_eval.json").read_text())
+    assert set(start) == {"0"} and {"eval/avg@2", "eval_greedy/avg@1"} <= set(start["0"])
     for name in ("study.png", "study.csv", "study.md", "study.json", "calibration.json"):
         assert (root / name).is_file(), name
     assert (root / "study.png").stat().st_size > 20_000
     rows = list(csv.DictReader((root / "study.csv").open()))
     assert sorted((r["variant"], r["seed"], r["step"]) for r in rows) == [
+        ("grpo-ds", "0", "0"),
         ("grpo-ds", "0", "1"),
         ("grpo-ds", "0", "2"),
+        ("stare-o1", "0", "0"),
         ("stare-o1", "0", "1"),
         ("stare-o1", "0", "2"),
     ]
+    assert all(float(r["eval/avg@2"]) == start["0"]["eval/avg@2"] for r in rows if r["step"] == "0")
     # both variants ran through the whole step: entropy measured, STARE's weights only for STARE
-    assert all(float(r["entropy"]) > 0 for r in rows)
+    assert all(float(r["entropy"]) > 0 for r in rows if r["step"] != "0")
     assert {r["variant"] for r in rows if r.get("stare/mean_weight")} == {"stare-o1"}
     table = (root / "study.md").read_text().splitlines()
+    assert "held-out accuracy (sampled) " in table[0] and "held-out accuracy (greedy) " in table[0]
     assert [line.split("|")[1].strip() for line in table if line.startswith("| ") and "---" not in line][
         1:
     ] == [
@@ -65,6 +73,7 @@ def test_study_smoke_makes_figure_table_and_data_then_resumes(tmp_path, model_di
     assert again.returncode == 0, again.stderr[-3000:]
     assert "[sft] reusing" in again.stdout
     assert again.stdout.count("finished earlier") == 2
+    assert "[start seed" not in again.stdout  # the start's evaluation is reused too
 
 
 def test_plan_gives_main_variants_all_seeds_seed_by_seed_and_rejects_unknown_names():
@@ -83,6 +92,7 @@ def test_plan_gives_main_variants_all_seeds_seed_by_seed_and_rejects_unknown_nam
 
 def test_run_numbers_skip_nan_steps_and_take_the_median_step_time():
     records = [
+        {"step": 0, "eval/avg@2": 0.75, "eval_greedy/avg@1": 0.75},  # the start: not a trained step
         {"step": 1, "entropy": 0.4, "time/step_s": 30.0},
         {"step": 2, "entropy": float("nan"), "time/step_s": 10.0},  # a skipped step
         {"step": 3, "entropy": 0.2, "time/step_s": 20.0, "eval/avg@2": 0.25, "eval_greedy/avg@1": 0.5},
@@ -111,6 +121,11 @@ def test_engine_auto_is_resolved_once_for_every_run(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(
         study_module,
+        "start_eval",
+        lambda path, overrides, seeds, sft, root: runs.append(list(overrides)),
+    )
+    monkeypatch.setattr(
+        study_module,
         "train_one",
         lambda path, overrides, variant, seed, sft, root: runs.append(list(overrides)),
     )
@@ -122,7 +137,7 @@ def test_engine_auto_is_resolved_once_for_every_run(tmp_path, monkeypatch):
         variants=["grpo-ds", "stare-o1"],
         seeds=1,
     )
-    assert len(runs) == 2 and all(r[-1] == "env.engine=vllm" for r in runs)
+    assert len(runs) == 3 and all(r[-1] == "env.engine=vllm" for r in runs)  # the start's evaluation too
 
 
 def test_report_only_tabulates_the_runs_logged_so_far(tmp_path):

@@ -393,7 +393,9 @@ def test_eval_cli_with_engine_vllm(engine, tmp_path, monkeypatch, capsys):
     assert len((out / "results.jsonl").read_text().splitlines()) == 2
 
 
-def test_quickstart_evaluates_a_bf16_rollout_engine_on_a_second_worker_in_fp32(engine, tokenizer, model, monkeypatch):
+def test_quickstart_evaluates_a_bf16_rollout_engine_on_a_second_worker_in_fp32(
+    engine, tokenizer, model, monkeypatch
+):
     from stare_agent.config import load_config
     from stare_agent.quickstart import fp32_eval_engine
 
@@ -403,7 +405,9 @@ def test_quickstart_evaluates_a_bf16_rollout_engine_on_a_second_worker_in_fp32(e
     bf16.info = {**engine.info, "dtype": "bfloat16"}
     name, fp32 = fp32_eval_engine(config, model, tokenizer, bf16)
     ((section, path, borrowed),) = calls
-    assert section.dtype == "float32" and section.kv_cache_gib == 1 and path == "embedded:smollm2-135m-instruct"
+    assert (
+        section.dtype == "float32" and section.kv_cache_gib == 1 and path == "embedded:smollm2-135m-instruct"
+    )
     assert fp32 is borrowed and name == f"vllm {engine.info['vllm_version']} (float32, worker process)"
     assert fp32_eval_engine(config, model, tokenizer, engine) == (None, engine)  # fp32 already: itself
 
