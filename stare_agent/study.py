@@ -343,7 +343,10 @@ def write_report(
         writer.writeheader()
         writer.writerows(rows)
     plot_study(runs, root / FIGURE_NAME, h_tgt=h_tgt)
-    summary = {v: summarize(by_seed) for v, by_seed in runs.items()}
+    baseline = runs.get(MAIN_VARIANTS[0])
+    summary = {
+        v: summarize(by_seed, baseline if v != MAIN_VARIANTS[0] else None) for v, by_seed in runs.items()
+    }
     seeds = sorted({s for _, s in pairs} & set(starts))
     start_numbers = {
         name: {"mean": _mean(v), "std": _std(v), "n": len(v)}
@@ -359,11 +362,29 @@ def write_report(
     return report
 
 
-def summarize(by_seed: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Per-seed numbers of one variant, then their mean and std (population std; one seed: 0)."""
+def summarize(
+    by_seed: dict[int, list[dict[str, Any]]], baseline: dict[int, list[dict[str, Any]]] | None = None
+) -> dict[str, Any]:
+    """Per-seed numbers of one variant, then their mean and std (population std; one seed: 0).
+
+    With ``baseline`` (GRPO-ds's runs by seed), also ``entropy_auc_vs_baseline``: this variant's entropy
+    AUC minus the baseline's on the same seed, over the seeds both have. Within a seed every variant
+    trains on the same prompts and is evaluated on the same problems, so the paired difference leaves
+    out what the seeds' data adds to the spread.
+
+    >>> run = lambda *h: [{"step": i + 1, "entropy": x} for i, x in enumerate(h)]
+    >>> out = summarize({0: run(0.3, 0.3), 1: run(0.2, 0.2)}, baseline={0: run(0.1, 0.1), 1: run(0.2, 0.2)})
+    >>> round(out["entropy_auc"]["mean"], 6), round(out["entropy_auc_vs_baseline"]["mean"], 6)
+    (0.25, 0.1)
+    """
     per_seed: dict[str, list[float]] = {}
-    for records in by_seed.values():
-        for name, value in run_numbers(records).items():
+    for seed, records in by_seed.items():
+        numbers = run_numbers(records)
+        if baseline is not None and seed in baseline:
+            base = run_numbers(baseline[seed]).get("entropy_auc")
+            if base is not None and "entropy_auc" in numbers:
+                numbers["entropy_auc_vs_baseline"] = numbers["entropy_auc"] - base
+        for name, value in numbers.items():
             per_seed.setdefault(name, []).append(value)
     return {name: {"mean": _mean(v), "std": _std(v), "n": len(v)} for name, v in per_seed.items()}
 
@@ -409,6 +430,7 @@ COLUMNS = (
     ("steps", "steps logged"),
     ("entropy_final", "final entropy"),
     ("entropy_auc", "entropy AUC/step"),
+    ("entropy_auc_vs_baseline", "AUC - GRPO-ds's, same seed"),
     ("heldout_sampled_best", "best held-out acc (sampled)"),
     ("heldout_sampled_final", "final held-out acc (sampled)"),
     ("heldout_greedy_best", "best held-out acc (greedy)"),
