@@ -67,6 +67,7 @@ def test_sft_then_train_then_plot(tmp_path, model_dir):
         "data.prompts_per_step=2",
         "data.samples_per_prompt=2",
         "data.max_sampling_batches=1",
+        "data.prompts_per_draw=2",  # the quickstart draws 8 prompts at once
         *common,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -29,6 +29,7 @@ def train_args(model_dir: Path, run_dir: Path) -> list[str]:
         "env.id=tests.parity_env:test/Parity-v0",
         "env.max_response_tokens=16",
         "data.prompts_per_step=2",
+        "data.prompts_per_draw=2",  # the quickstart draws 8 prompts at once
         "data.samples_per_prompt=4",
         "data.dynamic_sampling=false",
         "sandbox.backend=local",
