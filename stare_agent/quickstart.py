@@ -122,8 +122,8 @@ def quickstart(
 def fp32_eval_engine(config: RunConfig, model: Any, tokenizer: Any, engine: Any) -> tuple[str | None, Any]:
     """The engine of the before/after table under ``data.eval_fp32``, as ``(description, engine)``.
 
-    Greedy decoding takes an argmax, which bf16 rounding flips in a few episodes (the quickstart's SFT
-    model: 0.800 in fp32, 0.750 in bf16; ``benchmarks/eval_engines.py``), so the table decodes in fp32
+    Greedy decoding takes an argmax, which bf16 rounding flips in a few episodes (one SFT model of the
+    quickstart: 0.800 in fp32, 0.750 in bf16; ``benchmarks/eval_engines.py``), so the table decodes in fp32
     while the rollouts keep bf16's speed: beside a transformers engine under autocast, a transformers
     engine on the same ``model`` without it; beside a vLLM worker in bf16, a second worker in fp32
     (``_run`` gives it the policy's weights before each evaluation). ``(None, engine)`` when

@@ -63,7 +63,7 @@ SMOKE_OVERRIDES = (
 )
 BAND = (0.3, 0.7)
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "study.yaml"
-CSV_NAME, FIGURE_NAME, TABLE_NAME = "study.csv", "study.png", "study.md"
+CSV_NAME, FIGURE_NAME, TABLE_NAME, START_NAME = "study.csv", "study.png", "study.md", "start_eval.json"
 
 
 def plan(variants: Sequence[str], seeds: int, ablation_seeds: int) -> list[tuple[str, int]]:
@@ -263,8 +263,8 @@ def start_eval(
     seeds): the step 0 of the figure. Kept in ``start_eval.json``; a seed evaluated earlier is reused."""
     from stare_agent.trainer import Trainer
 
-    path = root / "start_eval.json"
-    done = {int(k): v for k, v in json.loads(path.read_text()).items()} if path.is_file() else {}
+    path = root / START_NAME
+    done = _read_starts(root)
     for seed in [s for s in seeds if s not in done]:
         config = run_config(
             config_path, overrides, MAIN_VARIANTS[0], seed, sft_dir, root / "start" / f"s{seed}"
@@ -325,8 +325,7 @@ def write_report(
     from stare_agent.metrics import read_metrics
     from stare_agent.plots import plot_study
 
-    path = root / "start_eval.json"
-    starts = {int(k): v for k, v in json.loads(path.read_text()).items()} if path.is_file() else {}
+    starts = _read_starts(root)
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
     for variant, seed in pairs:
         start = [{"step": 0, **starts[seed]}] if seed in starts else []
@@ -349,7 +348,7 @@ def write_report(
     }
     seeds = sorted({s for _, s in pairs} & set(starts))
     start_numbers = {
-        name: {"mean": _mean(v), "std": _std(v), "n": len(v)}
+        name: _stats(v)
         for name, v in (
             (name, [float(starts[s][k]) for s in seeds for k in starts[s] if k.startswith(prefix)])
             for name, prefix in (("heldout_sampled", "eval/avg@"), ("heldout_greedy", "eval_greedy/avg@"))
@@ -386,14 +385,14 @@ def summarize(
                 numbers["entropy_auc_vs_baseline"] = numbers["entropy_auc"] - base
         for name, value in numbers.items():
             per_seed.setdefault(name, []).append(value)
-    return {name: {"mean": _mean(v), "std": _std(v), "n": len(v)} for name, v in per_seed.items()}
+    return {name: _stats(v) for name, v in per_seed.items()}
 
 
 def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     """One run's numbers: entropy at the last step and its area under the curve per step (trapezoid
     over the logged steps, divided by the steps it spans), best and final held-out accuracy (sampled
-    ``eval/avg@k`` and greedy ``eval_greedy/avg@1``, over the trained steps: not the start's step 0), the mean over steps of the fraction of tokens
-    STARE reweighted and of its mean token weight (how far its update is from GRPO-ds's), and the
+    ``eval/avg@k`` and greedy ``eval_greedy/avg@1``, over the trained steps: not the start's step 0),
+    the mean over steps of the fraction of tokens STARE reweighted and of its mean token weight (how far its update is from GRPO-ds's), and the
     median seconds per step and of its log-prob pass (GRPO-ds takes none).
 
     >>> r = [{"step": 1, "entropy": 0.5}, {"step": 2, "entropy": 0.3}, {"step": 3, "entropy": 0.1}]
@@ -481,6 +480,16 @@ def format_table(
             )
         lines.append(f"| {variant} | {seeds} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _read_starts(root: Path) -> dict[int, dict[str, float]]:
+    """The start's held-out metrics by seed (``start_eval.json``), or nothing before ``start_eval``."""
+    path = root / START_NAME
+    return {int(k): v for k, v in json.loads(path.read_text()).items()} if path.is_file() else {}
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    return {"mean": _mean(xs), "std": _std(xs), "n": len(xs)}
 
 
 def _finite(x: Any) -> bool:
