@@ -266,23 +266,25 @@ def list_tools() -> list[str]:
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def render_exec_result(result: ExecResult, timeout_s: float | None = None) -> str:
+def render_exec_result(result: ExecResult) -> str:
     """What the model reads after running code: output, the error, and timeout/state notes.
 
-    ANSI color codes (tracebacks, colored prints) are removed: they are noise to a model.
+    A timeout is one line naming the limit the sandbox applied (``after 5 s`` of wall time, or
+    ``after 5 s of CPU time``) and whether variables survived. ANSI color codes (tracebacks,
+    colored prints) are removed: they are noise to a model.
     """
     parts = [text.rstrip("\r\n") for text in (result.stdout, result.stderr) if text.strip()]
-    if result.error is not None:
-        trace = _ANSI.sub("", result.error.traceback).strip()
-        parts.append(trace or f"{result.error.type}: {result.error.message}")
     if result.timed_out:
-        limit = f" after {timeout_s:g} s" if timeout_s else ""
+        limit = result.error.message.partition(";")[0] if result.error else "the code timed out"
         state = (
             "The interpreter was restarted: all variables and imports are lost."
             if result.state_lost
             else "The interpreter was interrupted; variables defined before this call are kept."
         )
-        parts.append(f"TimeoutError: the code timed out{limit} (output so far is shown above). {state}")
+        parts.append(f"TimeoutError: {limit} (output so far is shown above). {state}")
+    elif result.error is not None:
+        trace = _ANSI.sub("", result.error.traceback).strip()
+        parts.append(trace or f"{result.error.type}: {result.error.message}")
     elif result.state_lost:
         parts.append("The interpreter crashed and was restarted: all variables and imports are lost.")
     if not parts:
@@ -312,5 +314,4 @@ class CodeInterpreterTool:
     def __call__(self, code: str) -> ToolResult:
         result = self.sandbox.run(code, timeout=self.timeout_s)
         error_type = "Timeout" if result.timed_out else (result.error.type if result.error else None)
-        timeout = self.timeout_s if self.timeout_s is not None else self.sandbox.config.timeout_s
-        return ToolResult(render_exec_result(result, timeout), exec_result=result, error_type=error_type)
+        return ToolResult(render_exec_result(result), exec_result=result, error_type=error_type)

@@ -27,7 +27,15 @@ class SandboxConfig:
         cpus: CPU quota in cores (Docker ``nano_cpus``).
         pids_limit: Maximum processes/threads inside the sandbox (fork bombs stop here).
         tmpfs_mb: Size of the writable work dir ``/work`` (the root filesystem is read-only).
-        timeout_s: Default per-call timeout.
+        timeout_s: Default per-call wall-clock timeout.
+        cpu_timeout_s: Per-call CPU-time limit, or None for none: the call is interrupted once the
+            sandbox's processes used this many CPU seconds since it began, read on the host (the
+            container's cgroup; locally, the kernel and the children it reaped), while
+            ``timeout_s`` stays the wall-clock limit. Wall time grows when other sandboxes or an
+            engine share the cores, CPU time does not, so with this limit (and a ``timeout_s``
+            well above it) whether a call times out does not depend on the machine's load: set
+            it when runs must reproduce. Where CPU time cannot be read (a remote Docker daemon)
+            only ``timeout_s`` applies, with a warning.
         max_output_chars: Cap on stdout and on stderr of one call; the rest is cut with a marker.
         network: Docker network mode; ``"none"`` (the default) gives the sandbox only a loopback
             interface. Any other Docker network (e.g. ``"bridge"``) lets model code reach the
@@ -47,6 +55,7 @@ class SandboxConfig:
     pids_limit: int = 128
     tmpfs_mb: int = 256
     timeout_s: float = 10.0
+    cpu_timeout_s: float | None = None
     max_output_chars: int = 16_384
     network: str = "none"
     user: str = f"{SANDBOX_UID}:{SANDBOX_UID}"
@@ -58,6 +67,10 @@ class SandboxConfig:
         for name in ("memory_mb", "cpus", "pids_limit", "tmpfs_mb", "timeout_s", "max_output_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sandbox.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.cpu_timeout_s is not None and not self.cpu_timeout_s > 0:
+            raise ValueError(
+                f"sandbox.cpu_timeout_s must be > 0 seconds or None (no CPU-time limit), got {self.cpu_timeout_s!r}"
+            )
         match = re.fullmatch(r"(\d+)(?::(\d+))?", str(self.user))
         if match is None or int(match[1]) == 0 or match[2] == "0":
             raise ValueError(

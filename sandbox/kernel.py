@@ -7,7 +7,8 @@ the driver owns the *conversation* (messages, deadlines, output caps, usage acco
 
 Timeout policy of ``KernelDriver.execute``:
 
-1. At the deadline the kernel is interrupted (SIGINT): a Python-level loop raises
+1. At the deadline (wall clock, or CPU seconds used by the sandbox since the call began, whichever
+   comes first) the kernel is interrupted (SIGINT): a Python-level loop raises
    ``KeyboardInterrupt``, the kernel goes idle and all state survives (``timed_out=True``).
 2. If it is not idle after half of ``restart_grace_s`` (a C-level loop such as
    ``sum(range(10**12))``, or code that ignores SIGINT), the kernel is killed and relaunched
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import hmac
+import logging
 import re
 import time
 from typing import Any, Protocol, cast
@@ -49,6 +51,8 @@ from sandbox.base import Sandbox
 from sandbox.errors import SandboxClosed, SandboxError
 from sandbox.result import ExecError, ExecResult
 from sandbox.zmtp import BoundedSocket, DroppedMessage
+
+logger = logging.getLogger(__name__)
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 """CSI escape sequences (colours, cursor moves) that IPython puts in tracebacks."""
@@ -202,6 +206,7 @@ class KernelDriver:
         self._shell = self.client.shell_channel
         self.ready = False
         self._renew = False  # True when the sockets may be dead: the next wait renews them
+        self._warned_no_cpu = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -314,8 +319,12 @@ class KernelDriver:
 
     # -- execution ---------------------------------------------------------------------------
 
-    def execute(self, code: str, timeout: float, *, start_timeout: float = 60.0) -> ExecResult:
-        """Run ``code`` as one cell; never raises for anything the code does.
+    def execute(
+        self, code: str, timeout: float, *, cpu_timeout: float | None = None, start_timeout: float = 60.0
+    ) -> ExecResult:
+        """Run ``code`` as one cell under ``timeout`` wall seconds and, when given, ``cpu_timeout``
+        CPU seconds (read on the host between messages, at least every ``POLL_S``); never raises for
+        anything the code does.
 
         Raises:
             SandboxError: a relaunched kernel does not come up within ``start_timeout``.
@@ -328,6 +337,13 @@ class KernelDriver:
         if meter is not None:
             meter.reset_peak()
             cpu_before = meter.cpu_seconds()
+        if cpu_timeout is not None and cpu_before is None and not self._warned_no_cpu:
+            self._warned_no_cpu = True
+            logger.warning(
+                "sandbox.cpu_timeout_s=%g is set but this sandbox's CPU time cannot be read on this host "
+                "(remote Docker daemon or no cgroupfs/procfs): only the wall-clock timeout_s applies",
+                cpu_timeout,
+            )
         started = time.monotonic()
         deadline = started + timeout
         # stop_on_error=False: after an error ipykernel otherwise aborts every request that reaches
@@ -353,10 +369,19 @@ class KernelDriver:
         timed_out = state_lost = replied = idle_lost = False
         skipped = 0
         give_up = float("inf")
+        limit = f"{timeout:g} s"
+        wait = POLL_S
         while True:
             now = time.monotonic()
+            if not timed_out and cpu_timeout is not None and cpu_before is not None and meter is not None:
+                used = meter.cpu_seconds()
+                if used is not None and used - cpu_before >= cpu_timeout:
+                    timed_out, limit = True, f"{cpu_timeout:g} s of CPU time"
+                elif used is not None:  # wake soon after the budget could be spent (<= 1 core a second)
+                    wait = min(POLL_S, max(0.01, cpu_timeout - (used - cpu_before)))
             if not timed_out and now >= deadline:
                 timed_out = True
+            if timed_out and give_up == float("inf"):
                 self.host.interrupt()
                 give_up = now + self.restart_grace_s / 2
             if timed_out and now >= give_up:
@@ -365,7 +390,7 @@ class KernelDriver:
                 break
             try:
                 msg = self._receive(
-                    self._iopub, max(0.0, min(POLL_S, (give_up if timed_out else deadline) - now))
+                    self._iopub, max(0.0, min(wait, (give_up if timed_out else deadline) - now))
                 )
             except MalformedMessage:
                 msg = None
@@ -431,9 +456,7 @@ class KernelDriver:
         if timed_out:
             kept = "all state is lost" if state_lost else "variables are kept"
             how = "the kernel was restarted" if state_lost else "it was interrupted"
-            error = ExecError(
-                "TimeoutError", f"the code ran past the {timeout:g} s timeout; {how} and {kept}"
-            )
+            error = ExecError("TimeoutError", f"the code timed out after {limit}; {how} and {kept}")
         if skipped:
             stderr.write(
                 f"\n[{skipped} message(s) from the kernel were malformed or over "
@@ -774,5 +797,8 @@ class KernelSandbox(Sandbox):
     def run(self, code: str, timeout: float | None = None) -> ExecResult:
         driver = self._live_driver()
         return driver.execute(
-            code, self.config.timeout_s if timeout is None else timeout, start_timeout=self.start_timeout
+            code,
+            self.config.timeout_s if timeout is None else timeout,
+            cpu_timeout=self.config.cpu_timeout_s,
+            start_timeout=self.start_timeout,
         )

@@ -376,7 +376,7 @@ def procedural_trace(problem: Problem, sandbox: Sandbox, *, timeout_s: float | N
         raise SFTDataError(f"problem {problem.id} has no meta['solution_code']: use a procedural family")
     sandbox.reset()
     result = sandbox.run(code, timeout=timeout_s)
-    output = render_exec_result(result, timeout_s)
+    output = render_exec_result(result)
     lines = result.stdout.strip().splitlines()
     answer = lines[-1].strip() if lines else ""
     if result.error is not None or result.timed_out or answer != problem.answer.strip():

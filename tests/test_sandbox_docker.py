@@ -87,6 +87,29 @@ def test_c_loop_timeout_replaces_kernel_within_timeout_plus_2s(sb: DockerSandbox
     assert sb.run("1 + 1").stdout == "2\n"
 
 
+BUSY_06 = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"
+
+
+def test_cpu_timeout_counts_the_cpu_the_code_used_not_the_wall_time(docker_ready) -> None:
+    # Half a core stands for a machine whose other sandboxes and engine take the rest: every CPU
+    # second of the code then takes two seconds of wall time.
+    config = SandboxConfig(cpus=0.5, cpu_timeout_s=1.0, timeout_s=30.0)
+    with DockerSandbox(config) as sb:
+        slept = sb.run("import time\ntime.sleep(1.5)\nprint('slept')")
+        assert slept.ok and slept.stdout == "slept\n"
+        busy = sb.run(BUSY_06)  # 0.6 CPU seconds in about 1.2 wall seconds: within the budget
+        assert busy.ok and busy.duration_s > 1.0 and 0.6 <= busy.cpu_s < 1.0
+        walled = sb.run(BUSY_06, timeout=1.0)  # the same code under a 1 s wall-clock limit is cut
+        assert walled.timed_out and walled.error.message.startswith("the code timed out after 1 s;")
+        sb.run("kept = 'yes'")
+        start = time.monotonic()
+        looped = sb.run("print('before')\nwhile True: pass")
+        assert looped.timed_out and not looped.state_lost and looped.stdout == "before\n"
+        assert looped.error.message.startswith("the code timed out after 1 s of CPU time;")
+        assert 1.0 <= looped.cpu_s < 1.5 and time.monotonic() - start < 5.0
+        assert sb.run("kept").stdout == "'yes'\n"
+
+
 def test_soft_and_hard_reset_clear_state(sb: DockerSandbox) -> None:
     sb.run(
         "import os\nv = 1\nopen('/work/f', 'w').write('x')\nopen('/tmp/g', 'w').write('x')\nos.environ['E'] = '1'"

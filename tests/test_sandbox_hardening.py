@@ -90,7 +90,7 @@ def test_seccomp_no_new_privileges_and_no_capabilities_inside(sb: DockerSandbox)
 
 def test_security_relevant_config_is_validated() -> None:
     for bad in ({"network": "host"}, {"network": "container:abc"}, {"user": "0:0"}, {"user": "root"},
-                {"user": "61000:0"}, {"runtime": ""}):  # fmt: skip
+                {"user": "61000:0"}, {"runtime": ""}, {"cpu_timeout_s": 0}, {"cpu_timeout_s": -1.0}):  # fmt: skip
         with pytest.raises(ValueError, match="sandbox\\."):
             SandboxConfig(**bad)
 

@@ -91,6 +91,16 @@ def test_c_loop_timeout_restarts_within_timeout_plus_2s(sb: LocalSandbox) -> Non
     assert sb.run("1 + 1").stdout == "2\n"
 
 
+def test_cpu_timeout_interrupts_busy_code_and_spares_waiting_code() -> None:
+    with LocalSandbox(SandboxConfig(cpu_timeout_s=1.0, timeout_s=30.0)) as sb:
+        slept = sb.run("import time\ntime.sleep(1.5)\nprint('slept')")
+        assert slept.ok and slept.stdout == "slept\n"
+        start = time.monotonic()
+        looped = sb.run("while True: pass")
+        assert looped.timed_out and not looped.state_lost and time.monotonic() - start < 5.0
+        assert looped.error.message.startswith("the code timed out after 1 s of CPU time;")
+
+
 @pytest.mark.parametrize("code", ["import os; os.kill(os.getpid(), 9)", "import os; os._exit(1)"])
 def test_killed_kernel_is_reported_and_replaced(sb: LocalSandbox, code: str) -> None:
     result = sb.run(code)

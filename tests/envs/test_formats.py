@@ -14,6 +14,8 @@ from envs.formats import (
     observation_charset,
     printable,
 )
+from envs.tools import render_exec_result
+from sandbox.result import ExecError, ExecResult
 
 retool = ReToolFormat()
 hermes = HermesFormat()
@@ -168,3 +170,27 @@ def test_printable_maps_everything_into_the_charset():
     charset = observation_charset()
     assert all(ch in charset for ch in text)
     assert "\n" in charset and "\t" in charset and "é" in charset and "\x00" not in charset
+
+
+@pytest.mark.parametrize(
+    ("message", "lost", "line"),
+    [
+        (
+            "the code timed out after 5 s of CPU time; it was interrupted and variables are kept",
+            False,
+            "TimeoutError: the code timed out after 5 s of CPU time (output so far is shown above). "
+            "The interpreter was interrupted; variables defined before this call are kept.",
+        ),
+        (
+            "the code timed out after 2 s; the kernel was restarted and all state is lost",
+            True,
+            "TimeoutError: the code timed out after 2 s (output so far is shown above). "
+            "The interpreter was restarted: all variables and imports are lost.",
+        ),
+    ],
+)
+def test_a_timeout_is_one_line_naming_the_limit_the_sandbox_applied(message, lost, line):
+    result = ExecResult(
+        stdout="started\n", error=ExecError("TimeoutError", message), timed_out=True, state_lost=lost
+    )
+    assert render_exec_result(result) == f"started\n{line}"
