@@ -12,6 +12,11 @@ SANDBOX_UID = 61000
 the host user's. A kernel with the host user's uid would own the bind-mounted connection dir and
 could unlock it (``DockerSandbox`` refuses that case)."""
 
+HASH_SEED = "0"
+"""``PYTHONHASHSEED`` of every sandbox: a set of strings prints in the same order in every sandbox
+and every run, so a seeded run sees the same tool output (hash flooding is no threat from code that
+may already use the whole sandbox)."""
+
 SHARED_NETWORK_MODES = ("host", "container:")
 """Docker network modes that share another namespace's network: refused."""
 

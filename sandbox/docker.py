@@ -50,7 +50,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sandbox.config import SANDBOX_UID, SandboxConfig
+from sandbox.config import HASH_SEED, SANDBOX_UID, SandboxConfig
 from sandbox.errors import SandboxError, SandboxUnavailable
 from sandbox.kernel import KERNEL_ARGS, KERNEL_BOOT, KernelDriver, KernelSandbox
 from sandbox.owner import owner_gone, owner_id, remove_sandbox_dir
@@ -135,6 +135,7 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
         "IPYTHONDIR": IPYTHON_DIR,
         "MPLCONFIGDIR": f"{WORK_DIR}/.mpl",
         "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONHASHSEED": HASH_SEED,
         "PYDEVD_DISABLE_FILE_VALIDATION": "1",
         **config.env,
     }

@@ -60,7 +60,7 @@ import psutil
 from jupyter_client.connect import write_connection_file
 from jupyter_client.launcher import launch_kernel
 
-from sandbox.config import SandboxConfig
+from sandbox.config import HASH_SEED, SandboxConfig
 from sandbox.errors import SandboxError
 from sandbox.kernel import KERNEL_ARGS, KernelDriver, KernelSandbox, reset_code
 from sandbox.owner import OWNER_FILE, TEMP_PREFIX, TEMP_ROOT, owner_id, reap_local_dirs
@@ -437,6 +437,7 @@ class _LocalKernel:
             "TMPDIR": str(work_dir),
             "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": HASH_SEED,
             "PYDEVD_DISABLE_FILE_VALIDATION": "1",
             "MPLCONFIGDIR": str(work_dir / ".mpl"),
             "IPYTHONDIR": str(kernel_dir / "ipython"),

@@ -110,6 +110,12 @@ def test_cpu_timeout_counts_the_cpu_the_code_used_not_the_wall_time(docker_ready
         assert sb.run("kept").stdout == "'yes'\n"
 
 
+def test_string_hashes_and_set_order_are_the_same_in_every_sandbox(sb: DockerSandbox) -> None:
+    code = "print(hash('stare'), list({'apple', 'banana', 'cherry', 'damson', 'elder', 'fig'}))"
+    with DockerSandbox() as other:
+        assert sb.run(code).stdout == other.run(code).stdout != ""
+
+
 def test_soft_and_hard_reset_clear_state(sb: DockerSandbox) -> None:
     sb.run(
         "import os\nv = 1\nopen('/work/f', 'w').write('x')\nopen('/tmp/g', 'w').write('x')\nos.environ['E'] = '1'"

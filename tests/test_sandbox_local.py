@@ -101,6 +101,11 @@ def test_cpu_timeout_interrupts_busy_code_and_spares_waiting_code() -> None:
         assert looped.error.message.startswith("the code timed out after 1 s of CPU time;")
 
 
+def test_string_hashes_are_the_same_in_every_local_sandbox(sb: LocalSandbox) -> None:
+    with LocalSandbox() as other:
+        assert sb.run("print(hash('stare'))").stdout == other.run("print(hash('stare'))").stdout != ""
+
+
 @pytest.mark.parametrize("code", ["import os; os.kill(os.getpid(), 9)", "import os; os._exit(1)"])
 def test_killed_kernel_is_reported_and_replaced(sb: LocalSandbox, code: str) -> None:
     result = sb.run(code)
