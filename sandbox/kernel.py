@@ -376,7 +376,7 @@ class KernelDriver:
             if not timed_out and cpu_timeout is not None and cpu_before is not None and meter is not None:
                 used = meter.cpu_seconds()
                 if used is not None and used - cpu_before >= cpu_timeout:
-                    timed_out, limit = True, f"{cpu_timeout:g} s of CPU time"
+                    timed_out, limit, wait = True, f"{cpu_timeout:g} s of CPU time", POLL_S
                 elif used is not None:  # wake soon after the budget could be spent (<= 1 core a second)
                     wait = min(POLL_S, max(0.01, cpu_timeout - (used - cpu_before)))
             if not timed_out and now >= deadline:
