@@ -667,6 +667,11 @@ class TrainerConfig:
         log_every: Print a progress line every N steps (JSONL/TensorBoard get every step).
         run_dir: Directory for the config, logs, checkpoints and plots of this run.
         seed: Seed of problem order, sampling and initialisation.
+        save_rollouts: Also write every episode to ``run_dir/rollouts/`` (verl's ``rollout_data_dir``):
+            ``step_00001.jsonl`` holds each step's draws (problem, group, whether it was trained,
+            reward, the response as text and as token ids, the episode's info), ``eval_00005.jsonl``
+            and ``eval_greedy_00005.jsonl`` each evaluation's episodes: to read what the policy does,
+            or to diff two runs episode by episode.
     """
 
     steps: int = 2000
@@ -676,6 +681,7 @@ class TrainerConfig:
     log_every: int = 1
     run_dir: str = "runs/stare"
     seed: int = 0
+    save_rollouts: bool = False
 
     def __post_init__(self) -> None:
         _positive("trainer", self, "steps", "log_every", "keep_checkpoints")

@@ -250,10 +250,13 @@ class Trainer:
                     and self.config.data.eval
                     and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
                 ):
-                    last.update({f"eval/{k}": v for k, v in self.evaluate().metrics.items()})
+                    report = self.evaluate()
+                    self._save_rollouts(f"eval_{self.step:05d}", report.trajectories)
+                    last.update({f"eval/{k}": v for k, v in report.metrics.items()})
                     if self.config.data.eval_greedy:
-                        greedy = self.evaluate(greedy=True).metrics
-                        last.update({f"eval_greedy/{k}": v for k, v in greedy.items()})
+                        report = self.evaluate(greedy=True)
+                        self._save_rollouts(f"eval_greedy_{self.step:05d}", report.trajectories)
+                        last.update({f"eval_greedy/{k}": v for k, v in report.metrics.items()})
                 if logger is not None:
                     logger.log(self.step, last)
                 bar.update(1)
@@ -294,6 +297,12 @@ class Trainer:
         else:
             kept, ds_metrics = [g for g in draw_batch() if g.trajectories][: data.prompts_per_step], {}
         t_rollout = time.perf_counter() - t0
+        trained = {id(g) for g in kept}
+        self._save_rollouts(
+            f"step_{self.step:05d}",
+            [t for g in drawn for t in g.trajectories],
+            [{"group": n, "trained": id(g) in trained} for n, g in enumerate(drawn) for _ in g.trajectories],
+        )
         episodes = [t for g in drawn for t in g.trajectories]
         metrics: dict[str, Any] = {**rollout_metrics(episodes, self._model_texts(episodes)), **ds_metrics}
         metrics["time/rollout_s"] = t_rollout
@@ -550,7 +559,29 @@ class Trainer:
             batch_size=self.config.sandbox.pool_size,  # one leased sandbox per live episode at most
             greedy=greedy,
             progress=False,
+            keep_trajectories=self.config.trainer.save_rollouts,
         )
+
+    def _save_rollouts(
+        self, name: str, trajectories: list[Trajectory], fields: list[dict[str, Any]] | None = None
+    ) -> None:
+        """With ``trainer.save_rollouts``: ``rollouts/<name>.jsonl``, one episode per line, each with its
+        ``fields`` (see ``TrainerConfig.save_rollouts``)."""
+        if not self.config.trainer.save_rollouts or self.rank != 0:
+            return
+        out = self.run_dir / "rollouts"
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / f"{name}.jsonl", "w") as f:
+            for n, t in enumerate(trajectories):
+                record = {
+                    **(fields[n] if fields else {}),
+                    "problem_id": t.info.get("problem_id"),
+                    "reward": t.reward,
+                    "response": self.tokenizer.decode(t.response_ids),
+                    "response_ids": t.response_ids,
+                    "info": t.info,
+                }
+                f.write(json.dumps(record, default=str) + "\n")
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -209,6 +209,38 @@ def test_open_loop_gate_reweights_above_target_and_greedy_eval_is_logged(tmp_pat
     assert "eval_greedy/avg@1" in open_loop and "eval_greedy/avg@2" not in open_loop
 
 
+def test_save_rollouts_writes_every_drawn_and_evaluated_episode(tmp_path, problem_file):
+    extra = [f"data.eval={problem_file}", "data.eval_limit=2", "data.eval_samples=2", "trainer.steps=1"]
+    extra += ["trainer.eval_every=1", "data.eval_greedy=true", "trainer.save_rollouts=true"]
+    model, tokenizer = tiny_model()
+    config = make_config(tmp_path, problem_file, *extra)
+    Trainer(
+        config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
+    ).fit()
+    out = tmp_path / "run" / "rollouts"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "eval_00001.jsonl",
+        "eval_greedy_00001.jsonl",
+        "step_00001.jsonl",
+    ]
+    read = lambda name: [json.loads(line) for line in (out / name).read_text().splitlines()]  # noqa: E731
+    step = read("step_00001.jsonl")
+    # one draw of 2 prompts x 2 episodes; the script is right on every other episode, so both groups
+    # have reward variance and both train
+    assert [(r["group"], r["trained"], r["reward"]) for r in step] == [
+        (0, True, 1.0),
+        (0, True, 0.0),
+        (1, True, 1.0),
+        (1, True, 0.0),
+    ]
+    first = step[0]
+    assert first["problem_id"] in {p["id"] for p in PROBLEMS}
+    assert "<code>" in first["response"] and "<interpreter>" in first["response"]  # model + tool
+    assert tokenizer.decode(first["response_ids"]) == first["response"]
+    assert first["info"]["num_tool_calls"] == 1
+    assert len(read("eval_00001.jsonl")) == 4 and len(read("eval_greedy_00001.jsonl")) == 2
+
+
 def test_stare_metrics_count_l_plus_tokens_more_surprising_than_the_batch_entropy():
     # 1 sequence, 6 model tokens (the last is padding); surprisals 0.1, 2.0, 0.5, 3.0, 1.0
     s = torch.tensor([[0.1, 2.0, 0.5, 3.0, 1.0, 9.0]])

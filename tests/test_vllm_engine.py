@@ -261,6 +261,82 @@ def test_seeded_prompts_do_not_depend_on_their_batch(engine, tokenizer):
         engine.generate(prompts, SamplingParams(seeds=(1,)))
 
 
+def test_a_generate_batch_is_one_message_to_the_worker(engine, tokenizer, monkeypatch):
+    # One message, so the worker adds every request before its next engine step (below): a batch
+    # split by socket timing shares steps differently from run to run, and bf16 rounding with it.
+    sent: list[tuple] = []
+    real = engine._conn
+
+    class Recording:
+        def send(self, message: tuple) -> None:
+            sent.append(message)
+            real.send(message)
+
+    monkeypatch.setattr(engine, "_conn", Recording())
+    prompts = [_chat(tokenizer, q) for q in ("Tell me a story.", "Describe the sea.", "Name three colors.")]
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seeds=(1, 2, 3))
+    generations = engine.generate(prompts, params)
+    assert [m[1] for m in sent] == ["submit"]
+    assert [r[1] for r in sent[0][2]["requests"]] == prompts
+    monkeypatch.undo()
+    assert [g.token_ids for g in engine.generate(prompts, params)] == [g.token_ids for g in generations]
+
+
+def test_the_worker_adds_a_whole_batch_before_it_steps_the_engine(monkeypatch):
+    from stare_agent.engines import vllm_worker
+
+    class Conn:
+        """Delivers one message per engine step, as a socket that is slower than the engine."""
+
+        def __init__(self, messages: list[tuple]) -> None:
+            self.inbox, self.arrived, self.answers = list(messages), 1, []
+
+        def poll(self, timeout: float) -> bool:
+            return self.arrived > 0 and bool(self.inbox)
+
+        def recv(self) -> tuple:
+            if not self.inbox:
+                raise EOFError
+            self.arrived -= 1
+            return self.inbox.pop(0)
+
+        def send(self, answer: tuple) -> None:
+            self.answers.append(answer)
+
+    class Engine:
+        def __init__(self) -> None:
+            self.running: list[str] = []
+            self.steps: list[list[str]] = []
+
+        def add_request(self, request_id: str, prompt: list[int], sampling: dict) -> None:
+            if sampling.get("bad"):
+                raise ValueError("bad sampling")
+            self.running.append(request_id)
+
+        def step(self) -> list:
+            self.steps.append(list(self.running))
+            conn.arrived += 1
+            if len(self.steps) < 2:
+                return []
+            done, self.running = self.running, []
+            return [type("Out", (), {"finished": True, "request_id": r})() for r in done]
+
+    monkeypatch.setattr(vllm_worker, "_tokens_prompt", lambda prompt: prompt)
+    monkeypatch.setattr(vllm_worker, "_sampling_params", lambda sampling: sampling)
+    monkeypatch.setattr(vllm_worker, "_result", lambda out: f"tokens of {out.request_id}")
+    requests = [(7, [1, 2], {}), (8, [3], {"bad": True}), (9, [4, 5], {})]
+    conn = Conn([(None, "submit", {"requests": requests}), (10, "nap", {})])
+    engine = Engine()
+    assert vllm_worker._serve(conn, type("LLM", (), {"llm_engine": engine})()) == 0
+    assert engine.steps[0] == ["7", "9"]  # the whole batch in its first step (the bad one refused)
+    assert sorted(conn.answers) == [
+        (7, "ok", "tokens of 7"),
+        (8, "error", "ValueError: bad sampling"),
+        (9, "ok", "tokens of 9"),
+        (10, "error", "unknown method 'nap'"),
+    ]
+
+
 def test_stop_string_keeps_its_completing_token_and_eos_is_returned(engine, tokenizer):
     prompt = _chat(tokenizer, "What is 6 * 7?")
     greedy = SamplingParams(temperature=0.0, max_new_tokens=64)

@@ -23,7 +23,9 @@ The engine implements the ``Engine`` protocol of :mod:`envs.rollout` as
 It is also a ``ContinuousEngine``: ``submit`` starts one prompt at once, alongside every request in
 flight, and returns a future (vLLM's continuous batching), so the rollout runner sends each
 episode's next turn as soon as its tool call returns instead of waiting for the slowest episode of
-a batch. ``generate`` is ``submit`` for every prompt, then the results in order. A reader thread
+a batch. ``generate`` submits every prompt in one message, so that they all join the same engine
+step (which requests share a step changes bf16 rounding, hence seeded tokens), then returns the
+results in order. A reader thread
 takes the worker's answers; a worker that dies or exceeds ``call_timeout_s`` fails every pending
 future with the cause and the fix, so nothing waits forever.
 
@@ -327,21 +329,34 @@ class VLLMEngine:
     ) -> Future[Any]:
         """Send one call; its future gets ``convert(result)``, or the VLLMEngineError that ended it
         (``what`` names the call in errors; default ``method``)."""
-        what = what or method
-        future: Future[Any] = Future()
+        return self._send(1, lambda ids: (ids[0], method, call), convert, what or method)[0]
+
+    def _send(
+        self,
+        n: int,
+        message: Callable[[list[int]], tuple[Any, str, Any]],
+        convert: Callable[[Any], Any],
+        what: str,
+    ) -> list[Future[Any]]:
+        """Send ``message(call ids)`` that ``n`` answers will come back to, one per new call id; return
+        their futures."""
+        futures: list[Future[Any]] = [Future() for _ in range(n)]
         with self._lock:
             self._check_alive(what)  # a dead worker's cause, also once the reader has noticed it
             if self._closed or self._conn is None:
                 raise VLLMEngineError(f"the vLLM engine is closed: make a new VLLMEngine to call {what}")
-            call_id = next(self._ids)
-            self._pending[call_id] = (future, time.monotonic() + self.call_timeout_s, what, convert)
+            deadline = time.monotonic() + self.call_timeout_s
+            ids = [next(self._ids) for _ in range(n)]
+            for call_id, future in zip(ids, futures, strict=True):
+                self._pending[call_id] = (future, deadline, what, convert)
             try:
-                self._conn.send((call_id, method, call))
+                self._conn.send(message(ids))
             except OSError as exc:
-                del self._pending[call_id]
+                for call_id in ids:
+                    del self._pending[call_id]
                 self._check_alive(what)
                 raise VLLMEngineError(f"cannot reach the vLLM worker ({exc}): {self._fix()}") from exc
-        return future
+        return futures
 
     def _read(self) -> None:
         """The reader thread: hands each answer to its future; fails them all when the worker dies,
@@ -500,16 +515,17 @@ class VLLMEngine:
                 f"params.seeds has {len(params.seeds)} seeds for {len(prompts)} prompts: pass one per prompt"
             )
         sampling = vllm_sampling_params(params, stop, [len(p) for p in prompts], self.max_model_len)
-        convert = lambda out: self._to_generation(*out)  # noqa: E731
-        return [
-            self._request(
-                "submit",
-                {"prompt": [int(t) for t in p], "sampling": {**s, **self.sampling_overrides}},
-                convert,
-                what,
-            )
+        requests = [
+            ([int(t) for t in p], {**s, **self.sampling_overrides})
             for p, s in zip(prompts, sampling, strict=True)
         ]
+        # ONE message for the batch, so that its requests join the same engine step (see the worker)
+        return self._send(
+            len(requests),
+            lambda ids: (None, "submit", {"requests": [(i, *r) for i, r in zip(ids, requests, strict=True)]}),
+            lambda out: self._to_generation(*out),
+            what,
+        )
 
     def _to_generation(
         self, token_ids: list[int], logprobs: list[float], reason: str | None, stop_reason: Any

@@ -9,10 +9,14 @@ keyword arguments, builds the engine and answers ``("ready", info)``. From then 
 ``(call id, method, kwargs)`` and every answer ``(call id, "ok", result)`` or ``(call id, "error", one-line
 message)``; the engine keeps stepping while messages arrive (continuous batching):
 
-- ``submit(prompt, sampling)``: one token-id prompt and its vLLM ``SamplingParams`` dict (the parent
-  builds it; a ``structured_outputs`` dict becomes ``StructuredOutputsParams``) joins the running batch
-  at the next engine step; the answer comes when it finishes: ``(token_ids, logprobs, finish_reason,
-  stop_reason)``. Requests of one batch are simply submitted together.
+- ``submit(requests)``, sent as ``(None, "submit", {"requests": [(call id, prompt, sampling), ...]})``:
+  token-id prompts, each with its vLLM ``SamplingParams`` dict (the parent builds it; a
+  ``structured_outputs`` dict becomes ``StructuredOutputsParams``), join the running batch together at
+  the next engine step; each request is answered under its own call id when it finishes:
+  ``(token_ids, logprobs, finish_reason, stop_reason)``. A batch is one message so that the engine
+  never steps on part of it: which requests share an engine step changes the float rounding of
+  bf16 kernels, so a batch split by the timing of the socket would make seeded tokens differ from
+  run to run.
 - ``reload_weights(path)``: after the requests in flight finish, loads the tensors of the safetensors
   file ``path`` in place (``reload_weights`` of the model runner, checkpoint names), repacks a tied
   output head, and resets the prefix cache, whose KV entries were computed by the old weights.
@@ -160,21 +164,25 @@ def _serve(conn, llm) -> int:
                 conn.send(answer)
 
 
-def _start_call(conn, engine, in_flight: set[str], call_id: int, method: str, call: dict) -> None:
-    """Add a submitted request to the running batch, or answer an unknown method."""
-    from vllm import TokensPrompt
-
+def _start_call(conn, engine, in_flight: set[str], call_id: int | None, method: str, call: dict) -> None:
+    """Add every request of a submitted batch to the running batch, or answer an unknown method."""
     if method != "submit":
         conn.send((call_id, "error", f"unknown method {method!r}"))
         return
-    try:
-        prompt = TokensPrompt(prompt_token_ids=[int(t) for t in call["prompt"]])
-        engine.add_request(str(call_id), prompt, _sampling_params(call["sampling"]))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        traceback.print_exc()
-        conn.send((call_id, "error", _one_line(exc)))
-        return
-    in_flight.add(str(call_id))
+    for request_id, prompt, sampling in call["requests"]:
+        try:
+            engine.add_request(str(request_id), _tokens_prompt(prompt), _sampling_params(sampling))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+            traceback.print_exc()
+            conn.send((request_id, "error", _one_line(exc)))
+            continue
+        in_flight.add(str(request_id))
+
+
+def _tokens_prompt(prompt: list[int]):
+    from vllm import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=[int(t) for t in prompt])
 
 
 def main(argv: list[str]) -> int:
