@@ -149,7 +149,8 @@ class ToolEnv(gymnasium.Env[str, str]):
             private pool of one (``sandbox_backend``, ``sandbox_config``), closed by ``close()``.
         max_turns: Model turns per episode.
         max_tool_calls: Tool calls per episode.
-        max_output_chars: Tool output beyond this is cut (head and tail kept, with a marker).
+        max_output_chars: Tool output beyond this is cut (head and tail kept, with a marker; the head
+            alone for output a timeout cut short, whose length depends on timing).
         max_output_tokens: With ``tokenizer``, tool output is also cut to this many tokens.
         tokenizer: Anything with ``encode(text, add_special_tokens=False)`` and ``decode(ids)``.
         max_tool_input_chars: A tool call longer than this is refused with a message (not run).
@@ -383,9 +384,12 @@ class ToolEnv(gymnasium.Env[str, str]):
             result = self._call(call)
             self._num_tool_calls += 1
             text = printable(result.text)
-            shown = self._truncate(text)
+            shown = self._truncate(text, head_only=result.error_type == "Timeout")
+            cut = shown != text
+            if result.note:
+                shown = f"{shown}\n{printable(result.note)}" if shown else printable(result.note)
             results.append((call, shown))
-            summaries.append(_summary(call, result, cut=shown != text))
+            summaries.append(_summary(call, result, cut=cut))
         return results, summaries, False
 
     def _call(self, call: ToolCall) -> ToolResult:
@@ -417,7 +421,18 @@ class ToolEnv(gymnasium.Env[str, str]):
             self._sandbox = self.pool.acquire()
         return self._sandbox
 
-    def _truncate(self, text: str) -> str:
+    def _truncate(self, text: str, *, head_only: bool = False) -> str:
+        """``text`` within ``max_output_chars`` and ``max_output_tokens``: head and tail with a marker
+        saying how much was cut; ``head_only`` (output cut short by a timeout, whose length depends on
+        timing) keeps the head alone, with a marker that names no amount, so that the same code
+        shows the same output in every run once it printed more than the limit."""
+        if head_only:
+            head = text[: self.max_output_chars]
+            if self.tokenizer is not None:
+                ids = list(self.tokenizer.encode(head, add_special_tokens=False))
+                if len(ids) > self.max_output_tokens:
+                    head = self.tokenizer.decode(ids[: self.max_output_tokens])
+            return text if head == text else f"{head}\n... [the output went on until the timeout]"
         text, _ = truncate_text(text, self.max_output_chars)
         if self.tokenizer is None:
             return text

@@ -48,11 +48,17 @@ class ToolResult:
         text: The output shown to the model (before the environment's truncation).
         exec_result: The sandbox's record of the call, for tools that run code.
         error_type: Name of the error the call ended with (exception type, ``"Timeout"``), if any.
+            With ``"Timeout"``, ``text`` is what the call wrote before a limit stopped it, so how much
+            of it there is depends on timing: the environment shows only its head (the tail and the
+            amount cut would differ from run to run).
+        note: A closing line the environment shows in full after the (truncated) ``text``: e.g. the
+            timeout's, which must survive however long the output was.
     """
 
     text: str
     exec_result: ExecResult | None = None
     error_type: str | None = None
+    note: str = ""
 
 
 _JSON_TYPES: dict[Any, str] = {}
@@ -273,7 +279,14 @@ def render_exec_result(result: ExecResult) -> str:
     ``after 5 s of CPU time``) and whether variables survived. ANSI color codes (tracebacks,
     colored prints) are removed: they are noise to a model.
     """
-    parts = [text.rstrip("\r\n") for text in (result.stdout, result.stderr) if text.strip()]
+    text, note = exec_result_parts(result)
+    return "\n".join(part for part in (text, note) if part) or "(no output: use print() to show values)"
+
+
+def exec_result_parts(result: ExecResult) -> tuple[str, str]:
+    """:func:`render_exec_result` as (the output and error, the timeout's closing line or "")."""
+    parts = [_ANSI.sub("", text.rstrip("\r\n")) for text in (result.stdout, result.stderr) if text.strip()]
+    note = ""
     if result.timed_out:
         limit = result.error.message.partition(";")[0] if result.error else "the code timed out"
         state = (
@@ -281,15 +294,13 @@ def render_exec_result(result: ExecResult) -> str:
             if result.state_lost
             else "The interpreter was interrupted; variables defined before this call are kept."
         )
-        parts.append(f"TimeoutError: {limit} (output so far is shown above). {state}")
+        note = _ANSI.sub("", f"TimeoutError: {limit} (output so far is shown above). {state}")
     elif result.error is not None:
         trace = _ANSI.sub("", result.error.traceback).strip()
-        parts.append(trace or f"{result.error.type}: {result.error.message}")
+        parts.append(trace or _ANSI.sub("", f"{result.error.type}: {result.error.message}"))
     elif result.state_lost:
         parts.append("The interpreter crashed and was restarted: all variables and imports are lost.")
-    if not parts:
-        return "(no output: use print() to show values)"
-    return _ANSI.sub("", "\n".join(parts))
+    return "\n".join(parts), note
 
 
 @register_tool(
@@ -314,4 +325,7 @@ class CodeInterpreterTool:
     def __call__(self, code: str) -> ToolResult:
         result = self.sandbox.run(code, timeout=self.timeout_s)
         error_type = "Timeout" if result.timed_out else (result.error.type if result.error else None)
-        return ToolResult(render_exec_result(result), exec_result=result, error_type=error_type)
+        text, note = exec_result_parts(result)
+        if not (text or note):
+            text = render_exec_result(result)
+        return ToolResult(text, exec_result=result, error_type=error_type, note=note)

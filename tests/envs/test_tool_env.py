@@ -161,6 +161,39 @@ def test_tool_output_is_truncated_to_tokens_with_a_real_tokenizer(make_env, fake
     env.close()
 
 
+def test_output_cut_short_by_a_timeout_shows_its_head_the_same_in_every_run(local_pool, settled):
+    """A loop that prints until the timeout stops it prints a different amount each run: the env
+    shows the head alone (no tail, no count of what was cut), then the timeout's line."""
+    models = pytest.importorskip("stare_agent.models")
+    tokenizer = models.load_tokenizer()
+    env = CodeInterpreterEnv(  # the study's limits
+        [PROBLEM],
+        pool=local_pool,
+        timeout_s=1.0,
+        tokenizer=tokenizer,
+        max_output_chars=1024,
+        max_output_tokens=128,
+    )
+    loop = "i = 0\nwhile True:\n    print(f'line {i}', flush=True)\n    i += 1"
+    try:
+        shown = []
+        for _ in range(2):
+            env.reset(seed=0)
+            obs, *_, info = env.step(code(loop))
+            shown.append(obs)
+            assert info["tool_calls"][0]["timed_out"] and info["tool_calls"][0]["truncated"]
+    finally:
+        env.close()
+    assert shown[0] == shown[1]
+    body = shown[0].removeprefix("\n<interpreter>\n").removesuffix("\n</interpreter>\n")
+    head, marker, note = body.split("\n")[:-2], *body.split("\n")[-2:]
+    assert head[:3] == ["line 0", "line 1", "line 2"] and "truncated" not in body
+    assert len(tokenizer.encode("\n".join(head), add_special_tokens=False)) <= 128
+    assert marker == "... [the output went on until the timeout]"
+    assert note.startswith("TimeoutError: the code timed out after 1 s")
+    assert settled(local_pool).leased == 0
+
+
 def test_hermes_episode_uses_tool_messages(make_env, fake_pool, settled):
     env = make_env(CodeInterpreterEnv, [PROBLEM], pool=fake_pool, format="hermes")
     _, info = env.reset(seed=0)
