@@ -31,7 +31,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "study.yaml"
-TIME_KEYS = ("time/", "duration", "cpu_s", "_per_s", "tokens_per_s")
+TIME_KEYS = ("time/", "duration", "cpu_s", "_per_s", "seconds")
 
 
 def run(root: Path, variant: str, steps: int, extra: list[str]) -> float:

@@ -210,7 +210,8 @@ class EnvConfig:
             null: the registered env's own (``retool`` for the built-in code-interpreter ids).
         max_turns: Model turns per episode (the paper: 16).
         max_tool_calls: Tool calls per episode.
-        max_output_chars: Tool output beyond this many characters is cut (head and tail kept).
+        max_output_chars: Tool output beyond this many characters is cut (head and tail kept; the head
+            alone for output a timeout cut short, whose length depends on timing).
         max_output_tokens: Tool output beyond this many tokens is cut.
         system_prompt: null for the registered env's (by default the format's own instructions), ""
             for none, or a text.
