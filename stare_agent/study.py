@@ -390,10 +390,13 @@ def summarize(
 
 def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     """One run's numbers: entropy at the last step and its area under the curve per step (trapezoid
-    over the logged steps, divided by the steps it spans), best and final held-out accuracy (sampled
-    ``eval/avg@k`` and greedy ``eval_greedy/avg@1``, over the trained steps: not the start's step 0),
-    the mean over steps of the fraction of tokens STARE reweighted and of its mean token weight (how far its update is from GRPO-ds's), and the
-    median seconds per step and of its log-prob pass (GRPO-ds takes none).
+    over the logged steps, divided by the steps it spans), its mean over the first and over the last
+    ``EDGE_STEPS`` logged steps and its standard deviation over the steps (step-to-step noise), best
+    and final held-out accuracy (sampled ``eval/avg@k`` and greedy ``eval_greedy/avg@1``, over the
+    trained steps: not the start's step 0), the mean over steps of the fraction of tokens STARE
+    reweighted, of its mean token weight (how far its update is from GRPO-ds's), of ``|L+|`` and of
+    the fraction of L+ more surprising than the batch entropy (the paper's criticality argument), and
+    the median seconds per step and of its log-prob pass (GRPO-ds takes none).
 
     >>> r = [{"step": 1, "entropy": 0.5}, {"step": 2, "entropy": 0.3}, {"step": 3, "entropy": 0.1}]
     >>> run_numbers(r)["entropy_final"], round(run_numbers(r)["entropy_auc"], 6)
@@ -412,7 +415,16 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
         ]
         if acc:
             out[f"heldout_{tag}_best"], out[f"heldout_{tag}_final"] = max(acc), acc[-1]
-    for key, name in (("frac_reweighted", "reweighted"), ("stare/mean_weight", "mean_weight")):
+    if H:
+        values = [h for _, h in H]
+        out["entropy_early"], out["entropy_late"] = _mean(values[:EDGE_STEPS]), _mean(values[-EDGE_STEPS:])
+        out["entropy_step_std"] = math.sqrt(_mean([(h - _mean(values)) ** 2 for h in values]))
+    for key, name in (
+        ("frac_reweighted", "reweighted"),
+        ("stare/mean_weight", "mean_weight"),
+        ("stare/L_plus", "L_plus"),
+        ("stare/L_plus_above_entropy", "L_plus_above_entropy"),
+    ):
         values = [float(r[key]) for r in records if _finite(r.get(key))]
         if values:
             out[name] = _mean(values)
@@ -425,6 +437,14 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+EDGE_STEPS = 5  # "early" and "late" entropy: the mean over this many steps at each end of a run
+DYNAMICS_COLUMNS = (
+    ("entropy_early", f"entropy, first {EDGE_STEPS} steps"),
+    ("entropy_late", f"entropy, last {EDGE_STEPS} steps"),
+    ("entropy_step_std", "entropy std over steps"),
+    ("L_plus", "L+ tokens per step"),
+    ("L_plus_above_entropy", "L+ above batch entropy"),
+)
 COLUMNS = (
     ("steps", "steps logged"),
     ("entropy_final", "final entropy"),
@@ -447,8 +467,9 @@ def format_table(
     h_tgt: float,
     start: dict[str, dict[str, float]] | None = None,
 ) -> str:
-    """The markdown table: mean +- std over seeds per variant, after a line on the start (the
-    calibration, and ``start``: its held-out accuracy over the seeds' held-out sets)."""
+    """The markdown tables, mean +- std over seeds per variant, after a line on the start (the
+    calibration, and ``start``: its held-out accuracy over the seeds' held-out sets): the main one
+    (``COLUMNS``), then the entropy's dynamics and STARE's reach (``DYNAMICS_COLUMNS``)."""
     held_out = "".join(
         f", held-out accuracy ({tag}) {n['mean']:.3f}"
         + (f" ± {n['std']:.3f} over {n['n']} seeds" if n["n"] > 1 else "")
@@ -460,25 +481,28 @@ def format_table(
         f"{calibration['mean_reward']:.3f} on {calibration['problems']} x {calibration['samples_per_problem']} "
         f"RL draws, entropy on those sampled tokens {calibration.get('entropy', math.nan):.3f}{held_out}; "
         f"H_tgt = {h_tgt:g}.",
-        "",
-        "| variant | seeds | " + " | ".join(title for _, title in COLUMNS) + " |",
-        "|---|---:|" + "---:|" * len(COLUMNS),
     ]
-    for variant, numbers in summary.items():
-        seeds = max((n["n"] for n in numbers.values()), default=0)
-        cells = []
-        for key, _ in COLUMNS:
-            n = numbers.get(key)
-            cells.append(
-                "-"
-                if n is None
-                else f"{n['mean']:g}"
-                if key == "steps"  # mean over seeds
-                else f"{n['mean']:.3f} ± {n['std']:.3f}"
-                if n["n"] > 1
-                else f"{n['mean']:.3f}"
-            )
-        lines.append(f"| {variant} | {seeds} | " + " | ".join(cells) + " |")
+    for columns in (COLUMNS, DYNAMICS_COLUMNS):
+        lines += [
+            "",
+            "| variant | seeds | " + " | ".join(title for _, title in columns) + " |",
+            "|---|---:|" + "---:|" * len(columns),
+        ]
+        for variant, numbers in summary.items():
+            seeds = max((n["n"] for n in numbers.values()), default=0)
+            cells = []
+            for key, _ in columns:
+                n = numbers.get(key)
+                cells.append(
+                    "-"
+                    if n is None
+                    else f"{n['mean']:g}"
+                    if key == "steps"  # mean over seeds
+                    else f"{n['mean']:.3f} ± {n['std']:.3f}"
+                    if n["n"] > 1
+                    else f"{n['mean']:.3f}"
+                )
+            lines.append(f"| {variant} | {seeds} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

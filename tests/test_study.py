@@ -59,12 +59,16 @@ def test_study_smoke_makes_figure_table_and_data_then_resumes(tmp_path, model_di
     assert {r["variant"] for r in rows if r.get("stare/mean_weight")} == {"stare-o1"}
     table = (root / "study.md").read_text().splitlines()
     assert "held-out accuracy (sampled) " in table[0] and "held-out accuracy (greedy) " in table[0]
-    assert [line.split("|")[1].strip() for line in table if line.startswith("| ") and "---" not in line][
-        1:
-    ] == [
+    # two tables (the main one, then the entropy's dynamics and STARE's reach), one row per variant
+    assert [line.split("|")[1].strip() for line in table if line.startswith("| ") and "---" not in line] == [
+        "variant",
+        "grpo-ds",
+        "stare-o1",
+        "variant",
         "grpo-ds",
         "stare-o1",
     ]
+    assert "entropy, first 5 steps" in table[-4] and "L+ above batch entropy" in table[-4]
     summary = json.loads((root / "study.json").read_text())["variants"]
     assert summary["stare-o1"]["entropy_final"]["n"] == 1
     assert "heldout_greedy_final" in summary["grpo-ds"]  # step 2 evaluates, sampled and greedy
@@ -104,6 +108,19 @@ def test_run_numbers_skip_nan_steps_and_take_the_median_step_time():
     assert (n["heldout_sampled_best"], n["heldout_sampled_final"]) == (0.5, 0.5)
     assert (n["heldout_greedy_best"], n["heldout_greedy_final"]) == (0.5, 0.25)
     assert n["seconds_per_step"] == 30.0  # median of 10, 20, 30, 40 (upper middle)
+
+
+def test_run_numbers_give_the_entropy_at_both_ends_its_step_noise_and_stares_reach():
+    H = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
+    records = [{"step": i + 1, "entropy": h} for i, h in enumerate(H)]
+    records[0].update({"stare/L_plus": 10.0, "stare/L_plus_above_entropy": 0.5})
+    records[1].update({"stare/L_plus": 20.0, "stare/L_plus_above_entropy": 0.25})
+    n = run_numbers(records)
+    assert n["entropy_early"] == pytest.approx(0.3)  # steps 1-5: (0.1 + ... + 0.5) / 5
+    assert n["entropy_late"] == pytest.approx(0.5)  # steps 3-7
+    # population std of 0.1..0.7 around 0.4: sqrt((0.09 + 0.04 + 0.01 + 0 + 0.01 + 0.04 + 0.09) / 7)
+    assert n["entropy_step_std"] == pytest.approx(0.2)
+    assert n["L_plus"] == 15.0 and n["L_plus_above_entropy"] == pytest.approx(0.375)
 
 
 def test_engine_auto_is_resolved_once_for_every_run(tmp_path, monkeypatch):
