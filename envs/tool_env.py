@@ -427,12 +427,12 @@ class ToolEnv(gymnasium.Env[str, str]):
         timing) keeps the head alone, with a marker that names no amount, so that the same code
         shows the same output in every run once it printed more than the limit."""
         if head_only:
-            head = text[: self.max_output_chars]
+            start = text[: self.max_output_chars]
             if self.tokenizer is not None:
-                ids = list(self.tokenizer.encode(head, add_special_tokens=False))
+                ids = list(self.tokenizer.encode(start, add_special_tokens=False))
                 if len(ids) > self.max_output_tokens:
-                    head = self.tokenizer.decode(ids[: self.max_output_tokens])
-            return text if head == text else f"{head}\n... [the output went on until the timeout]"
+                    start = self.tokenizer.decode(ids[: self.max_output_tokens])
+            return text if start == text else f"{start}\n... [the output went on until the timeout]"
         text, _ = truncate_text(text, self.max_output_chars)
         if self.tokenizer is None:
             return text
