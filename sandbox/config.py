@@ -17,6 +17,11 @@ HASH_SEED = "0"
 and every run, so a seeded run sees the same tool output (hash flooding is no threat from code that
 may already use the whole sandbox)."""
 
+RANDOM_SEED = 0
+"""Seed of the ``random`` module in every kernel, at its start and at each reset: code that draws
+from ``random`` without seeding it prints the same in every sandbox and run. ``numpy.random`` is
+seeded by numpy from the OS when code imports it: such code should seed it."""
+
 SHARED_NETWORK_MODES = ("host", "container:")
 """Docker network modes that share another namespace's network: refused."""
 

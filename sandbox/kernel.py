@@ -48,6 +48,7 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.session import DELIM
 
 from sandbox.base import Sandbox
+from sandbox.config import RANDOM_SEED
 from sandbox.errors import SandboxClosed, SandboxError
 from sandbox.result import ExecError, ExecResult
 from sandbox.zmtp import BoundedSocket, DroppedMessage
@@ -687,7 +688,10 @@ BOOT_SNAPSHOT = (
 """Run once after each kernel start (outside the user namespace): records what ``reset_code``
 restores, and forgets the error of ``WARM_TRACEBACKS`` (``sys.last_*``)."""
 
-KERNEL_BOOT = f"{BOOT_SNAPSHOT}\n{BOUNDED_OUTPUT}"
+SEED_RANDOM = f"exec('import random\\nrandom.seed({RANDOM_SEED})\\n', {{}})"
+"""Run after each kernel start and at each soft reset: ``random`` starts from ``RANDOM_SEED``."""
+
+KERNEL_BOOT = f"{BOOT_SNAPSHOT}\n{BOUNDED_OUTPUT}\n{SEED_RANDOM}"
 """What each new kernel runs before the first call: sent as a request by the driver, or run by
 the Docker warden in the kernel process before it serves (one round trip less per reset)."""
 
@@ -768,14 +772,14 @@ def reset_code(scratch_dirs: list[str], *, kill_all: bool, keep: tuple[str, ...]
     """Housekeeping cell for a soft reset, run outside the user namespace.
 
     It clears the user namespace and output cache (like ``%reset -f``), restores ``os.environ`` and ``sys.path`` to
-    their values at kernel start, resets signal handlers and alarms, SIGKILLs stray processes
+    their values at kernel start, reseeds ``random`` (``RANDOM_SEED``), resets signal handlers and alarms, SIGKILLs stray processes
     (every process but PID 1 and the kernel when ``kill_all``, else the kernel's descendants),
     empties ``scratch_dirs`` (except the paths in ``keep``) and changes into the first. Modules already imported stay imported
     (re-importing C extensions such as numpy in one process is unsafe), so a monkey-patch of a
     module survives; ``reset(hard=True)`` starts a fresh process when that matters.
     """
     source = f"KILL_ALL = {kill_all!r}\nSCRATCH = {scratch_dirs!r}\nKEEP = {list(keep)!r}\n{_RESET_SOURCE}"
-    return f"exec({source!r}, {{}})"
+    return f"exec({source!r}, {{}})\n{SEED_RANDOM}"
 
 
 class KernelSandbox(Sandbox):

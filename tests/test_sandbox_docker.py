@@ -116,6 +116,16 @@ def test_string_hashes_and_set_order_are_the_same_in_every_sandbox(sb: DockerSan
         assert sb.run(code).stdout == other.run(code).stdout != ""
 
 
+def test_random_draws_the_same_in_every_sandbox_and_after_every_reset(sb: DockerSandbox) -> None:
+    code = "import random\nprint(random.random(), random.randint(0, 10**9))"
+    first = sb.run(code).stdout
+    with DockerSandbox() as other:
+        assert other.run(code).stdout == first != ""
+    assert sb.run(code).stdout != first  # the stream goes on within an episode
+    sb.reset()
+    assert sb.run(code).stdout == first  # and starts over in the next
+
+
 def test_soft_and_hard_reset_clear_state(sb: DockerSandbox) -> None:
     sb.run(
         "import os\nv = 1\nopen('/work/f', 'w').write('x')\nopen('/tmp/g', 'w').write('x')\nos.environ['E'] = '1'"

@@ -106,6 +106,16 @@ def test_string_hashes_are_the_same_in_every_local_sandbox(sb: LocalSandbox) -> 
         assert sb.run("print(hash('stare'))").stdout == other.run("print(hash('stare'))").stdout != ""
 
 
+def test_random_draws_the_same_in_every_local_sandbox_and_after_every_reset(sb: LocalSandbox) -> None:
+    code = "import random\nprint(random.random(), random.randint(0, 10**9))"
+    first = sb.run(code).stdout
+    with LocalSandbox() as other:
+        assert other.run(code).stdout == first != ""
+    assert sb.run(code).stdout != first
+    sb.reset()  # in place: the same interpreter, reseeded
+    assert sb.run(code).stdout == first
+
+
 @pytest.mark.parametrize("code", ["import os; os.kill(os.getpid(), 9)", "import os; os._exit(1)"])
 def test_killed_kernel_is_reported_and_replaced(sb: LocalSandbox, code: str) -> None:
     result = sb.run(code)
