@@ -272,6 +272,10 @@ def list_tools() -> list[str]:
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
+NO_OUTPUT = "(no output: use print() to show values)"
+"""What the model reads after code that printed nothing and raised nothing."""
+
+
 def render_exec_result(result: ExecResult) -> str:
     """What the model reads after running code: output, the error, and timeout/state notes.
 
@@ -280,7 +284,7 @@ def render_exec_result(result: ExecResult) -> str:
     colored prints) are removed: they are noise to a model.
     """
     text, note = exec_result_parts(result)
-    return "\n".join(part for part in (text, note) if part) or "(no output: use print() to show values)"
+    return "\n".join(part for part in (text, note) if part) or NO_OUTPUT
 
 
 def exec_result_parts(result: ExecResult) -> tuple[str, str]:
@@ -326,6 +330,6 @@ class CodeInterpreterTool:
         result = self.sandbox.run(code, timeout=self.timeout_s)
         error_type = "Timeout" if result.timed_out else (result.error.type if result.error else None)
         text, note = exec_result_parts(result)
-        if not (text or note):
-            text = render_exec_result(result)
-        return ToolResult(text, exec_result=result, error_type=error_type, note=note)
+        return ToolResult(
+            text or ("" if note else NO_OUTPUT), exec_result=result, error_type=error_type, note=note
+        )
