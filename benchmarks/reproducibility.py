@@ -2,8 +2,8 @@
 
 Runs ``stare-agent study --variants VARIANT --seeds 1`` twice, each in its own directory (cold-start
 SFT, calibration, RL steps with held-out evaluations; ``trainer.save_rollouts=true``), one after the
-other on this machine, then compares, in order of the pipeline: the SFT losses, the calibration, every
-step's metrics (all but wall times) and every saved episode (its token ids and reward) of each step's
+other on this machine, then compares, in order of the pipeline: the SFT losses, the calibration, the
+start's evaluation, every step's metrics (all but wall times) and every saved episode (its token ids and reward) of each step's
 draws and of each evaluation. Prints one row per artefact: items compared, identical, and the first
 difference. Wall times are compared too (medians and their ratio), as the second run had other load.
 
@@ -106,6 +106,12 @@ def main() -> int:
             [_timeless(json.loads((a / "calibration.json").read_text()))],
             [_timeless(json.loads((b / "calibration.json").read_text()))],
             lambda i, _: "calibration.json",
+        ),
+        compare(
+            "start's evaluation",
+            [_timeless(json.loads((a / "start_eval.json").read_text()))],
+            [_timeless(json.loads((b / "start_eval.json").read_text()))],
+            lambda i, _: "start_eval.json",
         ),
     ]
     ma, mb = (_lines(r / "metrics.jsonl") for r in (run_a, run_b))
