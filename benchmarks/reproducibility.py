@@ -3,15 +3,15 @@
 Runs ``stare-agent study --variants VARIANT --seeds 1`` twice, each in its own directory (cold-start
 SFT, calibration, RL steps with held-out evaluations; ``trainer.save_rollouts=true``), one after the
 other on this machine, then compares, in order of the pipeline: the SFT losses, the calibration, the
-start's evaluation, every step's metrics (all but wall times) and every saved episode (its token ids and reward) of each step's
-draws and of each evaluation. Prints one row per artefact: items compared, identical, and the first
+start's evaluation, every step's metrics (all but wall times) and every saved episode (its token
+ids and reward) of each step's draws and of each evaluation. Prints one row per artefact: items compared, identical, and the first
 difference. Wall times are compared too (medians and their ratio), as the second run had other load.
 
 Same machine, same CPU type and thread count: bf16 kernels round differently on another CPU (e.g. AMX
 vs AVX-512), so a run on another machine type differs from the first token whose rounding differs.
 
-Run: ``.venv/bin/python benchmarks/reproducibility.py`` (about 15 minutes on the 2-core CPU: 6 steps,
-evaluations at steps 5 and 6); ``--steps``, ``--variant`` and extra overrides after ``--``.
+Run: ``.venv/bin/python benchmarks/reproducibility.py`` (about 20 minutes on the 2-core CPU: two runs of
+6 steps, evaluations at steps 5 and 6); ``--steps``, ``--variant`` and extra overrides after ``--``.
 """
 
 from __future__ import annotations
@@ -54,14 +54,20 @@ def _timeless(value: object) -> object:
     return value
 
 
+def _json(value: object) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
 def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def compare(name: str, a: list, b: list, label: Callable[[int, Any], str]) -> dict:
-    """One row: how many items, how many identical, the first that differs."""
-    same = sum(x == y for x, y in zip(a, b, strict=False))
-    first = next((label(i, x) for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), "")
+    """One row: how many items, how many identical, the first that differs. Items are compared as
+    JSON, so that a NaN (a skipped step's entropy) equals itself."""
+    equal = [_json(x) == _json(y) for x, y in zip(a, b, strict=False)]
+    same = sum(equal)
+    first = next((label(i, a[i]) for i, eq in enumerate(equal) if not eq), "")
     if len(a) != len(b):
         first = first or f"lengths {len(a)} vs {len(b)}"
     return {"artefact": name, "items": max(len(a), len(b)), "identical": same, "first difference": first}
@@ -121,7 +127,8 @@ def main() -> int:
             [_timeless(r) for r in ma],
             [_timeless(r) for r in mb],
             lambda i, r: (
-                f"step {r.get('step')}: " + ", ".join(k for k in r if r[k] != _timeless(mb[i]).get(k))[:60]
+                f"step {r.get('step')}: "
+                + ", ".join(k for k in r if _json(r[k]) != _json(_timeless(mb[i]).get(k)))[:60]
             ),
         )
     )

@@ -298,7 +298,7 @@ def exec_result_parts(result: ExecResult) -> tuple[str, str]:
             if result.state_lost
             else "The interpreter was interrupted; variables defined before this call are kept."
         )
-        note = _ANSI.sub("", f"TimeoutError: {limit} (output so far is shown above). {state}")
+        note = f"TimeoutError: {limit} (output so far is shown above). {state}"
     elif result.error is not None:
         trace = _ANSI.sub("", result.error.traceback).strip()
         parts.append(trace or _ANSI.sub("", f"{result.error.type}: {result.error.message}"))

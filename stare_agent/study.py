@@ -418,7 +418,7 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     if H:
         values = [h for _, h in H]
         out["entropy_early"], out["entropy_late"] = _mean(values[:EDGE_STEPS]), _mean(values[-EDGE_STEPS:])
-        out["entropy_step_std"] = math.sqrt(_mean([(h - _mean(values)) ** 2 for h in values]))
+        out["entropy_step_std"] = _std(values)
     for key, name in (
         ("frac_reweighted", "reweighted"),
         ("stare/mean_weight", "mean_weight"),

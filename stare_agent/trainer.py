@@ -297,13 +297,13 @@ class Trainer:
         else:
             kept, ds_metrics = [g for g in draw_batch() if g.trajectories][: data.prompts_per_step], {}
         t_rollout = time.perf_counter() - t0
+        episodes = [t for g in drawn for t in g.trajectories]
         trained = {id(g) for g in kept}
         self._save_rollouts(
             f"step_{self.step:05d}",
-            [t for g in drawn for t in g.trajectories],
+            episodes,
             [{"group": n, "trained": id(g) in trained} for n, g in enumerate(drawn) for _ in g.trajectories],
         )
-        episodes = [t for g in drawn for t in g.trajectories]
         metrics: dict[str, Any] = {**rollout_metrics(episodes, self._model_texts(episodes)), **ds_metrics}
         metrics["time/rollout_s"] = t_rollout
         metrics["failed_episodes"] = sum(g.failed for g in drawn)
