@@ -12,6 +12,9 @@ vs AVX-512), so a run on another machine type differs from the first token whose
 
 Run: ``.venv/bin/python benchmarks/reproducibility.py`` (about 20 minutes on the 2-core CPU: two runs of
 6 steps, evaluations at steps 5 and 6); ``--steps``, ``--variant`` and extra overrides after ``--``.
+``--compare A B`` compares two study dirs already run; ``--runs A B`` two run dirs (steps and episodes
+only), e.g. ``runs/study/runs/stare-o1-s0`` and ``no-off-state-s0``, the same algorithm wherever
+STARE's gate stays on.
 """
 
 from __future__ import annotations
@@ -73,34 +76,9 @@ def compare(name: str, a: list, b: list, label: Callable[[int, Any], str]) -> di
     return {"artefact": name, "items": max(len(a), len(b)), "identical": same, "first difference": first}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", default="stare-o1")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--keep", type=Path, help="keep both runs under this directory")
-    parser.add_argument(
-        "--compare",
-        nargs=2,
-        type=Path,
-        metavar="STUDY",
-        help="run nothing: compare two study dirs of VARIANT",
-    )
-    parser.add_argument("overrides", nargs="*", help="dotted overrides for both runs")
-    args = parser.parse_args()
-    walls: list[float] = []
-    if args.compare:
-        roots, base = list(args.compare), args.compare[0].parent
-    else:
-        base = args.keep or Path(tempfile.mkdtemp(prefix="stare-repro-"))
-        base.mkdir(parents=True, exist_ok=True)
-        roots = [base / "first", base / "second"]
-        for root in roots:
-            walls.append(run(root, args.variant, args.steps, args.overrides))
-            print(f"{root.name}: {walls[-1]:.0f} s", flush=True)
-
-    a, b = roots
-    run_a, run_b = (r / "runs" / f"{args.variant}-s0" for r in roots)
-    rows = [
+def study_rows(a: Path, b: Path) -> list[dict]:
+    """Rows for two study dirs' shared stages: SFT losses, calibration, the start's evaluation."""
+    return [
         compare(
             "SFT losses",
             [r.get("loss") for r in _lines(a / "sft" / "sft_log.jsonl")],
@@ -120,8 +98,12 @@ def main() -> int:
             lambda i, _: "start_eval.json",
         ),
     ]
+
+
+def compare_runs(run_a: Path, run_b: Path) -> list[dict]:
+    """Rows for two run dirs: every step's metrics (no times) and every saved episode."""
     ma, mb = (_lines(r / "metrics.jsonl") for r in (run_a, run_b))
-    rows.append(
+    rows = [
         compare(
             "step metrics (no times)",
             [_timeless(r) for r in ma],
@@ -131,7 +113,7 @@ def main() -> int:
                 + ", ".join(k for k in r if _json(r[k]) != _json(_timeless(mb[i]).get(k)))[:60]
             ),
         )
-    )
+    ]
     names = sorted({p.name for r in (run_a, run_b) for p in (r / "rollouts").glob("*.jsonl")})
     for kind in ("step", "eval", "eval_greedy"):
         files = [n for n in names if n.rsplit("_", 1)[0] == kind]
@@ -140,6 +122,51 @@ def main() -> int:
         rows.append(
             compare(f"episodes: {kind} ({len(files)} files)", ea, eb, lambda i, e: f"{e[0]} episode {i}")
         )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", default="stare-o1")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--keep", type=Path, help="keep both runs under this directory")
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        type=Path,
+        metavar="STUDY",
+        help="run nothing: compare two study dirs of VARIANT",
+    )
+    parser.add_argument(
+        "--runs",
+        nargs=2,
+        type=Path,
+        metavar="RUN",
+        help="run nothing: compare two run dirs' steps and episodes (e.g. two variants of one study"
+        " that are the same algorithm where STARE's gate stays on)",
+    )
+    parser.add_argument("overrides", nargs="*", help="dotted overrides for both runs")
+    args = parser.parse_args()
+    walls: list[float] = []
+    rows: list[dict] = []
+    if args.runs:
+        run_a, run_b = args.runs
+        base = run_a.parent
+    elif args.compare:
+        roots, base = list(args.compare), args.compare[0].parent
+    else:
+        base = args.keep or Path(tempfile.mkdtemp(prefix="stare-repro-"))
+        base.mkdir(parents=True, exist_ok=True)
+        roots = [base / "first", base / "second"]
+        for root in roots:
+            walls.append(run(root, args.variant, args.steps, args.overrides))
+            print(f"{root.name}: {walls[-1]:.0f} s", flush=True)
+
+    if not args.runs:
+        rows += study_rows(*roots)
+        run_a, run_b = (r / "runs" / f"{args.variant}-s0" for r in roots)
+    rows += compare_runs(run_a, run_b)
+    ma, mb = (_lines(r / "metrics.jsonl") for r in (run_a, run_b))
     steps_a = [r["time/step_s"] for r in ma if "time/step_s" in r]
     steps_b = [r["time/step_s"] for r in mb if "time/step_s" in r]
 
