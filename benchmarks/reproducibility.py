@@ -77,7 +77,10 @@ def compare(name: str, a: list, b: list, label: Callable[[int, Any], str]) -> di
 
 
 def study_rows(a: Path, b: Path) -> list[dict]:
-    """Rows for two study dirs' shared stages: SFT losses, calibration, the start's evaluation."""
+    """Rows for two study dirs' shared stages: SFT losses, calibration, the start's evaluation (of the
+    seeds both ran: a study of more seeds evaluates the start on each seed's held-out problems)."""
+    evals_a, evals_b = (json.loads((r / "start_eval.json").read_text()) for r in (a, b))
+    seeds = sorted(set(evals_a) & set(evals_b))
     return [
         compare(
             "SFT losses",
@@ -92,10 +95,10 @@ def study_rows(a: Path, b: Path) -> list[dict]:
             lambda i, _: "calibration.json",
         ),
         compare(
-            "start's evaluation",
-            [_timeless(json.loads((a / "start_eval.json").read_text()))],
-            [_timeless(json.loads((b / "start_eval.json").read_text()))],
-            lambda i, _: "start_eval.json",
+            "start's evaluation (seeds in both)",
+            [_timeless(evals_a[seed]) for seed in seeds],
+            [_timeless(evals_b[seed]) for seed in seeds],
+            lambda i, _: f"start_eval.json seed {seeds[i]}",
         ),
     ]
 
