@@ -11,7 +11,10 @@ Measures, in one run on this machine:
   container used per reset;
 - throughput of a ``SandboxPool`` of 4 with 8 concurrent callers, each leasing a sandbox for an
   episode of short statements (so lease, health check and the reset are included);
-- cold start: a new sandbox until its kernel has answered a first call.
+- cold start: a new sandbox until its kernel has answered a first call;
+- preloading (``sandbox.limits.preload``, numpy and sympy by default) against none: an episode's
+  first call ``import numpy, sympy`` (wall time and the container's CPU), the reset before it, a
+  container's memory once started, and its cold start.
 
 Targets (issues 2 and 11): Docker warm p50 <= 10 ms and >= 5x faster than the fresh subprocess;
 pool throughput >= 150 executions/s at 3 calls per episode, with the fresh-kernel reset.
@@ -159,6 +162,58 @@ def cold_start(backend: Backend, n: int) -> Row:
     return Row(f"{backend} cold start (to first result)", samples)
 
 
+PRELOAD_CALL = "import numpy, sympy\nx = sympy.Symbol('x')"
+
+
+def preload_costs(n: int) -> list[tuple[str, Row, Row, float, float, float]]:
+    """(name, first call wall ms, reset wall ms, first call container CPU ms, container memory MB
+    after start, cold start ms) for the default preload and for none, on one Docker sandbox each,
+    in alternating episodes (reset, then ``PRELOAD_CALL``)."""
+    from sandbox import DockerSandbox, SandboxConfig
+    from sandbox.usage import cgroup_dir
+
+    def memory_mb(sb: DockerSandbox) -> float:
+        folder = cgroup_dir(sb._host.init_pid, "memory") if sb._host is not None else None
+        for name in ("memory.current", "memory.usage_in_bytes"):
+            if folder is not None and (folder / name).exists():
+                return int((folder / name).read_text()) / 2**20
+        return float("nan")
+
+    configs = {
+        "preload numpy, sympy (default)": SandboxConfig(),
+        "baseline: no preload": SandboxConfig(preload=[]),
+    }
+    sandboxes, cold, memory = {}, {}, {}
+    with contextlib.ExitStack() as stack:
+        for name, config in configs.items():
+            t0 = time.perf_counter()
+            sb = stack.enter_context(DockerSandbox(config))
+            sb.run("1")
+            cold[name] = (time.perf_counter() - t0) * 1e3
+            memory[name] = memory_mb(sb)
+            sandboxes[name] = sb
+        calls = {name: Row(name, []) for name in configs}
+        resets = {name: Row(name, []) for name in configs}
+        cpu = dict.fromkeys(configs, 0.0)
+        for _ in range(n):
+            for name, sb in sandboxes.items():
+                t0 = time.perf_counter()
+                sb.reset()
+                resets[name].samples_ms.append((time.perf_counter() - t0) * 1e3)
+                meter = sb._host.usage if sb._host is not None else None
+                before = meter.cpu_seconds() if meter is not None else None
+                t0 = time.perf_counter()
+                result = sb.run(PRELOAD_CALL)
+                calls[name].samples_ms.append((time.perf_counter() - t0) * 1e3)
+                after = meter.cpu_seconds() if meter is not None else None
+                if not result.ok:
+                    raise RuntimeError(f"{name}: {PRELOAD_CALL!r} failed: {result}")
+                cpu[name] += (after - before) if before is not None and after is not None else float("nan")
+    return [
+        (name, calls[name], resets[name], cpu[name] / n * 1e3, memory[name], cold[name]) for name in configs
+    ]
+
+
 @dataclass
 class Throughput:
     rate: float  # executions per second, all callers together
@@ -288,6 +343,20 @@ def main(argv: list[str] | None = None) -> None:
     print(" CPU = this process and the pool's containers, resets included: exec/s per idle core is")
     print(" what the work costs, whatever else runs on the machine)")
     print(f"(load average after: {_load()})")
+
+    if "docker" in backends:
+        print(
+            f"\nAn episode's first call {PRELOAD_CALL.splitlines()[0]!r}, one Docker sandbox each (load {_load()})"
+        )
+        print(
+            f"{'':32s} {'n':>4s} {'call p50 ms':>12s} {'call CPU ms':>12s} {'reset p50 ms':>13s}"
+            f" {'memory MB':>10s} {'cold start ms':>14s}"
+        )
+        for name, call, reset, cpu_ms, mem, cold in preload_costs(n_reset):
+            print(
+                f"{name:32s} {len(call.samples_ms):4d} {call.p50:12.1f} {cpu_ms:12.1f} {reset.p50:13.1f}"
+                f" {mem:10.0f} {cold:14.0f}"
+            )
 
     print("\nCold start (new sandbox until its first result)")
     print(f"{'':40s} {'n':>5s} {'p50 ms':>9s} {'p99 ms':>9s}")

@@ -142,7 +142,13 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
     memory = f"{config.memory_mb}m"
     file_bytes = config.tmpfs_mb * 2**20  # no file in the sandbox can be larger than /work
     options = {
-        "command": [*KERNEL_COMMAND, f"{CONN_DIR}/kernel.json", KERNEL_BOOT, *KERNEL_ARGS],
+        "command": [
+            *KERNEL_COMMAND,
+            f"{CONN_DIR}/kernel.json",
+            KERNEL_BOOT,
+            json.dumps(list(config.preload)),
+            *KERNEL_ARGS,
+        ],
         "group_add": [str(conn_group)] if conn_group is not None else [],
         "environment": env,
         "user": config.user,
@@ -351,9 +357,17 @@ class _ContainerKernel:
         if state.get("OOMKilled"):
             return f"killed for using more than the {self.memory_mb} MB memory limit"
         code = state.get("ExitCode")
-        return f"exit code {code}" + (
+        cause = f"exit code {code}" + (
             f" (signal {code - 128})" if isinstance(code, int) and code > 128 else ""
         )
+        try:  # the warden logs why it exited (e.g. a module sandbox.preload names is missing)
+            lines = (
+                self.container.logs(stdout=False, stderr=True, tail=5).decode(errors="replace").splitlines()
+            )
+        except Exception:  # noqa: BLE001 - the cause is still the exit code
+            lines = []
+        said = [line for line in lines if line.startswith("warden: ")]
+        return f"{cause}; {said[-1]}" if said else cause
 
 
 def _pidfd(pid: int) -> int | None:

@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import collections
 import hmac
+import json
 import logging
 import re
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 import zmq
@@ -175,6 +177,8 @@ class KernelDriver:
             starts kernels has warmed the traceback machinery for them, as the Docker warden does).
         boot_in_kernel: The kernel ran ``KERNEL_BOOT`` itself before serving (the Docker warden
             does), so it is not sent as a first request.
+        preload: Modules each new kernel imports before ``KERNEL_BOOT`` (``SandboxConfig.preload``),
+            when the driver sends the boot; where the kernel boots itself, its starter imports them.
     """
 
     def __init__(
@@ -186,9 +190,11 @@ class KernelDriver:
         restart_grace_s: float,
         warm_tracebacks: bool = True,
         boot_in_kernel: bool = False,
+        preload: Sequence[str] = (),
     ) -> None:
         self.host = host
         self.boot_in_kernel = boot_in_kernel
+        self.preload = tuple(preload)
         self.max_output_chars = max_output_chars
         self.restart_grace_s = restart_grace_s
         self.warm_tracebacks = warm_tracebacks
@@ -227,6 +233,13 @@ class KernelDriver:
         if self.warm_tracebacks:
             self.run_quiet(WARM_TRACEBACKS, max(1.0, deadline - time.monotonic()))
         if not self.boot_in_kernel:
+            if self.preload and not self.run_quiet(
+                preload_code(self.preload), max(10.0, deadline - time.monotonic())
+            ):
+                raise SandboxError(
+                    f"the kernel could not import sandbox.preload {list(self.preload)} (missing from its "
+                    "Python?): install them there, or list fewer in sandbox.limits.preload"
+                )
             self.run_quiet(KERNEL_BOOT, max(1.0, deadline - time.monotonic()))
 
     def _connect(self, deadline: float, timeout: float, *, renew: bool) -> None:
@@ -688,8 +701,28 @@ BOOT_SNAPSHOT = (
 """Run once after each kernel start (outside the user namespace): records what ``reset_code``
 restores, and forgets the error of ``WARM_TRACEBACKS`` (``sys.last_*``)."""
 
-SEED_RANDOM = f"exec('import random\\nrandom.seed({RANDOM_SEED})\\n', {{}})"
-"""Run after each kernel start and at each soft reset: ``random`` starts from ``RANDOM_SEED``."""
+SEED_RANDOM = (
+    "exec('import random, sys\\n"
+    f"random.seed({RANDOM_SEED})\\n"
+    'numpy = sys.modules.get("numpy")\\n'
+    "if numpy is not None:\\n"
+    "    try:\\n"
+    f"        numpy.random.seed({RANDOM_SEED})\\n"
+    "    except Exception:\\n"
+    "        pass\\n', {})"
+)
+"""Run after each kernel start and at each soft reset: ``random``, and ``numpy.random``'s global
+generator where numpy is imported (``SandboxConfig.preload``; numpy 2 imports ``numpy.random`` on
+first use, here), start from ``RANDOM_SEED``. (Code
+that broke ``numpy.random.seed`` in a local kernel keeps its break after a soft reset, like any
+monkey-patch.)"""
+
+
+def preload_code(modules: Sequence[str]) -> str:
+    """Housekeeping cell that imports ``modules`` (``SandboxConfig.preload``) outside the user
+    namespace: what a local kernel runs once at its start (the Docker warden imports them itself)."""
+    return f"exec('import importlib\\nfor name in {json.dumps(list(modules))}:\\n    importlib.import_module(name)\\n', {{}})"
+
 
 KERNEL_BOOT = f"{BOOT_SNAPSHOT}\n{BOUNDED_OUTPUT}\n{SEED_RANDOM}"
 """What each new kernel runs before the first call: sent as a request by the driver, or run by

@@ -603,6 +603,7 @@ class LocalSandbox(KernelSandbox):
                 self._kernel,
                 max_output_chars=self.config.max_output_chars,
                 restart_grace_s=self.config.restart_grace_s,
+                preload=self.config.preload,
             )
             self._driver.wait_ready(start_timeout)
         except BaseException:

@@ -1,14 +1,15 @@
 """The warden: the process in a sandbox container that starts each kernel and wipes up after it.
 
 This file is a program that runs *inside* the container (its Python, stdlib and ipykernel only;
-nothing from this package): ``python3 -c <this source> <connection file> <boot code> <kernel args>``, as the
-child of tini. It never runs model code, so the reset between episodes does not depend on the
+nothing from this package): ``python3 -c <this source> <connection file> <boot code> <preload as a
+JSON list> <kernel args>``, as the child of tini. It never runs model code, so the reset between episodes does not depend on the
 good behaviour of the interpreter that ran it:
 
 1. At start it makes itself non-dumpable (code of the same uid can neither ptrace it nor read or
    write its memory, and its ``/proc`` files become root's), a child subreaper (every orphan of a
    kernel becomes its child), drops ``''`` from ``sys.path`` (the work dir), imports everything a
-   kernel needs, binds the kernel's five unix sockets itself (zmq ``USE_FD``: each kernel serves
+   kernel needs and the modules the host preloads (``SandboxConfig.preload``: numpy and sympy by
+   default, so an episode's ``import sympy`` costs nothing; exit 75 when one is missing), binds the kernel's five unix sockets itself (zmq ``USE_FD``: each kernel serves
    on these listeners, so the connection dir never has to be writable again), and records its
    rlimits and scheduling.
 2. It forks a kernel: signal dispositions and mask back to default, dumpable again, cwd
@@ -385,8 +386,25 @@ def exit_status(status):
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
+def preload(names):
+    """Import ``names`` (the host's ``SandboxConfig.preload``) here, once, so that every kernel
+    forks with them imported. False, logged with the fix, when one cannot be imported."""
+    import importlib
+
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - any failure of the import is reported alike
+            log(
+                f"cannot preload {name!r} ({type(exc).__name__}: {exc}): install it in the image, "
+                "or leave it out of sandbox.limits.preload"
+            )
+            return False
+    return True
+
+
 def main(argv):
-    connection_file, boot, kernel_args = argv[0], argv[1], argv[2:]
+    connection_file, boot, modules, kernel_args = argv[0], argv[1], json.loads(argv[2]), argv[3:]
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     sys.path[:] = [p for p in sys.path if p and os.path.abspath(p) != "/work"]
@@ -414,6 +432,8 @@ def main(argv):
     except ImportError:
         pass
     warm_tracebacks()
+    if not preload(modules):
+        return 75
     with open(connection_file) as f:
         info = json.load(f)
     listeners = bind_listeners(info)

@@ -144,3 +144,14 @@ def test_algorithm_rules_are_stated_once(overrides, direct):
     with pytest.raises(ConfigError) as configured:
         load_config(None, overrides)
     assert str(configured.value) == f"algorithm: {rule.value}"
+
+
+def test_sandbox_preload_is_a_list_of_module_names() -> None:
+    assert load_config(None).sandbox.limits.preload == ["numpy", "sympy"]
+    assert load_config(None, ["sandbox.limits.preload=[]"]).sandbox.limits.preload == []
+    assert load_config(None, ["sandbox.limits.preload=[scipy.special]"]).sandbox.limits.preload == [
+        "scipy.special"
+    ]
+    for bad in ("sandbox.limits.preload=['os; import x']", "sandbox.limits.preload=['']"):
+        with pytest.raises(ConfigError, match=r"^sandbox.preload must be a list of module names"):
+            load_config(None, [bad])

@@ -13,7 +13,7 @@ from pathlib import Path
 import docker
 import pytest
 
-from sandbox import DockerSandbox, SandboxClosed, SandboxConfig, make_sandbox
+from sandbox import DockerSandbox, SandboxClosed, SandboxConfig, SandboxError, make_sandbox
 from sandbox.config import SANDBOX_UID
 from sandbox.docker import LABEL
 
@@ -124,6 +124,36 @@ def test_random_draws_the_same_in_every_sandbox_and_after_every_reset(sb: Docker
     assert sb.run(code).stdout != first  # the stream goes on within an episode
     sb.reset()
     assert sb.run(code).stdout == first  # and starts over in the next
+
+
+NUMPY_DRAW = "import numpy\nprint(numpy.random.rand(), numpy.random.randint(0, 10**9))"
+PRELOADED = "import sys\nprint(sorted(name for name in ('numpy', 'sympy') if name in sys.modules))"
+
+
+def test_numpy_random_draws_the_same_in_every_sandbox_and_after_every_reset(sb: DockerSandbox) -> None:
+    sb.reset()
+    first = sb.run(NUMPY_DRAW).stdout
+    with DockerSandbox() as other:
+        assert other.run(NUMPY_DRAW).stdout == first != ""
+    assert sb.run(NUMPY_DRAW).stdout != first  # the stream goes on within an episode
+    sb.reset()
+    assert sb.run(NUMPY_DRAW).stdout == first  # and starts over in the next
+
+
+def test_preloaded_modules_are_imported_before_the_first_call_of_every_episode(sb: DockerSandbox) -> None:
+    sb.reset()
+    assert sb.run(PRELOADED).stdout == "['numpy', 'sympy']\n"
+    sb.reset()  # a fresh fork of the warden, which imported them once
+    assert sb.run(PRELOADED).stdout == "['numpy', 'sympy']\n"
+    with DockerSandbox(SandboxConfig(preload=[])) as bare:
+        assert bare.run(PRELOADED).stdout == "[]\n"
+
+
+def test_a_preload_module_missing_from_the_image_stops_the_start_with_its_name(docker_ready) -> None:
+    with pytest.raises(
+        SandboxError, match=r"exit code 75.*cannot preload 'no_such_module'.*sandbox.limits.preload"
+    ):
+        DockerSandbox(SandboxConfig(preload=["numpy", "no_such_module"]))
 
 
 def test_soft_and_hard_reset_clear_state(sb: DockerSandbox) -> None:
