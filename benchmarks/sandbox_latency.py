@@ -12,7 +12,7 @@ Measures, in one run on this machine:
 - throughput of a ``SandboxPool`` of 4 with 8 concurrent callers, each leasing a sandbox for an
   episode of short statements (so lease, health check and the reset are included);
 - cold start: a new sandbox until its kernel has answered a first call;
-- preloading (``sandbox.limits.preload``, numpy and sympy by default) against none: an episode's
+- preloading numpy and sympy (``sandbox.limits.preload``) against none (the default): an episode's
   first call ``import numpy, sympy`` (wall time and the container's CPU), the reset before it, a
   container's memory once started, and its cold start.
 
@@ -42,7 +42,7 @@ from typing import cast
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sandbox import Sandbox, make_sandbox  # noqa: E402
-from sandbox.config import DEFAULT_IMAGE  # noqa: E402
+from sandbox.config import DEFAULT_IMAGE, PRELOAD_MATH  # noqa: E402
 from sandbox.pool import Backend, PoolStats, SandboxPool  # noqa: E402
 
 STATEMENT = "x = 1"
@@ -167,7 +167,7 @@ PRELOAD_CALL = "import numpy, sympy\nx = sympy.Symbol('x')"
 
 def preload_costs(n: int) -> list[tuple[str, Row, Row, float, float, float]]:
     """(name, first call wall ms, reset wall ms, first call container CPU ms, container memory MB
-    after start, cold start ms) for the default preload and for none, on one Docker sandbox each,
+    after start, cold start ms) with numpy and sympy preloaded and with none, one Docker sandbox each,
     in alternating episodes (reset, then ``PRELOAD_CALL``)."""
     from sandbox import DockerSandbox, SandboxConfig
     from sandbox.usage import cgroup_dir
@@ -180,8 +180,8 @@ def preload_costs(n: int) -> list[tuple[str, Row, Row, float, float, float]]:
         return float("nan")
 
     configs = {
-        "preload numpy, sympy (default)": SandboxConfig(),
-        "baseline: no preload": SandboxConfig(preload=[]),
+        "preload numpy, sympy": SandboxConfig(preload=list(PRELOAD_MATH)),
+        "baseline: no preload (default)": SandboxConfig(),
     }
     sandboxes, cold, memory = {}, {}, {}
     with contextlib.ExitStack() as stack:
@@ -224,11 +224,14 @@ class Throughput:
 
 
 def pool_throughput(
-    backend: Backend, size: int, callers: int, seconds: float, episode_len: int
+    backend: Backend, size: int, callers: int, seconds: float, episode_len: int, preload: bool = False
 ) -> Throughput:
     """``callers`` threads share a pool of ``size``; each leases a sandbox per episode of
-    ``episode_len`` short statements, for ``seconds``."""
-    with SandboxPool(size, backend=backend) as pool:
+    ``episode_len`` short statements, for ``seconds``; with no preload (the default) or numpy and sympy."""
+    from sandbox import SandboxConfig
+
+    config = SandboxConfig(preload=list(PRELOAD_MATH) if preload else [])
+    with SandboxPool(size, backend=backend, config=config) as pool:
         meters = _container_meters(pool)
         cpu_before = time.process_time() + _sum(m.cpu_seconds() for m in meters)
         stop = time.monotonic() + seconds
@@ -326,16 +329,20 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:40s} {len(row.samples_ms):5d} {row.p50:9.1f} {row.p99:9.1f} {cpu:>17s}")
 
     print(f"\nPool throughput: pool of 4, 8 caller threads, one lease per episode, {seconds:g} s each")
-    header = f"{'':28s} {'exec/s':>7s} {'run p50':>8s} {'run p99':>8s} {'lease p50':>10s} {'lease p99':>10s}"
+    header = f"{'':40s} {'exec/s':>7s} {'run p50':>8s} {'run p99':>8s} {'lease p50':>10s} {'lease p99':>10s}"
     print(f"{header} {'resets':>7s} {'replaced':>8s} {'CPU ms/exec':>11s} {'exec/s per idle core':>21s}")
     rates = {}
     for backend in backends:
-        for episode_len in episode_lens:
-            t = pool_throughput(backend, size=4, callers=8, seconds=seconds, episode_len=episode_len)
-            rates[backend, episode_len] = t.rate
-            name = f"{backend}, {episode_len} runs/episode"
+        runs = [(n, False) for n in episode_lens] + ([(episode_lens[0], True)] if backend == "docker" else [])
+        for episode_len, preload in runs:
+            t = pool_throughput(
+                backend, size=4, callers=8, seconds=seconds, episode_len=episode_len, preload=preload
+            )
+            if not preload:
+                rates[backend, episode_len] = t.rate
+            name = f"{backend}, {episode_len} runs/episode" + (", numpy+sympy preloaded" if preload else "")
             print(
-                f"{name:28s} {t.rate:7.0f} {t.per_call.p50:8.2f} {t.per_call.p99:8.2f} "
+                f"{name:40s} {t.rate:7.0f} {t.per_call.p50:8.2f} {t.per_call.p99:8.2f} "
                 f"{t.lease_wait.p50:10.2f} {t.lease_wait.p99:10.2f} {t.stats.resets:7d} {t.stats.replaced:8d} "
                 f"{t.cpu_ms_per_run:11.1f} {1e3 / t.cpu_ms_per_run:21.0f}"
             )

@@ -18,19 +18,23 @@ and every run, so a seeded run sees the same tool output (hash flooding is no th
 may already use the whole sandbox)."""
 
 RANDOM_SEED = 0
-"""Seed of the ``random`` module, and of ``numpy.random``'s global generator where numpy is
-imported (``SandboxConfig.preload`` imports it before any model code), in every kernel, at its
-start and at each reset: code that draws from either without seeding it prints the same in every
-sandbox and run. A module that imports numpy later, or ``numpy.random.default_rng()`` without a
-seed, draws from the OS."""
+"""Seed of the ``random`` module in every kernel, at its start and at each reset, and of
+``numpy.random``'s global generator where numpy is imported by then (``SandboxConfig.preload``;
+in a local kernel also after an earlier episode imported it): code that draws from them without
+seeding prints the same in every sandbox and run. Where numpy is imported later (in the Docker
+sandbox without a preload), or by ``numpy.random.default_rng()`` without a seed, it draws from
+the OS."""
 
-DEFAULT_PRELOAD = ("numpy", "sympy")
-"""Modules every kernel has imported before the first call: the code interpreter's tool description
-offers them, and an episode's first ``import sympy`` otherwise costs about 0.4 s of CPU time (its
-call's ``cpu_timeout_s`` included), numpy's 0.25 s; in the Docker sandbox each episode's kernel is a
-fresh fork, so without a preload each episode pays it again."""
+PRELOAD_MATH = ("numpy", "sympy")
+"""What ``preload`` lists for a model whose code imports the modules the code tool's description
+offers (the ReTool configs for Qwen2.5 set it): an episode's first ``import numpy, sympy``
+otherwise costs about 0.2 s of CPU time (its call's ``cpu_timeout_s`` included), since each
+episode's kernel in the Docker sandbox is a fresh fork; the fork of a bigger warden costs every
+episode a few ms of CPU more (``benchmarks/sandbox_latency.py``), so it pays once more than a few
+percent of episodes import them."""
 
 MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+"""A dotted module name: what ``preload`` accepts (it reaches the sandbox's Python as code)."""
 
 SHARED_NETWORK_MODES = ("host", "container:")
 """Docker network modes that share another namespace's network: refused."""
@@ -67,11 +71,12 @@ class SandboxConfig:
             None is the daemon's default (runc).
         restart_grace_s: Extra time allowed to interrupt or restart a kernel after a timeout.
         env: Extra environment variables inside the sandbox (the host's are never passed).
-        preload: Modules imported before any model code runs (``DEFAULT_PRELOAD``): in the Docker
-            sandbox once per container, by the warden whose fork each episode's kernel is, so an
-            episode's ``import`` of them is free (about 60 MB more memory per container for numpy
-            and sympy, counted against ``memory_mb``); in a local kernel once at its start. A
-            module the sandbox's Python lacks stops the sandbox's start with its name.
+        preload: Modules imported before any model code runs (e.g. ``PRELOAD_MATH``; none by
+            default): in the Docker sandbox once per container, by the warden whose fork each
+            episode's kernel is, so an episode's ``import`` of them is free (numpy and sympy: about
+            40 MB more memory per container, counted against ``memory_mb``, 0.25 s more at its
+            start, a few ms more CPU per episode); in a local kernel once at its start. A module the
+            sandbox's Python lacks stops the sandbox's start with its name.
     """
 
     image: str = DEFAULT_IMAGE
@@ -87,7 +92,7 @@ class SandboxConfig:
     restart_grace_s: float = 2.0
     env: dict[str, str] = field(default_factory=dict)
     runtime: str | None = None
-    preload: list[str] = field(default_factory=lambda: list(DEFAULT_PRELOAD))
+    preload: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ("memory_mb", "cpus", "pids_limit", "tmpfs_mb", "timeout_s", "max_output_chars"):

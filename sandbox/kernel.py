@@ -713,9 +713,8 @@ SEED_RANDOM = (
 )
 """Run after each kernel start and at each soft reset: ``random``, and ``numpy.random``'s global
 generator where numpy is imported (``SandboxConfig.preload``; numpy 2 imports ``numpy.random`` on
-first use, here), start from ``RANDOM_SEED``. (Code
-that broke ``numpy.random.seed`` in a local kernel keeps its break after a soft reset, like any
-monkey-patch.)"""
+first use, here), start from ``RANDOM_SEED``. (Code that broke ``numpy.random.seed`` in a local
+kernel keeps its break after a soft reset, like any monkey-patch.)"""
 
 
 def preload_code(modules: Sequence[str]) -> str:
@@ -805,7 +804,7 @@ def reset_code(scratch_dirs: list[str], *, kill_all: bool, keep: tuple[str, ...]
     """Housekeeping cell for a soft reset, run outside the user namespace.
 
     It clears the user namespace and output cache (like ``%reset -f``), restores ``os.environ`` and ``sys.path`` to
-    their values at kernel start, reseeds ``random`` (``RANDOM_SEED``), resets signal handlers and alarms, SIGKILLs stray processes
+    their values at kernel start, reseeds ``random`` and a loaded ``numpy.random`` (``SEED_RANDOM``), resets signal handlers and alarms, SIGKILLs stray processes
     (every process but PID 1 and the kernel when ``kill_all``, else the kernel's descendants),
     empties ``scratch_dirs`` (except the paths in ``keep``) and changes into the first. Modules already imported stay imported
     (re-importing C extensions such as numpy in one process is unsafe), so a monkey-patch of a

@@ -2,16 +2,17 @@
 
 This file is a program that runs *inside* the container (its Python, stdlib and ipykernel only;
 nothing from this package): ``python3 -c <this source> <connection file> <boot code> <preload as a
-JSON list> <kernel args>``, as the child of tini. It never runs model code, so the reset between episodes does not depend on the
-good behaviour of the interpreter that ran it:
+JSON list> <kernel args>``, as the child of tini. It never runs model code, so the reset between
+episodes does not depend on the good behaviour of the interpreter that ran it:
 
 1. At start it makes itself non-dumpable (code of the same uid can neither ptrace it nor read or
    write its memory, and its ``/proc`` files become root's), a child subreaper (every orphan of a
    kernel becomes its child), drops ``''`` from ``sys.path`` (the work dir), imports everything a
-   kernel needs and the modules the host preloads (``SandboxConfig.preload``: numpy and sympy by
-   default, so an episode's ``import sympy`` costs nothing; exit 75 when one is missing), binds the kernel's five unix sockets itself (zmq ``USE_FD``: each kernel serves
-   on these listeners, so the connection dir never has to be writable again), and records its
-   rlimits and scheduling.
+   kernel needs and the modules the host preloads (``SandboxConfig.preload``, none by default;
+   with numpy and sympy an episode's ``import sympy`` costs nothing; exit 75 when one is missing),
+   binds the kernel's five unix sockets itself (zmq ``USE_FD``: each kernel serves on these
+   listeners, so the connection dir never has to be writable again), and records its rlimits and
+   scheduling.
 2. It forks a kernel: signal dispositions and mask back to default, dumpable again, cwd
    ``/work``, then the rest of ipykernel's start-up and the host's boot code. Forking after the
    imports, the shell, its extensions and the first-use caches (``prepare_kernel``) makes a fresh

@@ -147,8 +147,11 @@ def test_algorithm_rules_are_stated_once(overrides, direct):
 
 
 def test_sandbox_preload_is_a_list_of_module_names() -> None:
-    assert load_config(None).sandbox.limits.preload == ["numpy", "sympy"]
-    assert load_config(None, ["sandbox.limits.preload=[]"]).sandbox.limits.preload == []
+    assert load_config(None).sandbox.limits.preload == []
+    assert load_config(None, ["sandbox.limits.preload=[numpy,sympy]"]).sandbox.limits.preload == [
+        "numpy",
+        "sympy",
+    ]
     assert load_config(None, ["sandbox.limits.preload=[scipy.special]"]).sandbox.limits.preload == [
         "scipy.special"
     ]

@@ -384,8 +384,11 @@ def test_waiter_gets_a_sandbox_as_soon_as_one_is_released():
 def test_failed_replacement_fails_fast_and_recovers_when_the_backend_does():
     factory = Factory()
     with SandboxPool(1, factory=factory, lease_timeout=30) as pool:
-        pool.release(pool.acquire(), broken=True)
+        lease = pool.acquire()
+        # Failing before the release: set after it, a replacement made in between (a loaded
+        # machine descheduling this thread) would succeed and nothing would raise.
         factory.fail = SandboxUnavailable("sandbox image missing: run `stare-agent sandbox build`")
+        pool.release(lease, broken=True)
         settled(pool)
         t0 = time.monotonic()
         with pytest.raises(PoolExhausted, match=r"could not start a sandbox \(sandbox image missing"):

@@ -14,7 +14,7 @@ import docker
 import pytest
 
 from sandbox import DockerSandbox, SandboxClosed, SandboxConfig, SandboxError, make_sandbox
-from sandbox.config import SANDBOX_UID
+from sandbox.config import PRELOAD_MATH, SANDBOX_UID
 from sandbox.docker import LABEL
 
 pytestmark = pytest.mark.docker
@@ -130,23 +130,23 @@ NUMPY_DRAW = "import numpy\nprint(numpy.random.rand(), numpy.random.randint(0, 1
 PRELOADED = "import sys\nprint(sorted(name for name in ('numpy', 'sympy') if name in sys.modules))"
 
 
-def test_numpy_random_draws_the_same_in_every_sandbox_and_after_every_reset(sb: DockerSandbox) -> None:
-    sb.reset()
-    first = sb.run(NUMPY_DRAW).stdout
-    with DockerSandbox() as other:
+def test_numpy_random_draws_the_same_in_every_sandbox_and_after_every_reset(docker_ready) -> None:
+    config = SandboxConfig(preload=list(PRELOAD_MATH))
+    with DockerSandbox(config) as sb, DockerSandbox(config) as other:
+        first = sb.run(NUMPY_DRAW).stdout
         assert other.run(NUMPY_DRAW).stdout == first != ""
-    assert sb.run(NUMPY_DRAW).stdout != first  # the stream goes on within an episode
-    sb.reset()
-    assert sb.run(NUMPY_DRAW).stdout == first  # and starts over in the next
+        assert sb.run(NUMPY_DRAW).stdout != first  # the stream goes on within an episode
+        sb.reset()
+        assert sb.run(NUMPY_DRAW).stdout == first  # and starts over in the next
 
 
 def test_preloaded_modules_are_imported_before_the_first_call_of_every_episode(sb: DockerSandbox) -> None:
     sb.reset()
-    assert sb.run(PRELOADED).stdout == "['numpy', 'sympy']\n"
-    sb.reset()  # a fresh fork of the warden, which imported them once
-    assert sb.run(PRELOADED).stdout == "['numpy', 'sympy']\n"
-    with DockerSandbox(SandboxConfig(preload=[])) as bare:
-        assert bare.run(PRELOADED).stdout == "[]\n"
+    assert sb.run(PRELOADED).stdout == "[]\n"  # the default preloads nothing
+    with DockerSandbox(SandboxConfig(preload=list(PRELOAD_MATH))) as loaded:
+        assert loaded.run(PRELOADED).stdout == "['numpy', 'sympy']\n"
+        loaded.reset()  # a fresh fork of the warden, which imported them once
+        assert loaded.run(PRELOADED).stdout == "['numpy', 'sympy']\n"
 
 
 def test_a_preload_module_missing_from_the_image_stops_the_start_with_its_name(docker_ready) -> None:

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sandbox import LocalSandbox, SandboxClosed, SandboxConfig, SandboxError, make_sandbox
+from sandbox.config import PRELOAD_MATH
 from sandbox.kernel import OutputBuffer
 from sandbox.result import truncate_text
 
@@ -120,21 +121,21 @@ NUMPY_DRAW = "import numpy\nprint(numpy.random.rand(), numpy.random.randint(0, 1
 PRELOADED = "import sys\nprint(sorted(name for name in ('numpy', 'sympy') if name in sys.modules))"
 
 
-def test_numpy_random_draws_the_same_in_every_local_sandbox_and_after_every_reset(sb: LocalSandbox) -> None:
-    sb.reset()
-    first = sb.run(NUMPY_DRAW).stdout
-    with LocalSandbox() as other:
+def test_numpy_random_draws_the_same_in_every_local_sandbox_and_after_every_reset() -> None:
+    config = SandboxConfig(preload=list(PRELOAD_MATH))
+    with LocalSandbox(config) as sb, LocalSandbox(config) as other:
+        first = sb.run(NUMPY_DRAW).stdout
         assert other.run(NUMPY_DRAW).stdout == first != ""
-    assert sb.run(NUMPY_DRAW).stdout != first
-    sb.reset()  # in place: the same interpreter, numpy reseeded
-    assert sb.run(NUMPY_DRAW).stdout == first
+        assert sb.run(NUMPY_DRAW).stdout != first
+        sb.reset()  # in place: the same interpreter, numpy reseeded
+        assert sb.run(NUMPY_DRAW).stdout == first
 
 
 def test_preloaded_modules_are_imported_at_the_local_kernels_start() -> None:
-    with LocalSandbox() as sb:
+    with LocalSandbox(SandboxConfig(preload=list(PRELOAD_MATH))) as sb:
         assert sb.run(PRELOADED).stdout == "['numpy', 'sympy']\n"
-    with LocalSandbox(SandboxConfig(preload=[])) as bare:
-        assert bare.run(PRELOADED).stdout == "[]\n"
+    with LocalSandbox(SandboxConfig(preload=["json"])) as other:
+        assert other.run("import sys\n'json' in sys.modules").stdout == "True\n"
 
 
 def test_a_preload_module_the_local_python_lacks_stops_the_start_with_the_fix() -> None:
