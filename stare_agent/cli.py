@@ -71,7 +71,8 @@ EVAL_FLAGS = {
 def _eval(args: argparse.Namespace) -> int:
     from stare_agent.config import load_config, make_tool_env
     from stare_agent.evaluation import evaluate_config
-    from stare_agent.trainer import eval_problems
+    from stare_agent.provenance import model_settings
+    from stare_agent.trainer import eval_problems, eval_source
 
     flags = [
         f"{key}={getattr(args, name)}" for name, key in EVAL_FLAGS.items() if getattr(args, name) is not None
@@ -87,7 +88,7 @@ def _eval(args: argparse.Namespace) -> int:
     with make_tool_env(env.id, **env_kwargs) as probe:
         print(f"env: {env.id} (format {probe.format.name}, tools: {', '.join(probe.tools)})")
     problems = eval_problems(
-        data.eval, seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
+        eval_source(config), seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
     )
     engine, tokenizer = _eval_engine(args, config)
     try:
@@ -99,6 +100,9 @@ def _eval(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             problems=problems,
             out_dir=args.out,
+            resume=args.resume,
+            save_episodes=args.save_episodes,
+            settings={"model": model_settings(config.model.name_or_path)},
         )
     finally:
         if hasattr(engine, "close"):
@@ -252,6 +256,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="--engine openai: the server's API key (default: $OPENAI_API_KEY)")
     p.add_argument("--tokenizer", help="--engine openai: tokenizer name or path (default: --model)")
     p.add_argument("--out", default="runs/eval", help="directory for results.jsonl and summary.json")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted evaluation in --out: its finished problems are not played again",
+    )
+    p.add_argument(
+        "--save-episodes",
+        action="store_true",
+        help="also write episodes.jsonl to --out: each episode's text, turn by turn, with tool calls and output",
+    )
     p.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. env.max_turns=8 env.eval_kwargs.max_turns=8"
     )

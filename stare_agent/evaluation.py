@@ -15,6 +15,10 @@ Answers vote by equivalence, decided as the reward decides correctness (``envs.r
 stream, named by (problem id, sample index) and turn (``RolloutRunner.run(episode_keys=...)``), so
 the results of a seeded evaluation do not depend on ``batch_size``.
 
+Each of avg@n, pass@k and maj@n comes with a 95 % interval over problems (``stare_agent.intervals``),
+and ``summary.json`` records the settings that produced them (``stare_agent.provenance``). With an
+``out_dir``, problems are written as they finish, so an interrupted evaluation resumes where it stopped.
+
 Defaults follow the paper's validation setting: temperature 1.0, top-p 0.7.
 """
 
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,6 +38,12 @@ from envs.problems import Problem, load_problems
 from envs.rewards import answers_equivalent
 from envs.rollout import Engine, RolloutRunner, SamplingParams, Tokenizer
 from envs.trajectory import Trajectory
+from stare_agent.errors import StareError
+from stare_agent.intervals import BOOTSTRAP_DRAWS, bootstrap_interval, wilson_interval
+
+
+class EvaluationError(StareError, ValueError):
+    """An evaluation that cannot go on as asked (a resume of another evaluation's results)."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -117,31 +129,106 @@ class ProblemResult:
 
 @dataclass
 class EvalReport:
-    """Summary metrics and per-problem results of one evaluation."""
+    """Summary metrics, their 95 % intervals, the settings that produced them, and per-problem results."""
 
     samples: int
     metrics: dict[str, float]
     problems: list[ProblemResult]
     trajectories: list[Trajectory] = field(default_factory=list, repr=False)  # with keep_trajectories
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
 
     def table(self) -> str:
-        """The metrics as an aligned two-column text table."""
+        """The main settings, then the metrics as an aligned table with their 95 % intervals."""
         width = max(len(k) for k in self.metrics)
-        return "\n".join(f"{k:<{width}}  {v:.4f}" for k, v in self.metrics.items())
+        rows = []
+        for key, value in self.metrics.items():
+            lo, hi = self.intervals.get(key, (None, None))
+            rows.append(
+                f"{key:<{width}}  {value:.4f}" + (f"  [{lo:.4f}, {hi:.4f}]" if lo is not None else "")
+            )
+        return "\n".join([*settings_lines(self.settings), *rows])
+
+    def summary(self, *, complete: bool = True) -> dict[str, Any]:
+        """``summary.json``'s content: the metrics at the top level, ``ci95`` (metric -> [low, high]),
+        ``complete`` (False for an interrupted evaluation) and ``settings``."""
+        return {
+            "samples": self.samples,
+            **self.metrics,
+            "ci95": {k: list(v) for k, v in self.intervals.items()},
+            "ci95_method": INTERVAL_METHOD,
+            "complete": complete,
+            "problems_evaluated": len(self.problems),
+            "settings": self.settings,
+        }
 
     def write(self, out_dir: str | Path) -> Path:
-        """Write ``results.jsonl`` (one line per problem) and ``summary.json``; return the dir."""
+        """Write ``results.jsonl`` (one line per problem, in problem order) and ``summary.json``; return
+        the dir. Each file is replaced whole (written beside it, then renamed)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        with open(out / "results.jsonl", "w") as f:
-            for result in self.problems:
-                f.write(json.dumps(asdict(result)) + "\n")
-        (out / "summary.json").write_text(json.dumps({"samples": self.samples, **self.metrics}, indent=2))
+        _replace(out / RESULTS_FILE, "".join(json.dumps(asdict(r)) + "\n" for r in self.problems))
+        _replace(out / SUMMARY_FILE, json.dumps(self.summary(), indent=2, default=str) + "\n")
         return out
+
+
+RESULTS_FILE, SUMMARY_FILE, EPISODES_FILE = "results.jsonl", "summary.json", "episodes.jsonl"
+INTERVAL_METHOD = (
+    "95 % interval over problems: Wilson where a problem's score is one 0/1 outcome (one sample per "
+    f"problem; maj@k), else a percentile bootstrap over problems ({BOOTSTRAP_DRAWS} draws, seeded by "
+    "the sampling seed)"
+)
+
+
+def settings_lines(settings: dict[str, Any]) -> list[str]:
+    """The main settings as the lines printed above the metrics table (none when there are none)."""
+    if not settings:
+        return []
+    lines = []
+    model, engine = settings.get("model") or {}, settings.get("engine") or {}
+    if model:
+        ident = model.get("sha256") or model.get("revision")
+        lines.append(f"model: {model.get('name_or_path')}" + (f" ({str(ident)[:12]})" if ident else ""))
+    data = settings.get("data") or {}
+    if data:
+        lines.append(
+            f"data: {data.get('source') or 'given problems'}, {data.get('problems')} problems "
+            f"(sha256 {str(data.get('sha256'))[:12]})"
+        )
+    sampling = settings.get("sampling") or {}
+    lines.append(
+        f"sampling: {settings.get('samples')} per problem, temperature {sampling.get('temperature')}, "
+        f"top-p {sampling.get('top_p')}, seed {sampling.get('seed')}, "
+        f"max response tokens {settings.get('max_response_tokens')}"
+    )
+    env = settings.get("env") or {}
+    sandbox = settings.get("sandbox") or {}
+    lines.append(f"env: {env.get('id')}, sandbox: {sandbox.get('backend')}")
+    if engine:
+        detail = ", ".join(
+            f"{k} {engine[k]}" for k in ("vllm_version", "dtype", "autocast_dtype", "device") if engine.get(k)
+        )
+        lines.append(f"engine: {engine.get('kind')}" + (f" ({detail})" if detail else ""))
+    return [*lines, ""]
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def summarize(results: Sequence[ProblemResult], samples: int) -> dict[str, float]:
     """avg@n, pass@k for k in 1, 2, 4, ... <= n, maj@n, and tool-use statistics, over problems."""
+    return summarize_with_intervals(results, samples)[0]
+
+
+def summarize_with_intervals(
+    results: Sequence[ProblemResult], samples: int, *, seed: int = 0
+) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+    """:func:`summarize`'s metrics and the 95 % interval of avg@n, each pass@k and maj@n over problems:
+    Wilson where each problem's score is one 0/1 outcome (one sample per problem; maj@n always), else
+    a percentile bootstrap over problems seeded by ``seed`` (``stare_agent.intervals``)."""
     if not results:
         raise ValueError("no problems were evaluated: check the problem source")
     failed = sum(r.failed for r in results)
@@ -150,24 +237,31 @@ def summarize(results: Sequence[ProblemResult], samples: int) -> dict[str, float
         raise ValueError(
             f"all {failed} episodes failed in the sandbox infrastructure: run `stare-agent sandbox doctor`"
         )
-    n_problems = len(results)
-    metrics: dict[str, float] = {
-        f"avg@{samples}": sum(sum(r.correct) / len(r.correct) for r in results) / n_problems,
-    }
+    scores: dict[str, list[float]] = {f"avg@{samples}": [sum(r.correct) / len(r.correct) for r in results]}
     ks = [2**i for i in range(samples.bit_length()) if 2**i <= samples]
     for k in ks + ([samples] if samples & (samples - 1) else []):  # and n when not a power of two
-        scored = [pass_at_k(len(r.correct), sum(r.correct), k) for r in results if len(r.correct) >= k]
-        metrics[f"pass@{k}"] = sum(scored) / len(scored) if scored else float("nan")
-    metrics[f"maj@{samples}"] = sum(majority_correct(r.answers, r.correct) for r in results) / n_problems
-    episodes = [i for r in results for i in range(len(r.correct))]
-    n_episodes = len(episodes)
+        scores[f"pass@{k}"] = [
+            pass_at_k(len(r.correct), sum(r.correct), k) for r in results if len(r.correct) >= k
+        ]
+    scores[f"maj@{samples}"] = [float(majority_correct(r.answers, r.correct)) for r in results]
+    metrics: dict[str, float] = {}
+    intervals: dict[str, tuple[float, float]] = {}
+    for key, values in scores.items():
+        metrics[key] = sum(values) / len(values) if values else float("nan")
+        if not values:
+            continue
+        if samples == 1 or key.startswith("maj@"):  # one 0/1 outcome per problem: a binomial count
+            intervals[key] = wilson_interval(round(sum(values)), len(values))
+        else:
+            intervals[key] = bootstrap_interval(values, seed=seed)
+    n_episodes = sum(len(r.correct) for r in results)
     metrics["tool_calls_per_episode"] = sum(sum(r.tool_calls) for r in results) / n_episodes
     metrics["response_tokens_mean"] = sum(sum(r.response_tokens) for r in results) / n_episodes
     metrics["truncated_fraction"] = sum(sum(r.truncated) for r in results) / n_episodes
     metrics["tool_timeouts_per_episode"] = sum(r.tool_timeouts for r in results) / n_episodes
     metrics["tool_errors_per_episode"] = sum(r.tool_errors for r in results) / n_episodes
     metrics["failed_episodes"] = float(failed)
-    return metrics
+    return metrics, intervals
 
 
 def evaluate_config(
@@ -184,18 +278,21 @@ def evaluate_config(
     """:func:`evaluate` as a run config says: the one way the trainer, ``stare-agent eval`` and the
     quickstart evaluate.
 
-    ``data.eval`` problems (seeded by ``trainer.seed``, ``data.difficulty``, at most ``data.eval_limit``)
+    ``data.eval`` problems (else the env's registered ones: ``trainer.eval_source``; seeded by ``trainer.seed``, ``data.difficulty``, at most ``data.eval_limit``)
     unless ``problems`` are given; ``data.eval_samples`` episodes per problem at ``data.eval_temperature``
     / ``data.eval_top_p`` (``greedy``: one temperature-0 episode), seeded by ``trainer.seed``; the env
     ``env.id`` with ``env_kwargs`` (the caller adds the pool or the sandbox settings to
     ``env.env_kwargs(evaluation=True)``) and ``env.max_response_tokens``. ``options`` go to
-    :func:`evaluate` (``out_dir``, ``progress``, ``keep_trajectories``).
+    :func:`evaluate` (``out_dir``, ``resume``, ``save_episodes``, ``progress``, ``keep_trajectories``;
+    ``settings``, e.g. the model's identity, join the data source and sandbox limits the config gives).
     """
-    from stare_agent.trainer import eval_problems
+    from stare_agent.trainer import eval_problems, eval_source
 
     data, env, seed = config.data, config.env, config.trainer.seed
     if problems is None:
-        problems = eval_problems(data.eval, seed=seed, difficulty=data.difficulty, limit=data.eval_limit)
+        problems = eval_problems(
+            eval_source(config), seed=seed, difficulty=data.difficulty, limit=data.eval_limit
+        )
     return evaluate(
         problems,
         engine=engine,
@@ -209,6 +306,11 @@ def evaluate_config(
         continuous_batching=env.continuous_batching,
         env_id=env.id,
         env_kwargs=env_kwargs,
+        settings={
+            "data": {"source": data.eval, "difficulty": data.difficulty, "limit": data.eval_limit},
+            "sandbox": {"limits": config.sandbox.limits},
+            **options.pop("settings", {}),
+        },
         **options,
     )
 
@@ -227,10 +329,21 @@ def evaluate(
     env_id: str = "stare/CodeInterpreter-v0",
     env_kwargs: dict[str, Any] | None = None,
     out_dir: str | Path | None = None,
+    resume: bool = False,
+    save_episodes: bool = False,
+    settings: dict[str, Any] | None = None,
     progress: bool = True,
     keep_trajectories: bool = False,
 ) -> EvalReport:
     """Evaluate a policy with the code tool: ``samples`` episodes per problem.
+
+    With ``out_dir``, each problem's line is appended to ``results.jsonl`` (and flushed) as soon as its
+    last sample finishes; an interrupt (Ctrl-C, or SIGTERM once a sandbox pool is up) writes a partial
+    ``summary.json`` (``"complete": false``, the metrics of the finished problems) before it propagates,
+    and ``resume=True`` continues from ``results.jsonl``: finished problems are read back, not played
+    again. Every episode samples from the stream its (problem id, sample index) names, so a resumed
+    evaluation's summary equals an uninterrupted one's. At the end both files are rewritten whole, in
+    problem order.
 
     Args:
         problems: Problems, or a source for ``envs.problems.load_problems`` (JSONL/Parquet path or hub name).
@@ -251,18 +364,98 @@ def evaluate(
             registered with; ``sandbox_backend`` / ``sandbox_config`` configure the evaluation's own
             pool when no ``pool`` is given.
         out_dir: When given, per-problem ``results.jsonl`` and ``summary.json`` are written there.
+        resume: Continue the evaluation whose ``results.jsonl`` is in ``out_dir`` (same problems,
+            samples and sampling; a different setting stops with the settings that differ).
+        save_episodes: Also write ``episodes.jsonl`` to ``out_dir``: each episode's decoded text turn by
+            turn (the model's turn, the tool calls parsed from it, the tool output), one line per episode.
+        settings: What produced the evaluation beyond what ``evaluate`` sees (the model's identity, the
+            data source's name), merged into ``report.settings`` and ``summary.json``.
         progress: Show a progress bar.
-        keep_trajectories: Return every episode's ``Trajectory`` in ``report.trajectories``.
+        keep_trajectories: Return every episode's ``Trajectory`` in ``report.trajectories`` (with
+            ``resume``, those of the problems played by this call).
     """
     if samples < 1 or batch_size < 1:
         raise ValueError(
             f"samples and batch_size must be >= 1, got samples={samples}, batch_size={batch_size}"
         )
-    problem_list = list(problems) if not isinstance(problems, (str, Path)) else load_problems(problems)
+    if (resume or save_episodes) and out_dir is None:
+        raise ValueError("resume and save_episodes need out_dir: the directory of results.jsonl")
+    source = str(problems) if isinstance(problems, (str, Path)) else None
+    problem_list = load_problems(problems) if isinstance(problems, (str, Path)) else list(problems)
     problem_list = problem_list[:limit] if limit is not None else problem_list
     sampling = sampling or SamplingParams(temperature=1.0, top_p=0.7)
-    results = {p.id: ProblemResult(problem_id=p.id, gold=p.answer) for p in problem_list}
-    jobs = [(p, i) for p in problem_list for i in range(samples)]
+    kwargs = dict(env_kwargs or {})
+    if kwargs.get("pool") is None:  # resolved once: the settings name the backend the pool then uses
+        from sandbox import resolve_backend
+
+        kwargs["sandbox_backend"] = resolve_backend(
+            kwargs.get("sandbox_backend", "auto"), kwargs.get("sandbox_config")
+        )
+    report_settings = _settings(
+        settings or {}, problem_list, source, samples, sampling, max_response_tokens, env_id, kwargs, engine
+    )
+    out = Path(out_dir) if out_dir is not None else None
+    done = _resume(out, problem_list, samples, report_settings) if resume and out is not None else {}
+    results = {p.id: done.get(p.id) or ProblemResult(problem_id=p.id, gold=p.answer) for p in problem_list}
+    todo = [p for p in problem_list if p.id not in done]
+    jobs = [(p, i) for p in todo for i in range(samples)]
+    kept: list[Trajectory] = []
+    files = _ResultFiles(out, append=resume, episodes=save_episodes, tokenizer=tokenizer)
+    try:
+        if jobs:
+            _play(jobs, results, files, kept if keep_trajectories else None, engine=engine,
+                  tokenizer=tokenizer, sampling=sampling, max_response_tokens=max_response_tokens,
+                  batch_size=batch_size, continuous_batching=continuous_batching, env_id=env_id,
+                  kwargs=kwargs, samples=samples, progress=progress)  # fmt: skip
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM through the sandbox pool's handler
+        files.close()
+        finished = [results[p.id] for p in problem_list if p.id in files.finished or p.id in done]
+        if out is not None:
+            _write_partial(out, finished, samples, report_settings, sampling)
+            print(
+                f"evaluation interrupted: {len(finished)} of {len(problem_list)} problems finished, in "
+                f"{out / RESULTS_FILE}; continue with --resume (Python: resume=True) and the same settings",
+                file=sys.stderr,
+            )
+        raise
+    files.close()
+    ordered = [results[p.id] for p in problem_list]
+    metrics, intervals = summarize_with_intervals(ordered, samples, seed=sampling.seed or 0)
+    report = EvalReport(
+        samples=samples,
+        metrics=metrics,
+        problems=ordered,
+        trajectories=kept,
+        intervals=intervals,
+        settings=report_settings,
+    )
+    if out is not None:
+        report.write(out)
+    return report
+
+
+def _play(
+    jobs: list[tuple[Problem, int]],
+    results: dict[str, ProblemResult],
+    files: _ResultFiles,
+    kept: list[Trajectory] | None,
+    *,
+    engine: Engine,
+    tokenizer: Tokenizer,
+    sampling: SamplingParams,
+    max_response_tokens: int,
+    batch_size: int,
+    continuous_batching: bool,
+    env_id: str,
+    kwargs: dict[str, Any],
+    samples: int,
+    progress: bool,
+) -> None:
+    """Play ``jobs`` (problem, sample index) ``batch_size`` at a time into ``results``; hand each problem
+    to ``files`` when its last sample is in."""
+    from sandbox import SandboxPool  # the pool is shared by all envs of the evaluation
+    from stare_agent.config import check_env_id, make_tool_env
+
     runner = RolloutRunner(
         tokenizer,
         engine,
@@ -270,23 +463,20 @@ def evaluate(
         sampling=sampling,
         continuous=continuous_batching,
     )
-
-    from sandbox import SandboxPool  # the pool is shared by all envs of the evaluation
-    from stare_agent.config import check_env_id, make_tool_env
-
     check_env_id(env_id)
-    kwargs = dict(env_kwargs or {})
+    kwargs = dict(kwargs)
     own_pool = kwargs.get("pool") is None
+    width = min(batch_size, len(jobs))
     if own_pool:
         kwargs["pool"] = SandboxPool(
-            min(batch_size, len(jobs)),
-            backend=kwargs.pop("sandbox_backend", "auto"),
-            config=kwargs.pop("sandbox_config", None),
+            width, backend=kwargs.pop("sandbox_backend", "auto"), config=kwargs.pop("sandbox_config", None)
         )
-    envs = [make_tool_env(env_id, tokenizer=tokenizer, **kwargs) for _ in range(min(batch_size, len(jobs)))]
+    envs = []
     bar = _progress(len(jobs), progress)
-    kept: list[Trajectory] = []
+    episodes: dict[str, list[Trajectory]] = {}
     try:
+        envs += [make_tool_env(env_id, tokenizer=tokenizer, **kwargs) for _ in range(width)]
+        files.format = getattr(envs[0], "format", None)
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]
             trajectories = runner.run(
@@ -297,7 +487,10 @@ def evaluate(
             )
             for (problem, _), trajectory in zip(chunk, trajectories, strict=True):
                 results[problem.id].add(trajectory)
-            if keep_trajectories:
+                episodes.setdefault(problem.id, []).append(trajectory)
+                if len(episodes[problem.id]) == samples:
+                    files.finish(results[problem.id], episodes.pop(problem.id))
+            if kept is not None:
                 kept.extend(trajectories)
             if bar is not None:
                 bar.update(len(chunk))
@@ -308,13 +501,205 @@ def evaluate(
             env.close()
         if own_pool:
             kwargs["pool"].close()
-    ordered = [results[p.id] for p in problem_list]
-    report = EvalReport(
-        samples=samples, metrics=summarize(ordered, samples), problems=ordered, trajectories=kept
-    )
-    if out_dir is not None:
-        report.write(out_dir)
-    return report
+
+
+class _ResultFiles:
+    """``results.jsonl`` (and ``episodes.jsonl``) as problems finish: appended and flushed per problem,
+    so an interrupted evaluation keeps every finished problem."""
+
+    def __init__(self, out: Path | None, *, append: bool, episodes: bool, tokenizer: Tokenizer) -> None:
+        self.finished: set[str] = set()
+        self.format: Any = None
+        self.tokenizer = tokenizer
+        self._results = self._episodes = None
+        if out is None:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        mode = "a" if append else "w"
+        self._results = open(out / RESULTS_FILE, mode)
+        if episodes:
+            self._episodes = open(out / EPISODES_FILE, mode)
+
+    def finish(self, result: ProblemResult, trajectories: list[Trajectory]) -> None:
+        self.finished.add(result.problem_id)
+        if self._results is not None:
+            self._results.write(json.dumps(asdict(result)) + "\n")
+            self._results.flush()
+        if self._episodes is not None:
+            for sample, trajectory in enumerate(trajectories):
+                record = episode_text(trajectory, self.tokenizer, self.format)
+                self._episodes.write(json.dumps({"sample": sample, **record}, default=str) + "\n")
+            self._episodes.flush()
+
+    def close(self) -> None:
+        for f in (self._results, self._episodes):
+            if f is not None:
+                f.close()
+        self._results = self._episodes = None
+
+
+def episode_text(trajectory: Trajectory, tokenizer: Tokenizer, tool_format: Any = None) -> dict[str, Any]:
+    """One episode as text a person can read: the prompt, then turn by turn the model's text, the tool
+    calls parsed from it (name and arguments, by the env's ``tool_format``) and what came back (the
+    tool output with the chat template's glue around it), and the outcome."""
+    info = trajectory.info
+    ids = trajectory.response_ids
+    spans = list(trajectory.turn_spans)
+    turns = []
+    for n, (start, end) in enumerate(spans):
+        model_text = tokenizer.decode(ids[start:end])
+        turn: dict[str, Any] = {"model": model_text}
+        if tool_format is not None:
+            calls = tool_format.parse(model_text).tool_calls
+            turn["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in calls]
+        after = spans[n + 1][0] if n + 1 < len(spans) else len(ids)
+        if after > end:
+            turn["tool_output"] = tokenizer.decode(ids[end:after])
+        turns.append(turn)
+    return {
+        "problem_id": info.get("problem_id"),
+        "correct": info.get("correct"),
+        "answer": info.get("answer"),
+        "gold": info.get("gold"),
+        "finish_reason": info.get("finish_reason"),
+        "reward": trajectory.reward,
+        "prompt": tokenizer.decode(trajectory.prompt_ids),
+        "turns": turns,
+        "tool_call_results": info.get("tool_calls", []),
+    }
+
+
+def _settings(
+    given: dict[str, Any],
+    problems: Sequence[Problem],
+    source: str | None,
+    samples: int,
+    sampling: SamplingParams,
+    max_response_tokens: int,
+    env_id: str,
+    kwargs: dict[str, Any],
+    engine: Engine,
+) -> dict[str, Any]:
+    """The resolved settings of an evaluation, with ``given`` (a caller's) merged in section by section."""
+    from sandbox.config import SandboxConfig
+    from stare_agent.provenance import engine_settings, package_versions, problems_sha256
+
+    pool = kwargs.get("pool")
+    limits = kwargs.get("sandbox_config") or (SandboxConfig() if pool is None else None)
+    settings: dict[str, Any] = {
+        "data": {"source": source, "problems": len(problems), "sha256": problems_sha256(problems)},
+        "samples": samples,
+        "sampling": asdict(sampling),
+        "max_response_tokens": max_response_tokens,
+        "env": {
+            "id": env_id,
+            "kwargs": {
+                k: v for k, v in kwargs.items() if k not in ("pool", "sandbox_backend", "sandbox_config")
+            },
+        },
+        "sandbox": {
+            "backend": pool.backend if pool is not None else kwargs.get("sandbox_backend", "auto"),
+            "limits": limits,
+        },
+        "engine": engine_settings(engine),
+        "packages": package_versions(),
+    }
+    for key, value in given.items():  # a caller's section adds to (and overrides) the one seen here
+        if isinstance(value, dict) and isinstance(settings.get(key), dict):
+            settings[key] = {**settings[key], **{k: v for k, v in value.items() if v is not None}}
+        else:
+            settings[key] = value
+    return json.loads(json.dumps(settings, default=_plain_setting))
+
+
+# Settings that must agree for a resumed evaluation to continue the same evaluation.
+RESUME_KEYS = (
+    ("data", "sha256"),
+    ("samples",),
+    ("sampling",),
+    ("max_response_tokens",),
+    ("env",),
+    ("model",),
+)
+
+
+def _resume(
+    out: Path, problems: Sequence[Problem], samples: int, settings: dict[str, Any]
+) -> dict[str, ProblemResult]:
+    """The finished problems of the evaluation in ``out``, after checking it is this evaluation."""
+    path = out / RESULTS_FILE
+    if not path.is_file():
+        raise EvaluationError(f"{path} not found: nothing to resume (drop --resume to start the evaluation)")
+    summary_path = out / SUMMARY_FILE
+    before = json.loads(summary_path.read_text()).get("settings", {}) if summary_path.is_file() else {}
+    differ = []
+    for keys in RESUME_KEYS:
+        old, new = _dig(before, keys), _dig(settings, keys)
+        if old is not None and new is not None and old != new:
+            differ.append(".".join(keys))
+    if differ:
+        raise EvaluationError(
+            f"{out} holds an evaluation with other settings ({', '.join(differ)} differ, see its "
+            f"{SUMMARY_FILE}): pass the same settings to resume it, or another --out to start anew"
+        )
+    ids = {p.id for p in problems}
+    done: dict[str, ProblemResult] = {}
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            result = ProblemResult(**json.loads(line))
+        except (json.JSONDecodeError, TypeError) as exc:
+            if number == len(lines):  # the last line, cut by a kill: that problem is played again
+                continue
+            raise EvaluationError(
+                f"{path}:{number} is not a problem's result ({exc}): pass another --out"
+            ) from None
+        if len(result.correct) + result.failed != samples:
+            raise EvaluationError(
+                f"{path}:{number} has {len(result.correct) + result.failed} samples of {result.problem_id}, "
+                f"this evaluation {samples}: pass the same --samples to resume it, or another --out"
+            )
+        if result.problem_id in ids:
+            done[result.problem_id] = result
+    _replace(path, "".join(json.dumps(asdict(r)) + "\n" for r in done.values()))  # drop a cut last line
+    return done
+
+
+def _write_partial(
+    out: Path,
+    finished: list[ProblemResult],
+    samples: int,
+    settings: dict[str, Any],
+    sampling: SamplingParams,
+) -> None:
+    """``summary.json`` of an interrupted evaluation: its settings, and the metrics of the finished
+    problems when there are any."""
+    metrics: dict[str, float] = {}
+    intervals: dict[str, tuple[float, float]] = {}
+    if any(r.correct for r in finished):
+        metrics, intervals = summarize_with_intervals(finished, samples, seed=sampling.seed or 0)
+    partial = EvalReport(samples=samples, metrics=metrics, problems=finished, intervals=intervals,
+                         settings=settings)  # fmt: skip
+    _replace(out / SUMMARY_FILE, json.dumps(partial.summary(complete=False), indent=2, default=str) + "\n")
+
+
+def _dig(tree: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(key)  # type: ignore[assignment]
+    return tree
+
+
+def _plain_setting(value: Any) -> Any:
+    """Settings as JSON: dataclasses as dicts, anything else by its str."""
+    from dataclasses import is_dataclass
+
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    return str(value)
 
 
 def _progress(total: int, enabled: bool) -> Any:

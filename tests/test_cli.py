@@ -81,7 +81,7 @@ def test_sft_then_train_then_plot(tmp_path, model_dir):
 
 
 def test_eval_on_aime_2024(tmp_path, model_dir, shared_data):
-    done = cli(
+    args = [
         "eval",
         "--model",
         str(model_dir),
@@ -97,11 +97,23 @@ def test_eval_on_aime_2024(tmp_path, model_dir, shared_data):
         "local",
         "--out",
         str(tmp_path),
-    )
+        "--save-episodes",
+    ]
+    done = cli(*args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "avg@2" in done.stdout and "maj@2" in done.stdout
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["problem_id"] for r in rows] == ["aime2024-I-01", "aime2024-I-02"]
+    assert len((tmp_path / "episodes.jsonl").read_text().splitlines()) == 4
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    model = summary["settings"]["model"]
+    assert model["path"] == str(model_dir) and len(model["sha256"]) == 64
+    assert f"model: {model_dir} ({model['sha256'][:12]})" in done.stdout
+    assert summary["settings"]["data"]["source"].endswith("aime2024.jsonl")
+    # a finished evaluation resumed: nothing is played again, the same summary
+    done = cli(*args, "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 
 def test_sandbox_doctor_reports_every_check():

@@ -8,7 +8,7 @@ import pytest
 
 from envs.problems import Problem
 from stare_agent.engines.scripted import ScriptedEngine
-from stare_agent.evaluation import evaluate, majority_correct, pass_at_k
+from stare_agent.evaluation import EvaluationError, evaluate, majority_correct, pass_at_k
 from tests.helpers_tokenizers import smollm2_tokenizer
 
 CODE_TURN = "I'll compute it.\n<code>\n```python\nprint(6 * 7)\n```\n</code>"
@@ -67,7 +67,26 @@ def test_scripted_evaluation_reproduces_hand_computed_metrics(tmp_path):
     assert report.problems[0].answers == ["42", "42", "41", None]
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["problem_id"] for r in rows] == ["p1", "p2"]
-    assert json.loads((tmp_path / "summary.json").read_text())["maj@4"] == pytest.approx(0.5)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["maj@4"] == pytest.approx(0.5)
+    # 95 % intervals over the 2 problems. avg@4's bootstrap draws are means of (0.5 | 0.25, 0.5 | 0.25):
+    # 0.25 and 0.5 each have probability 1/4 > 2.5 %, so they are the ends; pass@2 likewise (1/2, 5/6).
+    # maj@4 is one 0/1 outcome per problem: Wilson for 1 of 2, center 0.5, half
+    # 1.96 / (1 + 3.8415 / 2) * sqrt(0.5 * 0.5 / 2 + 3.8415 / 16) = 0.40546.
+    assert report.intervals["avg@4"] == pytest.approx((0.25, 0.5))
+    assert report.intervals["pass@2"] == pytest.approx((0.5, 5 / 6))
+    assert report.intervals["maj@4"] == pytest.approx((0.5 - 0.40546, 0.5 + 0.40546), abs=1e-4)
+    assert summary["ci95"]["avg@4"] == pytest.approx([0.25, 0.5]) and summary["complete"] is True
+    assert "avg@4                      0.3750  [0.2500, 0.5000]" in report.table()
+    # what produced it: the problems' hash, env, sampling, sandbox, engine and package version
+    settings = summary["settings"]
+    assert settings["data"]["problems"] == 2 and len(settings["data"]["sha256"]) == 64
+    assert settings["env"] == {"id": "stare/CodeInterpreter-v0", "kwargs": {"format": "retool"}}
+    assert settings["sampling"]["temperature"] == 1.0 and settings["samples"] == 4
+    assert settings["sandbox"]["backend"] == "local" and settings["sandbox"]["limits"]["timeout_s"] == 10.0
+    assert settings["engine"]["kind"] == "ScriptedEngine" and settings["packages"]["stare-agent"]
+    assert report.table().startswith("data: given problems, 2 problems (sha256 ")
+    assert "sampling: 4 per problem, temperature 1.0, top-p 0.7, seed None" in report.table()
 
 
 def test_majority_votes_by_answer_equivalence():
@@ -146,3 +165,109 @@ def test_an_episode_lost_to_the_infrastructure_is_left_out_and_counted(monkeypat
     assert m["avg@4"] == pytest.approx(0.5)
     assert m["pass@4"] == pytest.approx(0.0)  # only p2 has 4 samples
     assert m["pass@2"] == pytest.approx(0.5) and m["maj@4"] == pytest.approx(0.5)
+
+
+def _tiny_evaluation(tmp_path, monkeypatch=None, stop_at_call=None, resume=False):
+    """Three problems x 2 sampled samples of the tiny model, one problem per engine batch; with
+    ``stop_at_call``, Ctrl-C arrives during that rollout call (problems before it have finished)."""
+    from envs.rollout import RolloutRunner, SamplingParams
+    from stare_agent.engines import TransformersEngine
+    from stare_agent.models import tiny_model
+
+    model, tokenizer = tiny_model(seed=0)
+    calls = []
+    if monkeypatch is not None:
+        run = RolloutRunner.run
+
+        def counted_run(self, *args, **kwargs):
+            calls.append(kwargs["episode_keys"])
+            if len(calls) == stop_at_call:
+                raise KeyboardInterrupt
+            return run(self, *args, **kwargs)
+
+        monkeypatch.setattr(RolloutRunner, "run", counted_run)
+    problems = [Problem(f"p{i}", f"What is {i} + {i}?", str(2 * i)) for i in range(1, 4)]
+    report = evaluate(
+        problems,
+        engine=TransformersEngine(model, tokenizer),
+        tokenizer=tokenizer,
+        samples=2,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, seed=5),
+        max_response_tokens=10,
+        batch_size=2,
+        env_kwargs={"format": "retool", "sandbox_backend": "local"},
+        out_dir=tmp_path,
+        resume=resume,
+        progress=False,
+    )
+    return report, calls
+
+
+def test_an_interrupted_evaluation_keeps_its_finished_problems_and_resumes_to_the_same_summary(
+    tmp_path, monkeypatch, capsys
+):
+    straight, _ = _tiny_evaluation(tmp_path / "straight")
+    out = tmp_path / "interrupted"
+    with pytest.raises(KeyboardInterrupt):
+        _tiny_evaluation(out, monkeypatch, stop_at_call=2)  # during p2: p1 is finished
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["problem_id"] for r in rows] == ["p1"]
+    partial = json.loads((out / "summary.json").read_text())
+    assert partial["complete"] is False and partial["problems_evaluated"] == 1
+    assert partial["response_tokens_mean"] == pytest.approx(sum(rows[0]["response_tokens"]) / 2)
+    assert "1 of 3 problems finished" in capsys.readouterr().err
+    monkeypatch.undo()
+    resumed, calls = _tiny_evaluation(out, monkeypatch, resume=True)
+    assert calls == [["p2/0", "p2/1"], ["p3/0", "p3/1"]]  # p1 is not played again
+    assert resumed.metrics == straight.metrics and resumed.intervals == straight.intervals
+    for name in ("results.jsonl", "summary.json"):
+        assert (out / name).read_text() == (tmp_path / "straight" / name).read_text()
+
+
+def test_resume_refuses_an_evaluation_with_other_settings(tmp_path):
+    tokenizer = smollm2_tokenizer()
+    problems = [Problem("p1", "What is 6 times 7?", "42")]
+
+    def run(samples, resume):
+        return evaluate(
+            problems,
+            engine=ScriptedEngine(tokenizer, lambda prompt, turn: "<answer>\\boxed{42}</answer>"),
+            tokenizer=tokenizer,
+            samples=samples,
+            env_kwargs={"format": "retool", "sandbox_backend": "local"},
+            out_dir=tmp_path,
+            resume=resume,
+            progress=False,
+        )
+
+    run(2, resume=False)
+    assert run(2, resume=True).metrics["avg@2"] == 1.0  # nothing left to play
+    with pytest.raises(EvaluationError, match=r"other settings \(samples differ"):
+        run(1, resume=True)
+
+
+def test_saved_episodes_hold_each_turn_with_its_tool_call_and_output(tmp_path):
+    tokenizer = smollm2_tokenizer()
+    evaluate(
+        [Problem("p1", "What is 6 times 7?", "42")],
+        engine=ScriptedEngine(tokenizer, [[CODE_TURN, "<answer>\\boxed{42}</answer>"]]),
+        tokenizer=tokenizer,
+        samples=1,
+        env_kwargs={"format": "retool", "sandbox_backend": "local"},
+        out_dir=tmp_path,
+        save_episodes=True,
+        progress=False,
+    )
+    (episode,) = [json.loads(line) for line in (tmp_path / "episodes.jsonl").read_text().splitlines()]
+    assert (episode["problem_id"], episode["sample"], episode["correct"], episode["answer"]) == (
+        "p1",
+        0,
+        True,
+        "42",
+    )
+    assert episode["prompt"].endswith("What is 6 times 7?<|im_end|>\n<|im_start|>assistant\n")
+    first, last = episode["turns"]
+    assert first["model"] == CODE_TURN
+    assert first["tool_calls"] == [{"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}}]
+    assert first["tool_output"] == "\n<interpreter>\n42\n</interpreter>\n"
+    assert last == {"model": "<answer>\\boxed{42}</answer><|im_end|>", "tool_calls": []}
