@@ -123,7 +123,7 @@ class StepLogger:
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(json_ready(record), allow_nan=False) + "\n")
         self._file.flush()
         scalars = {
             k: v for k, v in record.items() if k != "step" and isinstance(v, int | float) and math.isfinite(v)
@@ -175,8 +175,27 @@ def _start_wandb(run_dir: Path, job_type: str, config: Any) -> Any:
     )
 
 
+def json_ready(value: Any) -> Any:
+    """``value`` with every NaN or infinity (in nested dicts and lists too) replaced by ``None``: strict
+    JSON has no NaN, and ``json.dumps`` would write a bare ``NaN`` that strict parsers reject.
+
+    >>> json_ready({"entropy": float("nan"), "H": [0.5, float("inf")]})
+    {'entropy': None, 'H': [0.5, None]}
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_ready(v) for v in value]
+    return value
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The logged steps of a run, last record per step winning (a resumed run may re-log a step)."""
+    """The logged steps of a run, last record per step winning (a resumed run may re-log a step).
+
+    A value logged as ``null`` (a number that was NaN: a skipped step's entropy) reads as NaN, as do
+    the bare ``NaN`` of files written before nulls."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: pass the run directory of a `stare-agent train` run")
@@ -184,7 +203,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     for line in path.read_text().splitlines():
         if line.strip():
             record = json.loads(line)
-            by_step[int(record["step"])] = record
+            by_step[int(record["step"])] = {k: math.nan if v is None else v for k, v in record.items()}
     return [by_step[s] for s in sorted(by_step)]
 
 

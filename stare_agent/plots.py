@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -20,6 +22,14 @@ PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("Reweighted token sets", "tokens", ("stare/L_plus", "stare/L_minus")),
     ("Tool use", "per episode", ("tool_calls_per_episode", "tool_errors_per_episode")),
 )
+# Quantities of the update: on a step that trained nothing (``skipped``: no group with reward variance,
+# or a non-finite loss) the trainer logs no measurement of them (entropy NaN, gate_on 0), so such a step
+# is a gap in their lines, never a 0. Rollout quantities (reward, length, tool use) were measured.
+UPDATE_KEYS = frozenset(
+    {"entropy", "gate_on", "stare/mean_weight", "frac_reweighted", "stare/L_plus", "stare/L_minus"}
+)
+SFT_PANEL = ("Cold-start SFT loss (sft_log.jsonl)", "loss", ("loss",))
+SKIPPED_LABEL = "skipped step (trained nothing)"
 LINESTYLES = ("-", "--", ":", "-.")
 
 
@@ -30,9 +40,12 @@ def plot_dashboard(
 ) -> Path:
     """Draw every run's ``metrics.jsonl`` into one dashboard PNG and return its path.
 
-    One panel per entry of ``PANELS`` (a panel no run logged is left out); several runs are
-    overlaid, one colour per run, one line style per metric. The entropy panel shows the gate's
-    target ``H_tgt`` as a dashed grey line when it was logged.
+    One panel per entry of ``PANELS`` (a panel no run logged is left out), and the cold-start SFT loss
+    where a run has ``sft_log.jsonl``; several runs are overlaid, one colour per run, one line style
+    per metric. A step that trained nothing (``skipped``) is a shaded band on every RL panel and a gap
+    in the update's quantities (``UPDATE_KEYS``). The entropy panel has a log scale (H-bar of a
+    trained policy sits far below the gate's target) and shows ``H_tgt`` as a dashed grey line.
+    Reward and accuracy are one line where they are equal at every step (a 0/1 correctness reward).
 
     Args:
         run_dirs: one run directory or several (each holding ``metrics.jsonl``).
@@ -43,12 +56,28 @@ def plot_dashboard(
     Raises:
         ValueError: a run has no logged step, or ``labels`` does not match ``run_dirs``.
     """
+    import matplotlib.pyplot as plt
+
+    dirs = [Path(run_dirs)] if isinstance(run_dirs, str | Path) else [Path(d) for d in run_dirs]
+    fig = dashboard_figure(dirs, labels)
+    if out is None:
+        out = (
+            dirs[0] / "plots" / "dashboard.png" if len(dirs) == 1 else _common_parent(dirs) / "dashboard.png"
+        )
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def dashboard_figure(dirs: Sequence[Path], labels: Sequence[str] | None = None) -> Any:
+    """The figure :func:`plot_dashboard` saves (a ``matplotlib.figure.Figure``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    dirs = [Path(run_dirs)] if isinstance(run_dirs, str | Path) else [Path(d) for d in run_dirs]
     if not dirs:
         raise ValueError("no run directory given: pass at least one RUN_DIR")
     names = list(labels) if labels is not None else [d.name or str(d) for d in dirs]
@@ -60,39 +89,83 @@ def plot_dashboard(
         if not records:
             raise ValueError(f"{d}/metrics.jsonl has no steps yet: train for at least one step first")
         runs.append(records)
-    if out is None:
-        out = (
-            dirs[0] / "plots" / "dashboard.png" if len(dirs) == 1 else _common_parent(dirs) / "dashboard.png"
-        )
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    sft_runs = [read_sft_log(d) for d in dirs]
 
     logged = {k for records in runs for r in records for k in r}
+    one_reward = _reward_is_accuracy(runs)
     panels = [(t, y, _expand(keys, logged)) for t, y, keys in PANELS if _expand(keys, logged)]
+    if any(sft_runs):
+        panels.append(SFT_PANEL)
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (title, ylabel, keys) in zip(axes.flat, panels, strict=False):
-        for i, (name, records) in enumerate(zip(names, runs, strict=True)):
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        title, ylabel, keys = panel
+        sft = panel is SFT_PANEL
+        if keys[:2] == ("reward_mean", "accuracy") and one_reward:
+            keys, title = keys[1:], "Accuracy (= reward: 1 for a correct answer, else 0)"
+        elif keys[:2] == ("reward_mean", "accuracy"):
+            title = "Reward and accuracy (they differ by the reward's shaping)"
+        for i, (name, records) in enumerate(zip(names, sft_runs if sft else runs, strict=True)):
             color = colors[i % len(colors)]
+            skipped = {r["step"] for r in records if r.get("skipped")}
             for j, key in enumerate(k for k in keys if any(k in r for r in records)):
-                points = [(r["step"], float(r[key])) for r in records if key in r]
+                gap = (key in UPDATE_KEYS or sft) and skipped
+                points = [(r["step"], math.nan if gap and r["step"] in skipped else float(r[key]))
+                          for r in records if key in r]  # fmt: skip
                 label = key if len(runs) == 1 else f"{name}: {key}"
                 ax.plot(*zip(*points, strict=True), LINESTYLES[j % len(LINESTYLES)], color=color,
                         marker="o", ms=2.5, lw=1.3, label=label)  # fmt: skip
-        if keys == ("entropy",):
-            targets = [r["H_tgt"] for records in runs for r in records if "H_tgt" in r]
-            if targets:
-                ax.axhline(float(targets[-1]), ls="--", color="gray", label=f"H_tgt = {targets[-1]:g}")
+            if not sft:
+                for n, step in enumerate(sorted(skipped)):
+                    ax.axvspan(step - 0.5, step + 0.5, color=color, alpha=0.12, lw=0,
+                               label=SKIPPED_LABEL if n == 0 and i == 0 else None)  # fmt: skip
+        if keys == ("entropy",) and _entropy_axis(ax, runs):
+            ylabel += " (log scale)"
         _finish_panel(ax, title, ylabel)
+        if sft:
+            ax.set_xlabel("SFT step")
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(", ".join(names) if len(names) <= 4 else f"{len(names)} runs", fontsize=11)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
+
+
+def read_sft_log(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The cold-start SFT steps of ``run_dir/sft_log.jsonl`` (its closing summary left out); [] when
+    the run did no SFT."""
+    path = Path(run_dir) / "sft_log.jsonl"
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{k: math.nan if v is None else v for k, v in r.items()} for r in records if "loss" in r]
+
+
+def _reward_is_accuracy(runs: list[list[dict[str, Any]]]) -> bool:
+    """Whether every logged step of every run has reward_mean equal to accuracy."""
+    pairs = [
+        (r["reward_mean"], r["accuracy"])
+        for records in runs
+        for r in records
+        if "reward_mean" in r and "accuracy" in r
+    ]
+    return bool(pairs) and all(abs(float(a) - float(b)) < 1e-9 for a, b in pairs)
+
+
+def _entropy_axis(ax: Any, runs: list[list[dict[str, Any]]]) -> bool:
+    """H_tgt as a dashed line, and a log scale when every value is positive (returns whether): a
+    trained policy's H-bar (0.006-0.02 nats) sits flat on a linear axis that reaches up to H_tgt (0.3)."""
+    targets = [r["H_tgt"] for records in runs for r in records if "H_tgt" in r]
+    if targets:
+        ax.axhline(float(targets[-1]), ls="--", color="gray", label=f"H_tgt = {targets[-1]:g}")
+    values = [float(r["entropy"]) for records in runs for r in records if "entropy" in r]
+    values = [v for v in values if v == v] + [float(t) for t in targets[-1:]]
+    if values and min(values) > 0:
+        ax.set_yscale("log")
+        return True
+    return False
 
 
 def _expand(keys: tuple[str, ...], logged: set[str]) -> tuple[str, ...]:

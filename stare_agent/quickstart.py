@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from sandbox.pool import Backend
 
 from stare_agent.config import RunConfig, cpu_has_bf16, load_config
+from stare_agent.metrics import json_ready
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
@@ -114,7 +115,7 @@ def quickstart(
     result["engine"] = engine_name
     result["eval_engine"] = eval_name
     result["total_s"] = time.perf_counter() - start
-    (run_dir / "quickstart.json").write_text(json.dumps(result, indent=2, default=str))
+    save_result(result, run_dir)
     print(format_table(result))
     return result
 
@@ -214,7 +215,7 @@ def _run(
     Trainer(rl_config, model=model, tokenizer=tokenizer, engine=engine if own_copy else None).fit()
     phase("rl", t0)
     steps = read_metrics(run_dir)
-    gate_activity = sum(float(r.get("gate_on", 0)) for r in steps) / max(len(steps), 1)
+    gate_activity, skipped_steps = gate_fraction(steps)
 
     # 6. after
     pool = SandboxPool(config.sandbox.pool_size, backend=backend, config=config.sandbox.limits)
@@ -231,6 +232,7 @@ def _run(
         "before": before,
         "after": after,
         "gate_activity": gate_activity,
+        "skipped_steps": skipped_steps,
         # The gate's quantity: entropy of the policy on its own sampled RL rollouts, per step.
         "rl_entropy": [r["entropy"] for r in steps if "entropy" in r],
         "H_tgt": config.algorithm.H_tgt,
@@ -244,20 +246,47 @@ def _run(
     return result
 
 
+def save_result(result: dict[str, Any], run_dir: Path) -> Path:
+    """Write ``run_dir/quickstart.json``: strict JSON, a number that is not one (NaN) written as null."""
+    path = run_dir / "quickstart.json"
+    path.write_text(json.dumps(json_ready(result), indent=2, default=str, allow_nan=False))
+    return path
+
+
+def gate_fraction(steps: list[dict[str, Any]]) -> tuple[float | None, int]:
+    """The fraction of trained RL steps with the STARE gate on, and the number of steps that trained
+    nothing (``skipped``: no group with reward variance, or a non-finite loss): such a step has no gate
+    (the trainer logs gate_on 0 there), so it counts neither as on nor as off. ``None`` when no step
+    trained."""
+    trained = [r for r in steps if not r.get("skipped")]
+    if not trained:
+        return None, len(steps)
+    return sum(float(r.get("gate_on", 0)) for r in trained) / len(trained), len(steps) - len(trained)
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The before/after table and the paths, as plain text."""
     k = result["samples"]
     b, a = result["before"], result["after"]
     rows = [
-        (f"tool-use accuracy (avg@{k})", f"{b[f'avg@{k}']:.3f}", f"{a[f'avg@{k}']:.3f}"),
-        (f"pass@{k}", f"{b[f'pass@{k}']:.3f}", f"{a[f'pass@{k}']:.3f}"),
+        (f"tool-use accuracy (avg@{k})", _number(b[f"avg@{k}"], ".3f"), _number(a[f"avg@{k}"], ".3f")),
+        (f"pass@{k}", _number(b[f"pass@{k}"], ".3f"), _number(a[f"pass@{k}"], ".3f")),
         (
             "tool calls per episode",
-            f"{b['tool_calls_per_episode']:.2f}",
-            f"{a['tool_calls_per_episode']:.2f}",
+            _number(b["tool_calls_per_episode"], ".2f"),
+            _number(a["tool_calls_per_episode"], ".2f"),
         ),
-        ("entropy, greedy eval rollouts (nats/token)", f"{b['entropy']:.3f}", f"{a['entropy']:.3f}"),
-        ("STARE gate on (fraction of RL steps)", "-", f"{result['gate_activity']:.2f}"),
+        (
+            "entropy, greedy eval rollouts (nats/token)",
+            _number(b["entropy"], ".3f"),
+            _number(a["entropy"], ".3f"),
+        ),
+        ("STARE gate on (fraction of trained RL steps)", "-", _number(result["gate_activity"], ".2f")),
+        (
+            "RL steps that trained nothing (skipped)",
+            "-",
+            f"{result.get('skipped_steps', 0)} of {result.get('rl_steps')}",
+        ),
     ]
     width = max(len(r[0]) for r in rows)
     lines = [
@@ -278,9 +307,15 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _number(value: float | None, spec: str) -> str:
+    """``value`` formatted, or "-" where there is none (null in quickstart.json, or NaN)."""
+    return "-" if value is None or value != value else format(value, spec)
+
+
 def _rl_entropy_line(result: dict[str, Any]) -> str:
     """The entropy the STARE gate controls: on the RL steps' sampled rollouts, not on greedy eval."""
-    H = [h for h in result.get("rl_entropy", []) if h == h]  # a skipped step logs NaN
+    # a skipped step logs no entropy: NaN in memory, null in quickstart.json
+    H = [h for h in result.get("rl_entropy", []) if h is not None and h == h]
     if not H:
         return "entropy, sampled RL rollouts (gate's H-bar): no RL step trained"
     return (
@@ -289,4 +324,11 @@ def _rl_entropy_line(result: dict[str, Any]) -> str:
     )
 
 
-__all__ = ["format_table", "fp32_eval_engine", "pick_backend", "quickstart", "usable_precision"]
+__all__ = [
+    "format_table",
+    "fp32_eval_engine",
+    "gate_fraction",
+    "pick_backend",
+    "quickstart",
+    "usable_precision",
+]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,72 @@ def test_plot_dashboard_overlays_runs_in_their_common_parent(tmp_path):
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="has no steps yet"):
         plot_dashboard([tmp_path / "grpo", tmp_path / "empty"])
+
+
+def test_logged_nan_is_written_as_null_and_read_back_as_nan(tmp_path):
+    with StepLogger(tmp_path, backends=()) as log:
+        log.log(1, {"entropy": float("nan"), "gate_on": 0, "skipped": 1, "extra": {"x": float("inf")}})
+    line = (tmp_path / "metrics.jsonl").read_text()
+
+    def refuse(constant):
+        raise ValueError(f"bare {constant} in metrics.jsonl")
+
+    assert json.loads(line, parse_constant=refuse) == {
+        "step": 1,
+        "entropy": None,
+        "gate_on": 0,
+        "skipped": 1,
+        "extra": {"x": None},
+    }
+    (record,) = read_metrics(tmp_path)
+    assert math.isnan(record["entropy"])
+    # files written before nulls, with a bare NaN, still read
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "entropy": NaN}\n')
+    assert math.isnan(read_metrics(tmp_path)[0]["entropy"])
+
+
+def _line(ax, label):
+    (line,) = [line for line in ax.get_lines() if line.get_label() == label]
+    return list(line.get_ydata())
+
+
+def test_dashboard_marks_skipped_steps_and_draws_no_gate_for_them(tmp_path):
+    from stare_agent.plots import SKIPPED_LABEL, dashboard_figure
+
+    with StepLogger(tmp_path, backends=()) as log:
+        for step, skipped in ((1, 0), (2, 1), (3, 0)):
+            log.log(step, {"entropy": math.nan if skipped else 0.01 * step, "H_tgt": 0.3, "gate_on": 1 - skipped,
+                           "skipped": skipped, "reward_mean": 0.5, "accuracy": 0.5,
+                           "response_length_mean": 100.0})  # fmt: skip
+    fig = dashboard_figure([tmp_path])
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    gate = axes["STARE gate and weights"]
+    y = _line(gate, "gate_on")
+    assert y[0] == y[2] == 1.0 and math.isnan(y[1])  # a gap, not gate off
+    for ax in axes.values():  # every panel shades the skipped step
+        (band,) = [p for p in ax.patches if p.get_label() == SKIPPED_LABEL]
+        assert band.get_x() == 1.5 and band.get_width() == 1.0
+    assert _line(axes["Response length"], "response_length_mean") == [100.0] * 3  # rollouts were measured
+    entropy = axes["Entropy on sampled rollouts (gate's H-bar)"]
+    assert entropy.get_yscale() == "log" and "H_tgt = 0.3" in [
+        line.get_label() for line in entropy.get_lines()
+    ]
+    # reward equal to accuracy at every step: one line, and the title says why
+    reward = axes["Accuracy (= reward: 1 for a correct answer, else 0)"]
+    assert [line.get_label() for line in reward.get_lines()] == ["accuracy"]
+
+
+def test_dashboard_draws_reward_beside_accuracy_when_they_differ_and_the_sft_loss(tmp_path):
+    from stare_agent.plots import dashboard_figure
+
+    with StepLogger(tmp_path, backends=()) as log:
+        log.log(1, {"entropy": 0.2, "reward_mean": 0.4, "accuracy": 0.5})
+    with StepLogger(tmp_path, filename="sft_log.jsonl", backends=()) as log:
+        log.log(1, {"loss": 2.0, "skipped": 0})
+        log.log(2, {"loss": 1.5, "skipped": 0})
+        log.log(2, {"summary": {"steps": 2, "first_loss": 2.0}})
+    axes = {ax.get_title(): ax for ax in dashboard_figure([tmp_path]).axes if ax.get_visible()}
+    reward = axes["Reward and accuracy (they differ by the reward's shaping)"]
+    assert [line.get_label() for line in reward.get_lines()] == ["reward_mean", "accuracy"]
+    sft = axes["Cold-start SFT loss (sft_log.jsonl)"]
+    assert _line(sft, "loss") == [2.0, 1.5] and sft.get_xlabel() == "SFT step"

@@ -1,6 +1,9 @@
 """The quickstart's before/after table names its two entropies apart."""
 
-from stare_agent.quickstart import format_table
+import json
+import math
+
+from stare_agent.quickstart import format_table, gate_fraction, save_result
 
 
 def _result(rl_entropy):
@@ -10,6 +13,8 @@ def _result(rl_entropy):
         "before": {**side, "avg@1": 0.0, "pass@1": 0.0, "entropy": 0.95},
         "after": side,
         "gate_activity": 1.0,
+        "skipped_steps": 0,
+        "rl_steps": 3,
         "rl_entropy": rl_entropy,
         "H_tgt": 0.3,
         "problems": 40,
@@ -25,13 +30,43 @@ def _result(rl_entropy):
 
 def test_table_reports_greedy_and_sampled_entropy_under_distinct_names():
     table = format_table(_result([0.28, float("nan"), 0.25]))
-    assert "entropy, greedy eval rollouts (nats/token)     0.950     0.080" in table
+    assert "entropy, greedy eval rollouts (nats/token)       0.950     0.080" in table
     # the skipped middle step (NaN) is passed over: first and last trained step
     assert (
         "entropy, sampled RL rollouts (gate's H-bar): 0.280 at the first RL step -> 0.250 at the last (H_tgt = 0.3)"
         in table
     )
     assert "dashboard: runs/quickstart/plots/dashboard.png" in table
+
+
+def test_gate_fraction_counts_trained_steps_only():
+    trained, skipped = {"gate_on": 1, "entropy": 0.01}, {"gate_on": 0, "entropy": math.nan, "skipped": 1}
+    # a step that trained nothing has no gate: neither on nor off
+    assert gate_fraction([trained, skipped, trained]) == (1.0, 1)
+    assert gate_fraction([trained, {"gate_on": 0, "entropy": 0.4, "skipped": 0}]) == (0.5, 0)
+    assert gate_fraction([skipped, skipped]) == (None, 2)
+
+
+def test_table_counts_the_gate_over_trained_steps_and_says_how_many_were_skipped():
+    table = format_table({**_result([0.28, float("nan"), 0.25]), "skipped_steps": 1})
+    assert "STARE gate on (fraction of trained RL steps)         -      1.00" in table
+    assert "RL steps that trained nothing (skipped)              -    1 of 3" in table
+    none_trained = {**_result([float("nan")] * 3), "skipped_steps": 3, "gate_activity": None}
+    assert "STARE gate on (fraction of trained RL steps)         -         -" in format_table(none_trained)
+
+
+def test_quickstart_json_is_strict_json_and_reads_back(tmp_path):
+    result = _result([0.28, float("nan"), 0.25])
+    result["after"] = {**result["after"], "pass@1": float("nan")}
+    path = save_result(result, tmp_path)
+
+    def refuse(constant):
+        raise ValueError(f"bare {constant} in quickstart.json")
+
+    loaded = json.loads(path.read_text(), parse_constant=refuse)
+    assert loaded["rl_entropy"] == [0.28, None, 0.25] and loaded["after"]["pass@1"] is None
+    table = format_table(loaded)  # the table of a quickstart.json read back: null shown as "-"
+    assert "pass@1" in table and "0.280 at the first RL step -> 0.250 at the last" in table
 
 
 def test_table_says_when_no_rl_step_trained():
