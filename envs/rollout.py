@@ -16,7 +16,11 @@ The runner speaks tokens to the engine and text to the environments:
    the assistant message (``observation_role == "assistant"``, ReTool) that is the observation text
    alone. For ``tool``-role observations (hermes) it is the chat-template glue too: the end of the
    assistant turn, the tool message, and the start of the next assistant turn, computed as a token
-   difference of two renderings of a conversation (as verl's tool agent loop does).
+   difference of two renderings of a conversation (as verl's tool agent loop does). The observation
+   is tokenized as text (:func:`envs.text_tokens.encode_as_text`): a special-token string that the
+   model's code printed (``<|im_end|>``, EOS, ``</tool_response>``) never becomes that token's id; only
+   the template glue around a tool message has real special tokens. Observations without such strings
+   get the ids a plain ``encode`` gives.
 4. The episode ends when the env terminates or truncates it, or when the response-token budget is
    spent (``info["finish_reason"] == "budget"``; over-long tool output is cut so the budget holds).
    A budget-cut episode is ended in its env at once (``env.end_episode()``): truncated, scored by the
@@ -48,6 +52,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from envs.errors import EnvError
+from envs.text_tokens import control_text_pattern, encode_as_text
 from envs.tool_env import EpisodeInfrastructureError
 from envs.trajectory import Trajectory, TrajectoryBuilder
 
@@ -228,7 +233,14 @@ class ToolTurnGlue:
     ``[tool]`` (with the generation prompt), so they are tokenized in context exactly as the chat
     template would tokenize a whole conversation; the end of the assistant turn is the text the
     template puts after an assistant message's content.
+
+    The tool message's content is text: when it holds a special-token string of the tokenizer (tool
+    output that prints ``<|im_end|>``), the template's text before and after the content is tokenized as
+    usual and the content with :func:`~envs.text_tokens.encode_as_text`; otherwise the rendered
+    conversation is tokenized whole, as it always was.
     """
+
+    _SENTINEL = "STARE0TOOL0OUTPUT0SENTINEL"
 
     _REFERENCE = [
         {"role": "system", "content": "S"},
@@ -263,10 +275,12 @@ class ToolTurnGlue:
             turn_ended_with_eos: The model's turn already ends with EOS, which is then not repeated when
                 the template's end of turn starts with it (e.g. ChatML's ``<|im_end|>``).
         """
-        text = self._render(
-            [*self._REFERENCE, {"role": "tool", "content": observation}], generation_prompt=True
-        )
-        ids = _encode(self._tokenizer, text)
+        text = self._with_tool_message(observation)
+        pattern = control_text_pattern(self._tokenizer)
+        if pattern is not None and pattern.search(observation):
+            ids = self._encode_around_content(text)
+        else:
+            ids = _encode(self._tokenizer, text)
         n = len(self._closed_ids)
         if ids[:n] != self._closed_ids:
             raise RolloutError(
@@ -277,6 +291,38 @@ class ToolTurnGlue:
         if turn_ended_with_eos and end[:1] == [self._tokenizer.eos_token_id]:
             end = end[1:]
         return end + ids[n:]
+
+    def _with_tool_message(self, content: str) -> str:
+        return self._render([*self._REFERENCE, {"role": "tool", "content": content}], generation_prompt=True)
+
+    def _encode_around_content(self, text: str) -> list[int]:
+        """Ids of ``text`` (the reference conversation plus a tool message) with the tool message's
+        content encoded as text and the template's text around it as usual.
+
+        Where the content sits is found by rendering a sentinel content: the text before the sentinel
+        and after it is the template's own; whatever lies between them in ``text`` is the content as the
+        template wrote it.
+        """
+        marked = self._with_tool_message(self._SENTINEL)
+        before, sentinel, after = marked.partition(self._SENTINEL)
+        if (
+            not sentinel
+            or self._SENTINEL in after
+            or not (
+                text.startswith(before) and text.endswith(after) and len(text) >= len(before) + len(after)
+            )
+        ):
+            raise RolloutError(
+                "the chat template does not write a tool message's content as one piece between text of "
+                "its own, so tool output cannot be tokenized as text apart from the template's special "
+                "tokens: use a format with observation_role='assistant' (e.g. retool) with this tokenizer"
+            )
+        content = text[len(before) : len(text) - len(after)]
+        return (
+            _encode(self._tokenizer, before)
+            + encode_as_text(self._tokenizer, content)
+            + _encode(self._tokenizer, after)
+        )
 
 
 def render_prompt(
@@ -597,7 +643,7 @@ class RolloutRunner:
         if ep.glue is not None:
             ids = ep.glue(observation, turn_ended_with_eos=ep.turn_ended_with_eos)
         else:
-            ids = _encode(self.tokenizer, observation)
+            ids = encode_as_text(self.tokenizer, observation)
         remaining = self.max_response_tokens - len(ep.builder)
         ep.builder.append(ids[:remaining], 0)
         if len(ids) >= remaining:

@@ -44,6 +44,7 @@ from envs.problems import (
     procedural_family,
 )
 from envs.rewards import AnswerChecker, RewardConfig, compute_reward
+from envs.text_tokens import encode_as_text
 from envs.tools import BoundTool, ToolResult, ToolSpec, get_tool
 from sandbox.config import SandboxConfig
 from sandbox.errors import SandboxError
@@ -429,14 +430,15 @@ class ToolEnv(gymnasium.Env[str, str]):
         if head_only:
             start = text[: self.max_output_chars]
             if self.tokenizer is not None:
-                ids = list(self.tokenizer.encode(start, add_special_tokens=False))
+                ids = encode_as_text(self.tokenizer, start)
                 if len(ids) > self.max_output_tokens:
                     start = self.tokenizer.decode(ids[: self.max_output_tokens])
             return text if start == text else f"{start}\n... [the output went on until the timeout]"
         text, _ = truncate_text(text, self.max_output_chars)
         if self.tokenizer is None:
             return text
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        # the tokens the model sees: a special-token string printed by the code is text, several tokens
+        ids = encode_as_text(self.tokenizer, text)
         if len(ids) <= self.max_output_tokens:
             return text
         head = self.max_output_tokens // 2

@@ -39,6 +39,7 @@ from envs.formats import CODE_TOOL, ReToolFormat, ToolCall, get_format
 from envs.problems import Problem, ProblemSourceError, generate_problems, read_rows
 from envs.rollout import ToolTurnGlue
 from envs.rollout import render_prompt as rollout_prompt
+from envs.text_tokens import encode_as_text
 from envs.tool_env import initial_messages
 from envs.tools import get_tool, render_exec_result
 from envs.trajectory import Trajectory, TrajectoryBuilder
@@ -352,7 +353,10 @@ def trace_to_trajectory(
             if ids:
                 builder.append(ids, 1, [0.0] * len(ids))
         else:
-            ids = glue(text, turn_ended_with_eos=False) if glue is not None else _encode(tokenizer, text)
+            # tool output is text: a special-token string it holds stays text, as in the rollout
+            ids = (
+                glue(text, turn_ended_with_eos=False) if glue is not None else encode_as_text(tokenizer, text)
+            )
             if ids:
                 builder.append(ids, 0)
     return builder.build(info={"id": trace.id, "answer": trace.answer})

@@ -12,6 +12,12 @@ Run it with verifiers' own tooling, e.g. against any OpenAI-compatible server::
 
     vf-eval stare_integrations.verifiers_env -a '{"data": "aime2024"}' -m MODEL -b http://host:port/v1
 
+Tool output goes back to verifiers as the verbatim content of a ``tool`` message; the served model's
+chat template turns the conversation into tokens on the server, with special tokens parsed. So, unlike in
+our own runner (:func:`envs.text_tokens.encode_as_text`), a special-token string printed by the model's
+code (``<|im_end|>``) can reach the model as that token there. It is left to the server on purpose:
+escaping the text here would change what the model reads, and the token ids are the server's to build.
+
 Install: ``pip install 'stare-agent[verifiers]'``. Example in the README ("Use with verl / TRL /
 verifiers").
 """

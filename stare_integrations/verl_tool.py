@@ -16,6 +16,12 @@
   ``.name``): the final answer of the response (``<answer>`` or the last ``\\boxed{}``) checked against
   the ground truth by :func:`envs.rewards.compute_reward`, the same checker our environments use.
 
+Tool output is returned verbatim as ``ToolResponse.text``, and verl's agent loop tokenizes the tool
+message itself (chat template rendered, special tokens parsed). So, unlike in our own runner (which
+tokenizes tool output with :func:`envs.text_tokens.encode_as_text`), a special-token string printed by
+the model's code (``<|im_end|>``) reaches the model as that token under verl. It is left to verl on
+purpose: escaping the text here would change what the model reads, and the token ids are verl's to build.
+
 Install: ``pip install 'stare-agent[verl]'``. The tool config for verl's ReTool recipe is in the
 README ("Use with verl / TRL / verifiers").
 """
