@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-DEFAULT_IMAGE = "stare-sandbox:0.2"
+DEFAULT_IMAGE = "stare-sandbox:0.3"
 
 SANDBOX_UID = 61000
 """The kernel's uid and gid in the image: above the login-user range (``UID_MAX`` 60000), so not

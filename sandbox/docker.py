@@ -1,26 +1,29 @@
 """The Docker backend: one hardened container per sandbox running an IPython kernel.
 
-The container's main process is the warden (``sandbox/warden.py``) under ``tini``, the image's
-entrypoint, as PID 1; the warden forks the kernel (``ipykernel_launcher``) and, between episodes,
-kills every other process, empties the scratch dirs and IPC and forks a fresh kernel. The host reaches it with jupyter-client over the ``ipc`` transport:
+The container's main process, PID 1, is the warden (``sandbox/warden.py``, the container's
+entrypoint in place of the image's ``tini``): it forks the kernel (``ipykernel_launcher``) and,
+between episodes, kills every other process, empties the scratch dirs and IPC and forks a fresh
+kernel on fresh listeners with a fresh connection key. The host reaches it with jupyter-client over the ``ipc`` transport:
 a host temp dir bind-mounted at ``/conn`` holds the connection file and the unix sockets, so the
 container needs no network at all (``network_mode="none"``: only ``lo``).
 
 Hardening (every limit comes from ``SandboxConfig``): no network, user 61000:61000 (never the
 host user's uid: a kernel with it would own ``/conn``), read-only root filesystem, size-limited
-tmpfs ``/work`` (and a small ``/tmp``), ``cap_drop=ALL``, ``no-new-privileges``, memory limit ==
-memory+swap limit, pids limit, CPU quota, rlimits (no core files, ``NOFILE`` open files, no file
-larger than ``/work``), BLAS/OpenMP thread pools sized to the CPU quota, container log capped at
-1 MB, never privileged, never the Docker socket, never the host's environment, never an image
-pulled from a registry (``containers.create``, not ``run``). An image without setuid/setgid files
-(``image/build.sh``).
+tmpfs ``/work`` (and a small ``/tmp``; both root's, mode 1777, so code can fill them but not
+mark their roots), ``cap_drop=ALL``, ``no-new-privileges``, the sandbox's own seccomp profile
+(``sandbox/seccomp.py``), memory limit == memory+swap limit, pids limit, CPU quota, rlimits (no
+core files, ``NOFILE`` open files, no file larger than ``/work``), BLAS/OpenMP thread pools sized
+to the CPU quota, the host's boot id masked, container log capped at 1 MB and written by the
+warden alone (a kernel's standard streams are ``/dev/null``), never privileged, never the Docker
+socket, never the host's environment, never an image pulled from a registry (``create``, not
+``run``). An image without setuid/setgid files (``image/build.sh``).
 
 The connection dir ``/conn`` (host: ``DockerSandbox.dir``): owned by the host user, its group
 is one the kernel belongs to (the kernel's own gid when the host runs as root; else the host
 user's gid, added to the kernel with ``group_add``), and the kernel runs under ``umask 007``, so
 its socket files are group-connectable whoever the host user is. The kernel may write there only
 while it starts (mode 2770); once it has answered, the dir is locked (2750) until the next
-restart. So code in the sandbox can neither create, delete nor replace (e.g. by a symlink to a
+kernel starts, which is when no process of the last episode is left. So code in the sandbox can neither create, delete nor replace (e.g. by a symlink to a
 host socket) the files the host connects to: zmq reconnects by path, on its own, whenever a
 connection drops, so checking the paths before connecting would not be enough. A restart (kill,
 rewrite ``kernel.json``, unlock, start) happens only while no process of the old container is
@@ -28,8 +31,10 @@ left, and the new kernel runs no user code before the lock.
 
 Resets: ``reset()`` gives the next episode a fresh kernel process from the warden, which never
 runs model code (every process of the episode killed; ``/work``, ``/tmp``, ``/dev/shm``,
-``/dev/mqueue`` and SysV IPC emptied; the warden's own rlimits and scheduling checked; tens of
-milliseconds). ``reset(hard=True)``, or a warden reset that cannot be confirmed, restarts the
+``/dev/mqueue`` and SysV IPC emptied; the warden's own rlimits, scheduling and integrity
+checked; then, once the host has seen the warden alone in the container, a new connection key
+written to the connection dir, the dir opened and SIGUSR2: fresh listeners, a fresh kernel, the
+dir locked again before any code runs; tens of milliseconds). ``reset(hard=True)``, or a warden reset that cannot be confirmed, restarts the
 container (fresh tmpfs mounts; about a second). The driver replaces a kernel stuck in C code the
 same way as a reset (a fresh kernel from the warden), and a kernel that died (the warden then exits
 with its status) by restarting the container.
@@ -54,6 +59,7 @@ from sandbox.config import HASH_SEED, SANDBOX_UID, SandboxConfig
 from sandbox.errors import SandboxError, SandboxUnavailable
 from sandbox.kernel import KERNEL_ARGS, KERNEL_BOOT, KernelDriver, KernelSandbox
 from sandbox.owner import owner_gone, owner_id, remove_sandbox_dir
+from sandbox.seccomp import SECURITY_OPT
 from sandbox.shutdown import exit_on_sigterm
 from sandbox.usage import CgroupUsage, cgroup_dir
 
@@ -75,10 +81,30 @@ CONN_LOCKED = 0o2750
 """Mode of the connection dir while user code can run: read-only for the kernel's group."""
 
 KERNEL_COMMAND = ("python3", "-c", (Path(__file__).parent / "warden.py").read_text())
-"""The container's main process (under tini): the warden (``sandbox/warden.py``), which binds the
-kernel's sockets under ``umask 007`` (mode 0770, connectable through the group), forks each kernel
-and wipes the container between episodes. Its arguments: the connection file, the code each kernel runs before it serves
-(``KERNEL_BOOT``), then the kernel's."""
+"""The container's entrypoint and PID 1: the warden (``sandbox/warden.py``), which binds the
+host's sockets under ``umask 007`` (mode 0770, connectable through the group), forks each kernel
+and wipes the container between episodes. Its arguments: the connection file, the code each
+kernel runs before it serves (``KERNEL_BOOT``), the modules to preload, then the kernel's."""
+
+MASKED_PATHS = (
+    "/proc/asound",
+    "/proc/acpi",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+    "/proc/sys/kernel/random/boot_id",
+)
+"""Paths the container sees as empty: Docker's own list (which these replace), and the host's
+boot id (which would identify the host and its boots)."""
+
+CONTAINER_KEYS = ("command", "entrypoint", "environment", "user", "working_dir", "labels")
+"""The options of ``container_options`` that describe the container; the rest are its host config."""
 
 RENEW_TIMEOUT_S = 5.0
 """How long ``reset()`` waits for the processes of an episode to be gone before it restarts the
@@ -122,12 +148,11 @@ def docker_client(timeout: float = 30.0) -> Any:
 
 
 def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | None = None) -> dict[str, Any]:
-    """Keyword arguments of ``containers.create`` for one hardened sandbox container; ``conn_group``
-    is a supplementary group for the kernel (the host user's, when the host is not root)."""
+    """Options of one hardened sandbox container (``CONTAINER_KEYS``, and the keyword arguments
+    of ``APIClient.create_host_config``); ``conn_group`` is a supplementary group for the kernel
+    (the host user's, when the host is not root)."""
     from docker.types import Ulimit  # type: ignore[import-untyped]
 
-    uid, _, gid = config.user.partition(":")
-    gid = gid or uid
     threads = str(max(1, math.ceil(config.cpus)))
     env = {
         **dict.fromkeys(THREAD_VARIABLES, threads),
@@ -142,8 +167,8 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
     memory = f"{config.memory_mb}m"
     file_bytes = config.tmpfs_mb * 2**20  # no file in the sandbox can be larger than /work
     options = {
+        "entrypoint": list(KERNEL_COMMAND),
         "command": [
-            *KERNEL_COMMAND,
             f"{CONN_DIR}/kernel.json",
             KERNEL_BOOT,
             json.dumps(list(config.preload)),
@@ -156,12 +181,12 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
         "network_mode": config.network,
         "read_only": True,
         "tmpfs": {
-            WORK_DIR: f"rw,nosuid,nodev,size={config.tmpfs_mb}m,uid={uid},gid={gid},mode=0700",
+            WORK_DIR: f"rw,nosuid,nodev,size={config.tmpfs_mb}m,mode=1777",
             "/tmp": f"rw,nosuid,nodev,size={TMP_MB}m,mode=1777",
         },
-        "volumes": {str(conn_dir): {"bind": CONN_DIR, "mode": "rw"}},
+        "binds": {str(conn_dir): {"bind": CONN_DIR, "mode": "rw"}},
         "cap_drop": ["ALL"],
-        "security_opt": ["no-new-privileges"],
+        "security_opt": ["no-new-privileges", SECURITY_OPT],
         "mem_limit": memory,
         "memswap_limit": memory,
         "pids_limit": config.pids_limit,
@@ -171,7 +196,7 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
             Ulimit(name="nofile", soft=NOFILE, hard=NOFILE),
             Ulimit(name="fsize", soft=file_bytes, hard=file_bytes),
         ],
-        "init": False,  # the image's entrypoint is tini
+        "init": False,  # the warden is PID 1
         "privileged": False,
         "ipc_mode": "private",
         "log_config": {"type": "json-file", "config": {"max-size": "1m", "max-file": "1"}},
@@ -180,6 +205,18 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
     if config.runtime is not None:
         options["runtime"] = config.runtime
     return options
+
+
+def create_container(client: Any, image: str, options: dict[str, Any]) -> Any:
+    """Create (never pull, never start) a container from ``container_options``, with
+    ``MASKED_PATHS`` (which the SDK's ``containers.create`` cannot set)."""
+    api = client.api
+    host_config = api.create_host_config(**{k: v for k, v in options.items() if k not in CONTAINER_KEYS})
+    host_config["MaskedPaths"] = list(MASKED_PATHS)
+    created = api.create_container(
+        image, host_config=host_config, **{k: options[k] for k in CONTAINER_KEYS if k in options}
+    )
+    return client.containers.get(created["Id"])
 
 
 def reap_orphans(client: Any = None) -> int:
@@ -242,7 +279,8 @@ def _write_connection_file(conn_dir: Path, info: dict[str, Any], group: int) -> 
 
 
 class _ContainerKernel:
-    """The container as a ``KernelHost``: tini forwards SIGINT; a restart replaces the kernel."""
+    """The container as a ``KernelHost``: the warden (PID 1) forwards SIGINT; a restart replaces
+    the kernel. ``session`` (the driver's, once it exists) follows each new connection key."""
 
     def __init__(
         self, container: Any, memory_mb: int, conn_dir: Path, info: dict[str, Any], group: int
@@ -250,6 +288,7 @@ class _ContainerKernel:
         self.container = container
         self.memory_mb = memory_mb
         self.conn_dir, self.info, self.group = conn_dir, info, group
+        self.session: Any = None
         # The cgroup path survives restarts (the counters start again), so it is looked up once,
         # through the host pid of the container's init (``containers.run`` returns the container
         # as created, without it).
@@ -263,7 +302,8 @@ class _ContainerKernel:
         self.procs_file = cgroup / "cgroup.procs" if cgroup is not None else None
 
     def _track_init(self, pid: int) -> None:
-        """Hold a pidfd of the container's init (tini), so liveness is a poll, not an API call."""
+        """Hold a pidfd of the container's PID 1 (the warden), so liveness is a poll, not an API
+        call, and signals reach it without one."""
         if self._init_fd is not None:
             os.close(self._init_fd)
             self._init_fd = None
@@ -275,38 +315,74 @@ class _ContainerKernel:
                 pass
 
     def renew(self, timeout_s: float = RENEW_TIMEOUT_S) -> bool:
-        """Ask the warden for a fresh kernel (SIGUSR1: it kills every other process, wipes the
-        scratch dirs and IPC, forks a kernel) and wait until every process of the episode is gone.
+        """Ask the warden for a fresh kernel and wait until it has forked one.
 
-        False when that cannot be confirmed from here (no cgroup to read, an unexpected process
-        tree, a warden that does not act in time): the caller then restarts the container.
+        SIGUSR1: the warden kills every other process, wipes the scratch dirs and IPC and checks
+        itself. Once every process of the episode is gone and the warden is alone in the
+        container's cgroup, a new connection key goes into the connection dir (no process of the
+        episode can have read it), the dir is opened (``ready`` locks it before any code runs) and
+        SIGUSR2 tells the warden to bind fresh listeners and fork the next kernel with the key.
+
+        False when that cannot be confirmed from here (no cgroup to read, a PID 1 that is traced
+        or dumpable, a warden that does not act in time): the caller then restarts the container.
         """
         if self.procs_file is None:
             return False
+        deadline = time.monotonic() + timeout_s
         before = _pids(self.procs_file)
-        if self.init_pid not in before:  # restarted since: tini has a new pid
+        if self.init_pid not in before:  # restarted since: PID 1 has a new host pid
             self.container.reload()
             self._track_init(self.container.attrs.get("State", {}).get("Pid") or 0)
-        wardens = [pid for pid in before if _parent(pid) == self.init_pid]
-        if len(wardens) != 1:
+        if self.init_pid not in before or not _untouched(self.init_pid):
             return False
-        doomed = {pid: _pidfd(pid) for pid in before - {self.init_pid, wardens[0]}}
-        if not _signal_child(wardens[0], self.init_pid, signal.SIGUSR1):
-            try:  # not our process to signal (a non-root host): tini forwards it to the warden
-                self.container.kill(signal="SIGUSR1")
-            except Exception as exc:  # noqa: BLE001 - the caller restarts the container
-                logger.debug("signalling the warden failed: %s", exc)
+        doomed = {pid: _pidfd(pid) for pid in before - {self.init_pid}}
+        if not self._signal(signal.SIGUSR1) or not _wait_gone(doomed, self.procs_file, deadline):
+            return False
+        if not self._wait(lambda pids: pids == {self.init_pid}, deadline):
+            return False
+        self.new_key()
+        self.conn_dir.chmod(CONN_OPEN)
+        if not self._signal(signal.SIGUSR2):
+            return False
+        return self._wait(lambda pids: self.init_pid in pids and len(pids) > 1, deadline)
+
+    def new_key(self) -> None:
+        """A fresh connection key in ``kernel.json`` (read by the warden for the next kernel) and
+        in the driver's session."""
+        self.info["key"] = uuid.uuid4().hex
+        _write_connection_file(self.conn_dir, self.info, self.group)
+        if self.session is not None:
+            self.session.key = self.info["key"].encode()
+
+    def _signal(self, signum: int) -> bool:
+        """Send ``signum`` to the warden: through its pidfd, else through the daemon."""
+        if self._init_fd is not None:
+            try:
+                signal.pidfd_send_signal(self._init_fd, signum)
+                return True
+            except OSError:  # not our process to signal (a non-root host)
+                pass
+        try:
+            self.container.kill(signal=signum)
+            return True
+        except Exception as exc:  # noqa: BLE001 - the caller restarts the container
+            logger.debug("signalling the warden failed: %s", exc)
+            return False
+
+    def _wait(self, done: Any, deadline: float) -> bool:
+        """Poll the container's cgroup until ``done(pids)``; False at the deadline or when the
+        warden exited (it found something it could not wipe)."""
+        while not done(_pids(self.procs_file) if self.procs_file is not None else set()):
+            if time.monotonic() > deadline or not self.is_alive():
                 return False
-        return _wait_gone(doomed, self.procs_file, time.monotonic() + timeout_s)
+            time.sleep(0.0002)
+        return True
 
     def meter(self) -> CgroupUsage | None:
         return self.usage
 
     def interrupt(self) -> None:
-        try:
-            self.container.kill(signal="SIGINT")
-        except Exception as exc:  # noqa: BLE001 - a container that just died cannot be interrupted
-            logger.debug("interrupt failed: %s", exc)
+        self._signal(signal.SIGINT)  # a container that just died cannot be interrupted: no matter
 
     def restart(self) -> None:
         """A fresh kernel from the warden when it answers (milliseconds; e.g. after a kernel stuck
@@ -320,7 +396,7 @@ class _ContainerKernel:
         self.container.stop(timeout=0)  # waits until every process of the container is gone
         if self.usage is not None:
             self.usage.forget()
-        _write_connection_file(self.conn_dir, self.info, self.group)
+        self.new_key()
         self.conn_dir.chmod(CONN_OPEN)
         self.container.start()
 
@@ -333,7 +409,7 @@ class _ContainerKernel:
 
     def is_alive(self) -> bool:
         if self._init_fd is not None and not select.select([self._init_fd], [], [], 0)[0]:
-            return True  # tini, the container's PID 1, has not exited (a pidfd polls readable then)
+            return True  # the warden, the container's PID 1, has not exited (a pidfd polls readable then)
         try:
             self.container.reload()
         except Exception:  # noqa: BLE001 - gone means dead
@@ -414,29 +490,15 @@ def _pids(procs_file: Path) -> set[int]:
         return set()
 
 
-def _parent(pid: int) -> int | None:
+def _untouched(pid: int) -> bool:
+    """True while the container's PID 1 (host pid ``pid``) is untraced and non-dumpable (the
+    files of its ``/proc`` dir are then root's, though it runs as the sandbox's uid)."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _signal_child(pid: int, parent: int, signum: int) -> bool:
-    """Send ``signum`` to ``pid`` if it is still a child of ``parent`` (through a pidfd: a reused
-    pid is never signalled); False when this process may not signal it."""
-    try:
-        fd = os.pidfd_open(pid)
+        status = Path(f"/proc/{pid}/status").read_text()
+        owner = os.stat(f"/proc/{pid}/environ").st_uid
     except OSError:
         return False
-    try:
-        if _parent(pid) != parent:
-            return False
-        signal.pidfd_send_signal(fd, signum)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    return "\nTracerPid:\t0\n" in status and owner == 0
 
 
 class DockerSandbox(KernelSandbox):
@@ -501,7 +563,7 @@ class DockerSandbox(KernelSandbox):
         # create + start, not containers.run: run pulls from a registry when the image is missing.
         # A container whose start fails is removed by close().
         try:
-            self.container = self._client.containers.create(self.config.image, **options)
+            self.container = create_container(self._client, self.config.image, options)
             self.container.start()
         except docker.errors.ImageNotFound as exc:
             raise SandboxUnavailable(
@@ -520,6 +582,7 @@ class DockerSandbox(KernelSandbox):
             warm_tracebacks=False,  # the warden did, once for all its kernels
             boot_in_kernel=True,  # each kernel runs KERNEL_BOOT before it serves (warden.run_boot)
         )
+        host.session = self._driver.client.session  # each new kernel's key reaches it
         self._driver.wait_ready(self.start_timeout)
 
     def reset(self, *, hard: bool = False) -> None:

@@ -2,37 +2,47 @@
 
 This file is a program that runs *inside* the container (its Python, stdlib and ipykernel only;
 nothing from this package): ``python3 -c <this source> <connection file> <boot code> <preload as a
-JSON list> <kernel args>``, as the child of tini. It never runs model code, so the reset between
-episodes does not depend on the good behaviour of the interpreter that ran it:
+JSON list> <kernel args>``, as the container's PID 1 (its entrypoint: no init of the image runs,
+so no process of the container outlives episodes but this one). It never runs model code, so the
+reset between episodes does not depend on the good behaviour of the interpreter that ran it:
 
 1. At start it makes itself non-dumpable (code of the same uid can neither ptrace it nor read or
-   write its memory, and its ``/proc`` files become root's), a child subreaper (every orphan of a
-   kernel becomes its child), drops ``''`` from ``sys.path`` (the work dir), imports everything a
+   write its memory or descriptors, and its ``/proc`` files become root's; the seccomp profile
+   refuses ptrace anyway), drops ``''`` from ``sys.path`` (the work dir), imports everything a
    kernel needs and the modules the host preloads (``SandboxConfig.preload``, none by default;
    with numpy and sympy an episode's ``import sympy`` costs nothing; exit 75 when one is missing),
-   binds the kernel's five unix sockets itself (zmq ``USE_FD``: each kernel serves on these
-   listeners, so the connection dir never has to be writable again), and records its rlimits and
-   scheduling.
+   binds the two unix sockets the host reaches kernels through (shell and iopub; zmq ``USE_FD``:
+   the kernel serves on the warden's listeners, so it never needs to write to the connection
+   dir), and records its rlimits and scheduling. As PID 1 it obeys only signals from outside the
+   container (the host's, ``si_pid`` 0): code in the sandbox can neither stop it (the kernel
+   ignores SIGSTOP and SIGKILL from inside for a namespace's init) nor make it act.
 2. It forks a kernel: signal dispositions and mask back to default, dumpable again, cwd
-   ``/work``, then the rest of ipykernel's start-up and the host's boot code. Forking after the
+   ``/work``, standard streams on ``/dev/null`` (nothing the kernel holds reaches the container's
+   log, which dockerd writes outside the sandbox's CPU and disk limits), listeners of its own for
+   the channels the host never uses (stdin, control; none for the heartbeat), the connection key
+   the host chose for it, then the rest of ipykernel's start-up and the host's boot code. Forking after the
    imports, the shell, its extensions and the first-use caches (``prepare_kernel``) makes a fresh
    kernel cost its sockets, threads and copy-on-write page faults (about 20 ms of CPU), not a new
    interpreter. What the warden built is the zygote of every kernel: a kernel changes only its
    own copy of it, and the next one forks from the untouched original.
-3. On SIGUSR1 (the host's "next episode") it SIGKILLs every process in the container but tini
-   and itself until none is left, empties ``/work``, ``/tmp``, ``/dev/shm`` and ``/dev/mqueue``,
-   removes every SysV IPC object, checks that its rlimits, nice value, scheduler and CPU
-   affinity are still what they were (a process of the same uid may lower them with
-   ``prlimit``/``setpriority``, and a fork inherits them) and that the dirs are empty, and forks
-   a fresh kernel. If anything does not check out it exits, the container stops and the host
-   falls back to restarting the container.
+3. On SIGUSR1 (the host's "next episode") it SIGKILLs every other process in the container until
+   none is left, empties ``/work``, ``/tmp``, ``/dev/shm`` and ``/dev/mqueue`` (their roots, which
+   the kernel does not own, are touched, and any extended attribute is removed), removes every
+   SysV IPC object, and checks that the dirs are empty, that its rlimits, nice value, scheduler
+   and CPU affinity are still what they were (a process of the same uid may lower them with
+   ``prlimit``/``setpriority``, and a fork inherits them), and that it is still non-dumpable and
+   untraced. Then it waits for SIGUSR2: the host, having seen that the warden is alone in the
+   container, wrote the next kernel's connection key (which no process of the last episode can
+   have read) and opened the connection dir. The warden closes the last kernel's listeners
+   (with whatever the episode left in their queues, a connection carrying a descriptor sent with
+   SCM_RIGHTS say, or set on them), binds fresh ones and forks a fresh kernel with the new key;
+   the host locks the dir again before any code runs. If anything does not check out it exits,
+   the container stops and the host falls back to restarting the container.
 4. SIGINT is forwarded to the kernel (the host's interrupt); SIGTERM ends everything. When the
    kernel exits on its own, the warden exits with its status (128 + signal when killed), so the
    container stops exactly as it did when the kernel was its main process.
 
-Every other catchable signal is ignored, so that code in the sandbox can stop the warden only
-with SIGKILL or SIGSTOP; the host then sees a dead container or a reset that does not finish,
-and restarts the container.
+Every other catchable signal is ignored.
 """
 
 import ctypes
@@ -42,20 +52,25 @@ import os
 import resource
 import signal
 import socket
-import stat
 import sys
 import threading
 import time
 
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 4, 36
+PR_SET_PDEATHSIG, PR_GET_DUMPABLE, PR_SET_DUMPABLE = 1, 3, 4
 IPC_RMID = 0
 SCRATCH = ("/work", "/tmp", "/dev/shm", "/dev/mqueue")
-"""Directories emptied between kernels (tmpfs or mqueue mounts of this container)."""
+"""Directories emptied between kernels (tmpfs or mqueue mounts of this container, each owned by
+root with mode 1777: the kernel can fill them, not change the roots themselves)."""
 KERNEL_FILE = "/tmp/.kernel.json"
 """The connection file each kernel reads (and rewrites): in the wiped tmpfs, never in /conn."""
-CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
-RENEW, INTERRUPT, TERMINATE = signal.SIGUSR1, signal.SIGINT, signal.SIGTERM
-HANDLED = {RENEW, INTERRUPT, TERMINATE, signal.SIGCHLD}
+HOST_CHANNELS = ("shell", "iopub")
+"""The channels the host connects to: their listeners are the warden's, bound once."""
+KERNEL_CHANNELS = ("stdin", "control")
+"""Channels ipykernel serves that the host never uses: each kernel gets listeners of its own."""
+RENEW, START, INTERRUPT, TERMINATE = signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGTERM
+HANDLED = {RENEW, START, INTERRUPT, TERMINATE, signal.SIGCHLD}
+START_TIMEOUT_S = 10.0
+"""How long a renewal waits for the host's SIGUSR2 before the warden gives up (and exits)."""
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -80,11 +95,11 @@ def process_state():
 
 
 def kill_others(me, deadline_s=5.0):
-    """SIGKILL every process but PID 1 and the warden until none is left; reap what is ours."""
+    """SIGKILL every process but the warden (PID 1) until none is left; reap them."""
     deadline = time.monotonic() + deadline_s
     while True:
         try:
-            os.kill(-1, signal.SIGKILL)  # every process we may signal, except PID 1 and ourselves
+            os.kill(-1, signal.SIGKILL)  # every process we may signal, except ourselves
         except ProcessLookupError:
             pass
         reap()
@@ -157,6 +172,7 @@ def remove_ipc():
 def leftovers():
     """What is still there after a wipe (empty when the container is clean)."""
     found = [f"{d}/{name}" for d in SCRATCH if os.path.isdir(d) for name in os.listdir(d)]
+    found += [f"{d} xattr {name}" for d in SCRATCH if os.path.isdir(d) for name in _xattrs(d)]
     for kind in ("shm", "msg", "sem"):
         try:
             with open(f"/proc/sysvipc/{kind}") as f:
@@ -166,15 +182,43 @@ def leftovers():
     return found
 
 
-def wipe(work_mode):
-    os.chmod("/work", work_mode)  # the kernel owns /work and may have made it unreadable
+def _xattrs(path):
+    try:
+        return os.listxattr(path)
+    except OSError:
+        return []
+
+
+def wipe():
     for folder in SCRATCH:
         if os.path.isdir(folder):
             try:
                 empty_dir(folder)
+                for name in _xattrs(folder):
+                    os.removexattr(folder, name)
+                os.utime(folder)  # its times now, not ones the last episode chose
             except OSError as exc:
                 log(f"emptying {folder}: {exc}")
     remove_ipc()
+
+
+def intact():
+    """True while the warden is non-dumpable and untraced (the seccomp profile refuses ptrace,
+    and the kernel ignores a same-uid ptrace of a non-dumpable process: checked all the same)."""
+    with open("/proc/self/status") as f:
+        tracer = [line.split()[1] for line in f if line.startswith("TracerPid:")]
+    return libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) == 0 and tracer == ["0"]
+
+
+def read_key(connection_file):
+    """The next kernel's connection key, which the host wrote while the warden was alone."""
+    try:
+        with open(connection_file) as f:
+            key = json.load(f)["key"]
+    except (OSError, ValueError, KeyError) as exc:
+        log(f"cannot read the next kernel's key ({type(exc).__name__}: {exc})")
+        return None
+    return key if isinstance(key, str) and key else None
 
 
 def warm_tracebacks():
@@ -220,7 +264,7 @@ def prepare_kernel(kernel_args, boot):
     """
     argv = ["-f", KERNEL_FILE, *kernel_args]
 
-    def launch():
+    def launch(key):  # the key is in KERNEL_FILE, which ipykernel_launcher reads
         import runpy
 
         sys.argv = ["ipykernel_launcher", *argv]
@@ -262,15 +306,16 @@ def prepare_kernel(kernel_args, boot):
         log(f"could not prepare kernels ({type(exc).__name__}: {exc}); each starts from scratch")
         return launch
 
-    def serve():
+    def serve(key):
         sys.argv = ["ipykernel_launcher", *argv]
         app.session.pid = os.getpid()  # made in the warden: it refuses to send "from a fork"
+        app.session.key = key.encode()
         app.init_poller()
         app.init_sockets()
         # Left out, as nothing here uses them and each costs every reset: the heartbeat (a zmq
         # context and a thread; the host does not ping), rewriting the connection file (the
         # warden wrote it), and printing the connection info to the container's log.
-        app._ports = {name: getattr(app, f"{name}_port") for name in CHANNELS}
+        app._ports = {name: getattr(app, f"{name}_port") for name in (*HOST_CHANNELS, *KERNEL_CHANNELS)}
         app.init_io()
         try:
             app.init_signal()
@@ -306,9 +351,9 @@ def run_boot(boot):
 
 
 def bind_listeners(info):
-    """Listening unix sockets for the kernel's channels, bound once: {zmq address: socket}."""
+    """Listening unix sockets for the host's channels, bound once: {zmq address: socket}."""
     listeners = {}
-    for channel in CHANNELS:
+    for channel in HOST_CHANNELS:
         path = f"{info['ip']}-{info[channel + '_port']}"
         try:
             os.unlink(path)
@@ -322,11 +367,7 @@ def bind_listeners(info):
     return listeners
 
 
-def listening(listeners):
-    return all(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) for s in listeners.values())
-
-
-def run_kernel(listeners, serve):
+def run_kernel(info, listeners, serve):
     """In the forked child: become a plain process again and serve as a kernel."""
     for signum in range(1, signal.NSIG):
         if signum not in (signal.SIGKILL, signal.SIGSTOP):
@@ -343,9 +384,20 @@ def run_kernel(listeners, serve):
     libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     os.chdir("/work")
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
     import zmq
 
     fds = {address: s.fileno() for address, s in listeners.items()}
+    own = []  # listening, never bound to a path: no process outside this kernel knows them
+    for channel in KERNEL_CHANNELS:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind("")  # autobind: an abstract name, in the container's own network namespace
+        sock.listen(8)
+        own.append(sock)
+        fds[f"ipc://{info['ip']}-{info[channel + '_port']}"] = sock.fileno()
     bind = zmq.Socket.bind
 
     def bind_prebound(self, address):
@@ -356,7 +408,7 @@ def run_kernel(listeners, serve):
     zmq.Socket.bind = bind_prebound
     code = 0
     try:
-        serve()
+        serve(info["key"])
     except SystemExit as exc:  # exit codes as if the kernel were a process of its own
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except BaseException:  # noqa: BLE001
@@ -372,7 +424,7 @@ def spawn(info, listeners, serve):
     pid = os.fork()
     if pid == 0:
         try:
-            run_kernel(listeners, serve)
+            run_kernel(info, listeners, serve)
         finally:
             os._exit(70)
     return pid
@@ -404,10 +456,71 @@ def preload(names):
     return True
 
 
+def from_outside(info):
+    """True for a signal sent from outside the container (the host, dockerd): the kernel reports
+    a sender in an ancestor pid namespace as pid 0. A child's SIGCHLD counts as well."""
+    return info.si_pid == 0 or info.si_signo == signal.SIGCHLD
+
+
+def next_signal(timeout=None):
+    """The next handled signal from outside the container (None at the timeout); signals that
+    code in the sandbox sent are dropped here."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        if deadline is None:
+            info = signal.sigwaitinfo(HANDLED)
+        else:
+            info = signal.sigtimedwait(HANDLED, max(0.0, deadline - time.monotonic()))
+            if info is None:
+                return None
+        if from_outside(info):
+            return info.si_signo
+
+
+def renew(connection_file, info, listeners, state):
+    """Wipe the container for the next episode, wait for the host's go and bind fresh listeners
+    in ``listeners`` (see the module docstring); the exit status when something does not check
+    out, else None."""
+    me = os.getpid()
+    if not kill_others(me):
+        return 72
+    wipe()
+    left = leftovers()
+    if left:
+        log(f"left after the wipe: {left[:5]}")
+        return 73
+    if process_state() != state or not intact():
+        log("rlimits, scheduling or the warden itself were changed from inside: exiting")
+        return 74
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        signum = next_signal(deadline - time.monotonic())
+        if signum is None:
+            log(f"the host did not start the next kernel within {START_TIMEOUT_S:g} s: exiting")
+            return 76
+        if signum == TERMINATE:
+            return 0
+        if signum == signal.SIGCHLD:
+            reap()
+        elif signum == START:
+            break
+    key = read_key(connection_file)
+    if key is None:
+        return 76
+    info["key"] = key
+    for sock in listeners.values():  # with whatever waits in their queues, or was set on them
+        sock.close()
+    try:
+        listeners.update(bind_listeners(info))
+    except OSError as exc:
+        log(f"cannot bind the next kernel's sockets ({exc}): exiting")
+        return 78
+    return None
+
+
 def main(argv):
     connection_file, boot, modules, kernel_args = argv[0], argv[1], json.loads(argv[2]), argv[3:]
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     sys.path[:] = [p for p in sys.path if p and os.path.abspath(p) != "/work"]
     sys.dont_write_bytecode = True
     os.umask(0o007)  # socket files 0770: connectable by the host through the group
@@ -439,41 +552,32 @@ def main(argv):
         info = json.load(f)
     listeners = bind_listeners(info)
     state = process_state()
-    work_mode = stat.S_IMODE(os.stat("/work").st_mode)
     write_kernel_file(info)
     serve = prepare_kernel(kernel_args, boot)
     gc.freeze()  # what the warden built stays out of the collector: fewer copy-on-write pages
     if threading.active_count() != 1:
         log("threads started before fork: exiting")
         return 71
-    me = os.getpid()
     kernel = spawn(info, listeners, serve)
     while True:
-        signum = signal.sigwaitinfo(HANDLED).si_signo
+        signum = next_signal()
         if signum == INTERRUPT:
             try:
                 os.kill(kernel, signal.SIGINT)
             except ProcessLookupError:
                 pass
         elif signum == TERMINATE:
-            kill_others(me)
+            kill_others(os.getpid())
             return 0
         elif signum == RENEW:
-            if not kill_others(me):
-                return 72
-            wipe(work_mode)
-            left = leftovers()
-            if left:
-                log(f"left after the wipe: {left[:5]}")
-                return 73
-            if process_state() != state or not listening(listeners):
-                log("rlimits, scheduling or listening sockets were changed from inside: exiting")
-                return 74
+            status = renew(connection_file, info, listeners, state)
+            if status is not None:
+                return status
             kernel = spawn(info, listeners, serve)
-        else:  # SIGCHLD
+        elif signum == signal.SIGCHLD:
             status = reap().get(kernel)
             if status is not None:  # the kernel ended on its own: so does the container
-                kill_others(me)
+                kill_others(os.getpid())
                 return exit_status(status)
 
 

@@ -188,8 +188,11 @@ def test_container_is_hardened(sb: DockerSandbox) -> None:
     assert sb.container.attrs["Config"]["User"] == f"{SANDBOX_UID}:{SANDBOX_UID}"
     mounts = [m["Source"] for m in sb.container.attrs["Mounts"]]
     assert mounts == [str(sb.dir)] and not any("docker.sock" in m for m in mounts)
-    result = sb.run("import os\nopen('/proc/1/cmdline').read().split('\\0')[0], os.getuid()")
-    assert result.stdout == f"('/usr/bin/tini', {SANDBOX_UID})\n"
+    assert any(option.startswith("seccomp=") for option in host["SecurityOpt"])  # sandbox.seccomp's
+    assert "/proc/sys/kernel/random/boot_id" in host["MaskedPaths"]
+    # PID 1 is the warden (no init of the image's), and the kernel its child
+    result = sb.run("import os\nopen('/proc/1/cmdline').read().split('\\0')[:2], os.getppid(), os.getuid()")
+    assert result.stdout == f"(['python3', '-c'], 1, {SANDBOX_UID})\n"
 
 
 def test_close_leaves_no_container_or_temp_dir(docker_ready) -> None:

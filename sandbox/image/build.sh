@@ -42,8 +42,11 @@ umount -l "$root/proc"
 # Unprivileged user the kernel runs as; /work is the writable tmpfs work dir, /conn the
 # bind-mounted directory with the connection file and ipc sockets.
 chroot "$root" /usr/sbin/useradd --uid "$uid" --user-group --home-dir /work --no-create-home --shell /usr/sbin/nologin sandbox
+# /work is root's with mode 1777 (Docker gives the tmpfs mounted there the image dir's mode): the
+# kernel can fill it, not mark the root itself (extended attributes, times, flags, its mode)
+# for the next episode to read.
 mkdir -p "$root/work" "$root/conn"
-chown "$uid:$uid" "$root/work"
+chmod 1777 "$root/work"
 # Test suites of numpy/scipy/sympy are about a third of the image and never imported by a kernel.
 find "$root/usr/lib/python3/dist-packages" -depth -type d -name tests -exec rm -rf {} +
 # Precompile bytecode (the root fs is read-only at run time) and drop what a kernel never needs.
