@@ -398,6 +398,8 @@ def evaluate(
     done = _resume(out, problem_list, samples, report_settings) if resume and out is not None else {}
     results = {p.id: done.get(p.id) or ProblemResult(problem_id=p.id, gold=p.answer) for p in problem_list}
     todo = [p for p in problem_list if p.id not in done]
+    if resume:
+        print(f"resuming {out}: {len(done)} of {len(problem_list)} problems finished, {len(todo)} to play")
     jobs = [(p, i) for p in todo for i in range(samples)]
     kept: list[Trajectory] = []
     files = _ResultFiles(out, append=resume, episodes=save_episodes, tokenizer=tokenizer)

@@ -116,6 +116,37 @@ def test_eval_on_aime_2024(tmp_path, model_dir, shared_data):
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 
+def test_eval_stopped_by_ctrl_c_resumes_to_the_uninterrupted_summary(tmp_path, model_dir, shared_data):
+    import signal
+    import time
+
+    args = ["eval", "--model", str(model_dir), "--data", str(shared_data / "aime2024.jsonl"), "--limit", "12",
+            "--samples", "2", "--max-response-tokens", "32", "--backend", "local", "--batch-size", "2"]  # fmt: skip
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert cli(*args, "--out", str(straight)).returncode == 0
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    command = [sys.executable, "-m", "stare_agent.cli", *args, "--out", str(cut)]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ) as process:
+        deadline = time.monotonic() + 300
+        while not (cut / "results.jsonl").is_file() or not (cut / "results.jsonl").read_text():
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)  # Ctrl-C once the first problem is written
+        _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-3000:]
+    finished = len((cut / "results.jsonl").read_text().splitlines())
+    assert 1 <= finished < 12 and f"{finished} of 12 problems finished" in err
+    partial = json.loads((cut / "summary.json").read_text())
+    assert partial["complete"] is False and partial["problems_evaluated"] == finished
+    done = cli(*args, "--out", str(cut), "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{finished} of 12 problems finished, {12 - finished} to play" in done.stdout
+    for name in ("results.jsonl", "summary.json"):
+        assert (cut / name).read_text() == (straight / name).read_text()
+
+
 def test_sandbox_doctor_reports_every_check():
     done = cli("sandbox", "doctor", timeout=120)
     names = [
