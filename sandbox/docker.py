@@ -59,7 +59,7 @@ from sandbox.config import HASH_SEED, SANDBOX_UID, SandboxConfig
 from sandbox.errors import SandboxError, SandboxUnavailable
 from sandbox.kernel import KERNEL_ARGS, KERNEL_BOOT, KernelDriver, KernelSandbox
 from sandbox.owner import owner_gone, owner_id, remove_sandbox_dir
-from sandbox.seccomp import SECURITY_OPT
+from sandbox.seccomp import security_opt
 from sandbox.shutdown import exit_on_sigterm
 from sandbox.usage import CgroupUsage, cgroup_dir
 
@@ -99,9 +99,12 @@ MASKED_PATHS = (
     "/sys/firmware",
     "/sys/devices/virtual/powercap",
     "/proc/sys/kernel/random/boot_id",
+    "/sys/fs/cgroup",
 )
-"""Paths the container sees as empty: Docker's own list (which these replace), and the host's
-boot id (which would identify the host and its boots)."""
+"""Paths the container sees as empty: Docker's own list (which these replace), the host's boot id
+(which would identify the host and its boots), and the container's cgroups, whose counters (CPU
+time, peak memory, failures) outlive an episode and code could set for the next to read (the
+host reads them from its side)."""
 
 CONTAINER_KEYS = ("command", "entrypoint", "environment", "user", "working_dir", "labels")
 """The options of ``container_options`` that describe the container; the rest are its host config."""
@@ -186,7 +189,7 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
         },
         "binds": {str(conn_dir): {"bind": CONN_DIR, "mode": "rw"}},
         "cap_drop": ["ALL"],
-        "security_opt": ["no-new-privileges", SECURITY_OPT],
+        "security_opt": ["no-new-privileges", security_opt(inet=config.network != "none")],
         "mem_limit": memory,
         "memswap_limit": memory,
         "pids_limit": config.pids_limit,

@@ -9,7 +9,10 @@ allowlist.
 
 Two rules carry arguments: ``clone`` only without namespace flags (a new user or network
 namespace is how container escapes start), and ``socket``/``socketpair`` only for the families a
-notebook uses (unix, IPv4/IPv6 on the loopback-only network, netlink for address lookups).
+notebook uses: unix and netlink (address lookups), and IPv4/IPv6 only where the sandbox has a
+network. Without one (``network: none``) there is nothing to reach but the container's own
+loopback, whose state outlives an episode: connections in TIME_WAIT for a minute, and the
+interface's and the TCP stack's counters, which code could set for the next episode to read.
 ``clone3`` answers ENOSYS rather than EPERM, so that glibc falls back to ``clone``, whose flags
 the filter can read (clone3 passes them in memory). Names a kernel or architecture lacks are
 skipped by the runtime.
@@ -23,7 +26,8 @@ import json
 CLONE_NAMESPACE_FLAGS = 0x7E020000
 """CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET."""
 
-SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}
+SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_NETLINK": 16}
+INET_FAMILIES = {"AF_INET": 2, "AF_INET6": 10}
 
 ALLOWED = (
     # files and directories
@@ -111,8 +115,8 @@ attack surface, namespaces and mounts, the host's clock and identity): refused, 
 tests check each one. Everything absent from ``ALLOWED`` is refused the same way."""
 
 
-def profile() -> dict:
-    """The profile in Docker's seccomp JSON format."""
+def profile(inet: bool = False) -> dict:
+    """The profile in Docker's seccomp JSON format; ``inet``: IPv4 and IPv6 sockets allowed."""
     allowed = set(ALLOWED)
     assert not allowed & set(DENIED), sorted(allowed & set(DENIED))
     rules: list[dict] = [{"names": sorted(allowed), "action": "SCMP_ACT_ALLOW"}]
@@ -124,10 +128,8 @@ def profile() -> dict:
         }
     )
     rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS})
-    for call, families in (
-        ("socket", SOCKET_FAMILIES.values()),
-        ("socketpair", [SOCKET_FAMILIES["AF_UNIX"]]),
-    ):
+    sockets = [*SOCKET_FAMILIES.values(), *(INET_FAMILIES.values() if inet else ())]
+    for call, families in (("socket", sockets), ("socketpair", [SOCKET_FAMILIES["AF_UNIX"]])):
         rules += [
             {
                 "names": [call],
@@ -147,5 +149,6 @@ def profile() -> dict:
     }
 
 
-SECURITY_OPT = "seccomp=" + json.dumps(profile(), separators=(",", ":"))
-"""The ``security_opt`` entry that puts the profile on a container."""
+def security_opt(inet: bool = False) -> str:
+    """The ``security_opt`` entry that puts the profile on a container."""
+    return "seccomp=" + json.dumps(profile(inet), separators=(",", ":"))

@@ -456,10 +456,15 @@ def preload(names):
     return True
 
 
+SI_USER = 0
+
+
 def from_outside(info):
-    """True for a signal sent from outside the container (the host, dockerd): the kernel reports
-    a sender in an ancestor pid namespace as pid 0. A child's SIGCHLD counts as well."""
-    return info.si_pid == 0 or info.si_signo == signal.SIGCHLD
+    """True for a signal sent with kill() from outside the container (the host, dockerd): the
+    kernel reports a sender in an ancestor pid namespace as pid 0 (and a signal the kernel sends
+    on a process's behalf, SIGIO to an owner set with F_SETOWN, has another code). A child's
+    SIGCHLD counts as well."""
+    return info.si_signo == signal.SIGCHLD or (info.si_code == SI_USER and info.si_pid == 0)
 
 
 def next_signal(timeout=None):
