@@ -437,7 +437,7 @@ def bench_draw(args: argparse.Namespace) -> None:
     from stare_agent.engines import start_engine
     from stare_agent.models import load_policy
     from stare_agent.quickstart import usable_precision
-    from stare_agent.trainer import ProblemStream
+    from stare_agent.trainer import ProblemStream, train_source
 
     if not Path(args.model, "config.json").is_file():
         sys.exit(
@@ -459,7 +459,7 @@ def bench_draw(args: argparse.Namespace) -> None:
     n = data.prompts_per_step * G
     pool = SandboxPool(n, backend=config.sandbox.backend, config=config.sandbox.limits)
     envs = [env.make(pool=pool, tokenizer=tokenizer) for _ in range(n)]
-    stream = ProblemStream(data.train, seed=config.trainer.seed, difficulty=data.difficulty)
+    stream = ProblemStream(train_source(config), seed=config.trainer.seed, difficulty=data.difficulty)
     results: dict[str, list[tuple[float, int]]] = {name: [] for name in paths}
     same: dict[str, list[int]] = {name: [] for name in paths}
     print(

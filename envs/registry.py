@@ -118,7 +118,9 @@ def register_tool_env(
 def register_builtin_envs() -> None:
     """Register the built-in ids (those already registered are left alone)."""
     builtins: dict[str, tuple[Any, dict[str, Any]]] = {
-        "stare/CodeInterpreter-v0": ("envs.code_interpreter:CodeInterpreterEnv", {"problems": "mixed"})
+        # No problems named: the env's own default (mixed) serves any that are not given to reset(),
+        # and training and evaluation take theirs from data.train (default mixed) / data.eval.
+        "stare/CodeInterpreter-v0": ("envs.code_interpreter:CodeInterpreterEnv", {})
     }
     for family in PROBLEM_FAMILIES:
         builtins[family_env_id(family)] = ("envs.code_interpreter:CodeInterpreterEnv", {"problems": family})

@@ -7,6 +7,8 @@ import argparse
 import json
 import os
 import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 
@@ -74,6 +76,7 @@ def _eval(args: argparse.Namespace) -> int:
     from stare_agent.provenance import model_settings
     from stare_agent.trainer import eval_problems, eval_source
 
+    _check_eval_flags(args)
     flags = [
         f"{key}={getattr(args, name)}" for name, key in EVAL_FLAGS.items() if getattr(args, name) is not None
     ]
@@ -112,6 +115,49 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_eval_flags(args: argparse.Namespace) -> None:
+    """Flags argparse cannot check, refused before anything loads."""
+    from stare_agent.config import ConfigError
+
+    for name, key in EVAL_FLAGS.items():
+        if getattr(args, name) == "":
+            raise ConfigError(
+                f"--{name.replace('_', '-')} is empty: give it a value ({key}), or leave it out"
+            )
+    if args.engine == "openai" and not args.base_url:
+        raise ConfigError(
+            "--engine openai needs --base-url: pass the server's API root, e.g. http://127.0.0.1:8000/v1"
+        )
+    if args.base_url and not args.base_url.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"--base-url {args.base_url!r} is not an http(s) URL: pass e.g. http://127.0.0.1:8000/v1"
+        )
+    if args.engine != "openai":
+        _check_device(args.device)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: pass a directory for results.jsonl and summary.json")
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    from stare_agent.config import ConfigError
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device {device!r} is not a torch device: use cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count or not count:
+            raise ConfigError(
+                f"--device {device}: this machine has {count} CUDA device(s) visible: use --device cpu"
+            )
+    elif parsed.type != "cpu":
+        raise ConfigError(f"--device {device!r}: stare-agent eval runs on cpu or cuda[:N]")
+
+
 def _eval_engine(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
     """The engine `stare-agent eval --engine` names (default: env.engine), and the rollouts' tokenizer."""
     from stare_agent.engines.vllm_engine import pick_engine
@@ -122,10 +168,6 @@ def _eval_engine(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
         from stare_agent.engines.openai_engine import OpenAIEngine
         from stare_agent.models import load_tokenizer
 
-        if not args.base_url:
-            raise SystemExit(
-                "--engine openai needs --base-url: pass the server's API root, e.g. http://127.0.0.1:8000/v1"
-            )
         tokenizer = load_tokenizer(args.tokenizer or model_name)
         engine = OpenAIEngine(
             args.base_url,
@@ -151,10 +193,15 @@ def _eval_engine(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from stare_agent.config import load_config
+    from stare_agent.config import ConfigError, load_config
     from stare_agent.trainer import Trainer
 
     config = load_config(args.config, args.overrides)
+    if args.resume and not Path(config.trainer.run_dir).is_dir():
+        raise ConfigError(
+            f"--resume: the run directory {config.trainer.run_dir} does not exist: pass the trainer.run_dir "
+            "of the run to continue, or leave out --resume to start a new run"
+        )
     summary = Trainer(config, resume=args.resume).fit()
     print(f"trained {summary['steps']} steps; run directory: {summary['run_dir']}")
     return 0
@@ -192,23 +239,102 @@ def _study(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
+    from stare_agent.config import ConfigError
     from stare_agent.plots import plot_dashboard
 
+    if args.labels is not None and len(args.labels) != len(args.run_dirs):
+        raise ConfigError(
+            f"--labels gives {len(args.labels)} names for {len(args.run_dirs)} run directories: give one per run"
+        )
     print(plot_dashboard(args.run_dirs, args.out, args.labels))
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose usage errors are one line of cause and fix (exit code 2), like every other error."""
+
+    def error(self, message: str) -> Any:  # argparse's signature: NoReturn
+        self.exit(2, f"error: {self.prog}: {message}: see `{self.prog} --help`\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+# The fields most runs set, listed by `stare-agent train --help` (all of them: docs/configuration.md).
+TRAIN_FIELDS = (
+    "model.name_or_path",
+    "data.train",
+    "data.eval",
+    "data.prompts_per_step",
+    "data.samples_per_prompt",
+    "algorithm.name",
+    "algorithm.variant",
+    "algorithm.W",
+    "algorithm.H_tgt",
+    "optim.lr",
+    "trainer.steps",
+    "trainer.run_dir",
+    "trainer.eval_every",
+    "trainer.checkpoint_every",
+    "trainer.seed",
+    "env.id",
+    "env.engine",
+    "env.max_turns",
+    "env.max_response_tokens",
+    "sandbox.backend",
+    "deepspeed.precision",
+    "logger.backends",
+)
+
+
+def _fields_help(keys: tuple[str, ...]) -> str:
+    """``key (default): first sentence of its doc`` for each key, from the config dataclasses."""
+    from stare_agent.config import RunConfig
+    from stare_agent.config_reference import attribute_docs, yaml_value
+
+    lines = []
+    for key in keys:
+        section_name, _, name = key.rpartition(".")
+        section: Any = RunConfig()
+        for part in section_name.split("."):
+            section = getattr(section, part)
+        doc = attribute_docs(type(section)).get(name, "").replace("``", "")
+        lines.append(f"  {key}={yaml_value(getattr(section, name))}")
+        lines += textwrap.wrap(
+            textwrap.shorten(doc, 230, placeholder=" ..."),
+            94,
+            initial_indent=" " * 6,
+            subsequent_indent=" " * 6,
+        )
+    return "\n".join(lines)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("stare-agent")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="stare-agent", description="Train and evaluate tool-using LLM agents with STARE."
-    )
+    parser = _Parser(prog="stare-agent", description="Train and evaluate tool-using LLM agents with STARE.")
+    parser.add_argument("--version", action="version", version=f"stare-agent {_version()}")
     # The deepspeed launcher appends --local_rank=N (before the subcommand); the rank is read from
     # the LOCAL_RANK variable it also sets, so the flag is accepted and ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     sandbox = sub.add_parser("sandbox", help="build, check or try the code sandbox")
-    sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", required=True)
+    sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", required=True, parser_class=_Parser)
     from sandbox.config import DEFAULT_IMAGE
 
     p = sandbox_sub.add_parser("build", help="build the sandbox image from Debian packages")
@@ -243,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["retool", "hermes"], help="env.format")
     p.add_argument("--env", help="env.id: a Gymnasium id (or module:id) of a tool environment")
     p.add_argument("--backend", choices=["auto", "docker", "local"], help="sandbox.backend")
-    p.add_argument("--batch-size", type=int, default=16, help="episodes advanced together")
+    p.add_argument("--batch-size", type=_positive_int, default=16, help="episodes advanced together")
     p.add_argument("--device", default="cpu")
     p.add_argument(
         "--engine",
@@ -280,10 +406,26 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="RL training with GRPO-ds or STARE (>1 rank: deepspeed --num_gpus N --module "
         "stare_agent.cli train ..., or torchrun --nproc_per_node N -m stare_agent.cli train ...)",
+        description="RL training with GRPO-ds or STARE: the defaults (the paper's settings), then --config, "
+        "then the dotted overrides. The run directory gets config.yaml, metrics.jsonl, tensorboard/ and "
+        "checkpoints/step-N/{hf,learner}. More than one rank: deepspeed --num_gpus N --module stare_agent.cli "
+        "train ..., or torchrun --nproc_per_node N -m stare_agent.cli train ...",
+        epilog="main fields (KEY=DEFAULT; every field: docs/configuration.md):\n"
+        + _fields_help(TRAIN_FIELDS),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", default=None, help="YAML config, e.g. configs/quickstart.yaml")
-    p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.W=1.2 trainer.steps=10")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in trainer.run_dir from its last complete checkpoint (the directory must exist)",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides, e.g. algorithm.W=1.2 trainer.steps=10",
+    )
     p.set_defaults(func=_train)
 
     p = sub.add_parser("plot", help="draw the training dynamics of one run, or several overlaid, as one PNG")
@@ -311,8 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", default=None, help="the training config every run shares (default: configs/study.yaml)"
     )
     p.add_argument("--variants", nargs="+", default=None, help="default: all (stare_agent.study.VARIANTS)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds of GRPO-ds, STARE-O1 and STARE-C2")
-    p.add_argument("--ablation-seeds", type=int, default=1, help="seeds of each open-loop ablation")
+    p.add_argument("--seeds", type=_positive_int, default=3, help="seeds of GRPO-ds, STARE-O1 and STARE-C2")
+    p.add_argument("--ablation-seeds", type=_positive_int, default=1, help="seeds of each open-loop ablation")
     p.add_argument(
         "--smoke", action="store_true", help="2 variants, 1 seed, 2 tiny steps: checks the pipeline"
     )

@@ -96,11 +96,11 @@ def sft(config: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[
     """
     start = time.perf_counter()
     sft_cfg, run_dir = config.sft, Path(config.trainer.run_dir)
+    traces, counts = load_sft_traces(config)  # a missing file fails before the model loads
     if model is None or tokenizer is None:
         model, tokenizer = load_training_policy(config)  # partitioned at load under ZeRO-3
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    traces, counts = load_sft_traces(config)
     trajectories, dropped = tokenize_traces(traces, tokenizer, config)
     if not trajectories:
         raise SFTDataError(

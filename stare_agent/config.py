@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from sandbox.config import SandboxConfig
@@ -345,23 +345,76 @@ def check_env_id(env_id: str) -> None:
     Raises:
         ConfigError: naming the id and the three ways to register one.
     """
-    import importlib
-
     import gymnasium
 
     import envs  # noqa: F401 - registers the built-in ids and loads the entry-point plugins
 
     module, _, name = env_id.rpartition(":")
+    if module:
+        import_env_module(module, env_id)
     try:
-        if module:
-            importlib.import_module(module)
         gymnasium.spec(name)
-    except (gymnasium.error.Error, ModuleNotFoundError) as exc:
+    except gymnasium.error.Error as exc:
         raise ConfigError(
             f"env.id={env_id!r} is not a registered Gymnasium id ({str(exc).splitlines()[0]}): register "
             "it first (envs.register_tool_env, or a package's stare_agent.envs entry point), write "
             "module:id to import the module that registers it, or use stare/CodeInterpreter-v0"
         ) from None
+
+
+def registered_problems(env_id: str) -> Any:
+    """The ``problems`` ``env_id`` was registered with (``register_tool_env(..., problems=...)``): a
+    source name (a family, a file, a built-in set) or a list of problems; a built-in benchmark id's
+    set (``stare/AIME2024-v0``: ``aime2024``); None when it names none.
+
+    Raises:
+        ConfigError: the id is not registered (see :func:`check_env_id`).
+    """
+    import gymnasium
+
+    from envs.registry import BENCHMARKS
+
+    check_env_id(env_id)
+    kwargs = gymnasium.spec(env_id.split(":")[-1]).kwargs
+    problems = kwargs.get("problems", BENCHMARKS.get(kwargs.get("benchmark")))  # type: ignore[arg-type]
+    return os.fspath(problems) if isinstance(problems, os.PathLike) else problems
+
+
+def import_env_module(module: str, env_id: str) -> None:
+    """Import the ``module`` of a ``module:id`` env id as ``python -m`` would from the working
+    directory: a module that is not importable otherwise is looked up in the current directory too
+    (console scripts such as ``stare-agent`` put their own directory on ``sys.path``, not it).
+
+    Raises:
+        ConfigError: the module is not found in either place, naming how to make it importable.
+    """
+    import importlib
+    import sys
+
+    top = module.split(".")[0]
+    try:
+        importlib.import_module(module)
+        return
+    except ModuleNotFoundError as exc:
+        if exc.name != top or os.getcwd() in sys.path or "" in sys.path:
+            missing = exc
+        else:
+            sys.path.insert(0, os.getcwd())
+            try:
+                importlib.import_module(module)
+                return
+            except ModuleNotFoundError as again:
+                sys.path.remove(os.getcwd())
+                missing = again
+    if missing.name != top:  # the module exists but imports something that is missing
+        raise ConfigError(
+            f"env.id={env_id!r}: importing {module} failed ({missing}): install what it imports"
+        ) from None
+    raise ConfigError(
+        f"env.id={env_id!r}: no module named {top!r} here ({os.getcwd()}) or on sys.path: run from the "
+        f"directory that holds {top}.py, add that directory to PYTHONPATH, or pip install the package "
+        "that provides it"
+    ) from None
 
 
 ENV_KWARG_FIELDS = (
@@ -451,9 +504,12 @@ class DataConfig:
 
     Attributes:
         train: Training problems: a JSONL/JSON/Parquet file, a Hugging Face dataset name, or a
-            procedural family (``mixed``, ``multiplication``, ...; see ``envs.problems``). The paper
-            trains on DAPO-Math-17k.
-        eval: Validation problems (same kinds), or None. The paper validates on AIME 2024 / 2025.
+            procedural family (``mixed``, ``multiplication``, ...; see ``envs.problems``); null: the
+            problems ``env.id`` was registered with (``register_tool_env(..., problems=...)``), else
+            ``mixed``. Set both, this one wins and the run says so in one line. The paper trains on
+            DAPO-Math-17k.
+        eval: Validation problems (same kinds); null: the problems ``env.id`` was registered with,
+            else none. The paper validates on AIME 2024 / 2025.
         eval_samples: Samples per validation problem, reported as avg@k (the paper: 32).
         eval_limit: Use at most this many validation problems (None: all).
         eval_temperature: Sampling temperature of validation (the paper: 1.0; 0 = greedy).
@@ -487,7 +543,7 @@ class DataConfig:
             environment's own prompt is the only instruction (``stare_agent.trainer.plain_problems``).
     """
 
-    train: str = "mixed"
+    train: str | None = None
     eval: str | None = None
     eval_samples: int = 32
     eval_limit: int | None = None
@@ -810,8 +866,13 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
             loaded = OmegaConf.load(path)
         except Exception as exc:  # noqa: BLE001 - yaml errors come in several types
             raise ConfigError(
-                f"{path} is not valid YAML ({str(exc).splitlines()[0]}): fix the file"
+                f"{path}{_yaml_position(exc)} is not valid YAML ({_yaml_problem(exc)}): fix the file"
             ) from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(
+                f"{path} holds a YAML {type(loaded).__name__.removesuffix('Config').lower()}, not a mapping of "
+                "sections: write e.g. `trainer:` then `  steps: 10` on the next line"
+            )
         merged = _merge(merged, loaded, f"in {path}")
     if overrides:
         bad = [o for o in overrides if "=" not in o or o.startswith("=")]
@@ -830,6 +891,18 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
         raise
     except (ValueError, TypeError) as exc:  # a section's own validation (e.g. SandboxConfig)
         raise ConfigError(str(exc).splitlines()[0]) from None
+
+
+def _yaml_position(exc: BaseException) -> str:
+    """``:line:column`` (1-based) of a YAML syntax error, or ""."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    return f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+
+
+def _yaml_problem(exc: BaseException) -> str:
+    parts = [getattr(exc, "context", None), getattr(exc, "problem", None)]
+    text = ", ".join(p for p in parts if p) or str(exc).splitlines()[0]
+    return text
 
 
 def _merge(base: Any, other: Any, where: str) -> Any:

@@ -14,10 +14,14 @@ SmolLM2 tokenizer for tests.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import os
+import re
 import shutil
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -155,15 +159,75 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 
 
 def resolve_policy_path(name_or_path: str | os.PathLike[str]) -> str:
-    """Map ``embedded:<name>`` to its cached checkpoint; pass HF ids and local paths through."""
+    """Map ``embedded:<name>`` to its cached checkpoint; pass local paths and HF ids through, after
+    checking, before anything loads, that the path exists or that the hub can give the id.
+
+    Raises:
+        ModelLoadError: a path that does not exist; a hub id that is not in the Hugging Face cache while
+            the hub is not reachable (checked with a 5 s timeout instead of the hub client's retries)
+            or ``HF_HUB_OFFLINE`` is set; an unknown embedded model.
+    """
     name = str(name_or_path)
     if not name.startswith(EMBEDDED_PREFIX):
-        return name
+        return _local_or_hub(name)
     if name != DEFAULT_POLICY:
         raise ModelLoadError(
             f"unknown embedded model {name!r}: the only embedded model is {DEFAULT_POLICY!r}"
         )
     return str(embedded_model_path())
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[\w.-]+)?$")  # name or org/name; a path otherwise
+
+
+def _local_or_hub(name: str) -> str:
+    """``name`` when it is a local path or a hub id the hub (or its cache) can give; else the error."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return str(path)
+    if path.is_absolute() or not _HUB_ID.match(name):
+        raise ModelLoadError(
+            f"model.name_or_path={name!r}: no such directory ({path.absolute()}): pass an existing model "
+            f"directory (e.g. the output of `stare-agent sft`), a Hugging Face id (org/name) or {DEFAULT_POLICY}"
+        )
+    return _hub_model(name)
+
+
+@functools.cache
+def _hub_model(repo_id: str) -> str:
+    """``repo_id`` when the hub is reachable (or ``HF_HUB_OFFLINE`` is set and it is cached); its
+    cached snapshot when the hub is not reachable; else :class:`ModelLoadError`."""
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        cached: str | None = snapshot_download(repo_id, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not in the cache, whatever the client calls it
+        cached = None
+    fix = f"pass a local model directory, or download it where the hub is reachable (`hf download {repo_id}`)"
+    if constants.HF_HUB_OFFLINE:
+        if cached is None:
+            raise ModelLoadError(
+                f"model.name_or_path={repo_id!r} is not a directory here and not in the Hugging Face cache "
+                f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE is set: {fix}"
+            )
+        return repo_id
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=5)
+    except urllib.error.HTTPError:
+        pass  # the hub answered
+    except OSError as exc:
+        reason = getattr(exc, "reason", exc)
+        if cached is None:
+            raise ModelLoadError(
+                f"model.name_or_path={repo_id!r} is not a directory here, and the Hugging Face hub "
+                f"({constants.ENDPOINT}) is not reachable to download it ({reason}): {fix} and set "
+                "HF_HUB_OFFLINE=1 to load it from the cache"
+            ) from None
+        print(
+            f"[model] the Hugging Face hub is not reachable ({reason}): using the cached {repo_id} ({cached})"
+        )
+        return cached
+    return repo_id
 
 
 def load_tokenizer(name_or_path: str | os.PathLike[str] = DEFAULT_POLICY) -> PreTrainedTokenizerBase:

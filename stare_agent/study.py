@@ -188,13 +188,13 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
     from stare_agent.metrics import policy_entropy
     from stare_agent.models import load_policy
     from stare_agent.quickstart import usable_precision
-    from stare_agent.trainer import ProblemStream
+    from stare_agent.trainer import ProblemStream, train_source
 
     config = usable_precision(config)
     data, env = config.data, config.env
     model, tokenizer = load_policy(sft_dir)
     autocast = torch.bfloat16 if config.deepspeed.precision == "bf16-autocast" else None
-    problems = ProblemStream(data.train, seed=config.trainer.seed, difficulty=data.difficulty).take(
+    problems = ProblemStream(train_source(config), seed=config.trainer.seed, difficulty=data.difficulty).take(
         data.prompts_per_draw or data.prompts_per_step
     )
     t0 = time.perf_counter()

@@ -31,6 +31,7 @@ import shutil
 import time
 import warnings
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -55,7 +56,7 @@ from stare_agent.algorithms import (
     stare_weights,
 )
 from stare_agent.batch import collate
-from stare_agent.config import RunConfig, check_env_id
+from stare_agent.config import ConfigError, RunConfig, check_env_id, registered_problems
 from stare_agent.learner import Learner, load_training_policy
 from stare_agent.metrics import StepLogger, rollout_metrics
 
@@ -115,16 +116,21 @@ class ProblemStream:
     hub datasets go through :func:`plain_problems` (``counts`` says what it removed).
     """
 
-    def __init__(self, source: str, *, seed: int, difficulty: int = 1, dedupe: bool = True) -> None:
+    def __init__(
+        self, source: str | Sequence[Problem], *, seed: int, difficulty: int = 1, dedupe: bool = True
+    ) -> None:
         self.source, self.seed, self.difficulty = source, seed, difficulty
         self.position = 0
-        self.family = procedural_family(source)
+        self.family = procedural_family(source) if isinstance(source, str) else None
         self.problems: list[Problem] = []
         self.counts: dict[str, int] = {}
         if not self.family:
-            self.problems, self.counts = plain_problems(load_problems(source), dedupe=dedupe)
+            loaded = load_problems(source) if isinstance(source, str) else list(source)
+            self.problems, self.counts = plain_problems(loaded, dedupe=dedupe)
         if not self.family and not self.problems:
-            raise ValueError(f"data.train={source!r} holds no problems: point it at a non-empty file")
+            raise ConfigError(
+                f"data.train={_shown(source)} holds no problems: point it at a non-empty problem file"
+            )
 
     def take(self, n: int) -> list[Problem]:
         out = [self._at(self.position + i) for i in range(n)]
@@ -185,7 +191,14 @@ class Trainer:
             )
         self.run_dir = Path(config.trainer.run_dir)
         self.resume = resume
-        check_env_id(config.env.id)  # before the model loads
+        check_env_id(config.env.id)  # before the model loads, as the problems are
+        self.stream = ProblemStream(
+            train_source(config),
+            seed=config.trainer.seed,
+            difficulty=config.data.difficulty,
+            dedupe=config.data.dedupe,
+        )
+        self._eval_source = eval_source(config)
         if model is None or tokenizer is None:
             model, tokenizer = load_training_policy(config)  # partitioned at load under ZeRO-3
         if config.model.gradient_checkpointing:
@@ -196,12 +209,6 @@ class Trainer:
         self.rank, self.world = self.learner.rank, self.learner.world_size
         self._owns_engine = engine is None  # an engine we started (a vLLM worker) is ours to close
         self._engine: Any = engine if engine is not None else self._make_engine()
-        self.stream = ProblemStream(
-            config.data.train,
-            seed=config.trainer.seed,
-            difficulty=config.data.difficulty,
-            dedupe=config.data.dedupe,
-        )
         if self.rank == 0 and self.stream.counts:
             c = self.stream.counts
             print(
@@ -247,7 +254,7 @@ class Trainer:
                 last = self.train_step()
                 if (
                     cfg.eval_every
-                    and self.config.data.eval
+                    and self._eval_source is not None
                     and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
                 ):
                     report = self.evaluate()
@@ -652,20 +659,74 @@ class Trainer:
             self._pool = None
 
 
-def eval_problems(source: str | None, *, seed: int, difficulty: int, limit: int | None) -> list[Problem]:
-    """Validation problems: a file/hub source, or a procedural family with a held-out seed."""
+def eval_problems(
+    source: str | Sequence[Problem] | None, *, seed: int, difficulty: int, limit: int | None
+) -> list[Problem]:
+    """Validation problems: a file/hub source, a list, or a procedural family with a held-out seed.
+
+    Raises:
+        ConfigError: no source (``data.eval`` unset and an env registered without problems), or one
+            that holds no problems; both before any model loads.
+    """
     if source is None:
-        raise ValueError(
-            "data.eval is not set: give a problem file, a built-in set (e.g. aime2024) or a family"
+        raise ConfigError(
+            "data.eval is not set: pass --data (or data.eval=...) with a problem file, a built-in set "
+            "(aime2024, aime2025, amc23, math500) or a procedural family (e.g. mixed)"
         )
-    family = procedural_family(source)
+    family = procedural_family(source) if isinstance(source, str) else None
     if family is not None:
         # Held out: the training stream never uses this seed space.
         return generate_problems(
             family, limit or 32, seed=zlib.crc32(f"eval/{seed}".encode()), difficulty=difficulty
         )
-    problems = load_problems(source)
+    problems = load_problems(source) if isinstance(source, str) else list(source)
+    if not problems:
+        raise ConfigError(
+            f"data.eval={_shown(source)} holds no problems: point it at a non-empty problem file"
+        )
     return problems[:limit] if limit else problems
+
+
+DEFAULT_TRAIN_PROBLEMS = "mixed"
+_said: set[tuple[str, str]] = set()
+
+
+def train_source(config: RunConfig) -> str | Sequence[Problem]:
+    """The training problems: ``data.train`` when set, else the problems ``env.id`` was registered
+    with (``register_tool_env(..., problems=...)``), else ``mixed`` (see :func:`_configured_or_registered`)."""
+    source = _configured_or_registered(config, "train")
+    return DEFAULT_TRAIN_PROBLEMS if source is None else source
+
+
+def eval_source(config: RunConfig) -> str | Sequence[Problem] | None:
+    """The validation problems: ``data.eval`` when set, else the problems ``env.id`` was registered
+    with, else None."""
+    return _configured_or_registered(config, "eval")
+
+
+def _configured_or_registered(config: RunConfig, split: str) -> str | Sequence[Problem] | None:
+    """``data.<split>``, else the env's registered problems; when both are set the config wins and one
+    line (once per process and env) says so."""
+    configured = config.data.train if split == "train" else config.data.eval
+    registered = registered_problems(config.env.id)
+    if configured is None:
+        return registered
+    if (
+        registered is not None
+        and _shown(registered) != repr(configured)
+        and (config.env.id, split) not in _said
+    ):
+        _said.add((config.env.id, split))
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"[data] data.{split}={configured!r} is used, not the problems {config.env.id} was registered "
+                f"with ({_shown(registered)}): leave data.{split} unset to use those"
+            )
+    return configured
+
+
+def _shown(source: str | Sequence[Problem]) -> str:
+    return repr(source) if isinstance(source, str) else f"<{len(source)} problems>"
 
 
 def _budget_cut(trajectory: Trajectory) -> bool:

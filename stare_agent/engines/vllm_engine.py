@@ -78,29 +78,57 @@ class VLLMUnavailableError(StareError, ImportError):
 
 
 def find_vllm_python(explicit: str | os.PathLike[str] | None = None) -> str | None:
-    """The interpreter the vLLM worker runs with, or None when there is none.
+    """The interpreter the vLLM worker runs with, or None when there is none (see :func:`locate_vllm_python`)."""
+    return locate_vllm_python(explicit)[0]
+
+
+def locate_vllm_python(explicit: str | os.PathLike[str] | None = None) -> tuple[str | None, str]:
+    """The interpreter the vLLM worker runs with (or None), and why it is that one (or where none was).
 
     ``explicit`` (``env.vllm.python``) when given; else this interpreter when it can import vLLM; else
-    ``$STARE_VLLM_PYTHON``; else ``.venv-vllm/bin/python`` in the current directory.
+    ``$STARE_VLLM_PYTHON``; else a ``.venv-vllm/bin/python`` (``scripts/setup_vllm.sh``) found, in this
+    order, beside the environment this package is installed in, in the repository of an editable
+    install, and in the current directory: the same one wherever the command runs.
     """
     if explicit:
-        return str(explicit)
+        return str(explicit), "env.vllm.python"
     if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
+        return sys.executable, "this interpreter imports vllm"
     if os.environ.get("STARE_VLLM_PYTHON"):
-        return os.environ["STARE_VLLM_PYTHON"]
-    if VLLM_VENV_PYTHON.exists():
-        return str(VLLM_VENV_PYTHON.absolute())
-    return None
+        return os.environ["STARE_VLLM_PYTHON"], "$STARE_VLLM_PYTHON"
+    looked = []
+    for python, where in vllm_venv_candidates():
+        if python.exists():
+            return str(python), f".venv-vllm {where}"
+        looked.append(str(python))
+    return None, f"not this interpreter, no $STARE_VLLM_PYTHON, none of {', '.join(looked)}"
+
+
+def vllm_venv_candidates() -> list[tuple[Path, str]]:
+    """Where a ``.venv-vllm`` may be, as ``(its python, why there)``, without repeats."""
+    package_root = Path(__file__).resolve().parents[2]  # site-packages, or an editable install's repository
+    candidates = [
+        (Path(sys.prefix).parent / VLLM_VENV_PYTHON, f"beside this environment ({sys.prefix})"),
+        (package_root / VLLM_VENV_PYTHON, f"in the repository of this editable install ({package_root})"),
+        (Path.cwd() / VLLM_VENV_PYTHON, "in the current directory"),
+    ]
+    if not (package_root / "pyproject.toml").is_file():
+        del candidates[1]  # an installed wheel: no repository
+    seen: set[Path] = set()
+    out = []
+    for python, where in candidates:
+        if python.absolute() not in seen:
+            seen.add(python.absolute())
+            out.append((python.absolute(), where))
+    return out
 
 
 def resolve_vllm_python(explicit: str | os.PathLike[str] | None = None) -> str:
     """:func:`find_vllm_python`, or :class:`VLLMUnavailableError` with the fix."""
-    python = find_vllm_python(explicit)
+    python, why = locate_vllm_python(explicit)
     if python is None:
         raise VLLMUnavailableError(
-            "no Python with vLLM found (not this interpreter, no $STARE_VLLM_PYTHON, no "
-            f"{VLLM_VENV_PYTHON} here): {SETUP_FIX}, or use env.engine=transformers"
+            f"no Python with vLLM found ({why}): {SETUP_FIX}, or use env.engine=transformers"
         )
     if not Path(python).exists() and shutil.which(python) is None:
         raise VLLMUnavailableError(
@@ -109,16 +137,31 @@ def resolve_vllm_python(explicit: str | os.PathLike[str] | None = None) -> str:
     return python
 
 
+_said: set[str] = set()
+
+
 def pick_engine(requested: str, python: str | os.PathLike[str] | None = None) -> str:
     """The engine ``env.engine`` names, with ``auto`` resolved: ``vllm`` when a Python with vLLM is
-    found (:func:`find_vllm_python`), else ``transformers``.
+    found (:func:`locate_vllm_python`), else ``transformers``; ``auto`` says which and why, in one line
+    (once per process, on rank 0).
 
     >>> pick_engine("transformers")
     'transformers'
     """
     if requested != "auto":
         return requested
-    return "vllm" if find_vllm_python(python) is not None else "transformers"
+    found, why = locate_vllm_python(python)
+    name = "vllm" if found is not None else "transformers"
+    line = (
+        f"[engine] env.engine=auto: vllm, with {found} ({why})"
+        if found is not None
+        else f"[engine] env.engine=auto: transformers, no Python with vLLM found ({why}): {SETUP_FIX} for "
+        "the faster vLLM engine"
+    )
+    if line not in _said and int(os.environ.get("RANK", "0")) == 0:
+        _said.add(line)
+        print(line, flush=True)
+    return name
 
 
 def vllm_engine_from_config(
