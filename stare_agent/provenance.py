@@ -44,10 +44,11 @@ def model_settings(name_or_path: str) -> dict[str, Any]:
     directory's files (names and contents; names and sizes above ``MODEL_HASH_MAX_BYTES``), or the
     commit of a Hugging Face hub model in the local cache (``None`` when it is not cached here, e.g. a
     model behind ``--engine openai``)."""
-    from stare_agent.models import resolve_policy_path
+    from stare_agent.models import EMBEDDED_PREFIX, resolve_policy_path
 
     out: dict[str, Any] = {"name_or_path": name_or_path}
-    path = Path(resolve_policy_path(name_or_path)).expanduser()
+    embedded = name_or_path.startswith(EMBEDDED_PREFIX)  # only it is resolved: nothing goes to the hub
+    path = Path(resolve_policy_path(name_or_path) if embedded else name_or_path).expanduser()
     if path.is_dir():
         out["path"] = str(path.resolve())
         out.update(_directory_sha256(path))

@@ -164,6 +164,7 @@ def _run(
     from stare_agent.evaluation import evaluate_config
     from stare_agent.metrics import policy_entropy, read_metrics
     from stare_agent.plots import plot_dashboard
+    from stare_agent.provenance import model_settings
     from stare_agent.trainer import Trainer, eval_problems, latest_checkpoint
 
     data, env = config.data, config.env
@@ -174,7 +175,9 @@ def _run(
     pool = SandboxPool(config.sandbox.pool_size, backend=backend, config=config.sandbox.limits)
     try:
 
-        def run_eval(tag: str) -> dict[str, float]:
+        def run_eval(tag: str, model_path: str) -> dict[str, float]:
+            """Evaluate the policy in memory, whose weights are those of ``model_path`` (its hash goes
+            into the summary's settings)."""
             t = time.perf_counter()
             if eval_engine is not engine and getattr(eval_engine, "model", None) is not model:
                 eval_engine.update_weights(model.named_parameters())  # a worker of its own
@@ -187,6 +190,7 @@ def _run(
                 problems=problems,
                 out_dir=run_dir / f"eval_{tag}",
                 keep_trajectories=True,
+                settings={"model": model_settings(model_path)},
             )
             metrics = dict(report.metrics)
             device = next(model.parameters()).device.type
@@ -196,7 +200,7 @@ def _run(
             return metrics
 
         # 3. baseline
-        before = run_eval("before")
+        before = run_eval("before", config.model.name_or_path)
     finally:
         pool.close()
 
@@ -220,7 +224,8 @@ def _run(
     # 6. after
     pool = SandboxPool(config.sandbox.pool_size, backend=backend, config=config.sandbox.limits)
     try:
-        after = run_eval("after")
+        last = latest_checkpoint(run_dir)  # the trainer saves the last step's policy
+        after = run_eval("after", str(last / "hf") if last else f"{run_dir} (RL policy, no checkpoint)")
     finally:
         pool.close()
     dashboard = plot_dashboard(run_dir)
