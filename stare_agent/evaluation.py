@@ -646,6 +646,7 @@ def _resume(
         )
     ids = {p.id for p in problems}
     done: dict[str, ProblemResult] = {}
+    rows: list[ProblemResult] = []
     lines = path.read_text().splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -663,9 +664,10 @@ def _resume(
                 f"{path}:{number} has {len(result.correct) + result.failed} samples of {result.problem_id}, "
                 f"this evaluation {samples}: pass the same --samples to resume it, or another --out"
             )
+        rows.append(result)
         if result.problem_id in ids:
             done[result.problem_id] = result
-    _replace(path, "".join(json.dumps(asdict(r)) + "\n" for r in done.values()))  # drop a cut last line
+    _replace(path, "".join(json.dumps(asdict(r)) + "\n" for r in rows))  # without a cut last line
     return done
 
 

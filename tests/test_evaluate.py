@@ -271,3 +271,34 @@ def test_saved_episodes_hold_each_turn_with_its_tool_call_and_output(tmp_path):
     assert first["tool_calls"] == [{"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}}]
     assert first["tool_output"] == "\n<interpreter>\n42\n</interpreter>\n"
     assert last == {"model": "<answer>\\boxed{42}</answer><|im_end|>", "tool_calls": []}
+
+
+def test_resume_plays_again_a_problem_whose_line_a_kill_cut_short(tmp_path):
+    tokenizer = smollm2_tokenizer()
+    problems = [Problem("p1", "What is 6 times 7?", "42"), Problem("p2", "What is 3 + 4?", "7")]
+    prompts = []
+
+    def answer(prompt, turn):
+        prompts.append(prompt)
+        return "<answer>\\boxed{42}</answer>"
+
+    def run(resume):
+        return evaluate(
+            problems,
+            engine=ScriptedEngine(tokenizer, answer),
+            tokenizer=tokenizer,
+            samples=1,
+            env_kwargs={"format": "retool", "sandbox_backend": "local"},
+            out_dir=tmp_path,
+            resume=resume,
+            progress=False,
+        )
+
+    first = run(resume=False)
+    results = tmp_path / "results.jsonl"
+    whole = results.read_text()
+    results.write_text(whole[: len(whole) - 20])  # SIGKILL while p2's line was being written
+    prompts.clear()
+    assert run(resume=True).metrics == first.metrics
+    assert len(prompts) == 1 and "3 + 4" in prompts[0]  # only p2 was played again
+    assert results.read_text() == whole
