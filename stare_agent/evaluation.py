@@ -40,6 +40,7 @@ from envs.rollout import Engine, RolloutRunner, SamplingParams, Tokenizer
 from envs.trajectory import Trajectory
 from stare_agent.errors import StareError
 from stare_agent.intervals import BOOTSTRAP_DRAWS, bootstrap_interval, wilson_interval
+from stare_agent.metrics import json_ready
 
 
 class EvaluationError(StareError, ValueError):
@@ -151,7 +152,8 @@ class EvalReport:
 
     def summary(self, *, complete: bool = True) -> dict[str, Any]:
         """``summary.json``'s content: the metrics at the top level, ``ci95`` (metric -> [low, high]),
-        ``complete`` (False for an interrupted evaluation) and ``settings``."""
+        ``complete`` (False for an interrupted evaluation) and ``settings``. In the file a metric that
+        is not a number (pass@k where no problem kept k samples) is null."""
         return {
             "samples": self.samples,
             **self.metrics,
@@ -168,7 +170,10 @@ class EvalReport:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         _replace(out / RESULTS_FILE, "".join(json.dumps(asdict(r)) + "\n" for r in self.problems))
-        _replace(out / SUMMARY_FILE, json.dumps(self.summary(), indent=2, default=str) + "\n")
+        _replace(
+            out / SUMMARY_FILE,
+            json.dumps(json_ready(self.summary()), indent=2, default=str, allow_nan=False) + "\n",
+        )
         return out
 
 
@@ -686,7 +691,11 @@ def _write_partial(
         metrics, intervals = summarize_with_intervals(finished, samples, seed=sampling.seed or 0)
     partial = EvalReport(samples=samples, metrics=metrics, problems=finished, intervals=intervals,
                          settings=settings)  # fmt: skip
-    _replace(out / SUMMARY_FILE, json.dumps(partial.summary(complete=False), indent=2, default=str) + "\n")
+    _replace(
+        out / SUMMARY_FILE,
+        json.dumps(json_ready(partial.summary(complete=False)), indent=2, default=str, allow_nan=False)
+        + "\n",
+    )
 
 
 def _dig(tree: dict[str, Any], keys: tuple[str, ...]) -> Any:
