@@ -214,3 +214,54 @@ def test_cli_eval_plays_the_example_env(tmp_path, registered_by):
     assert f"env: {env_id} (format hermes, tools: calculator)" in done.stdout
     rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(len(r["correct"]) == 2 for r in rows)
+
+
+def test_an_env_registered_with_problems_serves_them_unless_the_config_names_others(
+    tmp_path, calculator_env, capsys
+):
+    """``register_tool_env(..., problems="multiplication")``: training and evaluation use those problems
+    when data.train / data.eval are unset; set, the config wins and one line says so."""
+    from stare_agent.trainer import eval_source, train_source
+
+    unset = load_config(None, [f"env.id={calculator_env}"])
+    assert (train_source(unset), eval_source(unset)) == ("multiplication", "multiplication")
+    default = load_config(None)  # stare/CodeInterpreter-v0 names no problems of its own
+    assert (train_source(default), eval_source(default)) == ("mixed", None)
+    assert capsys.readouterr().out == ""
+
+    both = load_config(None, [f"env.id={calculator_env}", "data.train=mixed", "data.eval=aime2024"])
+    assert (train_source(both), eval_source(both)) == ("mixed", "aime2024")
+    assert capsys.readouterr().out.splitlines() == [
+        f"[data] data.train='mixed' is used, not the problems {calculator_env} was registered with "
+        "('multiplication'): leave data.train unset to use those",
+        f"[data] data.eval='aime2024' is used, not the problems {calculator_env} was registered with "
+        "('multiplication'): leave data.eval unset to use those",
+    ]
+
+    # the trainer draws and evaluates the registered problems
+    config = load_config(
+        None,
+        [
+            f"env.id={calculator_env}",
+            "data.prompts_per_step=2",
+            "data.samples_per_prompt=2",
+            "env.max_turns=3",
+            "env.max_response_tokens=256",
+            "sandbox.backend=local",
+            "sandbox.pool_size=4",
+            "data.eval_samples=1",
+            "data.eval_limit=2",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    model, tokenizer = tiny_model()
+    engine = ScriptedEngine(tokenizer, calculator_policy(wrong_on_odd=False))
+    trainer = Trainer(config, model=model, tokenizer=tokenizer, engine=engine)
+    try:
+        assert trainer.stream.family == "multiplication"
+        assert all(p.id.startswith("multiplication-") for p in trainer.stream.take(3))
+        report = trainer.evaluate()
+    finally:
+        trainer.close()
+    assert [p.problem_id.split("-")[0] for p in report.problems] == ["multiplication"] * 2
+    assert report.metrics["avg@1"] == 1.0
