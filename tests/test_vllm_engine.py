@@ -13,6 +13,7 @@ STARE_REQUIRE_VLLM=1 (CI), where they fail with the fix.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from envs.code_interpreter import CodeInterpreterEnv
 from envs.problems import Problem
 from envs.rollout import RolloutRunner, SamplingParams, render_chat
+from stare_agent.engines import vllm_engine
 from stare_agent.engines.vllm_engine import (
     VLLMEngine,
     VLLMEngineError,
@@ -367,18 +369,43 @@ def test_worker_env_of_the_config_reaches_the_worker(monkeypatch):
     assert made["env"] == {"GOMP_SPINCOUNT": "20000", "OMP_WAIT_POLICY": ""}
 
 
-def test_missing_vllm_python_is_a_clear_error_and_auto_falls_back(tmp_path, monkeypatch):
+def test_missing_vllm_python_is_a_clear_error_and_auto_falls_back(tmp_path, monkeypatch, capsys):
     missing = tmp_path / "no-python"
     with pytest.raises(VLLMUnavailableError, match=r"does not exist: run `bash scripts/setup_vllm.sh`"):
         resolve_vllm_python(missing)
-    monkeypatch.chdir(tmp_path)  # no .venv-vllm here
+    monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("STARE_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr(vllm_engine, "_said", set())
+    nowhere = [(tmp_path / ".venv-vllm" / "bin" / "python", "in the current directory")]
+    monkeypatch.setattr(vllm_engine, "vllm_venv_candidates", lambda: nowhere)
     if find_vllm_python() is None:  # this interpreter has no vLLM (the trainer's .venv)
         with pytest.raises(VLLMUnavailableError, match="no Python with vLLM found.*setup_vllm.sh"):
             resolve_vllm_python()
         assert pick_engine("auto") == "transformers"
+        assert capsys.readouterr().out == (
+            "[engine] env.engine=auto: transformers, no Python with vLLM found (not this interpreter, no "
+            f"$STARE_VLLM_PYTHON, none of {nowhere[0][0]}): {vllm_engine.SETUP_FIX} for the faster vLLM engine\n"
+        )
     monkeypatch.setenv("STARE_VLLM_PYTHON", sys.executable)
     assert pick_engine("auto") == "vllm" and pick_engine("transformers") == "transformers"
+
+
+def test_auto_finds_the_projects_vllm_venv_from_any_working_directory(tmp_path, monkeypatch, capsys):
+    """``.venv-vllm`` of this checkout (beside the venv the package is installed in, and the repository
+    of the editable install) is found wherever the command runs, and ``auto`` says why it chose it."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this interpreter imports vLLM: auto uses it, not a .venv-vllm")
+    venv = REPO / ".venv-vllm" / "bin" / "python"
+    if not venv.exists():
+        pytest.skip("no .venv-vllm in this checkout: run `bash scripts/setup_vllm.sh`")
+    monkeypatch.chdir(tmp_path)  # no .venv-vllm here
+    monkeypatch.delenv("STARE_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr(vllm_engine, "_said", set())
+    assert find_vllm_python() == str(venv.absolute())
+    assert pick_engine("auto") == "vllm"
+    line = capsys.readouterr().out
+    assert line.startswith(f"[engine] env.engine=auto: vllm, with {venv.absolute()} (.venv-vllm ")
+    assert line.count("\n") == 1
 
 
 def test_worker_that_cannot_start_is_one_line_with_its_cause(tmp_path):
