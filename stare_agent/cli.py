@@ -137,6 +137,10 @@ def _check_eval_flags(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file: pass a directory for results.jsonl and summary.json")
+    if args.resume and not (out / "results.jsonl").is_file():
+        raise ConfigError(
+            f"--resume: {out / 'results.jsonl'} not found: pass the --out of the evaluation to continue"
+        )
 
 
 def _check_device(device: str) -> None:

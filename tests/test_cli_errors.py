@@ -164,6 +164,10 @@ CASES = [
     (["eval", "--data", "aime2024", "--device", "tpu"], "--device 'tpu' is not a torch device"),
     (["eval", "--data", "aime2024", "--device", "cuda:64"], "CUDA device(s) visible: use --device cpu"),
     (["eval", "--data", "aime2024", "--out", "{tmp}/a_file"], "is a file: pass a directory"),
+    (
+        ["eval", "--data", "aime2024", "--resume", "--out", "{tmp}/no_eval"],
+        "--resume: {tmp}/no_eval/results.jsonl not found",
+    ),
     (["eval", "--data", "aime2024", "--env", "nope/Nope-v0"], "is not a registered Gymnasium id"),
     (["eval", "--data", "aime2024", "--env", "no_such_module:demo/X-v0"], "no module named 'no_such_module'"),
     (["eval", "--data", "aime2024", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
