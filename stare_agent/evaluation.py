@@ -30,7 +30,7 @@ import os
 import sys
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -356,6 +356,9 @@ def evaluate(
         tokenizer: The policy's Hugging Face tokenizer (its chat template renders the prompts).
         samples: k, the number of sampled episodes per problem.
         sampling: Sampling parameters; default temperature 1.0, top-p 0.7 (the paper's validation setting).
+            Without a seed of its own it gets seed 0, the default of ``trainer.seed`` that
+            ``stare-agent eval`` uses: two evaluations give the same tokens unless told otherwise. The
+            seed is in ``report.settings["sampling"]`` and ``summary.json``.
         max_response_tokens: Response budget per episode (model turns and tool output).
         batch_size: Episodes advanced together (one engine call per turn for all of them).
         continuous_batching: Submit each episode's turn on its own to an engine that batches
@@ -389,6 +392,8 @@ def evaluate(
     problem_list = load_problems(problems) if isinstance(problems, (str, Path)) else list(problems)
     problem_list = problem_list[:limit] if limit is not None else problem_list
     sampling = sampling or SamplingParams(temperature=1.0, top_p=0.7)
+    if sampling.seed is None:  # seeded by default, as `stare-agent eval` is (trainer.seed: 0)
+        sampling = replace(sampling, seed=0)
     kwargs = dict(env_kwargs or {})
     if kwargs.get("pool") is None:  # resolved once: the settings name the backend the pool then uses
         from sandbox import resolve_backend

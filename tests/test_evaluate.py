@@ -86,7 +86,7 @@ def test_scripted_evaluation_reproduces_hand_computed_metrics(tmp_path):
     assert settings["sandbox"]["backend"] == "local" and settings["sandbox"]["limits"]["timeout_s"] == 10.0
     assert settings["engine"]["kind"] == "ScriptedEngine" and settings["packages"]["stare-agent"]
     assert report.table().startswith("data: given problems, 2 problems (sha256 ")
-    assert "sampling: 4 per problem, temperature 1.0, top-p 0.7, seed None" in report.table()
+    assert "sampling: 4 per problem, temperature 1.0, top-p 0.7, seed 0" in report.table()
 
 
 def test_majority_votes_by_answer_equivalence():
@@ -302,3 +302,31 @@ def test_resume_plays_again_a_problem_whose_line_a_kill_cut_short(tmp_path):
     assert run(resume=True).metrics == first.metrics
     assert len(prompts) == 1 and "3 + 4" in prompts[0]  # only p2 was played again
     assert results.read_text() == whole
+
+
+def test_evaluate_is_seeded_by_default_like_the_cli(tmp_path):
+    """The README's ``evaluate(...)`` (no sampling given) gives the same tokens twice, seeded like
+    ``stare-agent eval`` (trainer.seed, default 0), and the seed is recorded in the report."""
+    from stare_agent.engines import TransformersEngine
+    from stare_agent.models import tiny_model
+
+    model, tokenizer = tiny_model(seed=0)
+    problems = [Problem("p1", "What is 6 times 7?", "42")]
+
+    def run(out):
+        return evaluate(
+            problems,
+            engine=TransformersEngine(model, tokenizer),
+            tokenizer=tokenizer,
+            samples=2,
+            max_response_tokens=12,
+            env_kwargs={"format": "retool", "sandbox_backend": "local"},
+            out_dir=out,
+            progress=False,
+            keep_trajectories=True,
+        )
+
+    first, second = run(tmp_path / "a"), run(tmp_path / "b")
+    assert [t.response_ids for t in first.trajectories] == [t.response_ids for t in second.trajectories]
+    assert first.settings["sampling"]["seed"] == 0
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["settings"]["sampling"]["seed"] == 0
