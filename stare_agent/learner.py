@@ -60,6 +60,7 @@ from stare_agent.algorithms.logprobs import (
     shared_prompt_logprobs_and_entropy,
 )
 from stare_agent.algorithms.losses import policy_loss
+from stare_agent.algorithms.rollout_correction import correction_weights, mismatch_metrics, mismatch_sums
 from stare_agent.batch import bucket_by_length, collate, split_by_token_budget
 from stare_agent.config import (
     AlgorithmConfig,
@@ -428,14 +429,15 @@ class Learner:
 
     # ------------------------------------------------------------------ forward
 
-    def _forward(self, micro: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """(logp, entropy) [b, l-1] of one collated micro-batch, with gradient through logp."""
+    def _forward(self, micro: dict[str, Tensor], with_moments: bool = False) -> tuple[Tensor, ...]:
+        """(logp, entropy) [b, l-1] of one collated micro-batch, with gradient through logp (and the
+        moments [b, l-1, 2] of ``algorithms.logprobs`` when ``with_moments``)."""
         with torch.autocast(
             self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16-autocast"
         ):
-            return self._forward_inner(micro)
+            return self._forward_inner(micro, with_moments)
 
-    def _forward_inner(self, micro: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def _forward_inner(self, micro: dict[str, Tensor], with_moments: bool) -> tuple[Tensor, ...]:
         ids, attention = micro["input_ids"], micro["attention_mask"]
         # Only mask-1 positions are ever read (losses, gate, weights): the rest skip the LM head.
         scored = micro["response_mask"].bool() if self.ds_config.score_response_only else None
@@ -449,18 +451,27 @@ class Learner:
                 scored,
                 chunk_size=chunk,
                 temperature=self.temperature,
+                with_moments=with_moments,
             )
         if self.ds_config.zero_stage == 3:
             # ZeRO-3 partitions the LM head, so score from the logits the model itself computes.
             logits = self.ds_model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
             if scored is None:
                 return logprobs_and_entropy_from_logits(
-                    logits, ids[:, 1:], chunk_size=chunk, temperature=self.temperature
+                    logits,
+                    ids[:, 1:],
+                    chunk_size=chunk,
+                    temperature=self.temperature,
+                    with_moments=with_moments,
                 )
-            logp, entropy = logprobs_and_entropy_from_logits(
-                logits[scored], ids[:, 1:][scored], chunk_size=chunk, temperature=self.temperature
+            scores = logprobs_and_entropy_from_logits(
+                logits[scored],
+                ids[:, 1:][scored],
+                chunk_size=chunk,
+                temperature=self.temperature,
+                with_moments=with_moments,
             )
-            return scatter_scored(logp, scored), scatter_scored(entropy, scored)
+            return tuple(scatter_scored(values, scored) for values in scores)
         return causal_lm_logprobs_and_entropy(
             self.module,
             ids,
@@ -468,6 +479,7 @@ class Learner:
             chunk_size=chunk,
             temperature=self.temperature,
             score_mask=scored,
+            with_moments=with_moments,
             use_cache=False,
         )
 
@@ -479,24 +491,29 @@ class Learner:
         return micro
 
     @torch.no_grad()
-    def compute_logprobs_and_entropy(self, trajectories: Sequence[Trajectory]) -> tuple[Tensor, Tensor]:
+    def compute_logprobs_and_entropy(
+        self, trajectories: Sequence[Trajectory], *, with_moments: bool = False
+    ) -> tuple[Tensor, ...]:
         """Log-probs and full-vocabulary entropies of every scored position under the current policy.
 
         Returns:
             (logp, entropy), float32 [B, L-1] on the learner's device, aligned with
             ``stare_agent.batch.collate(trajectories)`` (column t scores token t + 1); 0 on padding,
             and with ``deepspeed.score_response_only`` (the default) 0 on every mask-0 position too.
+            With ``with_moments`` a third tensor [B, L-1, 2], ``(sum_j p_j^2, sum_j p_j^2 log p_j)`` of
+            each position (``algorithms.entropy_effect``), from the same forward pass.
         """
         if not trajectories:
             raise ValueError("cannot score an empty batch: pass at least one trajectory")
         B, L = len(trajectories), max(t.num_tokens for t in trajectories)
         logp = torch.zeros(B, L - 1, dtype=torch.float32, device=self.device)
         entropy = torch.zeros_like(logp)
+        moments = torch.zeros(B, L - 1, 2, dtype=torch.float32, device=self.device) if with_moments else None
         self.ds_model.eval()
         try:
             for idx, real in self._padded_split(trajectories):
                 micro = self._collate(trajectories, idx)
-                lp, ent = self._forward(micro)
+                lp, ent, *mom = self._forward(micro, with_moments)
                 if not real:
                     continue
                 valid = micro["attention_mask"][:, 1:].bool()
@@ -504,9 +521,11 @@ class Learner:
                 rows = torch.tensor(idx, device=self.device)
                 logp[rows, :width] = torch.where(valid, lp.float(), 0.0)
                 entropy[rows, :width] = torch.where(valid, ent.float(), 0.0)
+                if moments is not None:
+                    moments[rows, :width] = torch.where(valid[..., None], mom[0].float(), 0.0)
         finally:
             self.ds_model.train()
-        return logp, entropy
+        return (logp, entropy) if moments is None else (logp, entropy, moments)
 
     # ------------------------------------------------------------------ steps
 
@@ -516,6 +535,8 @@ class Learner:
         advantages: Tensor | Sequence[float],
         weights: Tensor | None = None,
         old_logprobs: Tensor | None = None,
+        *,
+        rollout_correction: str = "none",
     ) -> dict[str, float]:
         """One optimizer step of the dual-clip policy loss (GRPO-ds; STARE when ``weights`` are given).
 
@@ -526,13 +547,18 @@ class Learner:
             weights: STARE token weights [B, L-1] (same alignment), or None for GRPO-ds.
             old_logprobs: Log-probs of the policy that sampled the batch [B, L-1]; None is on-policy
                 (``logp.detach()``, so rho = 1, the paper's setting of one step per batch).
+            rollout_correction: A mode of ``stare_agent.algorithms.rollout_correction`` (resolved:
+                not ``auto``): each model-written token's loss term is multiplied by the detached
+                importance weight of the learner's pre-update log-prob against the engine's
+                (``Trajectory.logprobs``), with the cap and bounds of the algorithm config.
 
         Returns:
             Metrics: ``loss`` (the whole batch's), ``grad_norm``, ``lr``, ``skipped`` (1 when the step
             was dropped for a non-finite loss or gradient), ``micro_batches``, ``tokens``, the loss's
             clip fractions and ``entropy``, the pre-update policy's mean entropy of the mask-1 tokens
             (the gate's Hbar, from this update's own forward pass), token-weighted over the batch
-            on all ranks.
+            on all ranks; ``mismatch/*``, the gap between the engine's log-probs and the learner's
+            pre-update ones (``rollout_correction.mismatch_metrics``), and ``rollout_correction/*``.
         """
         if self.loss_config is None:
             raise RuntimeError(
@@ -560,6 +586,8 @@ class Learner:
                     "stare_agent.batch.collate(trajectories)"
                 )
         denominators = self._global_denominators(trajectories)
+        rc = cfg.rollout_correction
+        learner_logp = torch.zeros(B, L - 1, dtype=torch.float32, device=self.device)
 
         def micro_loss(micro: dict[str, Tensor], idx: list[int]) -> tuple[Tensor, dict[str, float]]:
             logp, entropy = self._forward(micro)
@@ -571,12 +599,26 @@ class Learner:
 
             old = take(old_logprobs) if old_logprobs is not None else logp.detach()
             mask = micro["response_mask"]
+            learner_logp[rows, :width] = logp.detach().float()  # a padding repeat writes the same
+            w = take(weights) if weights is not None else None
+            correction: dict[str, float] = {}
+            if rollout_correction != "none":
+                c, correction = correction_weights(
+                    logp,
+                    micro["old_logprobs"].to(self.device)[:, :width],
+                    mask,
+                    mode=rollout_correction,
+                    cap=rc.cap,
+                    low=rc.low,
+                    high=rc.high,
+                )
+                w = c if w is None else w * c
             raw, metrics = policy_loss(
                 logp,
                 old,
                 take(advantages),
                 mask,
-                take(weights) if weights is not None else None,
+                w,
                 eps_low=cfg.eps_low,
                 eps_high=cfg.eps_high,
                 clip_c=cfg.clip_c,
@@ -586,9 +628,18 @@ class Learner:
             n = mask.sum()
             scored = torch.where(mask.bool(), entropy.detach().double(), 0.0).sum()
             metrics["entropy"] = float(scored / n) if n > 0 else 0.0
+            metrics.update(correction)
             return raw * self._loss_scale(mask, denominators), metrics
 
-        return self._step(trajectories, micro_loss)
+        out = self._step(trajectories, micro_loss)
+        batch = collate(trajectories, self.pad_id, self.device)
+        l_plus = weights.to(self.device) > 1.0 if weights is not None else None
+        sums = mismatch_sums(learner_logp, batch["old_logprobs"], batch["response_mask"], l_plus)
+        keys = sorted(k for k in sums if k != "abs_max")
+        totals = dict(zip(keys, self._all_reduce([sums[k] for k in keys]), strict=True))
+        totals["abs_max"] = self._all_reduce([sums["abs_max"]], op=dist.ReduceOp.MAX)[0]
+        out.update(mismatch_metrics(totals))
+        return out
 
     def sft_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One optimizer step of masked NLL: ``-sum mask_t * logp_t / sum mask_t`` over the whole batch.

@@ -21,12 +21,28 @@ PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("STARE gate and weights", "", ("gate_on", "stare/mean_weight", "frac_reweighted")),
     ("Reweighted token sets", "tokens", ("stare/L_plus", "stare/L_minus")),
     ("Tool use", "per episode", ("tool_calls_per_episode", "tool_errors_per_episode")),
+    (
+        "Engine vs learner log-probs (rollout mismatch)",
+        "nats",
+        ("mismatch/kl", "mismatch/abs_logp_mean", "mismatch/L_plus_abs_logp_mean", "mismatch/abs_logp_max"),
+    ),
 )
 # Quantities of the update: on a step that trained nothing (``skipped``: no group with reward variance,
 # or a non-finite loss) the trainer logs no measurement of them (entropy NaN, gate_on 0), so such a step
 # is a gap in their lines, never a 0. Rollout quantities (reward, length, tool use) were measured.
 UPDATE_KEYS = frozenset(
-    {"entropy", "gate_on", "stare/mean_weight", "frac_reweighted", "stare/L_plus", "stare/L_minus"}
+    {
+        "entropy",
+        "gate_on",
+        "stare/mean_weight",
+        "frac_reweighted",
+        "stare/L_plus",
+        "stare/L_minus",
+        "mismatch/kl",
+        "mismatch/abs_logp_mean",
+        "mismatch/L_plus_abs_logp_mean",
+        "mismatch/abs_logp_max",
+    }
 )
 SFT_PANEL = ("Cold-start SFT loss (sft_log.jsonl)", "loss", ("loss",))
 SKIPPED_LABEL = "skipped step (trained nothing)"

@@ -317,7 +317,8 @@ class Trainer:
         metrics["time/reward_s"] = sum(env.check_time_s for env in self._envs) - check_before
         short = data.dynamic_sampling and len(kept) < data.prompts_per_step
         if short and self.rank == 0:
-            action = "skipping the step" if data.on_short_batch == "skip" else f"training on {len(kept)}"
+            skip = data.on_short_batch == "skip" or len(kept) < self.world
+            action = "skipping the step" if skip else f"training on {len(kept)}"
             tqdm.write(
                 f"step {self.step}: dynamic sampling kept {len(kept)} of {data.prompts_per_step} groups after "
                 f"data.max_sampling_batches={data.max_sampling_batches}: {action} (data.on_short_batch="
@@ -328,7 +329,10 @@ class Trainer:
             return {**metrics, "entropy": float("nan"), "gate_on": 0}
         if len(kept) < self.world:
             # Every rank needs a group to take part in the update; all ranks see the same count.
-            metrics.update(skipped=1, skip_reason="fewer groups with reward variance than ranks")
+            reason = self._nothing_to_train(drawn, kept)
+            if self.rank == 0:
+                tqdm.write(f"step {self.step}: no update: {reason}")
+            metrics.update(skipped=1, skip_reason=reason)
             return {**metrics, "entropy": float("nan"), "gate_on": 0}
 
         # 4. advantages over all kept groups (identical on every rank), then this rank's share
@@ -350,7 +354,9 @@ class Trainer:
         t1 = time.perf_counter()
         weights, stare_metrics = None, dict[str, float]()
         if alg.name == "stare":
-            logp, entropy = self.learner.compute_logprobs_and_entropy(trajectories)
+            logp, entropy, moments = self.learner.compute_logprobs_and_entropy(
+                trajectories, with_moments=True
+            )
             mask = collate(trajectories, self.learner.pad_id)["response_mask"].to(logp.device)
             A_tok = broadcast_to_tokens(A.to(logp.device), mask)
             gate_on, Hbar, gate_metrics = entropy_gate(entropy, mask, alg.H_tgt)
@@ -368,12 +374,16 @@ class Trainer:
                 self.controller.M,
                 sequence_ids,
                 Hbar,
+                entropy,
+                moments,
             )
         t_logprob = time.perf_counter() - t1
 
         # 8. update, 9. sync
         t2 = time.perf_counter()
-        update_metrics = self.learner.update(trajectories, A, weights)
+        update_metrics = self.learner.update(
+            trajectories, A, weights, rollout_correction=self.rollout_correction_mode()
+        )
         if not update_metrics.get("skipped"):
             self._sync_engine()
         t_update = time.perf_counter() - t2
@@ -419,6 +429,8 @@ class Trainer:
         M: float,
         sequence_ids: torch.Tensor,
         Hbar: float,
+        entropy: torch.Tensor,
+        moments: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """STARE's weights and its metrics over the whole batch on all ranks. The micro_batch scope
         selects inside each of the learner's own micro-batches, as the authors' code does, so the
@@ -437,6 +449,8 @@ class Trainer:
             micro_batches=self.learner.micro_batches(trajectories) if alg.scope == "micro_batch" else None,
             sequence_ids=sequence_ids.to(logp.device),
             Hbar=Hbar,
+            entropy=entropy,
+            moments=moments,
         )
         return weights, metrics
 
@@ -514,12 +528,34 @@ class Trainer:
             self._pool = SandboxPool(sb.pool_size, backend=backend, config=sb.limits)
         return self._pool
 
+    def _nothing_to_train(self, drawn: list[Group], kept: list[Group]) -> str:
+        """Why a step has fewer groups to train than ranks, in the user's terms, with what to change."""
+        data = self.config.data
+        if not any(g.trajectories for g in drawn):
+            return "every episode of the step was lost to sandbox failures: run `stare-agent sandbox doctor`"
+        if data.dynamic_sampling and self.world == 1:
+            return (
+                f"none of the {len(drawn)} prompts drawn had samples that scored differently (all right or all "
+                "wrong), so every GRPO advantage is 0 and there is nothing to learn from: if this repeats, "
+                "match the problems to the model (data.train, data.difficulty) or draw more "
+                "(data.max_sampling_batches, data.prompts_per_draw)"
+            )
+        groups = "groups with reward variance" if data.dynamic_sampling else "groups with episodes"
+        return (
+            f"{len(kept)} {groups} for {self.world} ranks, and every rank needs one: raise "
+            "data.prompts_per_step or data.max_sampling_batches"
+        )
+
     def _model_texts(self, trajectories: list[Trajectory]) -> list[str]:
         texts = []
         for t in trajectories:
             ids = [i for i, m in zip(t.response_ids, t.loss_mask, strict=True) if m]
             texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))
         return texts
+
+    def rollout_correction_mode(self) -> str:
+        """``algorithm.rollout_correction.mode`` for this run's engine (``resolve_rollout_correction``)."""
+        return resolve_rollout_correction(self.config.algorithm.rollout_correction.mode, self.engine)
 
     def _sync_engine(self) -> None:
         """Hand the policy's weights to the rollout engine (merged ones under LoRA). An engine that
@@ -727,6 +763,16 @@ def _configured_or_registered(config: RunConfig, split: str) -> str | Sequence[P
 
 def _shown(source: str | Sequence[Problem]) -> str:
     return repr(source) if isinstance(source, str) else f"<{len(source)} problems>"
+
+
+def resolve_rollout_correction(mode: str, engine: Any) -> str:
+    """``mode`` with ``auto`` resolved: ``token_tis`` for an engine whose log-probs come from
+    kernels of its own (``own_numerics``: vLLM, SGLang, OpenAI-compatible), else ``none`` (the
+    in-process transformers engine samples from the learner's own module, so the ratio is 1; a
+    scripted engine's log-probs are stand-ins)."""
+    if mode != "auto":
+        return mode
+    return "token_tis" if getattr(engine, "own_numerics", False) else "none"
 
 
 def _budget_cut(trajectory: Trajectory) -> bool:

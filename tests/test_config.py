@@ -46,7 +46,7 @@ def test_file_then_overrides(tmp_path):
             ["algorithm.Wx=1.2"],
             "unknown config key 'algorithm.Wx' in the overrides: valid keys of algorithm are name, variant, scope, "
             "P, W, M, H_tgt, gate, adaptive, alpha, W_max, M_min, eps_low, eps_high, clip_c, loss_agg, "
-            "overlong_filter",
+            "overlong_filter, rollout_correction",
         ),
         (
             ["trainr.steps=3"],

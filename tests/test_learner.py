@@ -8,6 +8,7 @@ parameter by ``-lr * g / (|g| + eps) = -g / (1 + |g| / 1e3)``, i.e. by minus its
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -471,3 +472,43 @@ def _ids_and_mask(batch, tokenizer):
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     b = collate(batch, pad)
     return b["input_ids"], b["attention_mask"]
+
+
+def test_rollout_correction_weights_each_token_by_learner_over_sampler(learner, batch):
+    # An engine whose log-probs are the learner's own shifted by +0.3 nats on every model-written
+    # token: every ratio pi_old / mu is exp(-0.3), under the cap, so token-level truncated IS
+    # scales the whole gradient by exp(-0.3) (the mismatch metrics read 0.3), and "none" is the
+    # update without the argument, bit for bit.
+    advantages = [1.0, -0.5, 0.25, -1.5, 0.75]
+    logp, _ = learner.compute_logprobs_and_entropy(batch)
+    n_prompt = [len(t.prompt_ids) for t in batch]
+    shifted = []
+    for t, lp, n in zip(batch, logp, n_prompt, strict=True):
+        # Trajectory.logprobs holds one value per response token, aligned with the loss mask;
+        # column n - 1 + i of the learner's [B, L-1] log-probs scores response token i
+        values = [float(lp[n - 1 + i]) + 0.3 if m else 0.0 for i, m in enumerate(t.loss_mask)]
+        shifted.append(dataclasses.replace(t, logprobs=values))
+    start = _params(learner)
+
+    plain = learner.update(shifted, advantages)
+    delta_plain = {k: v - start[k] for k, v in _params(learner).items()}
+    _restore(learner, start)
+    none = learner.update(shifted, advantages, rollout_correction="none")
+    delta_off = {k: v - start[k] for k, v in _params(learner).items()}
+    _restore(learner, start)
+    tis = learner.update(shifted, advantages, rollout_correction="token_tis")
+    delta_tis = {k: v - start[k] for k, v in _params(learner).items()}
+    _restore(learner, start)
+
+    for name in delta_plain:
+        assert torch.equal(delta_off[name], delta_plain[name])
+        scale = float(delta_plain[name].abs().max()) + 1e-12
+        torch.testing.assert_close(
+            delta_tis[name], math.exp(-0.3) * delta_plain[name], atol=3e-3 * scale + 2.4e-7, rtol=3e-3
+        )
+    assert plain["mismatch/abs_logp_mean"] == pytest.approx(0.3, abs=1e-5)
+    assert plain["mismatch/abs_logp_max"] == pytest.approx(0.3, abs=1e-5)
+    assert plain["mismatch/kl"] == pytest.approx(math.exp(-0.3) - 1 + 0.3, abs=1e-5)
+    assert tis["rollout_correction/weight_mean"] == pytest.approx(math.exp(-0.3), abs=1e-5)
+    assert tis["rollout_correction/capped_frac"] == 0.0
+    assert "rollout_correction/weight_mean" not in plain and none["loss"] == plain["loss"]

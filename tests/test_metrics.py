@@ -270,3 +270,12 @@ def test_dashboard_draws_reward_beside_accuracy_when_they_differ_and_the_sft_los
     assert [line.get_label() for line in reward.get_lines()] == ["reward_mean", "accuracy"]
     sft = axes["Cold-start SFT loss (sft_log.jsonl)"]
     assert _line(sft, "loss") == [2.0, 1.5] and sft.get_xlabel() == "SFT step"
+
+
+def test_dashboard_draws_the_engine_learner_mismatch(tmp_path):
+    import matplotlib.image
+
+    _log_steps(tmp_path / "run", (1, 2), **{"mismatch/kl": 0.002, "mismatch/abs_logp_mean": 0.036})
+    out = plot_dashboard(tmp_path / "run")
+    # entropy, reward and the mismatch panel: one row of three
+    assert matplotlib.image.imread(out).shape[:2] == (round(3.4 * 110), round(3 * 5.2 * 110))

@@ -79,6 +79,10 @@ class OpenAIEngine:
         OpenAIEngineError: the server is unreachable, or ``model`` is not among several served ones.
     """
 
+    own_numerics = True
+    """Its log-probs come from kernels of its own, not the learner's forward: the trainer's
+    ``algorithm.rollout_correction: auto`` corrects for the difference."""
+
     def __init__(
         self,
         base_url: str,

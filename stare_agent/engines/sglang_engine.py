@@ -66,6 +66,10 @@ class SGLangEngine:
         SGLangUnavailableError: SGLang is not installed.
     """
 
+    own_numerics = True
+    """Its log-probs come from kernels of its own, not the learner's forward: the trainer's
+    ``algorithm.rollout_correction: auto`` corrects for the difference."""
+
     def __init__(
         self,
         model_path: str,

@@ -212,6 +212,10 @@ class VLLMEngine:
         VLLMEngineError: the worker did not start (its stderr tail and the fix are in the message).
     """
 
+    own_numerics = True
+    """Its log-probs come from kernels of its own, not the learner's forward: the trainer's
+    ``algorithm.rollout_correction: auto`` corrects for the difference."""
+
     def __init__(
         self,
         model_path: str | os.PathLike[str],
