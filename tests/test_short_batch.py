@@ -127,3 +127,27 @@ def test_a_larger_draw_plays_its_prompts_in_one_batch_and_keeps_prompts_per_step
 def test_prompts_per_draw_must_be_positive():
     with pytest.raises(ConfigError, match=r"data.prompts_per_draw=0 must be > 0"):
         load_config(None, ["data.prompts_per_draw=0"])
+
+
+def test_a_step_without_reward_variance_on_one_process_says_so_in_the_users_terms(tmp_path, capsys):
+    """Every sample right: no group has reward variance, so one process has nothing to train. The step
+    says that (not "fewer groups ... than ranks", which means nothing on one process) and what to change."""
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text(json.dumps(PROBLEMS[1]) + "\n")  # problem b: always right
+    config = load_config(
+        None, overrides(str(tmp_path / "run"), str(problems), 1) + ["data.max_sampling_batches=1"]
+    )
+    model, tokenizer = tiny_model()
+    trainer = Trainer(config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, policy()))
+    try:
+        trainer.step = 1
+        metrics = trainer.train_step()
+    finally:
+        trainer.close()
+    assert metrics["skipped"] == 1
+    reason = metrics["skip_reason"]
+    assert reason.startswith("none of the 2 prompts drawn had samples that scored differently")
+    assert "data.difficulty" in reason and "ranks" not in reason
+    said = capsys.readouterr().out
+    assert "dynamic sampling kept 0 of 2 groups after data.max_sampling_batches=1: skipping the step" in said
+    assert f"step 1: no update: {reason}" in said
