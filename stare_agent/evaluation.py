@@ -294,10 +294,9 @@ def evaluate_config(
     from stare_agent.trainer import eval_problems, eval_source
 
     data, env, seed = config.data, config.env, config.trainer.seed
+    source = eval_source(config)  # data.eval, else the problems env.id was registered with
     if problems is None:
-        problems = eval_problems(
-            eval_source(config), seed=seed, difficulty=data.difficulty, limit=data.eval_limit
-        )
+        problems = eval_problems(source, seed=seed, difficulty=data.difficulty, limit=data.eval_limit)
     return evaluate(
         problems,
         engine=engine,
@@ -312,7 +311,11 @@ def evaluate_config(
         env_id=env.id,
         env_kwargs=env_kwargs,
         settings={
-            "data": {"source": data.eval, "difficulty": data.difficulty, "limit": data.eval_limit},
+            "data": {
+                "source": source if isinstance(source, str) else data.eval,
+                "difficulty": data.difficulty,
+                "limit": data.eval_limit,
+            },
             "sandbox": {"limits": config.sandbox.limits},
             **options.pop("settings", {}),
         },

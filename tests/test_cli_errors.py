@@ -310,6 +310,8 @@ def test_readme_module_id_command_runs_from_examples(tmp_path, model_dir):
     assert "env: register_tool_env:demo/Calculator-v0 (format hermes, tools: calculator)" in done.stdout
     rows = [json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["problem_id"].startswith("multiplication-") for r in rows)
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["settings"]["data"]["source"] == "multiplication"
     missing = _console("eval", "--env", "register_tool_env:demo/Calculator-v0", cwd=ROOT)
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [
