@@ -6,14 +6,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
+# A Docker image reference: [host[:port]/]name[/name...][:tag], lowercase names.
+IMAGE_REFERENCE = re.compile(
+    r"[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+)
+
 
 def _sandbox_build(args: argparse.Namespace) -> int:
     from sandbox.build import build_image, image_exists
+    from sandbox.config import DEFAULT_IMAGE
+    from stare_agent.config import ConfigError
+
+    if not IMAGE_REFERENCE.fullmatch(args.tag):
+        raise ConfigError(
+            f"--tag {args.tag!r} is not a Docker image reference: use lowercase name[:tag], e.g. {DEFAULT_IMAGE}"
+        )
 
     if image_exists(args.tag) and not args.force:
         print(f"sandbox image {args.tag} present (use --force to rebuild)")

@@ -161,6 +161,20 @@ CASES = [
         ["eval", "--data", "aime2024", "--engine", "openai", "--base-url", "localhost:8000"],
         "is not an http(s) URL",
     ),
+    (
+        [
+            "eval",
+            "--data",
+            "aime2024",
+            "--engine",
+            "openai",
+            "--base-url",
+            "http://127.0.0.1:9/v1",
+            "--tokenizer",
+            "./nope",
+        ],
+        "model.name_or_path='./nope': no such directory",
+    ),
     (["eval", "--data", "aime2024", "--device", "tpu"], "--device 'tpu' is not a torch device"),
     (["eval", "--data", "aime2024", "--device", "cuda:64"], "CUDA device(s) visible: use --device cpu"),
     (["eval", "--data", "aime2024", "--out", "{tmp}/a_file"], "is a file: pass a directory"),
@@ -203,6 +217,8 @@ CASES = [
     # sandbox and the top level
     (["sandbox"], "the following arguments are required: sandbox_command"),
     (["sandbox", "demo", "--backend", "x"], "argument --backend: invalid choice: 'x'"),
+    (["sandbox", "build", "--tag", ""], "--tag '' is not a Docker image reference"),
+    (["sandbox", "build", "--tag", "My Image"], "--tag 'My Image' is not a Docker image reference"),
     ([], "the following arguments are required: command"),
     (["nope"], "argument command: invalid choice: 'nope'"),
 ]
