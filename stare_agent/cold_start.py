@@ -37,6 +37,7 @@ from stare_agent.sft_data import (
     read_traces,
     trace_to_trajectory,
 )
+from stare_agent.trainer import check_run_dir
 
 LOG_FILENAME = "sft_log.jsonl"
 
@@ -96,6 +97,7 @@ def sft(config: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[
     """
     start = time.perf_counter()
     sft_cfg, run_dir = config.sft, Path(config.trainer.run_dir)
+    check_run_dir(run_dir)
     traces, counts = load_sft_traces(config)  # a missing file fails before the model loads
     if model is None or tokenizer is None:
         model, tokenizer = load_training_policy(config)  # partitioned at load under ZeRO-3

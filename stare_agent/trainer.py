@@ -151,7 +151,8 @@ class Group:
     """The G episodes of one prompt. ``rewards`` are known on every rank; ``trajectories`` too once
     exchanged (``global_ids`` are the episodes' batch-wide ids, used as STARE's tie-break key).
     Episodes lost to an infrastructure failure (``finish_reason == "failed"``) are left out of all
-    three and counted in ``failed``: the group goes on with the others."""
+    three and counted in ``failed``; with ``data.on_failed_episode=drop_group`` (the default) the
+    other episodes of such a group are left out too (``dropped``), so it trains nothing."""
 
     index: int
     problem: Problem
@@ -159,6 +160,7 @@ class Group:
     trajectories: list[Trajectory] = field(default_factory=list)
     global_ids: list[int] = field(default_factory=list)
     failed: int = 0
+    dropped: bool = False
 
 
 class Trainer:
@@ -191,7 +193,12 @@ class Trainer:
             )
         self.run_dir = Path(config.trainer.run_dir)
         self.resume = resume
-        check_env_id(config.env.id)  # before the model loads, as the problems are
+        check_env_id(config.env.id)  # before the model loads, as the problems, run dir and engine are
+        check_run_dir(self.run_dir)
+        if engine is None and config.env.engine == "vllm":
+            from stare_agent.engines.vllm_engine import resolve_vllm_python
+
+            resolve_vllm_python(config.env.vllm.python)
         self.stream = ProblemStream(
             train_source(config),
             seed=config.trainer.seed,
@@ -314,6 +321,13 @@ class Trainer:
         metrics: dict[str, Any] = {**rollout_metrics(episodes, self._model_texts(episodes)), **ds_metrics}
         metrics["time/rollout_s"] = t_rollout
         metrics["failed_episodes"] = sum(g.failed for g in drawn)
+        metrics["dropped_groups"] = sum(g.dropped for g in drawn)
+        if metrics["failed_episodes"] and self.rank == 0:
+            tqdm.write(
+                f"step {self.step}: {metrics['failed_episodes']} episodes failed in the sandbox infrastructure "
+                f"after their retries: {metrics['dropped_groups']} groups dropped whole (data.on_failed_episode="
+                f"{data.on_failed_episode})"
+            )
         metrics["time/reward_s"] = sum(env.check_time_s for env in self._envs) - check_before
         short = data.dynamic_sampling and len(kept) < data.prompts_per_step
         if short and self.rank == 0:
@@ -484,6 +498,10 @@ class Trainer:
                 for k, t in enumerate(local[i])
                 if t.info.get("finish_reason") != "failed"
             ]
+            failed = G - len(ok)
+            drop = failed > 0 and self.config.data.on_failed_episode == "drop_group"
+            if drop:  # a group short of an episode would bias its group-relative advantages
+                ok = []
             groups.append(
                 Group(
                     i,
@@ -491,7 +509,8 @@ class Trainer:
                     [t.reward for t, _ in ok],
                     [t for t, _ in ok],
                     [g for _, g in ok],
-                    failed=G - len(ok),
+                    failed=failed,
+                    dropped=drop,
                 )
             )
         self._last_drawn = (
@@ -693,6 +712,18 @@ class Trainer:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+
+
+def check_run_dir(run_dir: str | Path) -> None:
+    """Refuse, before anything loads, a run directory that is a file.
+
+    Raises:
+        ConfigError: ``trainer.run_dir`` names a file.
+    """
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise ConfigError(
+            f"trainer.run_dir={run_dir} is a file: pass a directory for the run's config, logs and checkpoints"
+        )
 
 
 def eval_problems(

@@ -201,6 +201,12 @@ CASES = [
     (["train", "data.train={tmp}/empty.jsonl"], "data.train='{tmp}/empty.jsonl' holds no problems"),
     (["train", "model.name_or_path=./no_such_dir"], "no such directory"),
     (["train", "env.engine=fast"], "env.engine='fast' is not valid"),
+    (["train", "trainer.run_dir={tmp}/a_file"], "trainer.run_dir={tmp}/a_file is a file: pass a directory"),
+    (
+        ["train", "env.engine=vllm", "env.vllm.python={tmp}/no_python"],
+        "the vLLM interpreter {tmp}/no_python does not exist",
+    ),
+    (["sft", "trainer.run_dir={tmp}/a_file"], "trainer.run_dir={tmp}/a_file is a file"),
     # sft
     (["sft", "sft.data={tmp}/none.jsonl", "trainer.run_dir={tmp}/run"], "no such file"),
     (["sft", "sft.epochs=0"], "sft.epochs=0 must be > 0"),
