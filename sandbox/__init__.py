@@ -3,15 +3,18 @@ local process), one ``Sandbox`` interface, and a pool of warm sandboxes."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from sandbox.base import Sandbox
 from sandbox.config import DEFAULT_IMAGE, SandboxConfig
 from sandbox.docker import DockerSandbox, docker_client
 from sandbox.errors import SandboxClosed, SandboxError, SandboxUnavailable
 from sandbox.local import LocalSandbox
-from sandbox.pool import SandboxPool
+from sandbox.pool import PoolBackend, SandboxPool
 from sandbox.result import ExecError, ExecResult
+
+if TYPE_CHECKING:
+    from sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
 
 __all__ = [
     "DEFAULT_IMAGE",
@@ -27,6 +30,7 @@ __all__ = [
     "SandboxUnavailable",
     "docker_available",
     "make_sandbox",
+    "open_pool",
     "resolve_backend",
 ]
 
@@ -59,6 +63,30 @@ def resolve_backend(
     if backend in ("docker", "local"):
         return backend
     raise ValueError(f"unknown sandbox backend {backend!r}: use 'auto', 'docker' or 'local'")
+
+
+def open_pool(
+    size: int,
+    backend: PoolBackend = "auto",
+    config: SandboxConfig | None = None,
+    *,
+    fleet: RayFleetConfig | None = None,
+) -> SandboxPool | RaySandboxFleet:
+    """What episodes lease their sandboxes from: a ``SandboxPool`` of ``size`` warm sandboxes on
+    this machine, or, for ``"ray"``, the client of the sandbox fleet of a Ray cluster
+    (``sandbox.ray_fleet``; ``size`` is then what the caller leases at once, and ``fleet`` where
+    and how many the cluster runs). Both have the verbs ``acquire``, ``release``, ``lease``,
+    ``stats`` and ``close``.
+
+    Raises:
+        ValueError: unknown ``backend``.
+        SandboxUnavailable: the backend cannot be used here (the message says why and the fix).
+    """
+    if backend == "ray":
+        from sandbox.ray_fleet import RaySandboxFleet
+
+        return RaySandboxFleet(fleet, config)
+    return SandboxPool(size, backend=backend, config=config)
 
 
 def make_sandbox(

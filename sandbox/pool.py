@@ -30,7 +30,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from sandbox.base import Sandbox
 from sandbox.config import SandboxConfig
@@ -44,6 +44,9 @@ DEFAULT_LEASE_TIMEOUT_S = 60.0
 """How long ``acquire`` waits for a free sandbox unless told otherwise."""
 
 Backend = Literal["auto", "docker", "local"]
+
+PoolBackend = Literal["auto", "docker", "local", "ray"]
+"""What ``sandbox.open_pool`` accepts: a local pool's backends, or ``"ray"`` (a fleet on a cluster)."""
 
 Rearm = Literal["reset", "replace", "retire", "start"]
 """What a background thread does with a sandbox that comes back (see ``SandboxPool._rearm``)."""
@@ -76,6 +79,13 @@ class PoolStats:
     resets: int
 
 
+class Lessor(Protocol):
+    """What a ``PooledSandbox`` gives itself back to: a ``SandboxPool``, or a fleet of sandboxes on
+    other machines (``sandbox.ray_fleet.RaySandboxFleet``)."""
+
+    def release(self, sandbox: PooledSandbox, *, broken: bool = False) -> None: ...
+
+
 class PooledSandbox(Sandbox):
     """A sandbox on lease from a pool; valid until it is released.
 
@@ -86,7 +96,7 @@ class PooledSandbox(Sandbox):
     a reset.
     """
 
-    def __init__(self, pool: SandboxPool, inner: Sandbox) -> None:
+    def __init__(self, pool: Lessor, inner: Sandbox) -> None:
         super().__init__(inner.config)
         self.backend = inner.backend
         self._pool = pool

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from sandbox.config import SandboxConfig
+from sandbox.ray_fleet import RayFleetConfig
 from stare_agent.algorithms.losses import check_loss_options
 from stare_agent.algorithms.rollout_correction import check_rollout_correction
 from stare_agent.algorithms.stare import check_adaptive_options, check_stare_options
@@ -43,11 +44,12 @@ ALGORITHMS = ("grpo_ds", "stare")
 GATES = ("entropy", "always_on")
 PRECISIONS = ("auto", "bf16", "fp32", "bf16-autocast")
 SCHEDULES = ("constant", "cosine", "linear")
-SANDBOX_BACKENDS = ("auto", "docker", "local")
+SANDBOX_BACKENDS = ("auto", "docker", "local", "ray")
 ENGINES = ("transformers", "vllm", "sglang", "auto")
 VLLM_DTYPES = ("bfloat16", "float32", "float16")
 SFT_FORMATS = ("auto", "retool", "openai", "tora")
 SHORT_BATCH_ACTIONS = ("train", "skip", "raise")
+FAILED_EPISODE_ACTIONS = ("drop_group", "drop_episode")
 LOGGER_BACKENDS = ("tensorboard", "wandb")
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -133,15 +135,21 @@ class SandboxSection:
     """Where the model's code runs.
 
     Attributes:
-        backend: ``docker`` (isolated), ``local`` (a local kernel process: weaker isolation) or ``auto``
-            (Docker when the daemon and image are there, else local).
-        pool_size: Sandboxes kept warm; one is leased per live episode.
+        backend: ``docker`` (isolated), ``local`` (a local kernel process: weaker isolation), ``auto``
+            (Docker when the daemon and image are there, else local), or ``ray``: the sandboxes run on
+            the Docker nodes of a Ray cluster (the ``sandbox.ray`` section; ``pip install
+            'stare-agent[ray]'``; docs/deployment.md).
+        pool_size: Sandboxes kept warm; one is leased per live episode. With ``ray``: the episodes this
+            process plays at once (the fleet's size is ``sandbox.ray.sandboxes_per_node`` per node).
         limits: Per-sandbox limits (memory, CPU, time per call, output size, image); see ``sandbox.config``.
+        ray: The Ray fleet (``backend: ray``): cluster address, node resource, sandboxes per node, the
+            cluster-wide lease cap and container-creation rate; see ``sandbox.ray_fleet.RayFleetConfig``.
     """
 
     backend: str = "auto"
     pool_size: int = 8
     limits: SandboxConfig = field(default_factory=SandboxConfig)
+    ray: RayFleetConfig = field(default_factory=RayFleetConfig)
 
     def __post_init__(self) -> None:
         _one_of("sandbox", "backend", self.backend, SANDBOX_BACKENDS)
@@ -572,6 +580,12 @@ class DataConfig:
             ``skip`` the update (the data is consumed, the step counts, ``skipped`` = 1), or ``raise``
             (DAPO's reference code stops the run). Each shortfall is printed and logged
             (``ds/reached_target`` = 0, ``ds/groups_kept``).
+        on_failed_episode: What happens to a group in which an episode still failed in the sandbox
+            infrastructure after its retries (``EpisodeInfrastructureError``: a sandbox, host or node
+            lost): ``drop_group`` leaves the whole group out of the step (a group missing an episode
+            biases GRPO's group-relative advantages), ``drop_episode`` trains the group on the
+            episodes it has. Each step that drops something prints it, and the metrics count
+            ``failed_episodes`` and ``dropped_groups``.
         dedupe: Drop repeated problem texts of ``train`` (a file or hub dataset) at load time, keeping
             the first; the hub copy of DAPO-Math-17k repeats each problem 100 times. Known
             answer-format instructions (DAPO's "Answer: $Answer") are always removed, so the
@@ -593,6 +607,7 @@ class DataConfig:
     max_sampling_batches: int = 10
     prompts_per_draw: int | None = None
     on_short_batch: str = "train"
+    on_failed_episode: str = "drop_group"
     dedupe: bool = True
 
     def __post_init__(self) -> None:
@@ -600,6 +615,7 @@ class DataConfig:
         if self.prompts_per_draw is not None:
             _positive("data", self, "prompts_per_draw")
         _one_of("data", "on_short_batch", self.on_short_batch, SHORT_BATCH_ACTIONS)
+        _one_of("data", "on_failed_episode", self.on_failed_episode, FAILED_EPISODE_ACTIONS)
         _one_of("data", "difficulty", self.difficulty, (1, 2, 3))
         if self.samples_per_prompt < 2:
             raise ConfigError(

@@ -61,7 +61,7 @@ from stare_agent.learner import Learner, load_training_policy
 from stare_agent.metrics import StepLogger, rollout_metrics
 
 if TYPE_CHECKING:
-    from sandbox.pool import Backend
+    from sandbox.pool import PoolBackend
     from stare_agent.algorithms.stare import Scope, Variant
 
 CHECKPOINT_PREFIX = "step-"
@@ -299,7 +299,7 @@ class Trainer:
         def draw_batch() -> list[Group]:
             groups = self._rollout_groups(self.stream.take(per_draw), draw=len(drawn) // per_draw + 1)
             drawn.extend(groups)
-            return groups
+            return [g for g in groups if g.rewards]  # one dropped for a failed episode has none left
 
         if data.dynamic_sampling:
             kept, ds_metrics = dynamic_sampling(
@@ -540,11 +540,11 @@ class Trainer:
 
     def _sandbox_pool(self) -> Any:
         if self._pool is None:
-            from sandbox import SandboxPool
+            from sandbox import open_pool
 
             sb = self.config.sandbox
-            backend = cast("Backend", sb.backend)  # one of SANDBOX_BACKENDS: the config checked it
-            self._pool = SandboxPool(sb.pool_size, backend=backend, config=sb.limits)
+            backend = cast("PoolBackend", sb.backend)  # one of SANDBOX_BACKENDS: the config checked it
+            self._pool = open_pool(sb.pool_size, backend=backend, config=sb.limits, fleet=sb.ray)
         return self._pool
 
     def _nothing_to_train(self, drawn: list[Group], kept: list[Group]) -> str:

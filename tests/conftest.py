@@ -44,6 +44,19 @@ def docker_ready() -> None:
 
 
 @pytest.fixture(scope="session")
+def ray_ready() -> None:
+    """Use in every test that needs Ray (the ``ray`` extra): skipped where it is not installed,
+    failed instead with STARE_REQUIRE_RAY=1 (CI, whose setup installs it)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError as exc:
+        message = f"ray is not importable ({exc}): pip install 'stare-agent[ray]'"
+        if os.environ.get("STARE_REQUIRE_RAY") == "1":
+            pytest.fail(f"STARE_REQUIRE_RAY=1 but {message}")
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     """../shared/data, read in place (never copied into the repository)."""
     if not SHARED_DATA.is_dir():

@@ -203,6 +203,10 @@ def test_open_loop_gate_reweights_above_target_and_greedy_eval_is_logged(tmp_pat
     closed, open_loop = records["entropy"], records["always_on"]
     assert closed["entropy"] > 5 and closed["gate_on"] == 0 and closed["frac_reweighted"] == 0
     assert open_loop["gate_on"] == 1 and 0 < open_loop["frac_reweighted"] < 0.2
+    # the first-order diagnostics come from the same log-prob pass; with the gate on the update's
+    # gradient-mass-weighted mean weight lies in [1, W]
+    assert 0 <= open_loop["stare/L_plus_raising"] <= 1 and 1 <= open_loop["stare/mass_weight"] <= 1.1
+    assert closed["stare/mass_weight"] == 1 and "stare/dH_first_order_L_plus" in closed
     # the scripted policy is right on every other episode: sampled avg@2 over 2 problems is 0.5;
     # greedy evaluation plays one episode per problem
     assert open_loop["eval/avg@2"] == pytest.approx(0.5)
@@ -250,7 +254,7 @@ def test_stare_metrics_count_l_plus_tokens_more_surprising_than_the_batch_entrop
     _, L_plus, _, metrics = stare_weights(A_tok, -s, mask, gate_on=True, variant="C2", P=0.75, Hbar=1.5)
     assert L_plus.tolist() == [[False, True, True, True, False, False]]
     # L+ inside the mask: surprisals 2.0, 0.5, 3.0; two of three exceed Hbar = 1.5
-    assert metrics["stare/L_plus_above_entropy"] == pytest.approx(2 / 3)
+    assert metrics["stare/L_plus_s_above_Hbar"] == pytest.approx(2 / 3)
     assert (metrics["stare/T_plus"], metrics["stare/T_minus"], metrics["stare/L_plus"]) == (4.0, 1.0, 3.0)
 
 
@@ -315,6 +319,46 @@ def test_an_episode_lost_to_the_infrastructure_is_left_out_and_the_step_goes_on(
         trainer.close()
     assert metrics["failed_episodes"] == 1
     assert metrics["skipped"] == 0 and metrics["kept_groups"] >= 1 and math.isfinite(metrics["loss"])
+
+
+@pytest.mark.parametrize("mode", ["drop_group", "drop_episode"])
+def test_a_group_with_a_failed_episode_is_dropped_whole_by_default(
+    tmp_path, problem_file, monkeypatch, capsys, mode
+):
+    """An episode that still fails after its retries: ``drop_group`` leaves its whole group out (a
+    group short of an episode biases GRPO's advantages), ``drop_episode`` trains the rest of it."""
+    from envs.tool_env import EpisodeInfrastructureError, ToolEnv
+
+    broken: list[tuple[ToolEnv, str]] = []
+    step = ToolEnv.step
+
+    def flaky_step(self, action):
+        if not broken:
+            broken.append((self, self.problem.id))
+        if (self, self.problem.id) == broken[0]:  # every attempt of the first episode loses its sandbox
+            self._end_episode(broken=True)
+            raise EpisodeInfrastructureError("host lost")
+        return step(self, action)
+
+    monkeypatch.setattr(ToolEnv, "step", flaky_step)
+    model, tokenizer = tiny_model()
+    extra = ["trainer.steps=1", "data.dynamic_sampling=false", f"data.on_failed_episode={mode}"]
+    config = make_config(tmp_path, problem_file, *extra)
+    trainer = Trainer(
+        config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
+    )
+    try:
+        trainer.step = 1
+        metrics = trainer.train_step()
+    finally:
+        trainer.close()
+    assert metrics["failed_episodes"] == 1
+    assert metrics["dropped_groups"] == (1 if mode == "drop_group" else 0)
+    assert metrics["kept_groups"] == (1 if mode == "drop_group" else 2)
+    out = capsys.readouterr().out
+    assert (
+        "1 episodes failed in the sandbox infrastructure" in out and f"data.on_failed_episode={mode}" in out
+    )
 
 
 def test_training_rollouts_do_not_depend_on_the_wave_size(tmp_path, problem_file):
