@@ -167,7 +167,7 @@ def _check_device(device: str) -> None:
         raise ConfigError(f"--device {device!r} is not a torch device: use cpu, cuda or cuda:N") from None
     if parsed.type == "cuda":
         count = torch.cuda.device_count()
-        if parsed.index is not None and parsed.index >= count or not count:
+        if not count or (parsed.index is not None and parsed.index >= count):
             raise ConfigError(
                 f"--device {device}: this machine has {count} CUDA device(s) visible: use --device cpu"
             )
@@ -268,7 +268,20 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, whose usage errors are one line of cause and fix (exit code 2), like every other error."""
+    """argparse, whose usage errors are one line of cause and fix (exit code 2), like every other error;
+    ``fields``: config keys that ``--help`` lists with their defaults and docs (read from the config
+    dataclasses only then: building the parser imports no torch, for the slim install)."""
+
+    def __init__(self, *args: Any, fields: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields = fields
+
+    def format_help(self) -> str:
+        if self.fields and self.epilog is None:
+            self.epilog = "main fields (KEY=DEFAULT; every field: docs/configuration.md):\n" + _fields_help(
+                self.fields
+            )
+        return super().format_help()
 
     def error(self, message: str) -> Any:  # argparse's signature: NoReturn
         self.exit(2, f"error: {self.prog}: {message}: see `{self.prog} --help`\n")
@@ -312,9 +325,12 @@ TRAIN_FIELDS = (
 
 
 def _fields_help(keys: tuple[str, ...]) -> str:
-    """``key (default): first sentence of its doc`` for each key, from the config dataclasses."""
-    from stare_agent.config import RunConfig
-    from stare_agent.config_reference import attribute_docs, yaml_value
+    """``key=default`` and its doc for each key, from the config dataclasses."""
+    try:
+        from stare_agent.config import RunConfig
+        from stare_agent.config_reference import attribute_docs, yaml_value
+    except ModuleNotFoundError as exc:  # the slim install
+        return f"  (listed with pip install 'stare-agent[train]': {exc.name} is missing)"
 
     lines = []
     for key in keys:
@@ -427,8 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
         "then the dotted overrides. The run directory gets config.yaml, metrics.jsonl, tensorboard/ and "
         "checkpoints/step-N/{hf,learner}. More than one rank: deepspeed --num_gpus N --module stare_agent.cli "
         "train ..., or torchrun --nproc_per_node N -m stare_agent.cli train ...",
-        epilog="main fields (KEY=DEFAULT; every field: docs/configuration.md):\n"
-        + _fields_help(TRAIN_FIELDS),
+        fields=TRAIN_FIELDS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", default=None, help="YAML config, e.g. configs/quickstart.yaml")

@@ -341,3 +341,11 @@ def test_readme_module_id_command_runs_from_examples(tmp_path, model_dir):
         f"({ROOT}) or on sys.path: run from the directory that holds register_tool_env.py, add that "
         "directory to PYTHONPATH, or pip install the package that provides it"
     ]
+
+
+def test_building_the_parser_imports_no_torch():
+    """`stare-agent sandbox doctor` must run where torch is missing or broken (the slim install): the
+    parser, `train --help`'s field list included, reads the config dataclasses only when asked."""
+    code = "import sys; from stare_agent import cli; cli.build_parser(); print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]
