@@ -64,4 +64,39 @@ def bootstrap_interval(
     return float(means[math.floor(tail * (draws - 1))]), float(means[math.ceil((1 - tail) * (draws - 1))])
 
 
-__all__ = ["BOOTSTRAP_DRAWS", "Z95", "bootstrap_interval", "wilson_interval"]
+# Over seeds (a study's runs): m +- t_{0.975, n-1} * sd / sqrt(n), sd the sample SD (n - 1).
+_T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # t_{0.975, df} for df = 1 .. 30; Z95 beyond  # fmt: skip
+
+
+def mean_sd_ci(xs: Sequence[float]) -> dict[str, float]:
+    """``{"mean", "sd", "ci95", "n"}`` of a few seeds' values: sample SD and the 95 % t half-width.
+
+    One value has no spread: its SD and half-width are NaN, not 0.
+
+    >>> out = mean_sd_ci([1.0, 2.0, 3.0])
+    >>> out["mean"], out["sd"], round(out["ci95"], 3)  # 4.303 * 1 / sqrt(3)
+    (2.0, 1.0, 2.484)
+    """
+    n = len(xs)
+    if n == 0:
+        raise ValueError("mean_sd_ci needs at least one value")
+    m = sum(xs) / n
+    if n == 1:
+        return {"mean": m, "sd": math.nan, "ci95": math.nan, "n": 1}
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    t = _T975[n - 2] if n - 1 <= len(_T975) else Z95
+    return {"mean": m, "sd": sd, "ci95": t * sd / math.sqrt(n), "n": n}
+
+
+def format_ci(stats: dict[str, float], digits: int = 3) -> str:
+    """``mean ± ci95`` of :func:`mean_sd_ci` (one value: the mean alone)."""
+    if stats["n"] < 2:
+        return f"{stats['mean']:.{digits}f}"
+    return f"{stats['mean']:.{digits}f} ± {stats['ci95']:.{digits}f}"
+
+
+__all__ = ["BOOTSTRAP_DRAWS", "Z95", "bootstrap_interval", "format_ci", "mean_sd_ci", "wilson_interval"]

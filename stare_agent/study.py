@@ -9,8 +9,8 @@
                 resumes from its last checkpoint, so an interrupted study picks up where it was
 4. report       ``study.csv`` (every logged step of every run), ``study.png`` (entropy with H_tgt,
                 reward, held-out accuracy, response length: mean and min-max band over seeds) and
-                ``study.md`` (final and area-under-curve entropy, best and final held-out accuracy,
-                mean +- std over seeds, seconds per step)
+                ``study.md`` (late and area-under-curve entropy, best and final held-out accuracy,
+                mean +- the 95 % t interval over seeds and the sample SD, seconds per step)
 
 The settings live in one training config (``configs/study.yaml``); the study adds only
 ``trainer.seed``, ``trainer.run_dir``, ``model.name_or_path`` (the SFT model) and the variant's
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from sandbox.pool import Backend
 
 from stare_agent.config import ConfigError, RunConfig, load_config
+from stare_agent.intervals import format_ci, mean_sd_ci
 
 # name -> algorithm overrides. The last three are the paper's open-loop ablations: the gate forced
 # on (no off state) at W = 1.01, at the default W = 1.1, and at W = 2 (reported to diverge).
@@ -364,7 +365,7 @@ def write_report(
 def summarize(
     by_seed: dict[int, list[dict[str, Any]]], baseline: dict[int, list[dict[str, Any]]] | None = None
 ) -> dict[str, Any]:
-    """Per-seed numbers of one variant, then their mean and std (population std; one seed: 0).
+    """Per-seed numbers of one variant, then their mean, sample SD and 95 % t interval (``intervals``).
 
     With ``baseline`` (GRPO-ds's runs by seed), also ``entropy_auc_vs_baseline``: this variant's entropy
     AUC minus the baseline's on the same seed, over the seeds both have. Within a seed every variant
@@ -395,7 +396,8 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     and final held-out accuracy (sampled ``eval/avg@k`` and greedy ``eval_greedy/avg@1``, over the
     trained steps: not the start's step 0), the mean over steps of the fraction of tokens STARE
     reweighted, of its mean token weight (how far its update is from GRPO-ds's), of ``|L+|`` and of
-    the fraction of L+ more surprising than the batch entropy (the paper's criticality argument), and
+    the fraction of L+ whose reinforcement raises entropy at first order, the update's gradient-mass
+    weighted mean weight and the first-order entropy change of its L+ part (algorithms.entropy_effect), and
     the median seconds per step and of its log-prob pass (GRPO-ds takes none).
 
     >>> r = [{"step": 1, "entropy": 0.5}, {"step": 2, "entropy": 0.3}, {"step": 3, "entropy": 0.1}]
@@ -423,7 +425,9 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
         ("frac_reweighted", "reweighted"),
         ("stare/mean_weight", "mean_weight"),
         ("stare/L_plus", "L_plus"),
-        ("stare/L_plus_above_entropy", "L_plus_above_entropy"),
+        ("stare/L_plus_raising", "L_plus_raising"),
+        ("stare/mass_weight", "mass_weight"),
+        ("stare/dH_first_order_L_plus", "dH_first_order_L_plus"),
     ):
         values = [float(r[key]) for r in records if _finite(r.get(key))]
         if values:
@@ -443,11 +447,13 @@ DYNAMICS_COLUMNS = (
     ("entropy_late", f"entropy, last {EDGE_STEPS} steps"),
     ("entropy_step_std", "entropy std over steps"),
     ("L_plus", "L+ tokens per step"),
-    ("L_plus_above_entropy", "L+ above batch entropy"),
+    ("L_plus_raising", "L+ raising entropy (1st order)"),
+    ("mass_weight", "gradient-mass mean weight"),
+    ("dH_first_order_L_plus", "1st-order dH of L+"),
 )
 COLUMNS = (
     ("steps", "steps logged"),
-    ("entropy_final", "final entropy"),
+    ("entropy_late", f"entropy, last {EDGE_STEPS} steps"),
     ("entropy_auc", "entropy AUC/step"),
     ("entropy_auc_vs_baseline", "AUC - GRPO-ds's, same seed"),
     ("heldout_sampled_best", "best held-out acc (sampled)"),
@@ -467,12 +473,16 @@ def format_table(
     h_tgt: float,
     start: dict[str, dict[str, float]] | None = None,
 ) -> str:
-    """The markdown tables, mean +- std over seeds per variant, after a line on the start (the
+    """The markdown tables, mean +- 95 % t interval (sample SD) over seeds per variant, after a line on the start (the
     calibration, and ``start``: its held-out accuracy over the seeds' held-out sets): the main one
     (``COLUMNS``), then the entropy's dynamics and STARE's reach (``DYNAMICS_COLUMNS``)."""
     held_out = "".join(
         f", held-out accuracy ({tag}) {n['mean']:.3f}"
-        + (f" ± {n['std']:.3f} over {n['n']} seeds" if n["n"] > 1 else "")
+        + (
+            f" ± {n['ci95']:.3f} (95 % t interval, SD {n['sd']:.3f}) over {n['n']} seeds"
+            if n["n"] > 1
+            else ""
+        )
         for tag, n in ((tag, (start or {}).get(f"heldout_{tag}")) for tag in ("sampled", "greedy"))
         if n
     )
@@ -498,7 +508,7 @@ def format_table(
                     if n is None
                     else f"{n['mean']:g}"
                     if key == "steps"  # mean over seeds
-                    else f"{n['mean']:.3f} ± {n['std']:.3f}"
+                    else f"{format_ci(n)} (SD {n['sd']:.3f})"
                     if n["n"] > 1
                     else f"{n['mean']:.3f}"
                 )
@@ -513,7 +523,7 @@ def _read_starts(root: Path) -> dict[int, dict[str, float]]:
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
-    return {"mean": _mean(xs), "std": _std(xs), "n": len(xs)}
+    return mean_sd_ci(xs)
 
 
 def _finite(x: Any) -> bool:

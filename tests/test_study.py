@@ -10,7 +10,7 @@ import json
 import pytest
 
 from stare_agent.config import ConfigError
-from stare_agent.study import plan, run_numbers
+from stare_agent.study import plan, run_numbers, summarize
 from tests.test_cli import cli
 
 
@@ -68,7 +68,7 @@ def test_study_smoke_makes_figure_table_and_data_then_resumes(tmp_path, model_di
         "grpo-ds",
         "stare-o1",
     ]
-    assert "entropy, first 5 steps" in table[-4] and "L+ above batch entropy" in table[-4]
+    assert "entropy, first 5 steps" in table[-4] and "L+ raising entropy (1st order)" in table[-4]
     summary = json.loads((root / "study.json").read_text())["variants"]
     assert summary["stare-o1"]["entropy_final"]["n"] == 1
     assert "heldout_greedy_final" in summary["grpo-ds"]  # step 2 evaluates, sampled and greedy
@@ -113,14 +113,23 @@ def test_run_numbers_skip_nan_steps_and_take_the_median_step_time():
 def test_run_numbers_give_the_entropy_at_both_ends_its_step_noise_and_stares_reach():
     H = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
     records = [{"step": i + 1, "entropy": h} for i, h in enumerate(H)]
-    records[0].update({"stare/L_plus": 10.0, "stare/L_plus_above_entropy": 0.5})
-    records[1].update({"stare/L_plus": 20.0, "stare/L_plus_above_entropy": 0.25})
+    records[0].update({"stare/L_plus": 10.0, "stare/L_plus_raising": 0.5, "stare/mass_weight": 1.05})
+    records[1].update({"stare/L_plus": 20.0, "stare/L_plus_raising": 0.25, "stare/mass_weight": 1.0})
     n = run_numbers(records)
     assert n["entropy_early"] == pytest.approx(0.3)  # steps 1-5: (0.1 + ... + 0.5) / 5
     assert n["entropy_late"] == pytest.approx(0.5)  # steps 3-7
     # population std of 0.1..0.7 around 0.4: sqrt((0.09 + 0.04 + 0.01 + 0 + 0.01 + 0.04 + 0.09) / 7)
     assert n["entropy_step_std"] == pytest.approx(0.2)
-    assert n["L_plus"] == 15.0 and n["L_plus_above_entropy"] == pytest.approx(0.375)
+    assert n["L_plus"] == 15.0 and n["L_plus_raising"] == pytest.approx(0.375)
+    assert n["mass_weight"] == pytest.approx(1.025)
+
+
+def test_summaries_over_seeds_give_the_sample_sd_and_a_t_interval():
+    run = lambda h: [{"step": 1, "entropy": h}]  # noqa: E731
+    out = summarize({0: run(0.1), 1: run(0.2), 2: run(0.3)})["entropy_late"]
+    # mean 0.2, sample SD sqrt((0.01 + 0 + 0.01) / 2) = 0.1, half-width t_{0.975, 2} 0.1 / sqrt 3 = 0.2484
+    assert (out["mean"], out["n"]) == (pytest.approx(0.2), 3)
+    assert out["sd"] == pytest.approx(0.1) and out["ci95"] == pytest.approx(4.303 * 0.1 / 3**0.5)
 
 
 def test_engine_auto_is_resolved_once_for_every_run(tmp_path, monkeypatch):
@@ -175,7 +184,7 @@ def test_report_only_tabulates_the_runs_logged_so_far(tmp_path):
     report = study(overrides=[f"trainer.run_dir={tmp_path}"], report_only=True)
     assert set(report["variants"]) == {"grpo-ds", "stare-o1"}  # the other runs have not started
     table = (tmp_path / "study.md").read_text()
-    assert "| grpo-ds | 1 | 3 | 0.300 |" in table and "| stare-o1 | 1 | 1 | 0.100 |" in table
+    assert "| grpo-ds | 1 | 3 | 0.200 |" in table and "| stare-o1 | 1 | 1 | 0.100 |" in table
     assert (tmp_path / "study.png").stat().st_size > 0
     with pytest.raises(ConfigError, match="no study in .* run `stare-agent study` first"):
         study(overrides=[f"trainer.run_dir={tmp_path / 'none'}"], report_only=True)

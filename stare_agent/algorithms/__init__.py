@@ -11,6 +11,11 @@ from stare_agent.algorithms.dynamic_sampling import (
     dynamic_sampling,
     has_reward_variance,
 )
+from stare_agent.algorithms.entropy_effect import (
+    first_order_entropy_effect,
+    logit_grad_norm,
+    mechanism_metrics,
+)
 from stare_agent.algorithms.logprobs import (
     causal_lm_logprobs_and_entropy,
     chunked_logprobs_and_entropy,
@@ -18,9 +23,11 @@ from stare_agent.algorithms.logprobs import (
 )
 from stare_agent.algorithms.losses import AGGREGATIONS, Aggregation, policy_loss
 from stare_agent.algorithms.stare import (
+    L_PLUS_RULES,
     SCOPES,
     VARIANTS,
     AdaptiveController,
+    LPlusRule,
     Scope,
     Variant,
     check_stare_options,
@@ -32,11 +39,13 @@ from stare_agent.algorithms.stare import (
 
 __all__ = [
     "AGGREGATIONS",
+    "L_PLUS_RULES",
     "SCOPES",
     "VARIANTS",
     "AdaptiveController",
     "Aggregation",
     "DynamicSamplingShortfall",
+    "LPlusRule",
     "RewardedGroup",
     "Scope",
     "Variant",
@@ -46,10 +55,13 @@ __all__ = [
     "chunked_logprobs_and_entropy",
     "dynamic_sampling",
     "entropy_gate",
+    "first_order_entropy_effect",
     "gate",
     "grpo_advantages",
     "has_reward_variance",
+    "logit_grad_norm",
     "logprobs_and_entropy_from_logits",
+    "mechanism_metrics",
     "policy_loss",
     "stare_weights",
     "top_k_count",

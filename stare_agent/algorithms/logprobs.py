@@ -22,13 +22,49 @@ enough to flip the sign of the gradient of a confident token's log-prob.)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+Scores = tuple[Tensor, Tensor]
+ScoresAndMoments = tuple[Tensor, Tensor, Tensor]
 
+
+@overload
+def chunked_logprobs_and_entropy(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    targets: Tensor,
+    *,
+    lm_head_bias: Tensor | None = ...,
+    chunk_size: int = ...,
+    temperature: float = ...,
+    with_moments: Literal[False] = ...,
+) -> Scores: ...
+@overload
+def chunked_logprobs_and_entropy(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    targets: Tensor,
+    *,
+    lm_head_bias: Tensor | None = ...,
+    chunk_size: int = ...,
+    temperature: float = ...,
+    with_moments: Literal[True],
+) -> ScoresAndMoments: ...
+@overload
+def chunked_logprobs_and_entropy(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    targets: Tensor,
+    *,
+    lm_head_bias: Tensor | None = ...,
+    chunk_size: int = ...,
+    temperature: float = ...,
+    with_moments: bool = ...,
+) -> Scores | ScoresAndMoments: ...
 def chunked_logprobs_and_entropy(
     hidden: Tensor,
     lm_head_weight: Tensor,
@@ -37,7 +73,8 @@ def chunked_logprobs_and_entropy(
     lm_head_bias: Tensor | None = None,
     chunk_size: int = 1024,
     temperature: float = 1.0,
-) -> tuple[Tensor, Tensor]:
+    with_moments: bool = False,
+) -> Scores | ScoresAndMoments:
     """Log-probs of ``targets`` and entropies from hidden states and the LM head, chunk by chunk.
 
     Args:
@@ -47,30 +84,120 @@ def chunked_logprobs_and_entropy(
         lm_head_bias: optional [V].
         chunk_size: rows of logits materialized at once.
         temperature: logits are divided by it (use the sampling temperature).
+        with_moments: also return the detached moments ``[..., 2] = (sum_j p_j^2, sum_j p_j^2 log p_j)``
+            of each position's distribution, two extra reductions over the chunk's probabilities
+            (no second forward), which give the first-order entropy effect of reinforcing the
+            target (``stare.first_order_entropy_effect``). logp and entropy are bit-identical
+            either way.
 
     Returns:
-        (logp [...], entropy [...] detached), in ``promote(hidden.dtype, float32)``.
+        (logp [...], entropy [...] detached), in ``promote(hidden.dtype, float32)``; and the moments
+        [..., 2] when ``with_moments``.
     """
     _check(hidden.shape[:-1], targets.shape, chunk_size, temperature)
     if hidden.shape[-1] != lm_head_weight.shape[-1]:
         raise ValueError(f"hidden size {hidden.shape[-1]} != LM head input size {lm_head_weight.shape[-1]}")
     flat_h = hidden.reshape(-1, hidden.shape[-1])
-    logp, entropy = _LinearLogprobs.apply(
-        flat_h, lm_head_weight, lm_head_bias, targets.reshape(-1).long(), chunk_size, temperature
+    logp, entropy, moments = _LinearLogprobs.apply(
+        flat_h,
+        lm_head_weight,
+        lm_head_bias,
+        targets.reshape(-1).long(),
+        chunk_size,
+        temperature,
+        with_moments,
     )
-    return logp.view(targets.shape), entropy.view(targets.shape)
+    return _shaped(logp, entropy, moments, targets.shape, with_moments)
 
 
+@overload
 def logprobs_and_entropy_from_logits(
-    logits: Tensor, targets: Tensor, *, chunk_size: int = 1024, temperature: float = 1.0
-) -> tuple[Tensor, Tensor]:
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    chunk_size: int = ...,
+    temperature: float = ...,
+    with_moments: Literal[False] = ...,
+) -> Scores: ...
+@overload
+def logprobs_and_entropy_from_logits(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    chunk_size: int = ...,
+    temperature: float = ...,
+    with_moments: Literal[True],
+) -> ScoresAndMoments: ...
+@overload
+def logprobs_and_entropy_from_logits(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    chunk_size: int = ...,
+    temperature: float = ...,
+    with_moments: bool = ...,
+) -> Scores | ScoresAndMoments: ...
+def logprobs_and_entropy_from_logits(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    with_moments: bool = False,
+) -> Scores | ScoresAndMoments:
     """The same from already computed logits [..., V], without any extra full-size float32 copy."""
     _check(logits.shape[:-1], targets.shape, chunk_size, temperature)
     flat = logits.reshape(-1, logits.shape[-1])
-    logp, entropy = _LogitsLogprobs.apply(flat, targets.reshape(-1).long(), chunk_size, temperature)
-    return logp.view(targets.shape), entropy.view(targets.shape)
+    logp, entropy, moments = _LogitsLogprobs.apply(
+        flat, targets.reshape(-1).long(), chunk_size, temperature, with_moments
+    )
+    return _shaped(logp, entropy, moments, targets.shape, with_moments)
 
 
+def _shaped(
+    logp: Tensor, entropy: Tensor, moments: Tensor, shape: torch.Size, with_moments: bool
+) -> Scores | ScoresAndMoments:
+    if with_moments:
+        return logp.view(shape), entropy.view(shape), moments.view(*shape, 2)
+    return logp.view(shape), entropy.view(shape)
+
+
+@overload
+def causal_lm_logprobs_and_entropy(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = ...,
+    *,
+    chunk_size: int = ...,
+    temperature: float = ...,
+    score_mask: Tensor | None = ...,
+    with_moments: Literal[False] = ...,
+    **forward_kwargs: Any,
+) -> Scores: ...
+@overload
+def causal_lm_logprobs_and_entropy(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = ...,
+    *,
+    chunk_size: int = ...,
+    temperature: float = ...,
+    score_mask: Tensor | None = ...,
+    with_moments: Literal[True],
+    **forward_kwargs: Any,
+) -> ScoresAndMoments: ...
+@overload
+def causal_lm_logprobs_and_entropy(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = ...,
+    *,
+    chunk_size: int = ...,
+    temperature: float = ...,
+    score_mask: Tensor | None = ...,
+    with_moments: bool = ...,
+    **forward_kwargs: Any,
+) -> Scores | ScoresAndMoments: ...
 def causal_lm_logprobs_and_entropy(
     model: Any,
     input_ids: Tensor,
@@ -79,8 +206,9 @@ def causal_lm_logprobs_and_entropy(
     chunk_size: int = 1024,
     temperature: float = 1.0,
     score_mask: Tensor | None = None,
+    with_moments: bool = False,
     **forward_kwargs: Any,
-) -> tuple[Tensor, Tensor]:
+) -> Scores | ScoresAndMoments:
     """Run a Hugging Face causal LM's backbone and score ``input_ids[:, 1:]`` chunk by chunk.
 
     Args:
@@ -89,6 +217,7 @@ def causal_lm_logprobs_and_entropy(
             positions are never scored: for a 350-token prompt and 100 sampled tokens, 78 % of the
             head's work); the others come back as 0 and carry no gradient. The marked positions'
             values are the same as without the mask, up to float rounding.
+        with_moments: also return the moments [N, L-1, 2] (see :func:`chunked_logprobs_and_entropy`).
 
     Returns:
         (logp [N, L-1], entropy [N, L-1]); column t scores token ``input_ids[:, t + 1]``.
@@ -105,19 +234,56 @@ def causal_lm_logprobs_and_entropy(
     if score_mask is not None:
         _check(score_mask.shape, targets.shape, chunk_size, temperature)
         hidden, targets = hidden[score_mask], targets[score_mask]
-    logp, entropy = chunked_logprobs_and_entropy(
+    scores = chunked_logprobs_and_entropy(
         hidden,
         head.weight,
         targets,
         lm_head_bias=head.bias,
         chunk_size=chunk_size,
         temperature=temperature,
+        with_moments=with_moments,
     )
     if score_mask is None:
-        return logp, entropy
-    return scatter_scored(logp, score_mask), scatter_scored(entropy, score_mask)
+        return scores
+    return _scatter_all(scores, score_mask)
 
 
+@overload
+def shared_prompt_logprobs_and_entropy(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prompt_length: int,
+    score_mask: Tensor,
+    *,
+    chunk_size: int = ...,
+    temperature: float = ...,
+    with_moments: Literal[False] = ...,
+) -> Scores: ...
+@overload
+def shared_prompt_logprobs_and_entropy(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prompt_length: int,
+    score_mask: Tensor,
+    *,
+    chunk_size: int = ...,
+    temperature: float = ...,
+    with_moments: Literal[True],
+) -> ScoresAndMoments: ...
+@overload
+def shared_prompt_logprobs_and_entropy(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prompt_length: int,
+    score_mask: Tensor,
+    *,
+    chunk_size: int = ...,
+    temperature: float = ...,
+    with_moments: bool = ...,
+) -> Scores | ScoresAndMoments: ...
 def shared_prompt_logprobs_and_entropy(
     model: Any,
     input_ids: Tensor,
@@ -127,7 +293,8 @@ def shared_prompt_logprobs_and_entropy(
     *,
     chunk_size: int = 1024,
     temperature: float = 1.0,
-) -> tuple[Tensor, Tensor]:
+    with_moments: bool = False,
+) -> Scores | ScoresAndMoments:
     """:func:`causal_lm_logprobs_and_entropy` for N sequences that start with the same prompt, run once.
 
     The first ``prompt_length - 1`` tokens (the prompt but its last token, whose logits score the
@@ -167,19 +334,20 @@ def shared_prompt_logprobs_and_entropy(
         use_cache=cache is not None,
     )
     own = score_mask[:, P:]  # the scored columns; column P + j is the rows' own position j
-    logp, entropy = chunked_logprobs_and_entropy(
+    scores = chunked_logprobs_and_entropy(
         outputs.last_hidden_state[:, :-1][own],
         head.weight,
         input_ids[:, P + 1 :][own],
         lm_head_bias=head.bias,
         chunk_size=chunk_size,
         temperature=temperature,
+        with_moments=with_moments,
     )
-    return scatter_scored(logp, score_mask), scatter_scored(entropy, score_mask)
+    return _scatter_all(scores, score_mask)
 
 
 def scatter_scored(values: Tensor, score_mask: Tensor) -> Tensor:
-    """Values [S] of the S marked positions of ``score_mask`` [N, T] put back in place: [N, T], 0 elsewhere.
+    """Values [S, ...] of the S marked positions of ``score_mask`` [N, T] put back in place: [N, T, ...], 0 elsewhere.
 
     Differentiable in ``values`` (the unmarked positions are constants).
 
@@ -187,7 +355,16 @@ def scatter_scored(values: Tensor, score_mask: Tensor) -> Tensor:
         >>> scatter_scored(torch.tensor([1.0, 2.0]), torch.tensor([[False, True], [True, False]])).tolist()
         [[0.0, 1.0], [2.0, 0.0]]
     """
-    return values.new_zeros(score_mask.shape).masked_scatter(score_mask, values)
+    if values.dim() == 1:
+        return values.new_zeros(score_mask.shape).masked_scatter(score_mask, values)
+    trailing = values.shape[1:]
+    mask = score_mask.reshape(*score_mask.shape, *(1,) * len(trailing)).expand(*score_mask.shape, *trailing)
+    return values.new_zeros(mask.shape).masked_scatter(mask, values)
+
+
+def _scatter_all(scores: Scores | ScoresAndMoments, score_mask: Tensor) -> Any:
+    """Each of ``scores`` put back in place with :func:`scatter_scored` (same arity)."""
+    return tuple(scatter_scored(values, score_mask) for values in scores)
 
 
 def _check(lead_shape: torch.Size, targets_shape: torch.Size, chunk_size: int, temperature: float) -> None:
@@ -220,13 +397,21 @@ def _chunk_logits(z: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
     return z.div_(temperature) if temperature != 1.0 else z
 
 
-def _scores(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp, entropy, logsumexp) of one chunk of logits z [c, V]; z is overwritten."""
+def _scores(z: Tensor, targets: Tensor, moments: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp, entropy, logsumexp) of one chunk of logits z [c, V]; z is overwritten.
+
+    When ``moments`` [c, 2] is given it receives ``(sum_j p_j^2, sum_j p_j^2 log p_j)`` (two extra
+    reductions; the three returned values are computed exactly as without it).
+    """
     log_p = torch.log_softmax(z, dim=-1)
     logp = log_p.gather(1, targets[:, None]).squeeze(1)
     lse = z.gather(1, targets[:, None]).squeeze(1) - logp
     p = torch.exp(log_p, out=z)  # reuse z's memory
     entropy = -torch.linalg.vecdot(p, log_p)  # H = -sum_j p_j log p_j = logsumexp(z) - sum_j p_j z_j
+    if moments is not None:
+        p_sq = p * p
+        moments[:, 0] = p_sq.sum(dim=-1)
+        moments[:, 1] = torch.linalg.vecdot(p_sq, log_p)
     return logp, entropy, lse
 
 
@@ -242,25 +427,27 @@ def _dlogp_dz(z: Tensor, lse: Tensor, targets: Tensor, grad: Tensor, temperature
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, chunk_size, temperature):  # type: ignore[override]
+    def forward(ctx, h, weight, bias, targets, chunk_size, temperature, with_moments):  # type: ignore[override]
         dtype, mm_dtype = _math_dtype(h.dtype), _matmul_dtype(h)
         S = h.shape[0]
         logp = torch.empty(S, dtype=dtype, device=h.device)
         entropy = torch.empty_like(logp)
         lse = torch.empty_like(logp)
+        moments = torch.empty(S if with_moments else 0, 2, dtype=dtype, device=h.device)
         with _no_autocast(h.device):
             w, b = weight.to(mm_dtype), bias.to(mm_dtype) if bias is not None else None
             for lo in range(0, S, chunk_size):
                 hi = min(lo + chunk_size, S)
                 z = _chunk_logits(F.linear(h[lo:hi].to(mm_dtype), w, b), dtype, temperature)
-                logp[lo:hi], entropy[lo:hi], lse[lo:hi] = _scores(z, targets[lo:hi])
+                m = moments[lo:hi] if with_moments else None
+                logp[lo:hi], entropy[lo:hi], lse[lo:hi] = _scores(z, targets[lo:hi], m)
         ctx.save_for_backward(h, weight, bias, targets, lse)
         ctx.chunk_size, ctx.temperature, ctx.mm_dtype = chunk_size, temperature, mm_dtype
-        ctx.mark_non_differentiable(entropy)
-        return logp, entropy
+        ctx.mark_non_differentiable(entropy, moments)
+        return logp, entropy, moments
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):  # type: ignore[override]
+    def backward(ctx, grad_logp, _grad_entropy, _grad_moments):  # type: ignore[override]
         h, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         dtype, mm_dtype = _math_dtype(h.dtype), ctx.mm_dtype
@@ -282,29 +469,31 @@ class _LinearLogprobs(torch.autograd.Function):
                     grad_b += g.sum(dim=0)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 class _LogitsLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, chunk_size, temperature):  # type: ignore[override]
+    def forward(ctx, logits, targets, chunk_size, temperature, with_moments):  # type: ignore[override]
         dtype = _math_dtype(logits.dtype)
         S = logits.shape[0]
         logp = torch.empty(S, dtype=dtype, device=logits.device)
         entropy = torch.empty_like(logp)
         lse = torch.empty_like(logp)
+        moments = torch.empty(S if with_moments else 0, 2, dtype=dtype, device=logits.device)
         with _no_autocast(logits.device):
             for lo in range(0, S, chunk_size):
                 hi = min(lo + chunk_size, S)
                 z = _chunk_logits(logits[lo:hi].to(dtype, copy=True), dtype, temperature)
-                logp[lo:hi], entropy[lo:hi], lse[lo:hi] = _scores(z, targets[lo:hi])
+                m = moments[lo:hi] if with_moments else None
+                logp[lo:hi], entropy[lo:hi], lse[lo:hi] = _scores(z, targets[lo:hi], m)
         ctx.save_for_backward(logits, targets, lse)
         ctx.chunk_size, ctx.temperature = chunk_size, temperature
-        ctx.mark_non_differentiable(entropy)
-        return logp, entropy
+        ctx.mark_non_differentiable(entropy, moments)
+        return logp, entropy, moments
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):  # type: ignore[override]
+    def backward(ctx, grad_logp, _grad_entropy, _grad_moments):  # type: ignore[override]
         logits, targets, lse = ctx.saved_tensors
         dtype = _math_dtype(logits.dtype)
         grad = torch.empty_like(logits)
@@ -315,4 +504,4 @@ class _LogitsLogprobs(torch.autograd.Function):
                 grad[lo:hi] = _dlogp_dz(
                     z, lse[lo:hi], targets[lo:hi], grad_logp[lo:hi].to(dtype), ctx.temperature
                 )
-        return grad, None, None, None
+        return grad, None, None, None, None
