@@ -36,12 +36,13 @@ from sandbox.config import SandboxConfig
 from sandbox.ray_fleet import RayFleetConfig
 from stare_agent.algorithms.losses import check_loss_options
 from stare_agent.algorithms.rollout_correction import check_rollout_correction
-from stare_agent.algorithms.stare import check_adaptive_options, check_stare_options
+from stare_agent.algorithms.stare import L_PLUS_RULES, check_adaptive_options, check_stare_options
 from stare_agent.errors import StareError
 
 CONFIG_FILENAME = "config.yaml"
 ALGORITHMS = ("grpo_ds", "stare")
 GATES = ("entropy", "always_on")
+GATE_BATCHES = ("kept", "drawn")
 PRECISIONS = ("auto", "bf16", "fp32", "bf16-autocast")
 SCHEDULES = ("constant", "cosine", "linear")
 SANDBOX_BACKENDS = ("auto", "docker", "local", "ray")
@@ -487,6 +488,15 @@ class AlgorithmConfig:
         gate: ``entropy``: the paper's closed loop, weights on while the batch entropy is below
             ``H_tgt``; ``always_on``: the paper's open-loop ablation (weights every step; W >= 2
             diverges there, and without the off state entropy settles too high).
+        gate_batch: The tokens whose mean entropy the gate reads: ``kept``, the groups dynamic sampling
+            kept (the paper's definition), or ``drawn``, every group drawn this step before dynamic
+            sampling drops the all-equal ones (this project's variant, not the paper's: once most
+            prompts are solved the kept groups' entropy drifts far above the policy's; costs a
+            log-prob pass over the dropped groups too).
+        L_plus_rule: ``top_k``: L+ is the top P of T+ by surprisal (the paper); ``top_k_raising``: of
+            those, only the tokens whose reinforcement raises entropy at first order (this project's
+            variant, not the paper's: at low entropy the top 10 % by count reach into common tokens
+            whose reinforcement lowers it; see docs/algorithm.md, "What a run logs").
         adaptive: Adapt W and M once per step toward H_tgt (the paper's optional schedule; off by default).
         alpha: Step of the adaptive schedule (paper: 0.01).
         W_max: Upper bound of the adaptive W (paper: 1.5).
@@ -512,6 +522,8 @@ class AlgorithmConfig:
     M: float = 0.9
     H_tgt: float = 0.3
     gate: str = "entropy"
+    gate_batch: str = "kept"
+    L_plus_rule: str = "top_k"
     adaptive: bool = False
     alpha: float = 0.01
     W_max: float = 1.5
@@ -526,6 +538,8 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         _one_of("algorithm", "name", self.name, ALGORITHMS)
         _one_of("algorithm", "gate", self.gate, GATES)
+        _one_of("algorithm", "gate_batch", self.gate_batch, GATE_BATCHES)
+        _one_of("algorithm", "L_plus_rule", self.L_plus_rule, L_PLUS_RULES)
         try:  # the rules of the algorithm modules, stated there once
             check_stare_options(variant=self.variant, scope=self.scope, P=self.P, W=self.W, M=self.M)
             check_loss_options(
@@ -780,6 +794,13 @@ class TrainerConfig:
             reward, the response as text and as token ids, the episode's info), ``eval_00005.jsonl``
             and ``eval_greedy_00005.jsonl`` each evaluation's episodes: to read what the policy does,
             or to diff two runs episode by episode.
+        max_infra_error_rate: The run stops, in one line naming the cause and the fix, once more than
+            this share of the tool calls attempted over the last ``infra_error_window`` steps failed in
+            the sandbox infrastructure (a sandbox, host or node lost, a backend error: not the model's
+            code, whose exceptions and timeouts are observations): a run whose tools broke would
+            otherwise train without them and look fine. 1.0: never stop. Every step logs the
+            ``tools/...`` rates (dashboard panel "Tool health").
+        infra_error_window: Steps ``max_infra_error_rate`` is taken over.
     """
 
     steps: int = 2000
@@ -790,9 +811,16 @@ class TrainerConfig:
     run_dir: str = "runs/stare"
     seed: int = 0
     save_rollouts: bool = False
+    max_infra_error_rate: float = 0.05
+    infra_error_window: int = 5
 
     def __post_init__(self) -> None:
-        _positive("trainer", self, "steps", "log_every", "keep_checkpoints")
+        _positive("trainer", self, "steps", "log_every", "keep_checkpoints", "infra_error_window")
+        if not 0 <= self.max_infra_error_rate <= 1:
+            raise ConfigError(
+                f"trainer.max_infra_error_rate={self.max_infra_error_rate} must be in [0, 1] (a share of tool "
+                "calls; 1.0 never stops the run)"
+            )
         if self.checkpoint_every < 0 or self.eval_every < 0:
             raise ConfigError("trainer.checkpoint_every and trainer.eval_every must be >= 0 (0 = off)")
 

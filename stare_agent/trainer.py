@@ -62,7 +62,7 @@ from stare_agent.metrics import StepLogger, rollout_metrics
 
 if TYPE_CHECKING:
     from sandbox.pool import PoolBackend
-    from stare_agent.algorithms.stare import Scope, Variant
+    from stare_agent.algorithms.stare import LPlusRule, Scope, Variant
 
 CHECKPOINT_PREFIX = "step-"
 
@@ -374,6 +374,8 @@ class Trainer:
             mask = collate(trajectories, self.learner.pad_id)["response_mask"].to(logp.device)
             A_tok = broadcast_to_tokens(A.to(logp.device), mask)
             gate_on, Hbar, gate_metrics = entropy_gate(entropy, mask, alg.H_tgt)
+            if alg.gate_batch == "drawn":  # ours: the gate reads every drawn group, kept or dropped
+                gate_on, Hbar, gate_metrics = self._drawn_gate(drawn, kept, entropy, mask, Hbar)
             if alg.gate == "always_on":  # the paper's open-loop ablation
                 gate_on = True
             if alg.adaptive:
@@ -465,8 +467,38 @@ class Trainer:
             Hbar=Hbar,
             entropy=entropy,
             moments=moments,
+            L_plus_rule=cast("LPlusRule", alg.L_plus_rule),
         )
         return weights, metrics
+
+    def _drawn_gate(
+        self,
+        drawn: list[Group],
+        kept: list[Group],
+        entropy: torch.Tensor,
+        mask: torch.Tensor,
+        Hbar_kept: float,
+    ) -> tuple[bool, float, dict[str, float]]:
+        """The gate on the whole draw (algorithm.gate_batch=drawn, this project's variant): the kept
+        tokens' entropies and those of this rank's share of the dropped groups (drawn group n on rank
+        n mod world), one more log-prob pass; the mean is global over ranks as in ``entropy_gate``."""
+        trained = {id(g) for g in kept}
+        dropped = [
+            t
+            for n, g in enumerate(drawn)
+            if id(g) not in trained and n % self.world == self.rank
+            for t in g.trajectories
+        ]
+        H = [entropy[mask.bool()]]
+        if dropped:
+            _, H_dropped = self.learner.compute_logprobs_and_entropy(dropped)
+            dropped_mask = collate(dropped, self.learner.pad_id)["response_mask"].to(H_dropped.device)
+            H.append(H_dropped[dropped_mask.bool()].to(entropy.device))
+        H_all = torch.cat(H)[None]
+        gate_on, Hbar, metrics = entropy_gate(
+            H_all, torch.ones_like(H_all, dtype=torch.bool), self.config.algorithm.H_tgt
+        )
+        return gate_on, Hbar, {**metrics, "stare/entropy_kept": Hbar_kept}
 
     def _rollout_groups(self, problems: list[Problem], *, draw: int) -> list[Group]:
         """Play G episodes per problem (this rank's groups), then share rewards and trajectories."""

@@ -45,8 +45,8 @@ def test_file_then_overrides(tmp_path):
         (
             ["algorithm.Wx=1.2"],
             "unknown config key 'algorithm.Wx' in the overrides: valid keys of algorithm are name, variant, scope, "
-            "P, W, M, H_tgt, gate, adaptive, alpha, W_max, M_min, eps_low, eps_high, clip_c, loss_agg, "
-            "overlong_filter, rollout_correction",
+            "P, W, M, H_tgt, gate, gate_batch, L_plus_rule, adaptive, alpha, W_max, M_min, eps_low, eps_high, "
+            "clip_c, loss_agg, overlong_filter, rollout_correction",
         ),
         (
             ["trainr.steps=3"],
@@ -60,6 +60,11 @@ def test_file_then_overrides(tmp_path):
         ),
         (["algorithm.W=0.5"], "algorithm: STARE W=0.5 must be >= 1 (it amplifies L+): e.g. W=1.1"),
         (["algorithm.name=ppo"], "algorithm.name='ppo' is not valid: use one of grpo_ds, stare"),
+        (["algorithm.gate_batch=all"], "algorithm.gate_batch='all' is not valid: use one of kept, drawn"),
+        (
+            ["algorithm.L_plus_rule=raising"],
+            "algorithm.L_plus_rule='raising' is not valid: use one of top_k, top_k_raising",
+        ),
         (["deepspeed.zero_stage=4"], "deepspeed.zero_stage=4 is not valid: use one of 0, 1, 2, 3"),
         (
             ["data.samples_per_prompt=1"],

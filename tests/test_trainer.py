@@ -213,6 +213,23 @@ def test_open_loop_gate_reweights_above_target_and_greedy_eval_is_logged(tmp_pat
     assert "eval_greedy/avg@1" in open_loop and "eval_greedy/avg@2" not in open_loop
 
 
+def test_our_variants_gate_on_the_whole_draw_and_keep_only_entropy_raising_l_plus(tmp_path, problem_file):
+    """algorithm.gate_batch=drawn and algorithm.L_plus_rule=top_k_raising (this project's variants):
+    the scripted policy gives every group reward variance, so the draw is the kept batch and the two
+    gates read the same entropy; the raising rule keeps only L+ tokens with a negative effect c_t."""
+    model, tokenizer = tiny_model()
+    extra = ["trainer.steps=1", "algorithm.H_tgt=100", "algorithm.gate_batch=drawn"]
+    config = make_config(tmp_path, problem_file, *extra, "algorithm.L_plus_rule=top_k_raising")
+    Trainer(
+        config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
+    ).fit()
+    record = _records(tmp_path / "run")[0]
+    assert record["gate_on"] == 1 and record["entropy"] == pytest.approx(
+        record["stare/entropy_kept"], rel=1e-6
+    )
+    assert record["stare/L_plus_raising"] in (1.0, None)  # None: no L+ token raised entropy (NaN in JSON)
+
+
 def test_save_rollouts_writes_every_drawn_and_evaluated_episode(tmp_path, problem_file):
     extra = [f"data.eval={problem_file}", "data.eval_limit=2", "data.eval_samples=2", "trainer.steps=1"]
     extra += ["trainer.eval_every=1", "data.eval_greedy=true", "trainer.save_rollouts=true"]

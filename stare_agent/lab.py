@@ -1,0 +1,405 @@
+"""A dynamics lab: STARE and GRPO-ds on a seeded synthetic task, thousands of steps in minutes on a CPU.
+
+``python -m stare_agent.lab`` (docs/lab.md). The policy is a table of logits, one next-token
+distribution per (context, position): ``theta [C, T, V]`` (64 contexts x 12 positions x 16 tokens),
+initialised N(0, ``init_scale``^2). A prompt is a context c; a response is T tokens sampled
+position by position; the reward is ``1[sum(tokens) = c mod 7]`` (binary, verifiable). Each step
+runs the project's own functions, in the paper's order:
+
+    draw         32 contexts x 8 samples (``draw_batch``), again until dynamic sampling
+                 (``algorithms.dynamic_sampling``, cap 10 batches) keeps 32 groups with reward variance
+    advantages   ``algorithms.grpo_advantages``, broadcast to the T tokens
+    log-probs    ``algorithms.logprobs_and_entropy_from_logits(..., with_moments=True)`` on theta[c]
+    gate         ``algorithms.entropy_gate`` on the kept batch (the paper) or on the whole draw (ours)
+    weights      ``algorithms.stare_weights`` (global scope: one selection over the batch)
+    loss         ``algorithms.policy_loss`` (token-mean, on-policy), one Adam step on theta
+
+Tasks: ``mod7`` (the reward saturates: once a context is solved its groups are dropped) and
+``drift`` (the reward does not saturate: after every step each drawn context whose group scored at
+least 0.5 moves its target residue by one, so accuracy is held near 0.5 by difficulty, the paper's
+regime). Variants: see ``VARIANTS``. The control ``random`` reweights a random subset of T+ of the
+size of L+ (same W, same gate), so it separates "which tokens" from "how many".
+
+Logged per step: the policy's entropy (mean over all contexts and positions of theta's
+distributions), the batch entropy of the kept groups and of the whole draw, the gate, the reward of
+the first drawn batch (fresh prompts), and the first-order diagnostics of ``entropy_effect``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stare_agent.algorithms import (
+    broadcast_to_tokens,
+    dynamic_sampling,
+    entropy_gate,
+    grpo_advantages,
+    logprobs_and_entropy_from_logits,
+    mechanism_metrics,
+    policy_loss,
+    stare_weights,
+)
+from stare_agent.intervals import format_ci, mean_sd_ci
+
+
+@dataclass(frozen=True)
+class LabConfig:
+    """One lab run. ``algorithm``: ``grpo_ds``, ``stare`` or ``random`` (the random-subset control)."""
+
+    task: str = "mod7"
+    algorithm: str = "stare"
+    variant: str = "O1"
+    W: float = 1.1
+    M: float = 0.9
+    P: float = 0.1
+    H_tgt: float = 0.3
+    gate: str = "entropy"  # or "always_on" (open loop)
+    gate_batch: str = "kept"  # or "drawn" (ours: the gate reads the whole draw, before dynamic sampling)
+    L_plus_rule: str = "top_k"  # or "top_k_raising" (ours)
+    contexts: int = 64
+    positions: int = 12
+    vocab: int = 16
+    modulus: int = 7
+    prompts: int = 32
+    samples: int = 8
+    max_batches: int = 10
+    lr: float = 0.03
+    init_scale: float = 3.4
+    steps: int = 2000
+    seed: int = 0
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "grpo-ds": {"algorithm": "grpo_ds"},
+    "o1": {},
+    "c2": {"variant": "C2"},
+    "random": {"algorithm": "random"},
+    "open-W1.01": {"gate": "always_on", "W": 1.01},
+    "open-W1.1": {"gate": "always_on", "W": 1.1},
+    "open-W2": {"gate": "always_on", "W": 2.0},
+    "o1-W2": {"W": 2.0},
+    "o1-W3": {"W": 3.0},
+    "o1-W5": {"W": 5.0},
+    "o1-W10": {"W": 10.0},
+    "o1-drawgate": {"gate_batch": "drawn"},
+    "o1-raising": {"L_plus_rule": "top_k_raising"},
+    "o1-W3-drawgate": {"W": 3.0, "gate_batch": "drawn"},
+    "o1-W3-raising": {"W": 3.0, "L_plus_rule": "top_k_raising"},
+}
+
+
+@dataclass
+class Group:
+    """One prompt's G responses: context index, tokens [G, T], rewards."""
+
+    context: int
+    tokens: torch.Tensor
+    rewards: list[float] = field(default_factory=list)
+
+
+def table_entropy(theta: torch.Tensor) -> torch.Tensor:
+    """Entropy of every (context, position) distribution of the table: [C, T]."""
+    log_p = theta.log_softmax(-1)
+    return -(log_p.exp() * log_p).sum(-1)
+
+
+def run(cfg: LabConfig, *, log_every: int = 1) -> list[dict[str, float]]:
+    """Train one lab run; the per-step records (every ``log_every`` steps)."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    theta = (
+        cfg.init_scale * torch.randn(cfg.contexts, cfg.positions, cfg.vocab, generator=gen)
+    ).requires_grad_()
+    opt = torch.optim.Adam([theta], lr=cfg.lr)
+    target = torch.arange(cfg.contexts) % cfg.modulus
+    control = torch.Generator().manual_seed(10_000 + cfg.seed)
+    records: list[dict[str, float]] = []
+    for step in range(1, cfg.steps + 1):
+        drawn: list[Group] = []
+        draw_batch = partial(_draw, cfg, theta, target, gen, drawn)
+        kept, ds = dynamic_sampling(draw_batch, target_groups=cfg.prompts, max_batches=cfg.max_batches)
+        first = drawn[: cfg.prompts]
+        rec: dict[str, float] = {
+            "step": step,
+            "reward": sum(sum(g.rewards) for g in first) / (cfg.prompts * cfg.samples),
+            "kept_groups": ds["ds/groups_kept"],
+            "batches_drawn": ds["ds/batches_drawn"],
+        }
+        with torch.no_grad():
+            H_table = table_entropy(theta)
+            rec["policy_entropy"] = float(H_table.mean())
+            rec["drawn_entropy"] = float(H_table[[g.context for g in drawn]].mean())
+        if kept:
+            rec.update(_update(cfg, theta, opt, kept, rec["drawn_entropy"], control))
+        if cfg.task == "drift":
+            for g in drawn:
+                if sum(g.rewards) / len(g.rewards) >= 0.5:
+                    target[g.context] = (target[g.context] + 1) % cfg.modulus
+        if step % log_every == 0 or step == cfg.steps:
+            records.append(rec)
+    return records
+
+
+def _draw(
+    cfg: LabConfig, theta: torch.Tensor, target: torch.Tensor, gen: torch.Generator, drawn: list[Group]
+) -> list[Group]:
+    """One prompt batch: ``cfg.prompts`` contexts x ``cfg.samples`` responses, scored; appended to ``drawn``."""
+    with torch.no_grad():
+        c = torch.randint(cfg.contexts, (cfg.prompts,), generator=gen)
+        probs = theta[c].softmax(-1).reshape(-1, cfg.vocab)  # [n * T, V]
+        tok = torch.multinomial(probs, cfg.samples, replacement=True, generator=gen)
+        tok = tok.view(cfg.prompts, cfg.positions, cfg.samples).transpose(1, 2)  # [n, G, T]
+        r = (tok.sum(-1) % cfg.modulus == target[c][:, None]).float()
+    groups = [Group(int(c[i]), tok[i], r[i].tolist()) for i in range(cfg.prompts)]
+    drawn.extend(groups)
+    return groups
+
+
+def _update(
+    cfg: LabConfig,
+    theta: torch.Tensor,
+    opt: torch.optim.Optimizer,
+    kept: Sequence[Group],
+    drawn_entropy: float,
+    control: torch.Generator,
+) -> dict[str, float]:
+    """Advantages, log-probs, gate, weights, loss and one optimizer step on the kept groups."""
+    G, T = cfg.samples, cfg.positions
+    rewards = torch.tensor([r for g in kept for r in g.rewards])
+    A, _ = grpo_advantages(rewards, group_size=G)
+    contexts = torch.tensor([g.context for g in kept]).repeat_interleave(G)  # [B]
+    tokens = torch.cat([g.tokens for g in kept])  # [B, T]
+    mask = torch.ones(len(tokens), T, dtype=torch.bool)
+    logp, entropy, moments = logprobs_and_entropy_from_logits(theta[contexts], tokens, with_moments=True)
+    A_tok = broadcast_to_tokens(A, mask)
+    gate_on, Hbar, _ = entropy_gate(entropy, mask, cfg.H_tgt)
+    out = {"kept_entropy": Hbar}
+    if cfg.gate_batch == "drawn":
+        gate_on = drawn_entropy < cfg.H_tgt
+    if cfg.gate == "always_on":
+        gate_on = True
+    weights = None
+    if cfg.algorithm in ("stare", "random"):
+        weights, L_plus, _, metrics = stare_weights(
+            A_tok,
+            logp,
+            mask,
+            gate_on=gate_on,
+            variant="C2" if cfg.variant == "C2" else "O1",
+            P=cfg.P,
+            W=cfg.W,
+            M=cfg.M,
+            scope="global",
+            entropy=entropy,
+            moments=moments,
+            L_plus_rule="top_k_raising" if cfg.L_plus_rule == "top_k_raising" else "top_k",
+        )
+        if cfg.algorithm == "random":  # the same number of T+ tokens, chosen at random
+            T_plus = (mask & (A_tok > 0)).flatten().nonzero().squeeze(1)
+            pick = T_plus[torch.randperm(len(T_plus), generator=control)[: int(L_plus.sum())]]
+            weights = torch.ones_like(logp.detach())
+            if gate_on:
+                weights.view(-1)[pick] = cfg.W
+            L_plus = torch.zeros_like(mask)
+            L_plus.view(-1)[pick] = True
+            metrics.update(
+                mechanism_metrics(A_tok, weights, L_plus, L_plus & False, mask, logp, entropy, moments)
+            )
+            metrics["stare/mean_weight"] = float(weights.mean())
+        out.update({k.removeprefix("stare/"): v for k, v in metrics.items() if k in _KEPT_METRICS})
+    loss, _ = policy_loss(logp, logp.detach(), A_tok, mask, weights)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    out["gate_on"] = float(gate_on)
+    return out
+
+
+_KEPT_METRICS = {
+    "stare/L_plus_raising",
+    "stare/L_plus_s_above_H",
+    "stare/mass_weight",
+    "stare/mean_weight",
+    "stare/L_plus_mass_share",
+    "stare/dH_first_order",
+    "stare/dH_first_order_L_plus",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The study: variants x seeds, a table and a figure
+# ----------------------------------------------------------------------------------------------
+
+TAIL = 0.1  # summary statistics are means over the last 10 % of the steps (never a single step)
+COLUMNS = (
+    ("policy_entropy", "policy H (last 10 %)"),
+    ("kept_entropy", "kept-batch H"),
+    ("drawn_entropy", "whole-draw H"),
+    ("reward", "reward (fresh draw)"),
+    ("gate_on", "gate on (all steps)"),
+    ("L_plus_raising", "L+ raising"),
+    ("mass_weight", "mass weight"),
+    ("mean_weight", "token weight"),
+)
+
+
+def run_summary(records: list[dict[str, float]]) -> dict[str, float]:
+    """Per-run numbers: means over the last 10 % of steps; the gate's on-fraction over all steps."""
+    tail = records[-max(1, int(len(records) * TAIL)) :]
+    out: dict[str, float] = {}
+    for key, _ in COLUMNS:
+        rows = records if key == "gate_on" else tail
+        values = [r[key] for r in rows if key in r and math.isfinite(r[key])]
+        if values:
+            out[key] = sum(values) / len(values)
+    out["policy_entropy_start"] = records[0]["policy_entropy"]
+    return out
+
+
+def lab(
+    variants: Sequence[str],
+    seeds: int,
+    *,
+    task: str = "mod7",
+    steps: int = 2000,
+    out_dir: Path,
+    log_every: int = 10,
+) -> dict[str, Any]:
+    """Run every variant x seed, write ``lab_<task>.json`` and return the summaries."""
+    torch.set_num_threads(1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    curves: dict[str, list[list[dict[str, float]]]] = {}
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    t0 = time.perf_counter()
+    for name in variants:
+        per_seed: dict[str, list[float]] = {}
+        for seed in range(seeds):
+            cfg = replace(LabConfig(task=task, steps=steps, seed=seed), **VARIANTS[name])
+            records = run(cfg, log_every=log_every)
+            curves.setdefault(name, []).append(records)
+            for key, value in run_summary(records).items():
+                per_seed.setdefault(key, []).append(value)
+        summary[name] = {key: mean_sd_ci(values) for key, values in per_seed.items()}
+        print(
+            f"[lab {task}] {name}: {format_table_row(name, summary[name])}  ({time.perf_counter() - t0:.0f} s)"
+        )
+    result = {
+        "task": task,
+        "steps": steps,
+        "seeds": seeds,
+        "config": asdict(LabConfig(task=task, steps=steps)),
+        "variants": {name: VARIANTS[name] for name in variants},
+        "summary": summary,
+        "curves": {
+            name: [
+                [
+                    {
+                        k: r[k]
+                        for k in ("step", "policy_entropy", "kept_entropy", "drawn_entropy", "reward")
+                        if k in r
+                    }
+                    for r in recs
+                ]
+                for recs in runs
+            ]
+            for name, runs in curves.items()
+        },
+        "wall_s": time.perf_counter() - t0,
+    }
+    (out_dir / f"lab_{task}.json").write_text(json.dumps(result))
+    return result
+
+
+def format_table_row(name: str, numbers: dict[str, dict[str, float]]) -> str:
+    cells = [format_ci(numbers[key]) if key in numbers else "-" for key, _ in COLUMNS]
+    return f"| {name} | " + " | ".join(cells) + " |"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """Markdown table: mean ± 95 % t interval over seeds of each run's last-10 % means."""
+    lines = [
+        "| variant | " + " | ".join(title for _, title in COLUMNS) + " |",
+        "|---|" + "---:|" * len(COLUMNS),
+    ]
+    lines += [format_table_row(name, numbers) for name, numbers in result["summary"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: Sequence[dict[str, Any]], path: Path, shown: Sequence[str]) -> None:
+    """Policy entropy over steps (mean and min-max over seeds), one panel per task, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.5), squeeze=False)
+    for ax, result in zip(axes[0], results, strict=True):
+        for name in shown:
+            runs = result["curves"].get(name)
+            if not runs:
+                continue
+            steps = [r["step"] for r in runs[0]]
+            H = torch.tensor([[r["policy_entropy"] for r in recs] for recs in runs])
+            (line,) = ax.plot(steps, H.mean(0), label=name, lw=1.2)
+            ax.fill_between(steps, H.min(0).values, H.max(0).values, color=line.get_color(), alpha=0.15)
+        ax.axhline(LabConfig().H_tgt, color="k", ls="--", lw=0.8, label="H_tgt")
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("policy entropy (nats)")
+        ax.set_title(f"task {result['task']}: {result['seeds']} seeds, mean and min-max")
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m stare_agent.lab", description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    parser.add_argument("--tasks", default="mod7,drift")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--out", type=Path, default=Path("runs/lab"))
+    args = parser.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
+    results = []
+    for task in args.tasks.split(","):
+        result = lab(variants, args.seeds, task=task, steps=args.steps, out_dir=args.out)
+        results.append(result)
+        table = format_table(result)
+        (args.out / f"lab_{task}.md").write_text(table)
+        print(f"\ntask {task}, {args.seeds} seeds x {args.steps} steps, {result['wall_s']:.0f} s\n{table}")
+    plot(
+        results,
+        args.out / "lab.png",
+        shown=[
+            v
+            for v in (
+                "grpo-ds",
+                "o1",
+                "c2",
+                "random",
+                "open-W1.1",
+                "o1-W3",
+                "o1-W10",
+                "o1-drawgate",
+                "o1-raising",
+            )
+            if v in variants
+        ],
+    )
+
+
+if __name__ == "__main__":
+    main()
