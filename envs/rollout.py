@@ -700,6 +700,8 @@ class RolloutRunner:
         )
         if ep.error is not None:
             info.update(failed=ep.error, retries=ep.retries)
+        elif ep.retries:  # played again after an infrastructure failure: counted in the tool health
+            info.update(retries=ep.retries)
         return ep.builder.build(reward=ep.reward, info=info)
 
 

@@ -297,6 +297,8 @@ class ToolEnv(gymnasium.Env[str, str]):
             "num_parse_errors": self._num_parse_errors,
             "turn": self._turn,
         }
+        if not tried_tool and parsed.final_answer is None:
+            info["void_turn"] = True  # neither a tool call nor an answer: it ends the episode
         if terminated or truncated:
             return self._final(parsed.final_answer if terminated else None, terminated, info)
         observation = self.format.render_observation(results, notes)
@@ -330,6 +332,8 @@ class ToolEnv(gymnasium.Env[str, str]):
             self._num_parse_errors += len(parsed.errors)
             self._append_message("assistant", text)
             answer, info["turn"] = parsed.final_answer, self._turn
+            if answer is None and not parsed.tool_calls and not parsed.errors:
+                info["void_turn"] = True
         info.update(num_tool_calls=self._num_tool_calls, num_parse_errors=self._num_parse_errors)
         return self._final(answer, action is not None, info)
 

@@ -40,7 +40,7 @@ from envs.rollout import Engine, RolloutRunner, SamplingParams, Tokenizer
 from envs.trajectory import Trajectory
 from stare_agent.errors import StareError
 from stare_agent.intervals import BOOTSTRAP_DRAWS, bootstrap_interval, wilson_interval
-from stare_agent.metrics import json_ready
+from stare_agent.metrics import ToolHealth, json_ready
 
 
 class EvaluationError(StareError, ValueError):
@@ -112,12 +112,17 @@ class ProblemResult:
     tool_timeouts: int = 0
     tool_errors: int = 0
     failed: int = 0
+    infra_failures: int = 0
+    void_turns: int = 0
 
     def add(self, trajectory: Trajectory) -> None:
         info = trajectory.info
+        self.infra_failures += int(info.get("retries", 0))  # attempts lost to the infrastructure
         if info.get("finish_reason") == "failed":
             self.failed += 1
+            self.infra_failures += 1
             return
+        self.void_turns += bool(info.get("void_turn"))
         self.answers.append(info.get("answer"))
         self.correct.append(bool(info.get("correct", False)))
         self.tool_calls.append(int(info.get("num_tool_calls", 0)))
@@ -148,7 +153,21 @@ class EvalReport:
             rows.append(
                 f"{key:<{width}}  {value:.4f}" + (f"  [{lo:.4f}, {hi:.4f}]" if lo is not None else "")
             )
-        return "\n".join([*settings_lines(self.settings), *rows])
+        return "\n".join([*settings_lines(self.settings), *rows, self.tool_health().line()])
+
+    def tool_health(self) -> ToolHealth:
+        """How the episodes' tool calls ended, as the trainer logs it per step."""
+        problems = self.problems
+        timeouts = sum(r.tool_timeouts for r in problems)
+        return ToolHealth(
+            episodes=sum(len(r.correct) + r.failed for r in problems),
+            calls=sum(sum(r.tool_calls) for r in problems),
+            code_errors=sum(r.tool_errors for r in problems) - timeouts,  # a timeout's error is "Timeout"
+            timeouts=timeouts,
+            infra_failures=sum(r.infra_failures for r in problems),
+            failed_episodes=sum(r.failed for r in problems),
+            void_turns=sum(r.void_turns for r in problems),
+        )
 
     def summary(self, *, complete: bool = True) -> dict[str, Any]:
         """``summary.json``'s content: the metrics at the top level, ``ci95`` (metric -> [low, high]),

@@ -3,14 +3,17 @@ TensorBoard / wandb as ``logger.backends`` says)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from envs.trajectory import Trajectory
+from stare_agent.errors import StareError
 
 # Words whose frequency tracks "reflective" reasoning in RLVR papers (counted case-insensitively,
 # as whole words, in the model-written text of each response).
@@ -57,6 +60,129 @@ def rollout_metrics(
     if model_texts is not None:
         metrics.update({f"reflection/{k}": v for k, v in reflection_counts(model_texts).items()})
     return metrics
+
+
+class ToolHealthError(StareError, RuntimeError):
+    """Too many tool calls failed in the sandbox infrastructure: the run would go on training without
+    its tools and look fine. The message names the rate, the cause and the fix."""
+
+
+@dataclass
+class ToolHealth:
+    """How a set of episodes used their tools and how the calls ended, counted per kind of fault.
+
+    Attributes:
+        episodes: Episodes played (those that failed included).
+        calls: Tool calls of the episodes that finished.
+        code_errors: Calls whose code raised (a Python exception: the model's doing, an observation).
+        timeouts: Calls that ran past their time limit.
+        infra_failures: Calls that failed in the sandbox infrastructure (a sandbox, host or node lost,
+            a backend error: our doing), each of which ended its episode's attempt: the attempts that
+            were played again (``retries``) and the last attempt of each failed episode.
+        failed_episodes: Episodes that still failed after their retries.
+        void_turns: Episodes that ended on a model turn with neither a tool call nor an answer.
+        last_failure: The cause of the last failed episode ("" when none failed).
+    """
+
+    episodes: int = 0
+    calls: int = 0
+    code_errors: int = 0
+    timeouts: int = 0
+    infra_failures: int = 0
+    failed_episodes: int = 0
+    void_turns: int = 0
+    last_failure: str = ""
+
+    @classmethod
+    def of(cls, trajectories: Iterable[Trajectory]) -> ToolHealth:
+        """The counts of ``trajectories`` (as the rollout runner builds them)."""
+        health = cls()
+        for trajectory in trajectories:
+            info = trajectory.info
+            health.episodes += 1
+            health.infra_failures += int(info.get("retries", 0))
+            if info.get("finish_reason") == "failed":
+                health.failed_episodes += 1
+                health.infra_failures += 1
+                health.last_failure = str(info.get("failed", ""))
+                continue
+            calls = info.get("tool_calls", [])
+            health.calls += len(calls)
+            health.timeouts += sum(bool(c.get("timed_out")) for c in calls)
+            health.code_errors += sum(bool(c.get("error_type")) and not c.get("timed_out") for c in calls)
+            health.void_turns += bool(info.get("void_turn"))
+        return health
+
+    @property
+    def infra_error_rate(self) -> float:
+        """Infrastructure failures per attempted call (the calls that ran and those that failed)."""
+        attempts = self.calls + self.infra_failures
+        return self.infra_failures / attempts if attempts else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """Per-step metrics: ``tools/...`` (fractions of calls, and void turns per episode)."""
+        calls, episodes = max(self.calls, 1), max(self.episodes, 1)
+        return {
+            "tools/calls_per_episode": self.calls / episodes,
+            "tools/code_error_fraction": self.code_errors / calls,
+            "tools/timeout_fraction": self.timeouts / calls,
+            "tools/infra_error_fraction": self.infra_error_rate,
+            "tools/infra_failures": float(self.infra_failures),
+            "tools/void_turn_fraction": self.void_turns / episodes,
+        }
+
+    def line(self) -> str:
+        """One line for a person: the counts behind ``metrics``.
+
+        >>> print(ToolHealth(episodes=4, calls=10, code_errors=2, timeouts=1, infra_failures=1).line())
+        tool health: 10 calls in 4 episodes (2.5 per episode): 2 raised in the model's code (20.0%), 1 timed out (10.0%), 1 failed in the sandbox infrastructure (9.1% of attempts); 0 failed episodes; 0 void turns (0.0% of episodes)
+        """
+        calls, episodes = max(self.calls, 1), max(self.episodes, 1)
+        return (
+            f"tool health: {self.calls} calls in {self.episodes} episodes ({self.calls / episodes:.1f} per "
+            f"episode): {self.code_errors} raised in the model's code ({self.code_errors / calls:.1%}), "
+            f"{self.timeouts} timed out ({self.timeouts / calls:.1%}), {self.infra_failures} failed in the "
+            f"sandbox infrastructure ({self.infra_error_rate:.1%} of attempts); {self.failed_episodes} "
+            f"failed episodes; {self.void_turns} void turns ({self.void_turns / episodes:.1%} of episodes)"
+        )
+
+
+class ToolHealthAlarm:
+    """Stops a run whose tools fail in the infrastructure: over the last ``window`` steps, the share
+    of attempted tool calls that failed there must stay at or below ``max_rate``.
+
+    Args:
+        max_rate: ``trainer.max_infra_error_rate``.
+        window: Steps the rate is taken over (``trainer.infra_error_window``).
+        min_attempts: Attempted calls the window must hold before it is judged (a single failure in a
+            tiny run is not a trend).
+    """
+
+    def __init__(self, max_rate: float, window: int, *, min_attempts: int = 20) -> None:
+        self.max_rate, self.window, self.min_attempts = max_rate, window, min_attempts
+        self._steps: collections.deque[ToolHealth] = collections.deque(maxlen=window)
+
+    def observe(self, step: int, health: ToolHealth) -> None:
+        """Add one step's counts.
+
+        Raises:
+            ToolHealthError: the window's rate is above ``max_rate``.
+        """
+        self._steps.append(health)
+        failures = sum(h.infra_failures for h in self._steps)
+        attempts = failures + sum(h.calls for h in self._steps)
+        if attempts < self.min_attempts or failures <= self.max_rate * attempts:
+            return
+        last = next((h.last_failure for h in reversed(self._steps) if h.last_failure), "")
+        cause = f" (last: {last})" if last else ""
+        raise ToolHealthError(
+            f"step {step}: {failures} of {attempts} tool calls over the last {len(self._steps)} steps "
+            f"({failures / attempts:.1%}) failed in the sandbox infrastructure, above "
+            f"trainer.max_infra_error_rate={self.max_rate:g}{cause}: the run would train without its tools; "
+            "fix the sandboxes (`stare-agent sandbox doctor`; with sandbox.backend=ray, `ray status` and the "
+            "sandbox nodes' Docker) and continue with `stare-agent train --resume`, or raise "
+            "trainer.max_infra_error_rate"
+        )
 
 
 def policy_entropy(

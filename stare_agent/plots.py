@@ -22,6 +22,16 @@ PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("Reweighted token sets", "tokens", ("stare/L_plus", "stare/L_minus")),
     ("Tool use", "per episode", ("tool_calls_per_episode", "tool_errors_per_episode")),
     (
+        "Tool health (infrastructure: ours; code errors, timeouts: the model's)",
+        "fraction",
+        (
+            "tools/infra_error_fraction",
+            "tools/code_error_fraction",
+            "tools/timeout_fraction",
+            "tools/void_turn_fraction",
+        ),
+    ),
+    (
         "Engine vs learner log-probs (rollout mismatch)",
         "nats",
         ("mismatch/kl", "mismatch/abs_logp_mean", "mismatch/L_plus_abs_logp_mean", "mismatch/abs_logp_max"),

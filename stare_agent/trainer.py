@@ -58,7 +58,7 @@ from stare_agent.algorithms import (
 from stare_agent.batch import collate
 from stare_agent.config import ConfigError, RunConfig, check_env_id, registered_problems
 from stare_agent.learner import Learner, load_training_policy
-from stare_agent.metrics import StepLogger, rollout_metrics
+from stare_agent.metrics import StepLogger, ToolHealth, ToolHealthAlarm, rollout_metrics
 
 if TYPE_CHECKING:
     from sandbox.pool import PoolBackend
@@ -234,6 +234,11 @@ class Trainer:
         self.step = 0
         self.sync_s = 0.0  # seconds spent handing weights to the engine (time/sync_s per step)
         self._pool: Any = None
+        self._played: list[Trajectory] = []  # this step's episodes, failed ones included (tool health)
+        self._tool_health = ToolHealth()
+        self._tool_alarm = ToolHealthAlarm(
+            config.trainer.max_infra_error_rate, config.trainer.infra_error_window
+        )
         self._envs: list[ToolEnv] = []
         self._last_drawn: list[Trajectory] = []  # the trajectories of this step's draws
 
@@ -273,6 +278,7 @@ class Trainer:
                         last.update({f"eval_greedy/{k}": v for k, v in report.metrics.items()})
                 if logger is not None:
                     logger.log(self.step, last)
+                self._tool_alarm.observe(self.step, self._tool_health)  # stops a run whose tools broke
                 bar.update(1)
                 bar.set_postfix(
                     reward=f"{last['reward_mean']:.2f}", H=f"{last['entropy']:.3f}", gate=int(last["gate_on"])
@@ -293,6 +299,7 @@ class Trainer:
         # 1-3. rollout, reward, dynamic sampling (answers are verified inside env.step: time/reward_s
         # is the checking part of time/rollout_s, summed over episodes)
         check_before = sum(env.check_time_s for env in self._envs)
+        self._played = []
         drawn: list[Group] = []
         per_draw = data.prompts_per_draw or data.prompts_per_step
 
@@ -321,6 +328,8 @@ class Trainer:
         metrics: dict[str, Any] = {**rollout_metrics(episodes, self._model_texts(episodes)), **ds_metrics}
         metrics["time/rollout_s"] = t_rollout
         metrics["failed_episodes"] = sum(g.failed for g in drawn)
+        self._tool_health = ToolHealth.of(self._played)  # the same on every rank: from gathered episodes
+        metrics.update(self._tool_health.metrics())
         metrics["dropped_groups"] = sum(g.dropped for g in drawn)
         if metrics["failed_episodes"] and self.rank == 0:
             tqdm.write(
@@ -522,6 +531,7 @@ class Trainer:
             gathered: list[Any] = [None] * self.world
             dist.all_gather_object(gathered, {i: [t.to_dict() for t in ts] for i, ts in local.items()})
             local = {i: [Trajectory.from_dict(d) for d in ts] for part in gathered for i, ts in part.items()}
+        self._played += [t for i in sorted(local) for t in local[i]]
         base = (draw - 1) * len(problems) * G
         groups = []
         for i, p in enumerate(problems):

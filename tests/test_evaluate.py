@@ -165,6 +165,10 @@ def test_an_episode_lost_to_the_infrastructure_is_left_out_and_counted(monkeypat
     assert m["avg@4"] == pytest.approx(0.5)
     assert m["pass@4"] == pytest.approx(0.0)  # only p2 has 4 samples
     assert m["pass@2"] == pytest.approx(0.5) and m["maj@4"] == pytest.approx(0.5)
+    # under the table, the tool health the trainer logs: 3 attempts lost (1 try + 2 retries)
+    health = report.table().splitlines()[-1]
+    assert health.startswith("tool health: 0 calls in 8 episodes") and "3 failed in the sandbox" in health
+    assert "1 failed episodes" in health
 
 
 def _tiny_evaluation(tmp_path, monkeypatch=None, stop_at_call=None, resume=False):

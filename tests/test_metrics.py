@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from envs.trajectory import TrajectoryBuilder
-from stare_agent.metrics import StepLogger, policy_entropy, read_metrics, reflection_counts, rollout_metrics
+from stare_agent.metrics import (
+    StepLogger,
+    ToolHealth,
+    ToolHealthAlarm,
+    ToolHealthError,
+    policy_entropy,
+    read_metrics,
+    reflection_counts,
+    rollout_metrics,
+)
 from stare_agent.models import tiny_model
 from stare_agent.plots import plot_dashboard
 
@@ -179,13 +188,14 @@ def test_plot_dashboard_draws_one_image_with_a_panel_per_logged_group(tmp_path):
         **{"stare/L_plus": 3, "stare/L_minus": 1, "eval/avg@4": 0.25},
         tool_calls_per_episode=1.5,
         tool_errors_per_episode=0.1,
+        **{"tools/infra_error_fraction": 0.0, "tools/void_turn_fraction": 0.1},
     )
     _log_steps(tmp_path / "full", (1, 2, 3), **full)
     _log_steps(tmp_path / "bare", (1, 2))  # entropy and reward only: two panels
     out = plot_dashboard(tmp_path / "full")
     assert out == tmp_path / "full" / "plots" / "dashboard.png"
-    # 6 panels: a 3 x 2 grid of 5.2 x 3.4 inch panels at 110 dpi; 2 panels: one row of two.
-    assert matplotlib.image.imread(out).shape[:2] == (round(2 * 3.4 * 110), round(3 * 5.2 * 110))
+    # 7 panels (tool health among them): 3 rows of 3 of 5.2 x 3.4 inch panels at 110 dpi; 2 panels: one row of two.
+    assert matplotlib.image.imread(out).shape[:2] == (round(3 * 3.4 * 110), round(3 * 5.2 * 110))
     bare = plot_dashboard(tmp_path / "bare")
     assert matplotlib.image.imread(bare).shape[:2] == (round(3.4 * 110), round(2 * 5.2 * 110))
 
@@ -279,3 +289,48 @@ def test_dashboard_draws_the_engine_learner_mismatch(tmp_path):
     out = plot_dashboard(tmp_path / "run")
     # entropy, reward and the mismatch panel: one row of three
     assert matplotlib.image.imread(out).shape[:2] == (round(3.4 * 110), round(3 * 5.2 * 110))
+
+
+def test_tool_health_counts_each_kind_of_fault_by_hand():
+    calls = [
+        {"error_type": None, "timed_out": False},
+        {"error_type": "ZeroDivisionError", "timed_out": False},  # the model's code raised
+        {"error_type": "Timeout", "timed_out": True},
+    ]
+    episodes = [
+        _trajectory([1], [([5], 1)], tool_calls=calls, finish_reason="terminated"),
+        # played again once after its sandbox was lost, then finished with one clean call
+        _trajectory([1], [([5], 1)], tool_calls=calls[:1], retries=1, finish_reason="terminated"),
+        # neither a call nor an answer
+        _trajectory([1], [([5], 1)], tool_calls=[], void_turn=True, finish_reason="terminated"),
+        # lost on every attempt: 1 try + 2 retries
+        _trajectory([1], [], finish_reason="failed", retries=2, failed="host lost [SandboxLost]"),
+    ]
+    health = ToolHealth.of(episodes)
+    assert (health.episodes, health.calls, health.code_errors, health.timeouts) == (4, 4, 1, 1)
+    assert (health.infra_failures, health.failed_episodes, health.void_turns) == (4, 1, 1)
+    assert health.last_failure == "host lost [SandboxLost]"
+    m = health.metrics()
+    assert m["tools/calls_per_episode"] == 1.0
+    assert m["tools/code_error_fraction"] == 0.25 and m["tools/timeout_fraction"] == 0.25
+    assert m["tools/infra_error_fraction"] == 4 / 8 and m["tools/infra_failures"] == 4
+    assert m["tools/void_turn_fraction"] == 0.25
+
+
+def test_the_tool_health_alarm_stops_above_the_rate_over_its_window():
+    alarm = ToolHealthAlarm(0.05, 3, min_attempts=20)
+    alarm.observe(1, ToolHealth(calls=10, infra_failures=1))  # 1 of 11: too few attempts to judge
+    alarm.observe(2, ToolHealth(calls=40))  # 1 of 51 (2 %)
+    with pytest.raises(ToolHealthError) as stop:
+        alarm.observe(3, ToolHealth(calls=40, infra_failures=6, last_failure="host lost [SandboxLost]"))
+    message = str(stop.value)
+    assert message.startswith("step 3: 7 of 97 tool calls over the last 3 steps (7.2%) failed in the sandbox")
+    assert "trainer.max_infra_error_rate=0.05 (last: host lost [SandboxLost])" in message
+    assert "stare-agent train --resume" in message and "\n" not in message
+    rolling = ToolHealthAlarm(0.05, 2, min_attempts=50)
+    rolling.observe(1, ToolHealth(calls=20, infra_failures=20))  # 40 attempts: not judged yet
+    with pytest.raises(ToolHealthError):
+        rolling.observe(2, ToolHealth(calls=100))  # 20 of 140 in the window
+    for step in (3, 4):  # the failing step left the window of 2
+        rolling.observe(step, ToolHealth(calls=100))
+    ToolHealthAlarm(1.0, 5).observe(1, ToolHealth(calls=0, infra_failures=50))  # 1.0: never stops

@@ -378,6 +378,36 @@ def test_a_group_with_a_failed_episode_is_dropped_whole_by_default(
     )
 
 
+def test_a_run_whose_tools_fail_in_the_infrastructure_stops_in_one_line(tmp_path, problem_file, monkeypatch):
+    """Every tool call loses its sandbox: the steps log it (``tools/...``) and, once the window holds
+    enough calls, the run stops naming the rate, the cause and the fix, instead of training on."""
+    from envs.tool_env import EpisodeInfrastructureError, ToolEnv
+    from stare_agent.metrics import ToolHealthError, read_metrics
+
+    def lost(self, action):
+        self._end_episode(broken=True)
+        raise EpisodeInfrastructureError("the sandbox's host was lost")
+
+    monkeypatch.setattr(ToolEnv, "step", lost)
+    model, tokenizer = tiny_model()
+    config = make_config(tmp_path, problem_file, "trainer.steps=5")
+    trainer = Trainer(
+        config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
+    )
+    # 2 draws (dynamic sampling finds no group to keep) of 2 prompts x 2 samples, each episode lost on its
+    # try and its 2 retries: 24 attempts, and the alarm judges a window once it holds 20
+    with pytest.raises(ToolHealthError) as stop:
+        trainer.fit()
+    message = str(stop.value)
+    assert message.startswith(
+        "step 1: 24 of 24 tool calls over the last 1 steps (100.0%) failed in the sandbox"
+    )
+    assert "trainer.max_infra_error_rate=0.05 (last: the sandbox's host was lost" in message
+    records = read_metrics(tmp_path / "run")
+    assert [r["tools/infra_error_fraction"] for r in records] == [1.0]  # logged before the stop
+    assert [r["failed_episodes"] for r in records] == [8] and "\n" not in message
+
+
 def test_training_rollouts_do_not_depend_on_the_wave_size(tmp_path, problem_file):
     """Each training episode samples from its own stream, keyed by (group, sample): playing the
     groups in waves of 1 or of 4 sandboxes gives the same episodes, and the two samples of a group differ."""

@@ -93,6 +93,21 @@ def test_next_episode_gets_a_fresh_sandbox(make_env, fake_pool, settled):
     assert settled(fake_pool).leased == 0
 
 
+def test_a_turn_with_neither_a_tool_call_nor_an_answer_is_a_void_turn(make_env, fake_pool):
+    """The tool health counts void turns: a model that stopped calling its tools ends episodes so."""
+    env = make_env(CodeInterpreterEnv, [PROBLEM], pool=fake_pool)
+    env.reset(seed=0)
+    assert env.step("I give up.")[4]["void_turn"] is True
+    env.reset(seed=0)
+    _, _, _, _, info = env.step("<code>\n```python\nprint(6 * 7)\n```\n</code>")
+    assert "void_turn" not in info
+    assert "void_turn" not in env.step("<answer>\\boxed{42}</answer>")[4]
+    env.reset(seed=0)  # the turn that ended with the model's EOS, outside the turn protocol
+    assert env.end_episode("Hmm.")[4]["void_turn"] is True
+    env.reset(seed=0)
+    assert "void_turn" not in env.end_episode("<code>\n```python\nprint(1)")[4]  # an unclosed code block
+
+
 def test_wrong_answer_and_no_answer_score_zero_or_minus_one(make_env, fake_pool):
     from envs.rewards import RewardConfig
 
