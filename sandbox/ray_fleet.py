@@ -250,6 +250,7 @@ class SandboxHost:
 class _Host:
     handle: Any
     node_id: str
+    name: str
     capacity: int = 0
     leased: int = 0
     ready: bool = False
@@ -282,6 +283,7 @@ class FleetCoordinator:
         self._creations: list[float] = []
         self._last_failure = ""
         self._retry_after: dict[str, float] = {}
+        self._started = 0
         self._stopped = False
         self._refresh_lock = threading.Lock()
         self._thread = threading.Thread(target=self._refresh_loop, name="fleet-refresh", daemon=True)
@@ -290,7 +292,8 @@ class FleetCoordinator:
     # leases
 
     def grant(self, timeout: float) -> tuple[str, Any]:
-        """A ready host with a free sandbox, booked: ``(node_id, handle)``. Waits up to ``timeout``.
+        """A ready host with a free sandbox, booked: ``(node_id, name)`` (the host actor's name: a handle
+        costs more to send than the rest of a lease). Waits up to ``timeout``.
 
         Raises:
             PoolExhausted: none in time (the message says how many are leased and what the cap is).
@@ -305,7 +308,7 @@ class FleetCoordinator:
                     self._leased += 1
                     self._leases += 1
                     self._peak = max(self._peak, self._leased)
-                    return host.node_id, host.handle
+                    return host.node_id, host.name
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     ready = [h for h in self._hosts.values() if h.ready]
@@ -324,22 +327,21 @@ class FleetCoordinator:
                     )
                 self._cond.wait(min(remaining, self.config.refresh_s))
 
-    def returned(self, node_id: str) -> None:
-        """A lease on ``node_id`` ended."""
+    def returned(self, node_id: str, name: str) -> None:
+        """A lease on the host ``name`` of ``node_id`` ended (one dropped since took its leases along)."""
         with self._cond:
             host = self._hosts.get(node_id)
-            if host is not None and host.leased > 0:
+            if host is not None and host.name == name and host.leased > 0:
                 host.leased -= 1
-            if self._leased > 0:
                 self._leased -= 1
-            self._cond.notify_all()
+                self._cond.notify_all()
 
-    def host_failed(self, node_id: str, handle: Any, reason: str) -> None:
-        """A client saw ``handle`` fail: drop it (its leases with it); the next refresh starts a new
-        host on the node if the node is still alive."""
+    def host_failed(self, node_id: str, name: str, reason: str) -> None:
+        """A client saw the host ``name`` fail: drop it (its leases with it); the next refresh starts a
+        new host on the node if the node is still alive."""
         with self._cond:
             host = self._hosts.get(node_id)
-            if host is None or host.handle != handle:
+            if host is None or host.name != name:
                 return  # dropped before (another client saw it first)
             self._drop(host, reason)
 
@@ -455,7 +457,11 @@ class FleetCoordinator:
     def _start_host(self, ray: Any, node_id: str) -> _Host:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        self._started += 1
+        name = f"stare-sandbox-host-{node_id[:16]}-{self._started}"
         actor = ray.remote(SandboxHost).options(
+            name=name,
+            namespace=self.config.namespace,
             num_cpus=0,
             resources={self.config.node_resource: 0.001},
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
@@ -464,8 +470,8 @@ class FleetCoordinator:
         )
         me = ray.get_runtime_context().current_actor
         handle = actor.remote(self.config, self.sandbox_config, me)
-        logger.info("starting a sandbox host on node %s", node_id)
-        return _Host(handle=handle, node_id=node_id, ready_ref=handle.ready.remote())
+        logger.info("starting sandbox host %s", name)
+        return _Host(handle=handle, node_id=node_id, name=name, ready_ref=handle.ready.remote())
 
     def _check(self, ray: Any, host: _Host) -> None:
         """Mark ``host`` ready once its pool is up; ping it; drop it when it failed."""
@@ -512,9 +518,11 @@ class RaySandbox(Sandbox):
 
     backend = "ray"
 
-    def __init__(self, fleet: RaySandboxFleet, node_id: str, host: Any, lease_id: str) -> None:
+    def __init__(
+        self, fleet: RaySandboxFleet, node_id: str, host_name: str, host: Any, lease_id: str
+    ) -> None:
         super().__init__(fleet.sandbox_config)
-        self.node_id, self.lease_id = node_id, lease_id
+        self.node_id, self.host_name, self.lease_id = node_id, host_name, lease_id
         self._fleet, self._host = fleet, host
         self._closed = False
 
@@ -601,6 +609,7 @@ class RaySandboxFleet:
         self.lease_timeout = self.config.lease_timeout_s
         self._lock = threading.Lock()
         self._leases: set[PooledSandbox] = set()
+        self._handles: dict[str, Any] = {}
         self._closed = False
         self._coordinator = (
             ray.remote(FleetCoordinator)
@@ -609,7 +618,7 @@ class RaySandboxFleet:
                 namespace=self.config.namespace,
                 get_if_exists=True,
                 num_cpus=0,
-                max_concurrency=1024,
+                max_concurrency=256,
             )
             .remote(self.config, self.sandbox_config)
         )
@@ -633,26 +642,30 @@ class RaySandboxFleet:
             if self._closed:
                 raise SandboxClosed("the sandbox fleet is closed: build a new RaySandboxFleet")
             remaining = max(0.001, deadline - time.monotonic())
-            node_id, host = self._coordinator_call("grant", remaining, wait_s=remaining)
+            node_id, name = self._coordinator_call("grant", remaining, wait_s=remaining)
             lease_id = uuid.uuid4().hex
             try:
+                host = self._host_handle(name)
                 self.ray.get(
                     host.acquire.remote(lease_id, remaining), timeout=remaining + self.config.call_margin_s
                 )
             except self.ray.exceptions.RayTaskError as exc:
-                self._coordinator.returned.remote(node_id)
+                self._coordinator.returned.remote(node_id, name)
                 if isinstance(exc.cause, PoolExhausted):
                     raise exc.cause from exc
                 raise
-            except (self.ray.exceptions.RayError, self.ray.exceptions.GetTimeoutError) as exc:
-                self._coordinator.host_failed.remote(node_id, host, type(exc).__name__)
+            except (self.ray.exceptions.RayError, self.ray.exceptions.GetTimeoutError, ValueError) as exc:
+                # ValueError: no live actor of that name any more
+                self._coordinator.host_failed.remote(node_id, name, type(exc).__name__)
+                with self._lock:
+                    self._handles.pop(name, None)
                 if time.monotonic() >= deadline:
                     raise PoolExhausted(
                         f"no sandbox host answered within {wait_s:g} s (last: {type(exc).__name__} on node "
                         f"{node_id}): check the sandbox nodes with `ray status`"
                     ) from exc
                 continue  # that host is lost: lease again on another
-            lease = PooledSandbox(self, RaySandbox(self, node_id, host, lease_id))
+            lease = PooledSandbox(self, RaySandbox(self, node_id, name, host, lease_id))
             with self._lock:
                 self._leases.add(lease)
             return lease
@@ -729,11 +742,23 @@ class RaySandboxFleet:
         with contextlib.suppress(Exception):  # a lost host has nothing to give back
             sandbox._host.release.remote(sandbox.lease_id, broken)
         with contextlib.suppress(Exception):
-            self._coordinator.returned.remote(sandbox.node_id)
+            self._coordinator.returned.remote(sandbox.node_id, sandbox.host_name)
+
+    def _host_handle(self, name: str) -> Any:
+        """The handle of the host actor ``name``, looked up once per host."""
+        with self._lock:
+            handle = self._handles.get(name)
+        if handle is None:
+            handle = self.ray.get_actor(name, namespace=self.config.namespace)
+            with self._lock:
+                self._handles[name] = handle
+        return handle
 
     def _host_failed(self, sandbox: RaySandbox, reason: str) -> None:
+        with self._lock:
+            self._handles.pop(sandbox.host_name, None)
         with contextlib.suppress(Exception):
-            self._coordinator.host_failed.remote(sandbox.node_id, sandbox._host, reason)
+            self._coordinator.host_failed.remote(sandbox.node_id, sandbox.host_name, reason)
 
     def _coordinator_call(self, method: str, *args: Any, wait_s: float) -> Any:
         try:

@@ -107,6 +107,12 @@ def _eval(args: argparse.Namespace) -> int:
         eval_source(config), seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
     )
     engine, tokenizer = _eval_engine(args, config)
+    fleet = None
+    if config.sandbox.backend == "ray":  # the Ray cluster's sandboxes, one client for the evaluation
+        from sandbox import open_pool
+
+        fleet = open_pool(args.batch_size, "ray", config.sandbox.limits, fleet=config.sandbox.ray)
+        env_kwargs = {**env_kwargs, "pool": fleet}
     try:
         report = evaluate_config(
             config,
@@ -123,6 +129,8 @@ def _eval(args: argparse.Namespace) -> int:
     finally:
         if hasattr(engine, "close"):
             engine.close()
+        if fleet is not None:
+            fleet.close()
     print(report.table())
     print(f"per-problem results: {args.out}/results.jsonl")
     return 0

@@ -235,3 +235,30 @@ def test_a_node_killed_mid_episode_fails_the_episode_and_a_new_node_takes_leases
     finally:
         env.close()
     _wait(lambda: new not in {h.node_id for h in fleet.stats().hosts}, 60, "the dead node's host dropped")
+
+
+def test_an_evaluation_plays_its_episodes_on_the_fleet(fleet: RaySandboxFleet) -> None:
+    """What ``stare-agent eval`` does with ``sandbox.backend=ray``: the fleet is the envs' pool."""
+    from envs.problems import Problem
+    from stare_agent.engines.scripted import ScriptedEngine
+    from stare_agent.evaluation import evaluate
+    from tests.helpers_tokenizers import smollm2_tokenizer
+
+    tokenizer = smollm2_tokenizer()
+    call = '<tool_call>{"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
+    scripts = [[call, "<answer>\\boxed{42}</answer>"]] * 2
+    report = evaluate(
+        [Problem("p1", "What is 6 times 7?", "42")],
+        engine=ScriptedEngine(tokenizer, scripts),
+        tokenizer=tokenizer,
+        samples=2,
+        batch_size=2,
+        env_kwargs={"format": "hermes", "pool": fleet},
+        progress=False,
+    )
+    assert report.metrics["avg@2"] == 1.0 and report.settings["sandbox"]["backend"] == "ray"
+    assert (
+        report.table()
+        .splitlines()[-1]
+        .startswith("tool health: 2 calls in 2 episodes (1.0 per episode): 0 raised")
+    )
