@@ -262,3 +262,42 @@ def test_an_evaluation_plays_its_episodes_on_the_fleet(fleet: RaySandboxFleet) -
         .splitlines()[-1]
         .startswith("tool health: 2 calls in 2 episodes (1.0 per episode): 0 raised")
     )
+
+
+def test_a_training_step_plays_its_episodes_on_the_fleet(fleet: RaySandboxFleet, tmp_path) -> None:
+    """``sandbox.backend=ray``: the trainer's episodes lease the fleet's sandboxes (this namespace's
+    coordinator, which the trainer joins), and the step logs a healthy tool use."""
+    import json
+    import math
+
+    from stare_agent.config import load_config
+    from stare_agent.engines.scripted import ScriptedEngine
+    from stare_agent.models import tiny_model
+    from stare_agent.trainer import Trainer
+    from tests.scripted_training import overrides, scripted_policy
+
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text(
+        "".join(
+            json.dumps({"id": f"add-{a}", "problem": f"What is {a} + 2?", "answer": str(a + 2)}) + "\n"
+            for a in range(4)
+        )
+    )
+    settings = overrides(str(tmp_path / "run"), str(problems), 1)
+    config = load_config(
+        None, [*settings, "sandbox.backend=ray", f"sandbox.ray.namespace={NAMESPACE}", "env.format=retool"]
+    )
+    before = fleet.stats().leases
+    model, tokenizer = tiny_model()
+    trainer = Trainer(
+        config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
+    )
+    try:
+        trainer.step = 1
+        metrics = trainer.train_step()
+        assert type(trainer._pool).__name__ == "RaySandboxFleet"
+    finally:
+        trainer.close()
+    assert fleet.stats().leases - before >= 4 and fleet.stats().leased == 0  # every lease given back
+    assert metrics["tools/calls_per_episode"] == 1.0 and metrics["tools/infra_error_fraction"] == 0.0
+    assert metrics["failed_episodes"] == 0 and math.isfinite(metrics["loss"])
