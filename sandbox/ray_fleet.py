@@ -30,6 +30,7 @@ is built, so ``import sandbox`` never needs it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -79,6 +80,9 @@ class RayFleetConfig:
         call_margin_s: Slack over a call's own deadline (``timeout`` + ``restart_grace_s``) before
             an unanswered call counts as a lost host.
         refresh_s: How often the coordinator looks for new and lost nodes and hosts.
+        lease_idle_s: A lease without a call for this long is taken back and its sandbox replaced:
+            its holder is taken for gone (a process that died without giving it back would otherwise
+            keep its sandbox and its share of ``max_leases``). Above the longest model turn.
         start_timeout_s: How long building a fleet waits for its first ready host.
     """
 
@@ -93,13 +97,21 @@ class RayFleetConfig:
     lease_timeout_s: float = 60.0
     call_margin_s: float = 30.0
     refresh_s: float = 1.0
+    lease_idle_s: float = 600.0
     start_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         for name in ("sandboxes_per_node", "creation_burst"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"sandbox.ray.{name} must be an int >= 1, got {getattr(self, name)!r}")
-        for name in ("creations_per_s", "lease_timeout_s", "call_margin_s", "refresh_s", "start_timeout_s"):
+        for name in (
+            "creations_per_s",
+            "lease_timeout_s",
+            "call_margin_s",
+            "refresh_s",
+            "start_timeout_s",
+            "lease_idle_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"sandbox.ray.{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_leases is not None and (not isinstance(self.max_leases, int) or self.max_leases < 1):
@@ -180,14 +192,22 @@ class SandboxHost:
     """The actor on one node: a warm ``SandboxPool`` of the node's daemon, leased by id.
 
     Run as a threaded Ray actor (calls on different leases run at once). Every container start
-    takes a token of the coordinator's creation-rate limit first.
+    takes a token of the coordinator's creation-rate limit first. A lease without a call for
+    ``lease_idle_s`` is taken back (its holder is taken for gone) and its sandbox replaced.
     """
 
-    def __init__(self, config: RayFleetConfig, sandbox_config: SandboxConfig, coordinator: Any) -> None:
+    def __init__(
+        self, config: RayFleetConfig, sandbox_config: SandboxConfig, coordinator: Any, name: str
+    ) -> None:
         ray = import_ray()
         self.node_id: str = ray.get_runtime_context().get_node_id()
+        self.name = name
         self._leases: dict[str, PooledSandbox] = {}
+        self._last_use: dict[str, float] = {}
+        self._in_call: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
+        self._coordinator, self._idle_s = coordinator, config.lease_idle_s
+        self._closed = False
         backend = config.node_backend
 
         def make() -> Sandbox:
@@ -199,6 +219,7 @@ class SandboxHost:
         self._pool = SandboxPool(
             config.sandboxes_per_node, factory=make, lease_timeout=config.lease_timeout_s
         )
+        threading.Thread(target=self._reclaim_loop, name="lease-reclaim", daemon=True).start()
 
     def ready(self) -> tuple[str, int]:
         """The node id and the pool's size, once the pool has started."""
@@ -211,36 +232,78 @@ class SandboxHost:
         lease = self._pool.acquire(timeout)
         with self._lock:
             self._leases[lease_id] = lease
+            self._last_use[lease_id] = time.monotonic()
 
     def run(self, lease_id: str, code: str, timeout: float | None) -> ExecResult:
-        return self._lease(lease_id).run(code, timeout)
+        with self._using(lease_id) as lease:
+            return lease.run(code, timeout)
 
     def reset(self, lease_id: str) -> None:
-        self._lease(lease_id).reset()
+        with self._using(lease_id) as lease:
+            lease.reset()
 
     def is_alive(self, lease_id: str) -> bool:
-        with self._lock:
-            lease = self._leases.get(lease_id)
-        return lease is not None and lease.is_alive()
+        try:
+            with self._using(lease_id) as lease:
+                return lease.is_alive()
+        except SandboxClosed:
+            return False
 
     def release(self, lease_id: str, broken: bool) -> None:
+        """End a lease (once: the host, not its holder, tells the coordinator, so a lease taken back
+        for idleness and then given back by a slow holder counts once)."""
         with self._lock:
             lease = self._leases.pop(lease_id, None)
+            self._last_use.pop(lease_id, None)
         if lease is not None:
             self._pool.release(lease, broken=broken)
+            with contextlib.suppress(Exception):
+                self._coordinator.returned.remote(self.node_id, self.name)
 
     def pool_stats(self) -> dict[str, int]:
         return dataclasses.asdict(self._pool.stats())
 
     def close(self) -> None:
+        self._closed = True
         self._pool.close()
 
-    def _lease(self, lease_id: str) -> PooledSandbox:
+    @contextlib.contextmanager
+    def _using(self, lease_id: str) -> Iterator[PooledSandbox]:
         with self._lock:
             lease = self._leases.get(lease_id)
-        if lease is None:
-            raise SandboxClosed(f"lease {lease_id} is not held on this host: lease a new sandbox")
-        return lease
+            if lease is None:
+                raise SandboxClosed(
+                    f"lease {lease_id} is not held on this host (given back, or taken back after "
+                    f"{self._idle_s:g} s without a call): lease a new sandbox"
+                )
+            self._in_call[lease_id] += 1
+        try:
+            yield lease
+        finally:
+            with self._lock:
+                self._in_call[lease_id] -= 1
+                if not self._in_call[lease_id]:
+                    del self._in_call[lease_id]
+                self._last_use[lease_id] = time.monotonic()
+
+    def _reclaim_loop(self) -> None:
+        """Take back leases idle for ``lease_idle_s`` (not while a call runs) and tell the coordinator."""
+        while not self._closed:
+            time.sleep(min(10.0, self._idle_s / 4))
+            now = time.monotonic()
+            with self._lock:
+                idle = [
+                    lease_id
+                    for lease_id, used in self._last_use.items()
+                    if now - used > self._idle_s and not self._in_call[lease_id]
+                ]
+            for lease_id in idle:
+                logger.warning(
+                    "lease %s had no call for %g s: taken back (its holder is taken for gone)",
+                    lease_id,
+                    self._idle_s,
+                )
+                self.release(lease_id, broken=True)  # its state is unknown: a fresh sandbox
 
 
 # --------------------------------------------------------------------------------- coordinator
@@ -469,7 +532,7 @@ class FleetCoordinator:
             max_restarts=0,
         )
         me = ray.get_runtime_context().current_actor
-        handle = actor.remote(self.config, self.sandbox_config, me)
+        handle = actor.remote(self.config, self.sandbox_config, me, name)
         logger.info("starting sandbox host %s", name)
         return _Host(handle=handle, node_id=node_id, name=name, ready_ref=handle.ready.remote())
 
@@ -739,10 +802,8 @@ class RaySandboxFleet:
         if sandbox._closed:
             return
         sandbox._closed = True
-        with contextlib.suppress(Exception):  # a lost host has nothing to give back
-            sandbox._host.release.remote(sandbox.lease_id, broken)
-        with contextlib.suppress(Exception):
-            self._coordinator.returned.remote(sandbox.node_id, sandbox.host_name)
+        with contextlib.suppress(Exception):  # a lost host has nothing to give back (it was dropped)
+            sandbox._host.release.remote(sandbox.lease_id, broken)  # the host tells the coordinator
 
     def _host_handle(self, name: str) -> Any:
         """The handle of the host actor ``name``, looked up once per host."""

@@ -152,7 +152,8 @@ def test_the_lease_cap_and_the_creation_rate_hold_under_a_burst(fleet: RaySandbo
     assert not errors, errors
     after = fleet.stats()
     assert after.peak_leased == FLEET.max_leases  # the cap (3) of the 4 sandboxes, reached and held
-    assert after.leases - before.leases == 8 and after.leased == 0
+    assert after.leases - before.leases == 8
+    _wait(lambda: fleet.stats().leased == 0, 30, "every lease given back")  # hosts report returns
     _wait(lambda: len(fleet.stats().creations) >= len(before.creations) + 4, 120, "4 replacements started")
     creations = fleet.stats().creations
     for i in range(len(creations)):  # the token bucket: at most burst + rate * span in any window
@@ -298,6 +299,36 @@ def test_a_training_step_plays_its_episodes_on_the_fleet(fleet: RaySandboxFleet,
         assert type(trainer._pool).__name__ == "RaySandboxFleet"
     finally:
         trainer.close()
-    assert fleet.stats().leases - before >= 4 and fleet.stats().leased == 0  # every lease given back
+    assert fleet.stats().leases - before >= 4
+    _wait(lambda: fleet.stats().leased == 0, 30, "every lease given back")
     assert metrics["tools/calls_per_episode"] == 1.0 and metrics["tools/infra_error_fraction"] == 0.0
     assert metrics["failed_episodes"] == 0 and math.isfinite(metrics["loss"])
+
+
+def test_a_lease_whose_holder_is_gone_is_taken_back(cluster) -> None:
+    """A process that dies holding a lease: after ``lease_idle_s`` without a call its host takes the
+    lease back (the sandbox is replaced, the cap's slot freed) and a late call is refused."""
+    from sandbox import SandboxClosed
+
+    config = RayFleetConfig(
+        namespace="stare-test-idle", sandboxes_per_node=1, lease_idle_s=2.0, refresh_s=0.5, call_margin_s=20.0
+    )
+    idle = RaySandboxFleet(config, LIMITS, min_hosts=2)
+    try:
+        kept = idle.acquire()
+        assert kept.run("1 + 1").stdout == "2\n"
+        held = idle.acquire()  # never used again, never given back: its holder "died"
+        for _ in range(6):  # a lease in use is kept however long it lives
+            time.sleep(0.5)
+            assert kept.run("1").ok
+        start = time.monotonic()
+        _wait(lambda: idle.stats().leased == 1, 30, "the idle lease taken back")
+        assert time.monotonic() - start < 15
+        with pytest.raises(SandboxClosed, match="taken back after 2 s without a call"):
+            held.run("1")
+        with idle.lease(timeout=30) as again:  # its slot serves the next episode
+            assert again.run("3 * 3").stdout == "9\n"
+        kept.close()
+    finally:
+        idle.shutdown_fleet()
+        idle.close()
