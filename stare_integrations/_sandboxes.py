@@ -12,6 +12,7 @@ from typing import Any
 from envs.tools import BoundTool, get_tool
 from sandbox.config import SandboxConfig
 from sandbox.pool import PooledSandbox, SandboxPool
+from sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
 
 
 @dataclass
@@ -31,7 +32,8 @@ class LeasedTools:
     Args:
         pool_size: Sandboxes kept warm: sessions that run code at once (the others wait up to
             ``lease_timeout_s``).
-        backend: ``docker``, ``local`` or ``auto``.
+        backend: ``docker``, ``local``, ``auto``, or ``ray``: the sandbox fleet of the Ray cluster this
+            process runs in (docs/deployment.md), as ``fleet`` configures it.
         sandbox_config: Limits of each sandbox.
         lease_timeout_s: How long a session's first call waits for a free sandbox.
         timeout_s: Per-call timeout of the code; None for the sandbox config's.
@@ -44,10 +46,12 @@ class LeasedTools:
         sandbox_config: SandboxConfig | None,
         lease_timeout_s: float,
         timeout_s: float | None,
+        fleet: RayFleetConfig | None = None,
     ) -> None:
         self.pool_size, self.backend, self.sandbox_config = pool_size, backend, sandbox_config
         self.lease_timeout_s, self.timeout_s = lease_timeout_s, timeout_s
-        self.pool: SandboxPool | None = None
+        self.fleet = fleet
+        self.pool: SandboxPool | RaySandboxFleet | None = None
         self._lock = threading.Lock()
 
     def run(self, session: ToolSession, parameters: dict[str, Any]) -> Any:
@@ -78,8 +82,11 @@ class LeasedTools:
         if pool is not None:
             pool.close()
 
-    def _pool(self) -> SandboxPool:
+    def _pool(self) -> SandboxPool | RaySandboxFleet:
         with self._lock:
+            if self.pool is None and self.backend == "ray":
+                fleet = self.fleet or RayFleetConfig(lease_timeout_s=self.lease_timeout_s)
+                self.pool = RaySandboxFleet(fleet, self.sandbox_config)
             if self.pool is None:
                 self.pool = SandboxPool(
                     self.pool_size,

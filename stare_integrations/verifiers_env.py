@@ -37,6 +37,7 @@ from envs.problems import generate_problems, load_problems, procedural_family
 from envs.rewards import RewardConfig, compute_reward
 from sandbox.config import SandboxConfig
 from sandbox.pool import SandboxPool
+from sandbox.ray_fleet import RayFleetConfig
 from sandbox.result import truncate_text
 from stare_integrations._sandboxes import LeasedTools, ToolSession
 
@@ -73,11 +74,13 @@ class StareCodeInterpreterEnv(vf.StatefulToolEnv):
         dataset: Rows with ``question`` and ``answer`` (see :func:`load_environment`).
         pool_size: Sandboxes kept warm (rollouts that run code at once; the others wait up to
             ``lease_timeout_s``). The pool starts at the first call.
-        backend: ``"docker"`` (default), ``"local"`` or ``"auto"``.
+        backend: ``"docker"`` (default), ``"local"``, ``"auto"``, or ``"ray"``: the sandbox fleet of the
+            Ray cluster this process runs in (docs/deployment.md), as ``ray_fleet`` configures it.
         sandbox_config: Limits of each sandbox.
         timeout_s: Per-call timeout of the code; None for the sandbox config's.
         max_output_chars: Tool output beyond this is cut (head and tail kept, with a marker).
         lease_timeout_s: How long a rollout waits for a free sandbox.
+        ray_fleet: With ``backend="ray"``: the fleet's settings (None: ``RayFleetConfig``'s defaults).
         **kwargs: verifiers' environment options (``max_turns``, ``system_prompt``, ``eval_dataset``, ...).
     """
 
@@ -91,6 +94,7 @@ class StareCodeInterpreterEnv(vf.StatefulToolEnv):
         timeout_s: float | None = None,
         max_output_chars: int = 4096,
         lease_timeout_s: float = 60.0,
+        ray_fleet: RayFleetConfig | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("system_prompt", SYSTEM_PROMPT)
@@ -102,7 +106,7 @@ class StareCodeInterpreterEnv(vf.StatefulToolEnv):
             max_output_chars,
             lease_timeout_s,
         )
-        self._tools = LeasedTools(pool_size, backend, sandbox_config, lease_timeout_s, timeout_s)
+        self._tools = LeasedTools(pool_size, backend, sandbox_config, lease_timeout_s, timeout_s, ray_fleet)
         self._lock = threading.Lock()
         self._sessions: dict[str, ToolSession] = {}
         self.add_tool(self.code_interpreter, args_to_skip=["session"])

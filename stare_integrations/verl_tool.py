@@ -45,12 +45,22 @@ from envs.tool_env import EpisodeInfrastructureError, is_infrastructure_error
 from envs.tools import get_tool
 from sandbox.config import SandboxConfig
 from sandbox.pool import SandboxPool
+from sandbox.ray_fleet import RayFleetConfig
 from sandbox.result import truncate_text
 from stare_integrations._sandboxes import LeasedTools, ToolSession
 
 __all__ = ["CodeInterpreterTool", "compute_score"]
 
-_CONFIG_KEYS = {"type", "pool_size", "backend", "timeout_s", "max_output_chars", "lease_timeout_s", "sandbox"}
+_CONFIG_KEYS = {
+    "type",
+    "pool_size",
+    "backend",
+    "timeout_s",
+    "max_output_chars",
+    "lease_timeout_s",
+    "sandbox",
+    "ray",
+}
 
 
 @dataclass
@@ -67,7 +77,9 @@ class CodeInterpreterTool(BaseTool):
         config: The ``config`` mapping of verl's tool config. Keys (all optional but ``type``):
             ``type`` (``native``, verl's), ``pool_size`` (sandboxes kept warm by this tool object; at most
             that many trajectories run code at once, the others wait up to ``lease_timeout_s``; default 8),
-            ``backend`` (``auto``, ``docker`` or ``local``; default ``docker``), ``timeout_s`` (per call;
+            ``backend`` (``auto``, ``docker``, ``local``, or ``ray``: the sandbox fleet of the Ray cluster
+            verl runs on, docs/deployment.md, set by ``ray``: fields of
+            :class:`sandbox.ray_fleet.RayFleetConfig`; default ``docker``), ``timeout_s`` (per call;
             default the sandbox config's), ``max_output_chars`` (tool output beyond it is cut, head and
             tail kept; default 4096), ``lease_timeout_s`` (default 60), ``sandbox`` (fields of
             :class:`sandbox.SandboxConfig`, e.g. ``{memory_mb: 2048}``).
@@ -101,10 +113,17 @@ class CodeInterpreterTool(BaseTool):
                 f"unknown sandbox option(s) {bad} in the tool config: use fields of {sorted(fields)}"
             )
         self.sandbox_config = SandboxConfig(**sandbox_options)
+        ray_options = dict(config.get("ray") or {})
+        bad = sorted(set(ray_options) - {f.name for f in dataclasses.fields(RayFleetConfig)})
+        if bad:
+            raise ValueError(
+                f"unknown ray option(s) {bad} in the tool config: use fields of sandbox.ray_fleet.RayFleetConfig"
+            )
+        fleet = RayFleetConfig(**{"lease_timeout_s": self.lease_timeout_s, **ray_options})
         if self.pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {self.pool_size}")
         self._tools = LeasedTools(
-            self.pool_size, self.backend, self.sandbox_config, self.lease_timeout_s, self.timeout_s
+            self.pool_size, self.backend, self.sandbox_config, self.lease_timeout_s, self.timeout_s, fleet
         )
         self._lock = threading.Lock()
         self._instances: dict[str, _Session] = {}

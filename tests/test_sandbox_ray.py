@@ -332,3 +332,20 @@ def test_a_lease_whose_holder_is_gone_is_taken_back(cluster) -> None:
     finally:
         idle.shutdown_fleet()
         idle.close()
+
+
+def test_the_adapters_sessions_lease_from_the_fleet(fleet: RaySandboxFleet) -> None:
+    """verl's tool and verifiers' env (``stare_integrations._sandboxes``) with ``backend="ray"``: a
+    session leases a fleet sandbox at its first call and gives it back at its end."""
+    from stare_integrations._sandboxes import LeasedTools, ToolSession
+
+    tools = LeasedTools(2, "ray", LIMITS, 30.0, None, fleet=FLEET)
+    session = ToolSession()
+    try:
+        tools.run(session, {"code": "y = 6"})
+        assert tools.run(session, {"code": "print(y * 7)"}).text.strip() == "42"  # one stateful sandbox
+        assert session.sandbox is not None and isinstance(session.sandbox.inner, RaySandbox)
+        tools.end(session)
+        _wait(lambda: fleet.stats().leased == 0, 30, "the session's lease given back")
+    finally:
+        tools.close()

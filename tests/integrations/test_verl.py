@@ -286,3 +286,5 @@ def test_a_bad_tool_config_is_refused_with_the_valid_keys():
         CodeInterpreterTool({"type": "native", "sandbox": {"memory": 1}})
     with pytest.raises(ValueError, match="pool_size must be >= 1"):
         CodeInterpreterTool({"type": "native", "pool_size": 0})
+    with pytest.raises(ValueError, match=r"unknown ray option\(s\) \['nodes'\] .*RayFleetConfig"):
+        CodeInterpreterTool({"type": "native", "backend": "ray", "ray": {"nodes": 2}})
