@@ -667,7 +667,17 @@ class RaySandboxFleet:
         self.ray = ray = import_ray()
         self._joined = False
         if not ray.is_initialized():
-            ray.init(address=self.config.address, namespace=self.config.namespace, logging_level="WARNING")
+            try:
+                ray.init(
+                    address=self.config.address, namespace=self.config.namespace, logging_level="WARNING"
+                )
+            except ConnectionError as exc:
+                raise SandboxUnavailable(
+                    f"no Ray cluster at sandbox.ray.address={self.config.address!r} ({exc}): start one "
+                    "(`ray start --head` on this node, and `ray start --address ... --resources "
+                    f"'{{\"{self.config.node_resource}\": 1}}'` on the Docker nodes: docs/deployment.md), "
+                    "or set sandbox.ray.address"
+                ) from exc
             self._joined = True
         self.lease_timeout = self.config.lease_timeout_s
         self._lock = threading.Lock()

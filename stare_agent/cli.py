@@ -409,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-turns", type=int, help="env.max_turns")
     p.add_argument("--format", choices=["retool", "hermes"], help="env.format")
     p.add_argument("--env", help="env.id: a Gymnasium id (or module:id) of a tool environment")
-    p.add_argument("--backend", choices=["auto", "docker", "local"], help="sandbox.backend")
+    p.add_argument("--backend", choices=["auto", "docker", "local", "ray"], help="sandbox.backend")
     p.add_argument("--batch-size", type=_positive_int, default=16, help="episodes advanced together")
     p.add_argument("--device", default="cpu")
     p.add_argument(

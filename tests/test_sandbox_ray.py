@@ -33,6 +33,23 @@ FLEET = RayFleetConfig(
 )
 
 
+def test_no_ray_cluster_is_one_line_with_the_fix(ray_ready, monkeypatch) -> None:
+    import ray
+
+    from sandbox import SandboxUnavailable
+
+    def no_cluster(**kwargs):
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_cluster)
+    with pytest.raises(SandboxUnavailable) as failure:
+        RaySandboxFleet(RayFleetConfig())
+    message = str(failure.value)
+    assert message.startswith("no Ray cluster at sandbox.ray.address='auto' (Could not find any running Ray")
+    assert "ray start --address ... --resources '{\"stare_sandbox\": 1}'" in message and "\n" not in message
+
+
 @pytest.fixture(scope="module")
 def cluster(ray_ready, docker_ready):
     """A head node (no sandboxes) and two sandbox nodes, all on 127.0.0.1, and this process joined."""
