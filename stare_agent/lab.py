@@ -15,9 +15,10 @@ runs the project's own functions, in the paper's order:
     loss         ``algorithms.policy_loss`` (token-mean, on-policy), one Adam step on theta
 
 Tasks: ``mod7`` (the reward saturates: once a context is solved its groups are dropped) and
-``drift`` (the reward does not saturate: after every step each drawn context whose group scored at
-least 0.5 moves its target residue by one, so accuracy is held near 0.5 by difficulty, the paper's
-regime). Variants: see ``VARIANTS``. The control ``random`` reweights a random subset of T+ of the
+``drift`` (the reward does not saturate: each context keeps a running accuracy over its groups,
+an exponential average of weight ``DRIFT_EMA``; once it reaches 0.5 the context's target residue
+moves by one and its running accuracy restarts at 0, so no context stays solved: a policy has to
+keep finding the next answer, which a collapsed one samples rarely). Variants: see ``VARIANTS``. The control ``random`` reweights a random subset of T+ of the
 size of L+ (same W, same gate), so it separates "which tokens" from "how many".
 
 Logged per step: the policy's entropy (mean over all contexts and positions of theta's
@@ -50,6 +51,8 @@ from stare_agent.algorithms import (
     stare_weights,
 )
 from stare_agent.intervals import format_ci, mean_sd_ci
+
+DRIFT_EMA = 0.1  # drift task: weight of a context's latest group in its running accuracy
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ def run(cfg: LabConfig, *, log_every: int = 1) -> list[dict[str, float]]:
     ).requires_grad_()
     opt = torch.optim.Adam([theta], lr=cfg.lr)
     target = torch.arange(cfg.contexts) % cfg.modulus
+    accuracy = torch.zeros(cfg.contexts, dtype=torch.float64)  # drift task: each context's running accuracy
     control = torch.Generator().manual_seed(10_000 + cfg.seed)
     records: list[dict[str, float]] = []
     for step in range(1, cfg.steps + 1):
@@ -140,10 +144,11 @@ def run(cfg: LabConfig, *, log_every: int = 1) -> list[dict[str, float]]:
             rec["drawn_entropy"] = float(H_table[[g.context for g in drawn]].mean())
         if kept:
             rec.update(_update(cfg, theta, opt, kept, rec["drawn_entropy"], control))
-        if cfg.task == "drift":
+        if cfg.task == "drift":  # a context that is solved half the time gets the next target
             for g in drawn:
-                if sum(g.rewards) / len(g.rewards) >= 0.5:
-                    target[g.context] = (target[g.context] + 1) % cfg.modulus
+                accuracy[g.context] += DRIFT_EMA * (sum(g.rewards) / len(g.rewards) - accuracy[g.context])
+                if accuracy[g.context] >= 0.5:
+                    target[g.context], accuracy[g.context] = (target[g.context] + 1) % cfg.modulus, 0.0
         if step % log_every == 0 or step == cfg.steps:
             records.append(rec)
     return records
@@ -361,6 +366,9 @@ def plot(results: Sequence[dict[str, Any]], path: Path, shown: Sequence[str]) ->
     fig.savefig(path, dpi=110)
 
 
+FIGURE_VARIANTS = ("grpo-ds", "o1", "random", "open-W1.1", "o1-W3", "o1-W10", "o1-drawgate", "o1-W3-drawgate")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stare_agent.lab", description=__doc__.split("\n")[0])
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
@@ -368,37 +376,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--out", type=Path, default=Path("runs/lab"))
+    parser.add_argument(
+        "--figure-only", action="store_true", help="draw lab.png from the tasks' saved lab_<task>.json"
+    )
     args = parser.parse_args(argv)
+    tasks = args.tasks.split(",")
+    if args.figure_only:
+        saved = [json.loads((args.out / f"lab_{task}.json").read_text()) for task in tasks]
+        plot(saved, args.out / "lab.png", shown=[v for v in FIGURE_VARIANTS if v in saved[0]["curves"]])
+        return
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
     results = []
-    for task in args.tasks.split(","):
+    for task in tasks:
         result = lab(variants, args.seeds, task=task, steps=args.steps, out_dir=args.out)
         results.append(result)
         table = format_table(result)
         (args.out / f"lab_{task}.md").write_text(table)
         print(f"\ntask {task}, {args.seeds} seeds x {args.steps} steps, {result['wall_s']:.0f} s\n{table}")
-    plot(
-        results,
-        args.out / "lab.png",
-        shown=[
-            v
-            for v in (
-                "grpo-ds",
-                "o1",
-                "c2",
-                "random",
-                "open-W1.1",
-                "o1-W3",
-                "o1-W10",
-                "o1-drawgate",
-                "o1-raising",
-            )
-            if v in variants
-        ],
-    )
+    plot(results, args.out / "lab.png", shown=[v for v in FIGURE_VARIANTS if v in variants])
 
 
 if __name__ == "__main__":

@@ -64,6 +64,9 @@ def test_lab_writes_a_table_with_intervals_and_a_figure(tmp_path, capsys):
     table = (tmp_path / "lab_mod7.md").read_text()
     assert table.startswith("| variant | policy H (last 10 %)") and "| grpo-ds | " in table and " ± " in table
     assert (tmp_path / "lab.png").stat().st_size > 0 and (tmp_path / "lab_mod7.json").is_file()
+    (tmp_path / "lab.png").unlink()
+    main(["--tasks", "mod7", "--figure-only", "--out", str(tmp_path)])  # from the saved runs alone
+    assert (tmp_path / "lab.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         main(["--variants", "bogus"])
     assert "unknown variants ['bogus']" in capsys.readouterr().err
