@@ -135,15 +135,18 @@ def mismatch_sums(
 
 
 def mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
-    """The logged means of :func:`mismatch_sums`' (added-up) sums; NaN where nothing was counted."""
+    """The logged means of :func:`mismatch_sums`' (added-up) sums; NaN where nothing was counted,
+    and no ``mismatch/L_plus_abs_logp_mean`` where there was no L+ (GRPO-ds, a gate that is off)."""
     tokens, seqs, chosen = sums["tokens"], sums["seqs"], sums["l_plus_tokens"]
     seq_mean = sums["seq_sum"] / seqs if seqs else math.nan
     seq_var = sums["seq_sq_sum"] / seqs - seq_mean**2 if seqs else math.nan
-    return {
+    metrics = {
         "mismatch/kl": sums["k3_sum"] / tokens if tokens else math.nan,
         "mismatch/abs_logp_mean": sums["abs_sum"] / tokens if tokens else math.nan,
         "mismatch/abs_logp_max": sums["abs_max"] if tokens else math.nan,
-        "mismatch/L_plus_abs_logp_mean": sums["l_plus_abs_sum"] / chosen if chosen else math.nan,
         "mismatch/seq_log_ratio_mean": seq_mean,
         "mismatch/seq_log_ratio_std": math.sqrt(max(seq_var, 0.0)) if seqs else math.nan,
     }
+    if chosen:
+        metrics["mismatch/L_plus_abs_logp_mean"] = sums["l_plus_abs_sum"] / chosen
+    return metrics

@@ -83,6 +83,8 @@ def test_mismatch_metrics_by_hand():
     assert math.isnan(
         mismatch_metrics(mismatch_sums(LEARNER, SAMPLER, torch.zeros_like(MASK)))["mismatch/kl"]
     )
+    # no L+ (GRPO-ds, a gate that is off): no L+ mean at all, rather than a NaN
+    assert "mismatch/L_plus_abs_logp_mean" not in mismatch_metrics(mismatch_sums(LEARNER, SAMPLER, MASK))
 
 
 def test_the_corrected_gradient_is_the_on_policy_one_in_expectation():
