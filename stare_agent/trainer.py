@@ -155,7 +155,7 @@ class Group:
     other episodes of such a group are left out too (``dropped``), so it trains nothing."""
 
     index: int
-    problem: Problem
+    problem: Problem | None  # None in a replay: saved episodes keep only the problem's id
     rewards: list[float]
     trajectories: list[Trajectory] = field(default_factory=list)
     global_ids: list[int] = field(default_factory=list)
@@ -294,7 +294,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         """One RL step (see the module docstring); returns its metrics."""
-        alg, data = self.config.algorithm, self.config.data
+        data = self.config.data
         t0 = time.perf_counter()
         # 1-3. rollout, reward, dynamic sampling (answers are verified inside env.step: time/reward_s
         # is the checking part of time/rollout_s, summed over episodes)
@@ -323,7 +323,11 @@ class Trainer:
         self._save_rollouts(
             f"step_{self.step:05d}",
             episodes,
-            [{"group": n, "trained": id(g) in trained} for n, g in enumerate(drawn) for _ in g.trajectories],
+            [
+                {"group": n, "trained": id(g) in trained, "global_id": gid}
+                for n, g in enumerate(drawn)
+                for gid in g.global_ids
+            ],
         )
         metrics: dict[str, Any] = {**rollout_metrics(episodes, self._model_texts(episodes)), **ds_metrics}
         metrics["time/rollout_s"] = t_rollout
@@ -338,6 +342,26 @@ class Trainer:
                 f"{data.on_failed_episode})"
             )
         metrics["time/reward_s"] = sum(env.check_time_s for env in self._envs) - check_before
+        learned = self.learn(drawn, kept)
+        metrics.update(learned)
+        if "skip_reason" in learned:
+            return metrics
+        # 9. sync
+        if not learned.get("skipped"):
+            self._sync_engine()
+        metrics["time/update_s"] += self.sync_s
+        metrics["time/sync_s"], self.sync_s = self.sync_s, 0.0  # part of time/update_s
+        metrics["time/step_s"] = time.perf_counter() - t0
+        return metrics
+
+    def learn(self, drawn: list[Group], kept: list[Group]) -> dict[str, Any]:
+        """Steps 4-8 on one step's groups: ``drawn`` in draw order, ``kept`` those dynamic sampling
+        kept (in draw order). Advantages over the kept groups, log-probs, the gate, STARE weights and
+        the update; the engine is not synced. Returns the update's metrics, or ``skipped`` and
+        ``skip_reason`` when there is nothing to train. ``stare_agent.replay`` calls it on saved
+        episodes, so that a replay trains exactly as the run did."""
+        alg, data = self.config.algorithm, self.config.data
+        metrics: dict[str, Any] = {}
         short = data.dynamic_sampling and len(kept) < data.prompts_per_step
         if short and self.rank == 0:
             skip = data.on_short_batch == "skip" or len(kept) < self.world
@@ -404,13 +428,11 @@ class Trainer:
             )
         t_logprob = time.perf_counter() - t1
 
-        # 8. update, 9. sync
+        # 8. update
         t2 = time.perf_counter()
         update_metrics = self.learner.update(
             trajectories, A, weights, rollout_correction=self.rollout_correction_mode()
         )
-        if not update_metrics.get("skipped"):
-            self._sync_engine()
         t_update = time.perf_counter() - t2
         if alg.name != "stare":  # the gate STARE would have seen, logged for comparison
             Hbar = update_metrics["entropy"]
@@ -437,8 +459,6 @@ class Trainer:
         )
         metrics["time/logprob_s"] = t_logprob
         metrics["time/update_s"] = t_update
-        metrics["time/sync_s"], self.sync_s = self.sync_s, 0.0  # part of time/update_s
-        metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
 
     # ------------------------------------------------------------------ pieces
@@ -684,6 +704,11 @@ class Trainer:
                     "response": self.tokenizer.decode(t.response_ids),
                     "response_ids": t.response_ids,
                     "info": t.info,
+                    # the rest of the trajectory, so that `stare-agent replay` trains on it token-exactly
+                    "prompt_ids": t.prompt_ids,
+                    "loss_mask": t.loss_mask,
+                    "logprobs": t.logprobs,
+                    "turn_spans": t.turn_spans,
                 }
                 f.write(json.dumps(record, default=str) + "\n")
 
