@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from sandbox import SandboxConfig, SandboxPool
+from tests.helpers_sandbox import two_episodes
 
 pytestmark = pytest.mark.docker
 
@@ -20,20 +21,6 @@ pytestmark = pytest.mark.docker
 def pool(docker_ready) -> Iterator[SandboxPool]:
     with SandboxPool(1, backend="docker", config=SandboxConfig(timeout_s=20)) as pool:
         yield pool
-
-
-def two_episodes(pool: SandboxPool, plant: str, probe: str) -> str:
-    """Run ``plant`` in one episode and ``probe`` in the next on the same container; the probe's
-    stdout (or its error, which fails the test)."""
-    with pool.lease() as sb:
-        container = sb.inner.container.id
-        planted = sb.run(plant)
-        assert planted.ok, planted
-    with pool.lease() as sb:
-        assert sb.inner.container.id == container, "the pool replaced the sandbox: nothing was tested"
-        result = sb.run(probe)
-    assert result.ok, result
-    return result.stdout
 
 
 def test_running_threads_do_not_survive(pool):

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from sandbox import DockerSandbox, ExecResult, SandboxConfig, SandboxPool
+from sandbox import DockerSandbox, SandboxConfig, SandboxPool
+from tests.helpers_sandbox import next_episode, two_episodes
 
 pytestmark = pytest.mark.docker
 
@@ -31,25 +32,6 @@ def pool(docker_ready) -> Iterator[SandboxPool]:
 def sb(docker_ready) -> Iterator[DockerSandbox]:
     with DockerSandbox(CONFIG) as sandbox:
         yield sandbox
-
-
-def next_episode(pool: SandboxPool, plant: str, probe: str) -> ExecResult:
-    """Run ``plant`` in one episode and ``probe`` in the next on the same container; the probe's
-    result (an error in either fails the test)."""
-    with pool.lease() as sandbox:
-        container = sandbox.inner.container.id
-        planted = sandbox.run(plant)
-        assert planted.ok, planted
-    with pool.lease() as sandbox:
-        assert sandbox.inner.container.id == container, "the pool replaced the sandbox: nothing was tested"
-        result = sandbox.run(probe)
-    assert result.ok, result
-    return result
-
-
-def two_episodes(pool: SandboxPool, plant: str, probe: str) -> str:
-    """``next_episode``'s stdout."""
-    return next_episode(pool, plant, probe).stdout
 
 
 def test_pid_1_can_be_neither_read_written_nor_traced(sb: DockerSandbox) -> None:
