@@ -232,6 +232,14 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from stare_agent.replay import replay
+
+    summary = replay(args.run, args.out, args.overrides, model=args.model, steps=args.steps)
+    print(f"replayed {summary['steps']} steps; replay directory: {summary['run_dir']}")
+    return 0
+
+
 def _sft(args: argparse.Namespace) -> int:
     from stare_agent.cold_start import sft
     from stare_agent.config import load_config
@@ -467,6 +475,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="dotted overrides, e.g. algorithm.W=1.2 trainer.steps=10",
     )
     p.set_defaults(func=_train)
+
+    p = sub.add_parser(
+        "replay",
+        help="train a learner variant on the batches a run saved (trainer.save_rollouts): paired ablations, "
+        "no rollouts",
+        description="Frozen-rollout replay: train on RUN_DIR/rollouts/step_*.jsonl (--run) from the run's starting "
+        "weights, step by step, with the run's config and learner overrides (algorithm.*, optim.*, "
+        "deepspeed.*, model.*, logger.*). OUT gets config.yaml, replay.json and metrics.jsonl.",
+    )
+    p.add_argument(
+        "--run", required=True, metavar="RUN_DIR", help="a run made with trainer.save_rollouts=true"
+    )
+    p.add_argument("--out", required=True, help="the replay's directory (new)")
+    p.add_argument("--model", default=None, help="starting weights (default: the run's model.name_or_path)")
+    p.add_argument("--steps", type=_positive_int, default=None, help="replay only the first N saved steps")
+    p.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="learner overrides, e.g. algorithm.W=2.0"
+    )
+    p.set_defaults(func=_replay)
 
     p = sub.add_parser("plot", help="draw the training dynamics of one run, or several overlaid, as one PNG")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

@@ -123,6 +123,8 @@ def files(tmp_path):
     (tmp_path / "bad.yaml").write_text("trainer:\n  steps: 3\n   bad: [1\n")
     (tmp_path / "list.yaml").write_text("- trainer\n")
     (tmp_path / "a_file").write_text("x")
+    (tmp_path / "run_without_rollouts").mkdir()
+    (tmp_path / "run_without_rollouts" / "config.yaml").write_text("trainer:\n  save_rollouts: false\n")
     return tmp_path
 
 
@@ -216,6 +218,14 @@ CASES = [
     (["plot", "{tmp}/a", "{tmp}/b", "--labels", "one"], "--labels gives 1 names for 2 run directories"),
     # quickstart and study
     (["quickstart", "trainer.steps=0"], "trainer.steps=0 must be > 0"),
+    (["replay", "--out", "{tmp}/r"], "the following arguments are required: --run"),
+    (["replay", "--run", "{tmp}/no_run", "--out", "{tmp}/r"], "{tmp}/no_run/config.yaml not found"),
+    (
+        ["replay", "--run", "{tmp}/run_without_rollouts", "--out", "{tmp}/r"],
+        "rerun it with trainer.save_rollouts=true",
+    ),
+    (["replay", "--run", "{tmp}", "--out", "{tmp}/r", "env.max_turns=2"], "only learner settings can change"),
+    (["replay", "--run", "{tmp}", "--out", "{tmp}/r", "--steps", "0"], "argument --steps: 0 must be >= 1"),
     (["quickstart", "--config", "{tmp}/none.yaml"], "not found"),
     (["study", "--seeds", "0"], "argument --seeds: 0 must be >= 1"),
     (["study", "--ablation-seeds", "x"], "argument --ablation-seeds: 'x' is not an integer"),
