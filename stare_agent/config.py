@@ -791,9 +791,11 @@ class TrainerConfig:
         seed: Seed of problem order, sampling and initialisation.
         save_rollouts: Also write every episode to ``run_dir/rollouts/`` (verl's ``rollout_data_dir``):
             ``step_00001.jsonl`` holds each step's draws (problem, group, whether it was trained,
-            reward, the response as text and as token ids, the episode's info), ``eval_00005.jsonl``
-            and ``eval_greedy_00005.jsonl`` each evaluation's episodes: to read what the policy does,
-            or to diff two runs episode by episode.
+            reward, the response as text and as token ids, the episode's info, and the rest of the
+            trajectory: prompt ids, loss mask, the engine's log-probs, turn spans, global id),
+            ``eval_00005.jsonl`` and ``eval_greedy_00005.jsonl`` each evaluation's episodes: to read
+            what the policy does, to diff two runs episode by episode, or to train another learner
+            variant on the same batches (``stare-agent replay``).
         max_infra_error_rate: The run stops, in one line naming the cause and the fix, once more than
             this share of the tool calls attempted over the last ``infra_error_window`` steps failed in
             the sandbox infrastructure (a sandbox, host or node lost, a backend error: not the model's
