@@ -50,6 +50,11 @@ from stare_agent.algorithms import (
     policy_loss,
     stare_weights,
 )
+from stare_agent.algorithms.entropy_control import (
+    clip_cov_weights,
+    forking_token_weights,
+    kl_cov_coefficients,
+)
 from stare_agent.intervals import format_ci, mean_sd_ci
 
 DRIFT_EMA = 0.1  # drift task: weight of a context's latest group in its running accuracy
@@ -57,7 +62,11 @@ DRIFT_EMA = 0.1  # drift task: weight of a context's latest group in its running
 
 @dataclass(frozen=True)
 class LabConfig:
-    """One lab run. ``algorithm``: ``grpo_ds``, ``stare`` or ``random`` (the random-subset control)."""
+    """One lab run. ``algorithm``: ``grpo_ds``, ``stare``, ``random`` (the random-subset control), or one
+    of the field's other entropy controls (``algorithms.entropy_control``): ``entropy_bonus``,
+    ``kl_cov``, ``clip_cov``, ``forking_tokens``. ``minibatches`` > 1 splits each kept batch into that
+    many optimizer steps (verl's ``ppo_mini_batch``), each against the pre-update log-probs, so that
+    the PPO clip (``eps_high``) and KL-Cov's ``|logp - logp_old|`` act; 1 is the paper's one step."""
 
     task: str = "mod7"
     algorithm: str = "stare"
@@ -80,6 +89,15 @@ class LabConfig:
     init_scale: float = 3.4
     steps: int = 2000
     seed: int = 0
+    eps_high: float = 0.28
+    minibatches: int = 1
+    entropy_coef: float = 0.01
+    kl_cov_k: float = 0.002
+    kl_cov_coef: float = 1.0
+    clip_cov_r: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    forking_rho: float = 0.2
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -98,6 +116,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "o1-raising": {"L_plus_rule": "top_k_raising"},
     "o1-W3-drawgate": {"W": 3.0, "gate_batch": "drawn"},
     "o1-W3-raising": {"W": 3.0, "L_plus_rule": "top_k_raising"},
+    # the field's other entropy controls (issue 31; algorithms.entropy_control)
+    "clip-higher-0.2": {"algorithm": "grpo_ds", "eps_high": 0.2},
+    "clip-higher-0.4": {"algorithm": "grpo_ds", "eps_high": 0.4},
+    "entropy-bonus-0.001": {"algorithm": "entropy_bonus", "entropy_coef": 0.001},
+    "entropy-bonus-0.01": {"algorithm": "entropy_bonus", "entropy_coef": 0.01},
+    "kl-cov": {"algorithm": "kl_cov"},
+    "kl-cov-k2%": {"algorithm": "kl_cov", "kl_cov_k": 0.02},
+    "clip-cov": {"algorithm": "clip_cov"},
+    "clip-cov-r2%": {"algorithm": "clip_cov", "clip_cov_r": 0.02},
+    "forking": {"algorithm": "forking_tokens"},
 }
 
 
@@ -221,12 +249,64 @@ def _update(
             )
             metrics["stare/mean_weight"] = float(weights.mean())
         out.update({k.removeprefix("stare/"): v for k, v in metrics.items() if k in _KEPT_METRICS})
-    loss, _ = policy_loss(logp, logp.detach(), A_tok, mask, weights)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+    kl_coef = None
+    if cfg.algorithm == "kl_cov":
+        kl_coef, metrics = kl_cov_coefficients(A_tok, logp, mask, k=cfg.kl_cov_k, coef=cfg.kl_cov_coef)
+        out["frac_selected"] = metrics["kl_cov/frac_selected"]
+    elif cfg.algorithm == "clip_cov":
+        weights, metrics = clip_cov_weights(
+            A_tok, logp, mask, r=cfg.clip_cov_r, lb=cfg.clip_cov_lb, ub=cfg.clip_cov_ub, generator=control
+        )
+        out["frac_selected"] = metrics["clip_cov/frac_selected"]
+    elif cfg.algorithm == "forking_tokens":
+        weights, metrics = forking_token_weights(entropy, mask, rho=cfg.forking_rho)
+        out["frac_selected"] = metrics["forking/frac_selected"]
+    if cfg.minibatches == 1 and cfg.algorithm != "entropy_bonus":  # the bonus needs H's gradient
+        loss, _ = policy_loss(
+            logp, logp.detach(), A_tok, mask, weights, eps_high=cfg.eps_high, kl_coef=kl_coef
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    else:
+        _minibatch_steps(cfg, theta, opt, contexts, tokens, logp.detach(), A_tok, mask, weights, kl_coef)
     out["gate_on"] = float(gate_on)
     return out
+
+
+def _minibatch_steps(
+    cfg: LabConfig,
+    theta: torch.Tensor,
+    opt: torch.optim.Optimizer,
+    contexts: torch.Tensor,
+    tokens: torch.Tensor,
+    logp_old: torch.Tensor,
+    A_tok: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None,
+    kl_coef: torch.Tensor | None,
+) -> None:
+    """``cfg.minibatches`` optimizer steps over consecutive row blocks of the kept batch, each a
+    token-mean over its block against the pre-update ``logp_old`` (the entropy bonus with the
+    gradient of each position's full entropy)."""
+    for rows in torch.arange(len(tokens)).chunk(cfg.minibatches):
+        log_p = theta[contexts[rows]].log_softmax(-1)  # [b, T, V]
+        logp = log_p.gather(-1, tokens[rows, :, None]).squeeze(-1)
+        entropy = -(log_p.exp() * log_p).sum(-1) if cfg.algorithm == "entropy_bonus" else None
+        loss, _ = policy_loss(
+            logp,
+            logp_old[rows],
+            A_tok[rows],
+            mask[rows],
+            weights[rows] if weights is not None else None,
+            eps_high=cfg.eps_high,
+            kl_coef=kl_coef[rows] if kl_coef is not None else None,
+            entropy=entropy,
+            entropy_coef=cfg.entropy_coef,
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
 
 
 _KEPT_METRICS = {
@@ -254,6 +334,8 @@ COLUMNS = (
     ("L_plus_raising", "L+ raising"),
     ("mass_weight", "mass weight"),
     ("mean_weight", "token weight"),
+    ("frac_selected", "tokens selected"),
+    ("step_ms", "ms per step"),  # a run's wall time over its steps (lab() measures it; not per record)
 )
 
 
@@ -278,6 +360,7 @@ def lab(
     steps: int = 2000,
     out_dir: Path,
     log_every: int = 10,
+    minibatches: int = 1,
 ) -> dict[str, Any]:
     """Run every variant x seed, write ``lab_<task>.json`` and return the summaries."""
     torch.set_num_threads(1)
@@ -288,8 +371,12 @@ def lab(
     for name in variants:
         per_seed: dict[str, list[float]] = {}
         for seed in range(seeds):
-            cfg = replace(LabConfig(task=task, steps=steps, seed=seed), **VARIANTS[name])
+            cfg = replace(
+                LabConfig(task=task, steps=steps, seed=seed, minibatches=minibatches), **VARIANTS[name]
+            )
+            t_run = time.perf_counter()
             records = run(cfg, log_every=log_every)
+            per_seed.setdefault("step_ms", []).append(1000 * (time.perf_counter() - t_run) / steps)
             curves.setdefault(name, []).append(records)
             for key, value in run_summary(records).items():
                 per_seed.setdefault(key, []).append(value)
@@ -301,7 +388,7 @@ def lab(
         "task": task,
         "steps": steps,
         "seeds": seeds,
-        "config": asdict(LabConfig(task=task, steps=steps)),
+        "config": asdict(LabConfig(task=task, steps=steps, minibatches=minibatches)),
         "variants": {name: VARIANTS[name] for name in variants},
         "summary": summary,
         "curves": {
@@ -377,6 +464,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--out", type=Path, default=Path("runs/lab"))
     parser.add_argument(
+        "--minibatches", type=int, default=1, help="optimizer steps per kept batch (1: the paper's)"
+    )
+    parser.add_argument(
         "--figure-only", action="store_true", help="draw lab.png from the tasks' saved lab_<task>.json"
     )
     args = parser.parse_args(argv)
@@ -391,7 +481,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
     results = []
     for task in tasks:
-        result = lab(variants, args.seeds, task=task, steps=args.steps, out_dir=args.out)
+        result = lab(
+            variants, args.seeds, task=task, steps=args.steps, out_dir=args.out, minibatches=args.minibatches
+        )
         results.append(result)
         table = format_table(result)
         (args.out / f"lab_{task}.md").write_text(table)

@@ -38,6 +38,24 @@ def test_every_kind_of_variant_runs(name):
     assert len(records) == SMALL.steps and 0 <= records[-1]["reward"] <= 1
 
 
+@pytest.mark.parametrize(
+    "name", ["clip-higher-0.4", "entropy-bonus-0.01", "kl-cov", "clip-cov-r2%", "forking"]
+)
+def test_the_other_entropy_controls_run_with_minibatches(name):
+    records = run(replace(SMALL, minibatches=2, **VARIANTS[name]))
+    assert len(records) == SMALL.steps and 0 <= records[-1]["reward"] <= 1
+    if name in ("kl-cov", "clip-cov-r2%", "forking"):
+        assert any("frac_selected" in r for r in records)
+        assert all(0 <= r["frac_selected"] <= 1 for r in records if "frac_selected" in r)
+
+
+def test_one_minibatch_of_kl_cov_is_grpo_ds():
+    # on-policy, one optimizer step: |logp - logp_old| is 0 with gradient 0
+    grpo = run(replace(SMALL, algorithm="grpo_ds"))
+    kl_cov = run(replace(SMALL, algorithm="kl_cov", kl_cov_k=0.5))
+    assert grpo == [{k: v for k, v in r.items() if k != "frac_selected"} for r in kl_cov]
+
+
 def test_the_drift_task_moves_solved_targets_and_summaries_average_the_tail():
     records = run(replace(SMALL, task="drift", steps=20))
     numbers = run_summary(records)

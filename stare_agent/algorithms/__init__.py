@@ -1,4 +1,5 @@
-"""The algorithm as pure tensor functions: GRPO advantages, dynamic sampling, STARE, the loss, log-probs.
+"""The algorithm as pure tensor functions: GRPO advantages, dynamic sampling, STARE, the loss, log-probs,
+and the field's other entropy controls (entropy bonus, KL-Cov, Clip-Cov, forking tokens).
 
 Every function takes tensors (padded [B, T] with a ``response_mask``, 1 = model-generated token)
 and returns tensors plus a metrics dict; docs/algorithm.md maps the paper's formulas to them.
@@ -10,6 +11,13 @@ from stare_agent.algorithms.dynamic_sampling import (
     RewardedGroup,
     dynamic_sampling,
     has_reward_variance,
+)
+from stare_agent.algorithms.entropy_control import (
+    clip_cov_weights,
+    entropy_bonus,
+    forking_token_weights,
+    kl_cov_coefficients,
+    token_covariance,
 )
 from stare_agent.algorithms.entropy_effect import (
     first_order_entropy_effect,
@@ -53,16 +61,21 @@ __all__ = [
     "causal_lm_logprobs_and_entropy",
     "check_stare_options",
     "chunked_logprobs_and_entropy",
+    "clip_cov_weights",
     "dynamic_sampling",
+    "entropy_bonus",
     "entropy_gate",
     "first_order_entropy_effect",
+    "forking_token_weights",
     "gate",
     "grpo_advantages",
     "has_reward_variance",
+    "kl_cov_coefficients",
     "logit_grad_norm",
     "logprobs_and_entropy_from_logits",
     "mechanism_metrics",
     "policy_loss",
     "stare_weights",
+    "token_covariance",
     "top_k_count",
 ]

@@ -9,8 +9,10 @@ STARE (arXiv 2606.19236, docs/algorithm.md step 8), per model-generated token t 
     l_t   = min(-A_t * c, lc)  if A_t < 0  else  lc                 dual clip, c = 10
     loss  = sum_t mask_t * w_t * l_t / sum_t mask_t                 "token-mean" (the paper's choice)
 
-w_t are the STARE weights (W on L+, M on L-, 1 elsewhere; see stare.py); ``weights=None`` is
-GRPO-ds, and all-one weights give the same loss bit for bit. Other aggregations (verl's names):
+w_t are the STARE weights (W on L+, M on L-, 1 elsewhere; see stare.py), or the 0/1 weights of
+Clip-Cov and the forking-token update (entropy_control.py); ``weights=None`` is GRPO-ds, and
+all-one weights give the same loss bit for bit. KL-Cov adds ``kl_coef_t * |logp_t - logp_old_t|``
+and the entropy bonus ``-beta * H_t`` to l_t (both after w_t; entropy_control.py). Other aggregations (verl's names):
 
     seq-mean-token-sum       mean_i  sum_t mask * w * l                     over rows with a mask-1 token
     seq-mean-token-mean      mean_i (sum_t mask * w * l / sum_t mask)       over rows with a mask-1 token
@@ -23,6 +25,8 @@ from typing import Literal, get_args
 
 import torch
 from torch import Tensor
+
+from stare_agent.algorithms.entropy_control import entropy_bonus
 
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
@@ -53,6 +57,9 @@ def policy_loss(
     agg: Aggregation = "token-mean",
     token_count: float | None = None,
     norm_length: int | None = None,
+    kl_coef: Tensor | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Dual-clip PPO surrogate times ``w_t``, aggregated over mask-1 tokens (formulas above).
 
@@ -69,6 +76,11 @@ def policy_loss(
             mask-1 count of the whole batch when it is split into micro-batches.
         norm_length: the constant divisor of "seq-mean-token-sum-norm" (the generation budget);
             required for that mode so that padding width never changes the loss.
+        kl_coef: [B, T] KL-Cov's per-token coefficients (``entropy_control.kl_cov_coefficients``):
+            ``l_t += kl_coef_t * |logp_t - logp_old_t|`` after the weights; None adds nothing.
+        entropy, entropy_coef: [B, T] full-vocabulary entropy H_t WITH its gradient, and the entropy
+            bonus coefficient: ``l_t -= entropy_coef * H_t`` (``entropy_control.entropy_bonus``); the
+            aggregation then subtracts ``entropy_coef`` times the token-mean entropy. None adds nothing.
 
     Returns:
         (scalar loss, metrics).
@@ -90,6 +102,10 @@ def policy_loss(
     l_t = torch.where(A < 0, torch.minimum(-A * clip_c, lc), lc)
     if weights is not None:
         l_t = weights * l_t
+    if kl_coef is not None:  # KL-Cov (Cui et al. 2025): |log ratio| on the selected tokens
+        l_t = l_t + kl_coef * torch.where(mask, logp - logp_old, zero).abs()
+    if entropy is not None:  # entropy bonus: -beta * H_t, with H_t's gradient
+        l_t = l_t + entropy_bonus(entropy, mask, entropy_coef)
     l_t = torch.where(mask, l_t, zero)
 
     loss = _aggregate(l_t, mask, agg, token_count, norm_length)

@@ -34,7 +34,7 @@ sequences; without them, permuting can only swap which of several equal-surprisa
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any, Literal, get_args
@@ -326,17 +326,25 @@ def _selection_blocks(
     return [torch.tensor(list(rows), dtype=torch.int64, device=device) for rows in micro_batches]
 
 
-def _top_k(s: Tensor, candidates: Tensor, seq_key: Tensor, P: float, process_group: Any) -> Tensor:
+def _top_k(
+    s: Tensor,
+    candidates: Tensor,
+    seq_key: Tensor,
+    P: float,
+    process_group: Any,
+    count: Callable[[int], int] | None = None,
+) -> Tensor:
     """Mask [b, T] of the top ``ceil(P * n)`` of the n candidates by s, over all ranks when ``process_group`` is used.
 
     Exact: the k-th largest value v is found with a selection (kthvalue); all candidates with
     s > v are taken, and the remaining slots go to the candidates with s == v in key order.
+    ``count(n)``, when given, replaces ``ceil(P * n)`` (e.g. KL-Cov's ``max(1, floor(k * n))``).
     """
     flat_idx = candidates.flatten().nonzero().squeeze(1)
     s_c = s.flatten()[flat_idx]
     all_s = _gather_cat(s_c, process_group)
     n = all_s.numel()
-    k = top_k_count(P, n)
+    k = min(count(n), n) if count is not None else top_k_count(P, n)
     selected = torch.zeros(candidates.numel(), dtype=torch.bool, device=s.device)
     if k == 0:
         return selected.view_as(candidates)
