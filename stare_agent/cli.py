@@ -235,7 +235,7 @@ def _train(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from stare_agent.replay import replay
 
-    summary = replay(args.run, args.out, args.overrides, model=args.model, steps=args.steps)
+    summary = replay(args.run_dir, args.out, args.overrides, model=args.model, steps=args.steps)
     print(f"replayed {summary['steps']} steps; replay directory: {summary['run_dir']}")
     return 0
 
@@ -480,12 +480,16 @@ def build_parser() -> argparse.ArgumentParser:
         "replay",
         help="train a learner variant on the batches a run saved (trainer.save_rollouts): paired ablations, "
         "no rollouts",
-        description="Frozen-rollout replay: train on RUN_DIR/rollouts/step_*.jsonl (--run) from the run's starting "
+        description="Frozen-rollout replay: train on RUN_DIR/rollouts/step_*.jsonl (--from) from the run's starting "
         "weights, step by step, with the run's config and learner overrides (algorithm.*, optim.*, "
         "deepspeed.*, model.*, logger.*). OUT gets config.yaml, replay.json and metrics.jsonl.",
     )
     p.add_argument(
-        "--run", required=True, metavar="RUN_DIR", help="a run made with trainer.save_rollouts=true"
+        "--from",
+        dest="run_dir",
+        required=True,
+        metavar="RUN_DIR",
+        help="a run made with trainer.save_rollouts=true",
     )
     p.add_argument("--out", required=True, help="the replay's directory (new)")
     p.add_argument("--model", default=None, help="starting weights (default: the run's model.name_or_path)")

@@ -1,6 +1,6 @@
 """Frozen-rollout replay: train a learner variant on the batches a run saved.
 
-    stare-agent replay --run RUN_DIR --out OUT [--model PATH] [--steps N] [algorithm.W=2.0 ...]
+    stare-agent replay --from RUN_DIR --out OUT [--model PATH] [--steps N] [algorithm.W=2.0 ...]
 
 A run with ``trainer.save_rollouts=true`` writes every episode it drew at step N to
 ``RUN_DIR/rollouts/step_0000N.jsonl``, token-exactly: prompt and response ids, loss mask, the

@@ -218,14 +218,17 @@ CASES = [
     (["plot", "{tmp}/a", "{tmp}/b", "--labels", "one"], "--labels gives 1 names for 2 run directories"),
     # quickstart and study
     (["quickstart", "trainer.steps=0"], "trainer.steps=0 must be > 0"),
-    (["replay", "--out", "{tmp}/r"], "the following arguments are required: --run"),
-    (["replay", "--run", "{tmp}/no_run", "--out", "{tmp}/r"], "{tmp}/no_run/config.yaml not found"),
+    (["replay", "--out", "{tmp}/r"], "the following arguments are required: --from"),
+    (["replay", "--from", "{tmp}/no_run", "--out", "{tmp}/r"], "{tmp}/no_run/config.yaml not found"),
     (
-        ["replay", "--run", "{tmp}/run_without_rollouts", "--out", "{tmp}/r"],
+        ["replay", "--from", "{tmp}/run_without_rollouts", "--out", "{tmp}/r"],
         "rerun it with trainer.save_rollouts=true",
     ),
-    (["replay", "--run", "{tmp}", "--out", "{tmp}/r", "env.max_turns=2"], "only learner settings can change"),
-    (["replay", "--run", "{tmp}", "--out", "{tmp}/r", "--steps", "0"], "argument --steps: 0 must be >= 1"),
+    (
+        ["replay", "--from", "{tmp}", "--out", "{tmp}/r", "env.max_turns=2"],
+        "only learner settings can change",
+    ),
+    (["replay", "--from", "{tmp}", "--out", "{tmp}/r", "--steps", "0"], "argument --steps: 0 must be >= 1"),
     (["quickstart", "--config", "{tmp}/none.yaml"], "not found"),
     (["study", "--seeds", "0"], "argument --seeds: 0 must be >= 1"),
     (["study", "--ablation-seeds", "x"], "argument --ablation-seeds: 'x' is not an integer"),

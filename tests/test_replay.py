@@ -4,6 +4,9 @@ same learner metrics, bit for bit), twice (identical), with another W (different
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,9 +124,56 @@ def test_the_command_line_replays_and_says_where(run, tmp_path, capsys, monkeypa
     model, tokenizer = tiny_model()
     model.save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
-    argv = ["replay", "--run", str(run), "--out", str(tmp_path / "cli"), "--model", str(tmp_path / "tiny")]
+    argv = ["replay", "--from", str(run), "--out", str(tmp_path / "cli"), "--model", str(tmp_path / "tiny")]
     assert cli.main([*argv, "--steps", "1", "algorithm.W=2.0"]) == 0
     assert "replayed 1 steps" in capsys.readouterr().out
     assert [r["step"] for r in _records(tmp_path / "cli")] == [1]
+    png = tmp_path / "both.png"
+    assert cli.main(["plot", str(run), str(tmp_path / "cli"), "--out", str(png)]) == 0  # overlaid
+    assert png.stat().st_size > 0
     assert cli.main([*argv, "--steps", "9"]) == 2
     assert "saved 3 steps: pass --steps 3 or fewer" in capsys.readouterr().err
+
+
+def test_a_two_rank_run_replays_bit_for_bit_on_two_ranks_and_to_fp_tolerance_on_one(tmp_path):
+    """torchrun, 2 ranks, gloo: the replay deals the kept groups to ranks as the run did, so the same
+    world size repeats the run exactly; one rank splits the sums differently (fp tolerance)."""
+    from tests.test_trainer import LAUNCHER_VARS, SCRIPT, _free_port
+
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
+    model, tokenizer = tiny_model()
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+
+    def torchrun(*args: str) -> None:
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+        ]
+        done = subprocess.run(
+            [*launch, f"--master_port={_free_port()}", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    run = tmp_path / "two"
+    torchrun(
+        str(SCRIPT), str(run), str(problems), "2", "trainer.save_rollouts=true", "algorithm.scope=global"
+    )
+    replay_args = ["--from", str(run), "--model", str(tmp_path / "tiny")]
+    torchrun("-m", "stare_agent.cli", "replay", *replay_args, "--out", str(tmp_path / "r2"))
+    assert cli.main(["replay", *replay_args, "--out", str(tmp_path / "r1")]) == 0
+    ran, on_two, on_one = _records(run), _records(tmp_path / "r2"), _records(tmp_path / "r1")
+    assert [{k: a[k] for k in LEARNER} for a in ran] == [{k: b[k] for k in LEARNER} for b in on_two]
+    for a, b in zip(ran, on_one, strict=True):
+        assert a["gate_on"] == b["gate_on"] and a["kept_groups"] == b["kept_groups"]
+        for key in ("loss", "grad_norm", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
