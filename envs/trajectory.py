@@ -110,6 +110,13 @@ class Trajectory:
         """Number of mask-1 (model-sampled) tokens."""
         return sum(self.loss_mask)
 
+    @property
+    def void_turn(self) -> bool:
+        """The episode ended on a model turn with neither a tool call nor an answer (``info["void_turn"]``,
+        set by the environment's ``step``): what the tool-health metrics count and SimpleTIR's void-turn
+        filter (``algorithm.void_turn_filter``) leaves out of the loss."""
+        return bool(self.info.get("void_turn"))
+
     def to_dict(self) -> dict[str, Any]:
         """Plain-types dictionary (turn spans as two-element lists)."""
         return {

@@ -40,7 +40,7 @@ from stare_agent.algorithms.stare import L_PLUS_RULES, check_adaptive_options, c
 from stare_agent.errors import StareError
 
 CONFIG_FILENAME = "config.yaml"
-ALGORITHMS = ("grpo_ds", "stare")
+ALGORITHMS = ("grpo", "grpo_ds", "stare", "kl_cov", "clip_cov", "entropy_bonus", "forking_tokens")
 GATES = ("entropy", "always_on")
 GATE_BATCHES = ("kept", "drawn")
 PRECISIONS = ("auto", "bf16", "fp32", "bf16-autocast")
@@ -476,7 +476,12 @@ class AlgorithmConfig:
     """GRPO-ds or STARE (arXiv 2606.19236; formulas in stare_agent/algorithms and docs/algorithm.md).
 
     Attributes:
-        name: ``grpo_ds`` (GRPO with dynamic sampling, the baseline) or ``stare``.
+        name: ``grpo_ds`` (GRPO with dynamic sampling, the baseline; ``grpo`` is the same loss, a name for
+            it beside the others: dynamic sampling is ``data.dynamic_sampling`` either way), ``stare``,
+            or one of the field's other entropy controls, each on GRPO-ds's loss
+            (stare_agent/algorithms/entropy_control.py): ``entropy_bonus`` (``entropy_coef``),
+            ``kl_cov`` and ``clip_cov`` (Cui et al. 2025, arXiv 2505.22617), ``forking_tokens`` (Wang et
+            al. 2025, arXiv 2506.01939). Their top fractions are taken per ``scope``.
         variant: ``O1`` amplifies L+ only (the paper's default); ``C2`` also attenuates L-.
         scope: Where L+/L- are selected: ``micro_batch`` (inside each micro-batch on each rank, as the
             authors' released code does) or ``global`` (exact top-k over the whole batch on all ranks).
@@ -506,6 +511,20 @@ class AlgorithmConfig:
         clip_c: Dual-clip bound c for negative advantages (paper: 10).
         loss_agg: Loss aggregation; ``token-mean`` over all model-generated tokens of the batch is the
             paper's (see stare_agent/algorithms/losses.py for the others).
+        entropy_coef: ``entropy_bonus``: beta, the loss subtracts beta times the token-mean entropy of
+            the model's tokens (verl's former ``entropy_coeff`` default: 0.001).
+        kl_cov_k: ``kl_cov``: fraction of model tokens, the largest covariance of log-prob and advantage,
+            that get the |log ratio| penalty (Cui et al., 7B: 0.2 %).
+        kl_cov_coef: ``kl_cov``: beta, the penalty's coefficient (Cui et al.: 1).
+        clip_cov_r: ``clip_cov``: fraction of model tokens detached from the gradient (Cui et al.: 2e-4).
+        clip_cov_lb: ``clip_cov``: lower bound of the covariance of the candidates (Cui et al.: 1).
+        clip_cov_ub: ``clip_cov``: upper bound of the covariance of the candidates (Cui et al.: 5).
+        forking_rho: ``forking_tokens``: fraction of model tokens, highest entropy first, that get the
+            policy gradient (Wang et al.: 0.2).
+        void_turn_filter: SimpleTIR's void-turn filter (Xue et al. 2025): an episode that ended on a turn
+            with neither a tool call nor an answer (``Trajectory.void_turn``, the one definition the tool
+            health metrics count) keeps its reward in its group's advantage statistics but is masked out
+            of the loss, with any algorithm.
         overlong_filter: DAPO's overlong filtering (Yu et al., 2025): episodes cut by the response-token
             budget keep their reward in their group's advantage statistics but are masked out of the
             loss (their tokens count in no term and no denominator). Off by default: a budget-cut
@@ -532,6 +551,14 @@ class AlgorithmConfig:
     eps_high: float = 0.28
     clip_c: float = 10.0
     loss_agg: str = "token-mean"
+    entropy_coef: float = 0.001
+    kl_cov_k: float = 0.002
+    kl_cov_coef: float = 1.0
+    clip_cov_r: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    forking_rho: float = 0.2
+    void_turn_filter: bool = False
     overlong_filter: bool = False
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
@@ -553,6 +580,17 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm: {exc}") from None
         if not self.H_tgt > 0:
             raise ConfigError(f"algorithm.H_tgt={self.H_tgt} must be > 0 (nats): the paper uses 0.3")
+        for key, example in (("kl_cov_k", 0.002), ("clip_cov_r", 0.0002), ("forking_rho", 0.2)):
+            if not 0 < getattr(self, key) <= 1:
+                raise ConfigError(
+                    f"algorithm.{key}={getattr(self, key)} must lie in (0, 1] (a fraction): e.g. {example}"
+                )
+        if not (self.entropy_coef >= 0 and self.kl_cov_coef >= 0 and self.clip_cov_lb < self.clip_cov_ub):
+            raise ConfigError(
+                "algorithm: need entropy_coef >= 0, kl_cov_coef >= 0 and clip_cov_lb < clip_cov_ub "
+                f"(got {self.entropy_coef}, {self.kl_cov_coef}, {self.clip_cov_lb}, {self.clip_cov_ub}): "
+                "the papers use 0.001, 1, 1 and 5"
+            )
 
 
 @dataclass

@@ -437,6 +437,20 @@ class Learner:
         ):
             return self._forward_inner(micro, with_moments)
 
+    def _forward_entropy_grad(self, micro: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """(logp, entropy) [b, l-1] with gradient through both, from the model's full logits, for
+        ``algorithm.name=entropy_bonus`` (the chunked pass returns the entropy detached; this one holds
+        a micro-batch's [b, l-1, V] logits in float32 at once)."""
+        with torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16-autocast"
+        ):
+            out = self.ds_model(
+                input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], use_cache=False
+            )
+        log_p = torch.log_softmax(out.logits[:, :-1].float() / self.temperature, dim=-1)
+        logp = log_p.gather(-1, micro["input_ids"][:, 1:, None]).squeeze(-1)
+        return logp, -(log_p.exp() * log_p).sum(-1)
+
     def _forward_inner(self, micro: dict[str, Tensor], with_moments: bool) -> tuple[Tensor, ...]:
         ids, attention = micro["input_ids"], micro["attention_mask"]
         # Only mask-1 positions are ever read (losses, gate, weights): the rest skip the LM head.
@@ -537,6 +551,7 @@ class Learner:
         old_logprobs: Tensor | None = None,
         *,
         rollout_correction: str = "none",
+        kl_coef: Tensor | None = None,
     ) -> dict[str, float]:
         """One optimizer step of the dual-clip policy loss (GRPO-ds; STARE when ``weights`` are given).
 
@@ -551,6 +566,9 @@ class Learner:
                 not ``auto``): each model-written token's loss term is multiplied by the detached
                 importance weight of the learner's pre-update log-prob against the engine's
                 (``Trajectory.logprobs``), with the cap and bounds of the algorithm config.
+            kl_coef: KL-Cov's per-token coefficients [B, L-1] (``entropy_control.kl_cov_coefficients``,
+                same alignment): ``kl_coef_t * |logp_t - logp_old_t|`` joins the token's loss; None
+                adds nothing.
 
         Returns:
             Metrics: ``loss`` (the whole batch's), ``grad_norm``, ``lr``, ``skipped`` (1 when the step
@@ -579,6 +597,7 @@ class Learner:
             ("advantages", advantages),
             ("weights", weights),
             ("old_logprobs", old_logprobs),
+            ("kl_coef", kl_coef),
         ):
             if tensor is not None and tuple(tensor.shape) != (B, L - 1):
                 raise ValueError(
@@ -589,8 +608,10 @@ class Learner:
         rc = cfg.rollout_correction
         learner_logp = torch.zeros(B, L - 1, dtype=torch.float32, device=self.device)
 
+        bonus = cfg.name == "entropy_bonus"
+
         def micro_loss(micro: dict[str, Tensor], idx: list[int]) -> tuple[Tensor, dict[str, float]]:
-            logp, entropy = self._forward(micro)
+            logp, entropy = self._forward_entropy_grad(micro) if bonus else self._forward(micro)
             width = logp.shape[1]
             rows = torch.tensor(idx, device=self.device)
 
@@ -624,6 +645,9 @@ class Learner:
                 clip_c=cfg.clip_c,
                 agg=cfg.loss_agg,  # type: ignore[arg-type]
                 norm_length=self.norm_length,
+                kl_coef=take(kl_coef) if kl_coef is not None else None,
+                entropy=entropy if bonus else None,
+                entropy_coef=cfg.entropy_coef,
             )
             n = mask.sum()
             scored = torch.where(mask.bool(), entropy.detach().double(), 0.0).sum()

@@ -110,7 +110,7 @@ class ToolHealth:
             health.calls += len(calls)
             health.timeouts += sum(bool(c.get("timed_out")) for c in calls)
             health.code_errors += sum(bool(c.get("error_type")) and not c.get("timed_out") for c in calls)
-            health.void_turns += bool(info.get("void_turn"))
+            health.void_turns += trajectory.void_turn
         return health
 
     @property

@@ -49,10 +49,13 @@ from envs.trajectory import Trajectory
 from stare_agent.algorithms import (
     AdaptiveController,
     broadcast_to_tokens,
+    clip_cov_weights,
     dynamic_sampling,
     entropy_gate,
+    forking_token_weights,
     gate,
     grpo_advantages,
+    kl_cov_coefficients,
     stare_weights,
 )
 from stare_agent.batch import collate
@@ -392,6 +395,8 @@ class Trainer:
         trajectories = [t for i in mine for t in kept[i].trajectories]
         if alg.overlong_filter:  # DAPO: budget-cut episodes shape their group's advantages, not the loss
             trajectories = [_without_loss(t) if _budget_cut(t) else t for t in trajectories]
+        if alg.void_turn_filter:  # SimpleTIR: episodes with a void turn shape advantages, not the loss
+            trajectories = [_without_loss(t) if t.void_turn else t for t in trajectories]
         sequence_ids = torch.tensor([gid for i in mine for gid in kept[i].global_ids])
         A = A_all[rows]
 
@@ -426,12 +431,15 @@ class Trainer:
                 entropy,
                 moments,
             )
+        kl_coef = None
+        if alg.name in ("kl_cov", "clip_cov", "forking_tokens"):  # the field's other entropy controls
+            weights, kl_coef, stare_metrics = self._entropy_control(trajectories, A, sequence_ids)
         t_logprob = time.perf_counter() - t1
 
         # 8. update
         t2 = time.perf_counter()
         update_metrics = self.learner.update(
-            trajectories, A, weights, rollout_correction=self.rollout_correction_mode()
+            trajectories, A, weights, rollout_correction=self.rollout_correction_mode(), kl_coef=kl_coef
         )
         t_update = time.perf_counter() - t2
         if alg.name != "stare":  # the gate STARE would have seen, logged for comparison
@@ -462,6 +470,53 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ pieces
+
+    def _entropy_control(
+        self, trajectories: list[Trajectory], A: torch.Tensor, sequence_ids: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, float]]:
+        """(weights, KL-Cov coefficients, metrics) of ``kl_cov``, ``clip_cov`` or ``forking_tokens``
+        from the pre-update policy's log-probs and entropy (``algorithms.entropy_control``), selected
+        per ``algorithm.scope`` like STARE's L+."""
+        alg = self.config.algorithm
+        logp, entropy = self.learner.compute_logprobs_and_entropy(trajectories)
+        mask = collate(trajectories, self.learner.pad_id)["response_mask"].to(logp.device)
+        A_tok = broadcast_to_tokens(A.to(logp.device), mask)
+        scope = cast("Scope", alg.scope)
+        split = self.learner.micro_batches(trajectories) if alg.scope == "micro_batch" else None
+        ids = sequence_ids.to(logp.device)
+        if alg.name == "kl_cov":
+            kl_coef, metrics = kl_cov_coefficients(
+                A_tok,
+                logp,
+                mask,
+                k=alg.kl_cov_k,
+                coef=alg.kl_cov_coef,
+                scope=scope,
+                micro_batches=split,
+                sequence_ids=ids,
+            )
+            return None, kl_coef, metrics
+        if alg.name == "clip_cov":  # the same draw on every rank: seeded by the run's seed and the step
+            draw = torch.Generator().manual_seed(
+                zlib.crc32(f"clip_cov {self.config.trainer.seed} {self.step}".encode())
+            )
+            weights, metrics = clip_cov_weights(
+                A_tok,
+                logp,
+                mask,
+                r=alg.clip_cov_r,
+                lb=alg.clip_cov_lb,
+                ub=alg.clip_cov_ub,
+                generator=draw,
+                scope=scope,
+                micro_batches=split,
+                sequence_ids=ids,
+            )
+            return weights, None, metrics
+        weights, metrics = forking_token_weights(
+            entropy, mask, rho=alg.forking_rho, scope=scope, micro_batches=split, sequence_ids=ids
+        )
+        return weights, None, metrics
 
     def _stare_weights(
         self,

@@ -512,3 +512,32 @@ def test_rollout_correction_weights_each_token_by_learner_over_sampler(learner, 
     assert tis["rollout_correction/weight_mean"] == pytest.approx(math.exp(-0.3), abs=1e-5)
     assert tis["rollout_correction/capped_frac"] == 0.0
     assert "rollout_correction/weight_mean" not in plain and none["loss"] == plain["loss"]
+
+
+def test_entropy_bonus_is_minus_beta_times_the_token_mean_entropy(batch):
+    """algorithm.name=entropy_bonus, zero advantages: the loss is -beta * the token-mean entropy of the
+    model's tokens over the whole batch (split into micro-batches), and so is the step's gradient."""
+    cfg = load_config(
+        None,
+        [*LINEAR_ADAM, "algorithm.name=entropy_bonus", "algorithm.entropy_coef=0.5"],
+    )
+    cfg.deepspeed.micro_batch_tokens = 40
+    model, tokenizer = tiny_model(seed=0)
+    learner = Learner.from_config(model, tokenizer, cfg)
+    assert len(learner.micro_batches(batch)) >= 3
+    start = _params(learner)
+    out = learner.update(batch, [0.0] * len(batch))
+
+    reference, _ = tiny_model(seed=0)
+    reference.train()
+    full = collate(batch, tokenizer.pad_token_id)
+    log_p = reference(input_ids=full["input_ids"], attention_mask=full["attention_mask"]).logits[:, :-1]
+    log_p = log_p.float().log_softmax(-1)
+    H = -(log_p.exp() * log_p).sum(-1)
+    loss = -0.5 * H[full["response_mask"].bool()].mean()
+    loss.backward()
+    assert out["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
+    for name, p in reference.named_parameters():
+        delta = _params(learner)[name] - start[name]
+        scale = float(p.grad.abs().max()) + 1e-12
+        torch.testing.assert_close(-delta, p.grad, atol=2e-3 * scale + 2.4e-7, rtol=2e-3)

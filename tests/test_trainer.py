@@ -459,3 +459,50 @@ def test_grpo_ds_takes_no_log_prob_pass_and_logs_the_entropy_stare_sees(tmp_path
         assert metrics["stare/entropy"] == metrics["entropy"] and metrics["gate_on"] == 1
         seen[name] = metrics["entropy"]
     assert seen["grpo_ds"] == pytest.approx(seen["stare"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name,key",
+    [
+        ("grpo", None),
+        ("entropy_bonus", None),
+        ("kl_cov", "kl_cov/frac_selected"),
+        ("clip_cov", "clip_cov/frac_candidates"),
+        ("forking_tokens", "forking/frac_selected"),
+    ],
+)
+def test_the_other_entropy_controls_train_a_step_beside_the_void_turn_filter(
+    tmp_path, problem_file, name, key
+):
+    """Odd episodes answer with prose alone, a void turn (neither a tool call nor an answer), scored 0;
+    with SimpleTIR's filter they are out of the loss; each method logs its selection."""
+    episodes = iter(range(1000))
+
+    def policy(prompt_text: str, turn: int) -> str:
+        a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", prompt_text)[-1])
+        return f"<answer>\\boxed{{{a + b}}}</answer>" if next(episodes) % 2 == 0 else "Let me think."
+
+    model, tokenizer = tiny_model()
+    extra = [f"algorithm.name={name}", "algorithm.void_turn_filter=true", "trainer.steps=1"]
+    trainer = Trainer(
+        make_config(tmp_path, problem_file, *extra),
+        model=model,
+        tokenizer=tokenizer,
+        engine=ScriptedEngine(tokenizer, policy),
+    )
+    seen = []
+    update = trainer.learner.update
+    trainer.learner.update = lambda trajectories, *args, **kw: (
+        seen.extend(trajectories) or update(trajectories, *args, **kw)
+    )
+    try:
+        trainer.step = 1
+        metrics = trainer.train_step()
+    finally:
+        trainer.close()
+    void = [t for t in seen if t.void_turn]
+    assert len(void) == len(seen) // 2 > 0 and all(t.reward == 0.0 for t in void)
+    assert all((sum(t.loss_mask) == 0) == t.void_turn for t in seen)
+    assert metrics["skipped"] == 0 and metrics["tools/void_turn_fraction"] == pytest.approx(0.5)
+    if key is not None:
+        assert 0 <= metrics[key] <= 1
