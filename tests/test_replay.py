@@ -100,6 +100,22 @@ def test_grpo_ds_replays_the_same_batches(run, tmp_path):
     assert [r["reward_mean"] for r in replayed] == [r["reward_mean"] for r in _records(run)]
 
 
+@pytest.mark.parametrize(
+    "name,key",
+    [
+        ("entropy_bonus", None),
+        ("kl_cov", "kl_cov/frac_selected"),
+        ("clip_cov", "clip_cov/frac_candidates"),
+        ("forking_tokens", "forking/frac_selected"),
+    ],
+)
+def test_the_other_entropy_controls_replay_the_same_batches(run, tmp_path, name, key):
+    out = _replay(run, tmp_path / name, f"algorithm.name={name}")
+    replayed = _records(out)
+    assert [r["reward_mean"] for r in replayed] == [r["reward_mean"] for r in _records(run)]
+    assert key is None or all(0 <= r[key] <= 1 for r in replayed if not r.get("skipped"))
+
+
 def test_a_replay_refuses_rollout_settings_and_its_own_run_dir(run, tmp_path):
     with pytest.raises(ReplayError, match="only learner settings can change"):
         replay(run, tmp_path / "x", ["data.samples_per_prompt=4"])
