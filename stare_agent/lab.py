@@ -426,6 +426,22 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def format_paired_table(results: Sequence[dict[str, Any]]) -> str:
+    """One markdown table over tasks: per variant, each task's policy entropy (last 10 %), fresh-draw
+    reward and wall time per step, mean ± 95 % t interval over seeds (the variants of the first task)."""
+    cells = [("policy_entropy", "H"), ("reward", "reward"), ("step_ms", "ms/step")]
+    head = [f"{r['task']} {title}" for r in results for _, title in cells]
+    lines = ["| variant | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
+    for name in results[0]["summary"]:
+        row = [
+            format_ci(r["summary"][name][key]) if name in r["summary"] and key in r["summary"][name] else "-"
+            for r in results
+            for key, _ in cells
+        ]
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(results: Sequence[dict[str, Any]], path: Path, shown: Sequence[str]) -> None:
     """Policy entropy over steps (mean and min-max over seeds), one panel per task, log scale."""
     import matplotlib
@@ -469,8 +485,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--figure-only", action="store_true", help="draw lab.png from the tasks' saved lab_<task>.json"
     )
+    parser.add_argument(
+        "--table-only", action="store_true", help="print one table over the tasks' saved lab_<task>.json"
+    )
     args = parser.parse_args(argv)
     tasks = args.tasks.split(",")
+    if args.table_only:
+        print(
+            format_paired_table([json.loads((args.out / f"lab_{task}.json").read_text()) for task in tasks])
+        )
+        return
     if args.figure_only:
         saved = [json.loads((args.out / f"lab_{task}.json").read_text()) for task in tasks]
         plot(saved, args.out / "lab.png", shown=[v for v in FIGURE_VARIANTS if v in saved[0]["curves"]])

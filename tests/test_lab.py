@@ -85,6 +85,10 @@ def test_lab_writes_a_table_with_intervals_and_a_figure(tmp_path, capsys):
     (tmp_path / "lab.png").unlink()
     main(["--tasks", "mod7", "--figure-only", "--out", str(tmp_path)])  # from the saved runs alone
     assert (tmp_path / "lab.png").stat().st_size > 0
+    capsys.readouterr()
+    main(["--tasks", "mod7", "--table-only", "--out", str(tmp_path)])  # one table over the tasks
+    paired = capsys.readouterr().out
+    assert paired.startswith("| variant | mod7 H | mod7 reward | mod7 ms/step |") and "| o1 | " in paired
     with pytest.raises(SystemExit):
         main(["--variants", "bogus"])
     assert "unknown variants ['bogus']" in capsys.readouterr().err
