@@ -16,10 +16,11 @@ the rewards, and the engine's log-probs (so a variant trains off-policy on the r
 ``mismatch/*`` and ``algorithm.rollout_correction`` measure and correct as in a run).
 
 Output, in ``OUT``: ``config.yaml`` (the replayed config), ``replay.json`` (the source run, the
-overrides, the steps) and ``metrics.jsonl`` with a run's metric names (the rollout metrics recomputed
-from the saved episodes; no ``eval/*``, no tool-health counts of failed episodes, which are not
-saved). Deterministic: two replays of the same run and config log identical metrics; a replay with
-the run's own config on the device and world size of the run repeats the run's learner metrics.
+overrides, the steps) and ``metrics.jsonl`` with a run's metric names (the rollout metrics
+recomputed from the saved episodes, the draw's own counts, :data:`DRAW_METRICS`, copied from the
+run's record; no ``eval/*``, no rollout times). Deterministic: two replays of the same run and config
+log identical metrics; a replay with the run's own config on the device and world size of the run
+repeats the run's learner metrics.
 
 Example:
     >>> from stare_agent.replay import check_overrides
@@ -49,6 +50,10 @@ LEARNER_SECTIONS = ("algorithm", "optim", "deepspeed", "model", "logger")
 
 SAVED_FIELDS = ("group", "trained", "global_id", "prompt_ids", "response_ids", "loss_mask", "logprobs")
 """What a replay reads from each saved episode (besides reward, turn spans and info)."""
+
+DRAW_METRICS = ("ds/", "tools/", "failed_episodes", "dropped_groups")
+"""Metrics (prefixes) of the draw itself, which the saved episodes cannot give (failed episodes are not
+saved, nor how many batches dynamic sampling drew): copied from the run's record of the step."""
 
 _STEP_FILE = re.compile(r"step_(\d+)\.jsonl")
 
@@ -235,6 +240,9 @@ def replay(
 
     check_overrides(overrides)
     files = step_files(run_dir, steps)
+    logged = Path(run_dir) / "metrics.jsonl"
+    records = [json.loads(line) for line in logged.read_text().splitlines()] if logged.is_file() else []
+    drawn_metrics = {int(r["step"]): r for r in records}
     config = replay_config(run_dir, out_dir, overrides, model=model)
     trainer = Trainer(config, model=policy, tokenizer=tokenizer, engine=FrozenRollouts(run_dir))
     out = Path(config.trainer.run_dir)
@@ -254,6 +262,7 @@ def replay(
             drawn, kept = load_step(path)
             episodes = [t for g in drawn for t in g.trajectories]
             last = rollout_metrics(episodes, trainer._model_texts(episodes))  # the run's rollout metrics
+            last.update({k: v for k, v in drawn_metrics.get(step, {}).items() if k.startswith(DRAW_METRICS)})
             last.update(trainer.learn(drawn, kept))
             last["time/step_s"] = time.perf_counter() - t0
             if logger is not None:

@@ -72,6 +72,7 @@ def test_a_replay_with_the_runs_config_repeats_its_learner_metrics_bit_for_bit(r
         shared = (set(a) & set(b)) - {k for k in a if k.startswith("time/")}
         assert {k: repr(a[k]) for k in shared} == {k: repr(b[k]) for k in shared}
         assert any(k.startswith("stare/") for k in b) and "reward_mean" in b
+        assert "ds/groups_kept" in b and "tools/calls_per_episode" in b  # the draw's, copied from the run
     saved = (out / "config.yaml").read_text()
     assert f"run_dir: {out}" in saved and "mode: none" in saved  # auto, resolved as the run did
     assert json.loads((out / "replay.json").read_text())["steps"] == STEPS
