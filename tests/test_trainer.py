@@ -506,3 +506,31 @@ def test_the_other_entropy_controls_train_a_step_beside_the_void_turn_filter(
     assert metrics["skipped"] == 0 and metrics["tools/void_turn_fraction"] == pytest.approx(0.5)
     if key is not None:
         assert 0 <= metrics[key] <= 1
+
+
+def test_a_global_forking_token_selection_over_two_ranks_is_the_one_process_selection(tmp_path, problem_file):
+    """torchrun, 2 ranks, gloo, algorithm.name=forking_tokens with the global scope: one top 20 % over
+    the whole batch on both ranks: the same count and entropy threshold as one process."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    args = [
+        str(problem_file),
+        "2",
+        "--dump-weights",
+        "algorithm.scope=global",
+        "algorithm.name=forking_tokens",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1"]
+    cmd += [f"--master_port={_free_port()}", str(SCRIPT), str(two), *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    p = _run(str(one), *args)
+    assert p.wait(timeout=600) == 0, p.stderr.read()[-2000:]
+    w0, w1 = torch.load(two / "weights-rank0.pt"), torch.load(two / "weights-rank1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "ranks diverged"
+    for ra, rb in zip(_records(two), _records(one), strict=True):
+        for key in ("reward_mean", "kept_groups", "forking/frac_selected", "forking/H_selected_min"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-6), (ra["step"], key)
+    # not the loss: the random tiny model's entropies all lie near log V, within float noise of each
+    # other, so which of them make the top 20 % moves with each rank's padding width (the exact
+    # two-rank selection on fixed inputs: tests/algorithms/test_entropy_control.py)
