@@ -52,6 +52,7 @@ from stare_agent.algorithms import (
     clip_cov_weights,
     dynamic_sampling,
     entropy_gate,
+    first_order_response,
     forking_token_weights,
     gate,
     grpo_advantages,
@@ -478,7 +479,7 @@ class Trainer:
         from the pre-update policy's log-probs and entropy (``algorithms.entropy_control``), selected
         per ``algorithm.scope`` like STARE's L+."""
         alg = self.config.algorithm
-        logp, entropy = self.learner.compute_logprobs_and_entropy(trajectories)
+        logp, entropy, moments = self.learner.compute_logprobs_and_entropy(trajectories, with_moments=True)
         mask = collate(trajectories, self.learner.pad_id)["response_mask"].to(logp.device)
         A_tok = broadcast_to_tokens(A.to(logp.device), mask)
         scope = cast("Scope", alg.scope)
@@ -494,6 +495,9 @@ class Trainer:
                 scope=scope,
                 micro_batches=split,
                 sequence_ids=ids,
+            )
+            metrics["entropy_control/dH_first_order"] = first_order_response(
+                A_tok, None, mask, logp, entropy, moments
             )
             return None, kl_coef, metrics
         if alg.name == "clip_cov":  # the same draw on every rank: seeded by the run's seed and the step
@@ -512,9 +516,12 @@ class Trainer:
                 micro_batches=split,
                 sequence_ids=ids,
             )
-            return weights, None, metrics
-        weights, metrics = forking_token_weights(
-            entropy, mask, rho=alg.forking_rho, scope=scope, micro_batches=split, sequence_ids=ids
+        else:
+            weights, metrics = forking_token_weights(
+                entropy, mask, rho=alg.forking_rho, scope=scope, micro_batches=split, sequence_ids=ids
+            )
+        metrics["entropy_control/dH_first_order"] = first_order_response(
+            A_tok, weights, mask, logp, entropy, moments
         )
         return weights, None, metrics
 

@@ -505,7 +505,7 @@ def test_the_other_entropy_controls_train_a_step_beside_the_void_turn_filter(
     assert all((sum(t.loss_mask) == 0) == t.void_turn for t in seen)
     assert metrics["skipped"] == 0 and metrics["tools/void_turn_fraction"] == pytest.approx(0.5)
     if key is not None:
-        assert 0 <= metrics[key] <= 1
+        assert 0 <= metrics[key] <= 1 and "entropy_control/dH_first_order" in metrics
 
 
 def test_a_global_forking_token_selection_over_two_ranks_is_the_one_process_selection(tmp_path, problem_file):

@@ -15,6 +15,7 @@ from stare_agent.algorithms.dynamic_sampling import (
 from stare_agent.algorithms.entropy_control import (
     clip_cov_weights,
     entropy_bonus,
+    first_order_response,
     forking_token_weights,
     kl_cov_coefficients,
     token_covariance,
@@ -66,6 +67,7 @@ __all__ = [
     "entropy_bonus",
     "entropy_gate",
     "first_order_entropy_effect",
+    "first_order_response",
     "forking_token_weights",
     "gate",
     "grpo_advantages",
