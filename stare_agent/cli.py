@@ -523,7 +523,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config", default=None, help="the training config every run shares (default: configs/study.yaml)"
     )
-    p.add_argument("--variants", nargs="+", default=None, help="default: all (stare_agent.study.VARIANTS)")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="default: stare_agent.study.PAPER_VARIANTS; any of stare_agent.study.VARIANTS",
+    )
     p.add_argument("--seeds", type=_positive_int, default=3, help="seeds of GRPO-ds, STARE-O1 and STARE-C2")
     p.add_argument("--ablation-seeds", type=_positive_int, default=1, help="seeds of each open-loop ablation")
     p.add_argument(

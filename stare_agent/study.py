@@ -45,6 +45,16 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "no-off-state": ("algorithm.name=stare", "algorithm.gate=always_on"),
     "open-loop-w2": ("algorithm.name=stare", "algorithm.gate=always_on", "algorithm.W=2.0"),
 }
+PAPER_VARIANTS = tuple(VARIANTS)
+"""The study's default: the paper's methods and ablations."""
+# The field's other entropy controls (docs/algorithm.md), at their papers' defaults: ablation arms
+# named with --variants, not run by default.
+VARIANTS |= {
+    "entropy-bonus": ("algorithm.name=entropy_bonus",),
+    "kl-cov": ("algorithm.name=kl_cov",),
+    "clip-cov": ("algorithm.name=clip_cov",),
+    "forking-tokens": ("algorithm.name=forking_tokens",),
+}
 MAIN_VARIANTS = ("grpo-ds", "stare-o1", "stare-c2")
 SMOKE_VARIANTS = ("grpo-ds", "stare-o1")
 # A few steps of tiny batches: checks that the pipeline produces its figure and table.
@@ -108,7 +118,7 @@ def study(
     if smoke:
         variants, seeds, ablation_seeds = variants or SMOKE_VARIANTS, 1, 1
         overrides = [*SMOKE_OVERRIDES, *overrides]
-    pairs = plan(variants or list(VARIANTS), seeds, ablation_seeds)
+    pairs = plan(variants or list(PAPER_VARIANTS), seeds, ablation_seeds)
     base = load_config(config_path, list(overrides))
     root = Path(base.trainer.run_dir)
     root.mkdir(parents=True, exist_ok=True)

@@ -188,3 +188,13 @@ def test_report_only_tabulates_the_runs_logged_so_far(tmp_path):
     assert (tmp_path / "study.png").stat().st_size > 0
     with pytest.raises(ConfigError, match="no study in .* run `stare-agent study` first"):
         study(overrides=[f"trainer.run_dir={tmp_path / 'none'}"], report_only=True)
+
+
+def test_the_other_entropy_controls_are_arms_named_on_demand():
+    from stare_agent.config import load_config
+    from stare_agent.study import PAPER_VARIANTS, VARIANTS
+
+    others = {"entropy-bonus", "kl-cov", "clip-cov", "forking-tokens"}
+    assert others <= set(VARIANTS) and not others & set(PAPER_VARIANTS)
+    for name in others:
+        assert load_config(None, list(VARIANTS[name])).algorithm.name == name.replace("-", "_")
