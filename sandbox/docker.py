@@ -378,7 +378,7 @@ class _ContainerKernel:
         while not done(_pids(self.procs_file) if self.procs_file is not None else set()):
             if time.monotonic() > deadline or not self.is_alive():
                 return False
-            time.sleep(0.0002)
+            time.sleep(0.001)
         return True
 
     def meter(self) -> CgroupUsage | None:
