@@ -33,29 +33,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sandbox import SandboxConfig, SandboxPool  # noqa: E402
 from sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sandbox_latency  # noqa: E402
+
 STATEMENT = "x = 1"
 CALLERS = 8
 EPISODE_LEN = 3
 
 
 @dataclass
-class Row:
-    samples_ms: list[float]
-    outside_ms: list[float] = field(default_factory=list)  # the call's time minus its own duration_s
+class Row(sandbox_latency.Row):
+    """``sandbox_latency.Row`` (p50, p99 of ``samples_ms``) plus the time each call spent outside
+    the sandbox's own ``duration_s``."""
 
-    @property
-    def p50(self) -> float:
-        return statistics.median(self.samples_ms)
-
-    @property
-    def p99(self) -> float:
-        ordered = sorted(self.samples_ms)
-        return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    name: str = ""
+    samples_ms: list[float] = field(default_factory=list)
+    outside_ms: list[float] = field(default_factory=list)
 
 
 def call_latency(leases: dict[str, Any], rounds: int, per_round: int) -> dict[str, Row]:
     """Warm ``STATEMENT`` round trips on each lease, alternating rounds."""
-    rows = {name: Row([]) for name in leases}
+    rows = {name: Row(samples_ms=[]) for name in leases}
     for sb in leases.values():
         for _ in range(10):
             sb.run(STATEMENT)
@@ -76,7 +74,7 @@ def ray_round_trip(host: Any, n: int) -> Row:
     """A no-op call on a host actor: the floor of any call through Ray on this machine."""
     import ray
 
-    row = Row([])
+    row = Row(samples_ms=[])
     for i in range(n + 10):
         t0 = time.perf_counter()
         ray.get(host.ping.remote())
@@ -88,7 +86,7 @@ def ray_round_trip(host: Any, n: int) -> Row:
 def lease_cost(pools: dict[str, Any], n: int) -> dict[str, Row]:
     """``acquire`` + ``release`` of one lease, with a pause between leases (untimed) so that the
     background reset of the last one is not what is timed."""
-    rows = {name: Row([]) for name in pools}
+    rows = {name: Row(samples_ms=[]) for name in pools}
     for _ in range(n):
         for name, pool in pools.items():
             t0 = time.perf_counter()
@@ -124,7 +122,7 @@ def throughput(pool: Any, seconds: float) -> tuple[float, Row]:
     elapsed = time.monotonic() - t0
     if failures:
         raise RuntimeError(f"{len(failures)} executions failed, first: {failures[0]}")
-    row = Row([s for mine in calls for s in mine])
+    row = Row(samples_ms=[s for mine in calls for s in mine])
     return len(row.samples_ms) / elapsed, row
 
 
