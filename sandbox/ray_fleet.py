@@ -684,6 +684,12 @@ class RaySandboxFleet:
         self._leases: set[PooledSandbox] = set()
         self._handles: dict[str, Any] = {}
         self._closed = False
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # The coordinator lives on the node of the process that creates it (the trainer's), not on
+        # a Docker node: losing a sandbox node then costs that node's leases, never the fleet.
+        # Soft, so that a client without a node of its own (Ray Client) still gets one.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self._coordinator = (
             ray.remote(FleetCoordinator)
             .options(
@@ -692,6 +698,7 @@ class RaySandboxFleet:
                 get_if_exists=True,
                 num_cpus=0,
                 max_concurrency=256,
+                scheduling_strategy=here,
             )
             .remote(self.config, self.sandbox_config)
         )

@@ -64,8 +64,9 @@ def cluster(ray_ready, docker_ready):
             "num_cpus": 1,
             "object_store_memory": 80 * 2**20,
             "include_dashboard": False,
-            # a lost node is declared dead within about 2 s, not Ray's default 30 s
-            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4},
+            # a lost node is declared dead within about 10 s, not Ray's default 30 s; not faster, as a
+            # node of a loaded machine may miss a few heartbeats and would be declared dead alive
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 10},
         },
     )
     try:
@@ -124,6 +125,20 @@ def test_leases_spread_over_nodes_and_results_round_trip(fleet: RaySandboxFleet)
             lease.close()
     with fleet.lease() as again:  # a reset sandbox: the last episode's names are gone
         assert again.run("'x' in dir()").stdout == "False\n"
+
+
+def test_the_coordinator_lives_on_the_node_that_built_the_fleet(fleet: RaySandboxFleet) -> None:
+    """Not on a Docker node: a sandbox node that dies (or misses its heartbeats under load) costs
+    its own leases, never the coordinator and with it every episode of the fleet."""
+    import ray
+    from ray.util.state import list_actors
+
+    from sandbox.ray_fleet import COORDINATOR_NAME
+
+    (actor,) = list_actors(filters=[("name", "=", COORDINATOR_NAME), ("ray_namespace", "=", NAMESPACE)])
+    assert actor.node_id == ray.get_runtime_context().get_node_id()
+    sandbox_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("stare_sandbox")}
+    assert actor.node_id not in sandbox_nodes
 
 
 def test_hostile_code_through_the_fleet(fleet: RaySandboxFleet) -> None:
