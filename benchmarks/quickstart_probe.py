@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from transformers import set_seed
 
-from envs.rollout import SamplingParams
+from envs.engine import SamplingParams
 from sandbox import SandboxPool
 from stare_agent import cold_start
 from stare_agent.config import RunConfig, load_config

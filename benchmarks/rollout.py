@@ -164,7 +164,7 @@ def bench_engine_throughput(args: argparse.Namespace) -> None:
     """Tokens/s of the rollout engines vs ``model.generate`` on the embedded model."""
     import torch
 
-    from envs.rollout import SamplingParams
+    from envs.engine import SamplingParams
     from stare_agent.engines import TransformersEngine
     from stare_agent.models import embedded_model_path, load_policy
 
@@ -325,7 +325,8 @@ def _overhead_problems():
 def _runner_rows(name: str, make_engine, tokenizer, pool, args: argparse.Namespace, budget: int) -> list[str]:
     """Median timings of ``args.repeats`` runs of one batch of ``args.episodes`` episodes."""
     from envs.code_interpreter import CodeInterpreterEnv
-    from envs.rollout import RolloutRunner, SamplingParams
+    from envs.engine import SamplingParams
+    from envs.rollout import RolloutRunner
 
     n = args.episodes
     envs = [
@@ -431,7 +432,8 @@ def bench_draw(args: argparse.Namespace) -> None:
     """One RL draw of the quickstart configuration: old path vs vLLM lockstep vs vLLM continuous."""
     import zlib
 
-    from envs.rollout import RolloutRunner, SamplingParams
+    from envs.engine import SamplingParams
+    from envs.rollout import RolloutRunner
     from sandbox import SandboxPool
     from stare_agent.config import load_config
     from stare_agent.engines import start_engine

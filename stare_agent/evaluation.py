@@ -34,9 +34,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from envs.engine import Engine, SamplingParams, Tokenizer
 from envs.problems import Problem, load_problems
 from envs.rewards import answers_equivalent
-from envs.rollout import Engine, RolloutRunner, SamplingParams, Tokenizer
+from envs.rollout import RolloutRunner
 from envs.trajectory import Trajectory
 from stare_agent.errors import StareError
 from stare_agent.intervals import BOOTSTRAP_DRAWS, bootstrap_interval, wilson_interval
@@ -374,7 +375,7 @@ def evaluate(
 
     Args:
         problems: Problems, or a source for ``envs.problems.load_problems`` (JSONL/Parquet path or hub name).
-        engine: Any ``envs.rollout.Engine`` (transformers, SGLang, scripted).
+        engine: Any ``envs.engine.Engine`` (transformers, SGLang, scripted).
         tokenizer: The policy's Hugging Face tokenizer (its chat template renders the prompts).
         samples: k, the number of sampled episodes per problem.
         sampling: Sampling parameters; default temperature 1.0, top-p 0.7 (the paper's validation setting).

@@ -192,7 +192,7 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     import torch
 
-    from envs.rollout import SamplingParams
+    from envs.engine import SamplingParams
     from sandbox import SandboxPool
     from stare_agent.engines import TransformersEngine
     from stare_agent.evaluation import evaluate

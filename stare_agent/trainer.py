@@ -42,8 +42,9 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import set_seed
 
+from envs.engine import SamplingParams
 from envs.problems import Problem, generate_problems, load_problems, procedural_family
-from envs.rollout import RolloutRunner, SamplingParams
+from envs.rollout import RolloutRunner
 from envs.tool_env import ToolEnv
 from envs.trajectory import Trajectory
 from stare_agent.algorithms import (

@@ -23,8 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from envs.engine import Engine, SamplingParams
 from envs.problems import Problem
-from envs.rollout import Engine, RolloutRunner, SamplingParams
+from envs.rollout import RolloutRunner
 from envs.tool_env import ToolEnv
 
 if TYPE_CHECKING:

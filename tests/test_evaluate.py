@@ -102,7 +102,7 @@ def test_majority_votes_by_answer_equivalence():
 def test_per_sample_results_do_not_depend_on_the_batch_size():
     """Samples 4..7 of a problem are new samples at batch size 4 (not a replay of 0..3), and every
     sample is the same token for token at batch sizes 1, 4 and 16 (one random stream per episode)."""
-    from envs.rollout import SamplingParams
+    from envs.engine import SamplingParams
     from stare_agent.engines import TransformersEngine
     from stare_agent.models import tiny_model
 
@@ -174,7 +174,8 @@ def test_an_episode_lost_to_the_infrastructure_is_left_out_and_counted(monkeypat
 def _tiny_evaluation(tmp_path, monkeypatch=None, stop_at_call=None, resume=False):
     """Three problems x 2 sampled samples of the tiny model, one problem per engine batch; with
     ``stop_at_call``, Ctrl-C arrives during that rollout call (problems before it have finished)."""
-    from envs.rollout import RolloutRunner, SamplingParams
+    from envs.engine import SamplingParams
+    from envs.rollout import RolloutRunner
     from stare_agent.engines import TransformersEngine
     from stare_agent.models import tiny_model
 

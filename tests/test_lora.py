@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from envs.rollout import SamplingParams
+from envs.engine import SamplingParams
 from envs.trajectory import Trajectory, TrajectoryBuilder
 from stare_agent.config import load_config
 from stare_agent.engines import TransformersEngine

@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 from envs.code_interpreter import CodeInterpreterEnv
+from envs.engine import SamplingParams
 from envs.problems import Problem
-from envs.rollout import RolloutRunner, SamplingParams, render_chat
+from envs.rollout import RolloutRunner, render_chat
 from stare_agent.engines.openai_engine import OpenAIEngine, OpenAIEngineError, completion_requests
 from tests.test_rollout_exactness import RecordingEngine, _check_engine_tokens
 

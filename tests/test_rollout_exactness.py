@@ -16,16 +16,9 @@ from typing import Any
 import pytest
 
 from envs.code_interpreter import CodeInterpreterEnv
+from envs.engine import ContinuousEngine, Engine, Generation, RolloutError, SamplingParams
 from envs.problems import Problem
-from envs.rollout import (
-    ContinuousEngine,
-    Engine,
-    Generation,
-    RolloutError,
-    RolloutRunner,
-    SamplingParams,
-    render_chat,
-)
+from envs.rollout import RolloutRunner, render_chat
 from envs.trajectory import Trajectory
 from stare_agent.engines.scripted import ScriptedEngine, ScriptError
 from tests.helpers_tokenizers import TOKENIZERS
@@ -378,7 +371,7 @@ def test_continuous_engine_plays_lockstep_turns_unless_the_runner_is_asked(make_
 
 
 def test_continuous_engine_gets_one_seed_per_turn_as_the_batch_path_derives_it(make_envs):
-    from envs.rollout import stream_seed
+    from envs.engine import stream_seed
 
     tokenizer = TOKENIZERS["smollm2"]()
     seen: list[tuple[int | None, tuple[int, ...] | None, int]] = []

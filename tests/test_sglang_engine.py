@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from envs.rollout import RolloutError, SamplingParams
+from envs.engine import RolloutError, SamplingParams
 from stare_agent.engines.sglang_engine import (
     SGLangEngine,
     SGLangUnavailableError,

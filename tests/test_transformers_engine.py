@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from envs.rollout import SamplingParams
+from envs.engine import SamplingParams
 from stare_agent.engines.transformers_engine import TransformersEngine, sample_next_tokens
 from stare_agent.models import tiny_model
 
@@ -217,7 +217,7 @@ def test_cuda_generation_matches_cpu(prompts):
 
 
 def test_bf16_autocast_generation_returns_float32_logprobs_of_the_sampled_tokens():
-    from envs.rollout import SamplingParams
+    from envs.engine import SamplingParams
     from stare_agent.engines import TransformersEngine
     from stare_agent.models import tiny_model
 

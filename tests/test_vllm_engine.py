@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from envs.code_interpreter import CodeInterpreterEnv
+from envs.engine import SamplingParams
 from envs.problems import Problem
-from envs.rollout import RolloutRunner, SamplingParams, render_chat
+from envs.rollout import RolloutRunner, render_chat
 from stare_agent.engines import vllm_engine
 from stare_agent.engines.vllm_engine import (
     VLLMEngine,

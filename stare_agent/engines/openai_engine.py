@@ -8,7 +8,7 @@ OpenAI ones (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``l
 - ``return_tokens_as_token_ids``: ``logprobs.tokens`` read ``"token_id:<id>"`` (older vLLM);
 - ``include_stop_str_in_output`` and ``skip_special_tokens = false``: the text and ids run up to and
   including the token that completed a stop string, and an EOS token is returned, as the
-  :class:`~envs.rollout.Engine` protocol asks;
+  :class:`~envs.engine.Engine` protocol asks;
 - ``top_k`` when set.
 
 Token-exactness: the ids returned are the ids the server sampled (from ``token_ids``, else from
@@ -43,7 +43,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from envs.rollout import FinishReason, Generation, RolloutError, SamplingParams, Tokenizer, stream_seed
+from envs.engine import FinishReason, Generation, RolloutError, SamplingParams, Tokenizer, stream_seed
 from stare_agent.errors import StareError
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class OpenAIEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Sequence[str] = ()
     ) -> list[Generation]:
-        """Sample one continuation per prompt (see :class:`envs.rollout.Engine`), one request each.
+        """Sample one continuation per prompt (see :class:`envs.engine.Engine`), one request each.
 
         Raises:
             OpenAIEngineError: a request failed after its retries, or the server returned no token ids

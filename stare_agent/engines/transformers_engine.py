@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from envs.rollout import FinishReason, Generation, SamplingParams
+from envs.engine import FinishReason, Generation, SamplingParams
 
 # Extra tokens decoded beyond the longest stop string, for tokens that decode to no full character.
 _STOP_WINDOW_MARGIN = 8

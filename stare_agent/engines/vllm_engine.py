@@ -59,7 +59,7 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from envs.rollout import FinishReason, Generation, RolloutError, SamplingParams, stream_seed
+from envs.engine import FinishReason, Generation, RolloutError, SamplingParams, stream_seed
 from stare_agent.errors import StareError
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -524,7 +524,7 @@ class VLLMEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Sequence[str] = ()
     ) -> list[Generation]:
-        """Sample one continuation per prompt (see :class:`envs.rollout.Engine` and the module docstring).
+        """Sample one continuation per prompt (see :class:`envs.engine.Engine` and the module docstring).
 
         Raises:
             ValueError: an empty prompt, ``params.seeds`` of the wrong length, or a prompt that leaves
@@ -538,7 +538,7 @@ class VLLMEngine:
         self, prompt: Sequence[int], params: SamplingParams, stop: Sequence[str] = ()
     ) -> Future[Generation]:
         """Start one continuation now, in the batch of the requests in flight (see
-        :class:`envs.rollout.ContinuousEngine`); ``params.seeds``, when set, holds its one seed.
+        :class:`envs.engine.ContinuousEngine`); ``params.seeds``, when set, holds its one seed.
 
         Raises:
             ValueError: as :meth:`generate`, at once; the future holds a VLLMEngineError when the worker
