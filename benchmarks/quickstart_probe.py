@@ -52,6 +52,7 @@ import torch
 from transformers import set_seed
 
 from envs.engine import SamplingParams
+from envs.problems import eval_problems
 from sandbox import SandboxPool
 from stare_agent import cold_start
 from stare_agent.config import RunConfig, load_config
@@ -60,7 +61,6 @@ from stare_agent.evaluation import evaluate
 from stare_agent.metrics import policy_entropy
 from stare_agent.models import load_policy
 from stare_agent.quickstart import usable_precision
-from stare_agent.trainer import eval_problems
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 

@@ -433,13 +433,13 @@ def bench_draw(args: argparse.Namespace) -> None:
     import zlib
 
     from envs.engine import SamplingParams
+    from envs.problems import ProblemStream
     from envs.rollout import RolloutRunner
     from sandbox import SandboxPool
-    from stare_agent.config import load_config
+    from stare_agent.config import load_config, train_source
     from stare_agent.engines import start_engine
     from stare_agent.models import load_policy
     from stare_agent.quickstart import usable_precision
-    from stare_agent.trainer import ProblemStream, train_source
 
     if not Path(args.model, "config.json").is_file():
         sys.exit(

@@ -37,6 +37,7 @@ from envs.code_interpreter import CodeInterpreterEnv
 from envs.errors import EnvError
 from envs.formats import register_format
 from envs.problems import PROBLEM_FAMILIES, builtin_set_path, load_problems
+from envs.tool_env import ToolEnv
 from envs.tools import ToolSpec, add_tool, get_tool
 
 TOOL_GROUP = "stare_agent.tools"
@@ -170,3 +171,104 @@ def load_plugins(*, reload: bool = False) -> list[str]:
                     continue
                 loaded.append(f"{group}:{entry_point.name}")
         return loaded
+
+
+def make_tool_env(env_id: str, **kwargs: Any) -> Any:
+    """``gymnasium.make(env_id, **kwargs)``, unwrapped: the one way training and evaluation build envs.
+
+    ``env_id`` is a Gymnasium id (built-in, registered in Python, or by a ``stare_agent.envs`` entry
+    point), or ``module:id`` to import ``module`` (which registers the id) first, as Gymnasium allows.
+    The rollout runner drives the ``ToolEnv`` itself (it enforces its own turn and tool-call limits),
+    so Gymnasium's checker and order-enforcing wrappers are left out.
+
+    Raises:
+        EnvRegistrationError: the id is not registered, its env is not an ``envs.ToolEnv``, or it is registered
+            with ``max_episode_steps`` (a wrapper's limit, which the unwrapped env would lose silently).
+    """
+    check_env_id(env_id)
+    steps = gymnasium.spec(env_id.split(":")[-1]).max_episode_steps
+    if steps is not None:
+        raise EnvRegistrationError(
+            f"env.id={env_id!r} is registered with max_episode_steps={steps}, a TimeLimit wrapper the rollout "
+            f"runner does not use: register it with max_turns={steps} among its kwargs instead"
+        )
+    env = gymnasium.make(env_id, disable_env_checker=True, **kwargs).unwrapped
+    if not isinstance(env, ToolEnv):
+        env.close()
+        raise EnvRegistrationError(
+            f"env.id={env_id!r} makes a {type(env).__name__}, not an envs.ToolEnv: register a ToolEnv "
+            "(or subclass) to train or evaluate it"
+        )
+    return env
+
+
+def check_env_id(env_id: str) -> None:
+    """Fail fast, before a model is loaded, when ``env_id`` is not registered (see :func:`make_tool_env`).
+
+    Raises:
+        EnvRegistrationError: naming the id and the three ways to register one.
+    """
+    import envs  # noqa: F401 - registers the built-in ids and loads the entry-point plugins
+
+    module, _, name = env_id.rpartition(":")
+    if module:
+        import_env_module(module, env_id)
+    try:
+        gymnasium.spec(name)
+    except gymnasium.error.Error as exc:
+        raise EnvRegistrationError(
+            f"env.id={env_id!r} is not a registered Gymnasium id ({str(exc).splitlines()[0]}): register "
+            "it first (envs.register_tool_env, or a package's stare_agent.envs entry point), write "
+            "module:id to import the module that registers it, or use stare/CodeInterpreter-v0"
+        ) from None
+
+
+def registered_problems(env_id: str) -> Any:
+    """The ``problems`` ``env_id`` was registered with (``register_tool_env(..., problems=...)``): a
+    source name (a family, a file, a built-in set) or a list of problems; a built-in benchmark id's
+    set (``stare/AIME2024-v0``: ``aime2024``); None when it names none.
+
+    Raises:
+        EnvRegistrationError: the id is not registered (see :func:`check_env_id`).
+    """
+    check_env_id(env_id)
+    kwargs = gymnasium.spec(env_id.split(":")[-1]).kwargs
+    problems = kwargs.get("problems", BENCHMARKS.get(kwargs.get("benchmark")))  # type: ignore[arg-type]
+    return os.fspath(problems) if isinstance(problems, os.PathLike) else problems
+
+
+def import_env_module(module: str, env_id: str) -> None:
+    """Import the ``module`` of a ``module:id`` env id as ``python -m`` would from the working
+    directory: a module that is not importable otherwise is looked up in the current directory too
+    (console scripts such as ``stare-agent`` put their own directory on ``sys.path``, not it).
+
+    Raises:
+        EnvRegistrationError: the module is not found in either place, naming how to make it importable.
+    """
+    import importlib
+    import sys
+
+    top = module.split(".")[0]
+    try:
+        importlib.import_module(module)
+        return
+    except ModuleNotFoundError as exc:
+        if exc.name != top or os.getcwd() in sys.path or "" in sys.path:
+            missing = exc
+        else:
+            sys.path.insert(0, os.getcwd())
+            try:
+                importlib.import_module(module)
+                return
+            except ModuleNotFoundError as again:
+                sys.path.remove(os.getcwd())
+                missing = again
+    if missing.name != top:  # the module exists but imports something that is missing
+        raise EnvRegistrationError(
+            f"env.id={env_id!r}: importing {module} failed ({missing}): install what it imports"
+        ) from None
+    raise EnvRegistrationError(
+        f"env.id={env_id!r}: no module named {top!r} here ({os.getcwd()}) or on sys.path: run from the "
+        f"directory that holds {top}.py, add that directory to PYTHONPATH, or pip install the package "
+        "that provides it"
+    ) from None

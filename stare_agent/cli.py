@@ -84,10 +84,11 @@ EVAL_FLAGS = {
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from stare_agent.config import load_config, make_tool_env
+    from envs.problems import eval_problems
+    from envs.registry import make_tool_env
+    from stare_agent.config import eval_source, load_config
     from stare_agent.evaluation import evaluate_config
     from stare_agent.provenance import model_settings
-    from stare_agent.trainer import eval_problems, eval_source
 
     _check_eval_flags(args)
     flags = [

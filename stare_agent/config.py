@@ -32,6 +32,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from envs.problems import Problem
+from envs.problems.selection import source_name
+from envs.registry import make_tool_env, registered_problems
 from sandbox.config import SandboxConfig
 from sandbox.ray_fleet import RayFleetConfig
 from stare_agent.algorithms.losses import check_loss_options
@@ -317,117 +320,6 @@ class EnvConfig:
         return make_tool_env(self.id, **self.env_kwargs(evaluation=evaluation), **runtime)
 
 
-def make_tool_env(env_id: str, **kwargs: Any) -> Any:
-    """``gymnasium.make(env_id, **kwargs)``, unwrapped: the one way training and evaluation build envs.
-
-    ``env_id`` is a Gymnasium id (built-in, registered in Python, or by a ``stare_agent.envs`` entry
-    point), or ``module:id`` to import ``module`` (which registers the id) first, as Gymnasium allows.
-    The rollout runner drives the ``ToolEnv`` itself (it enforces its own turn and tool-call limits),
-    so Gymnasium's checker and order-enforcing wrappers are left out.
-
-    Raises:
-        ConfigError: the id is not registered, its env is not an ``envs.ToolEnv``, or it is registered
-            with ``max_episode_steps`` (a wrapper's limit, which the unwrapped env would lose silently).
-    """
-    import gymnasium
-
-    from envs.tool_env import ToolEnv
-
-    check_env_id(env_id)
-    steps = gymnasium.spec(env_id.split(":")[-1]).max_episode_steps
-    if steps is not None:
-        raise ConfigError(
-            f"env.id={env_id!r} is registered with max_episode_steps={steps}, a TimeLimit wrapper the rollout "
-            f"runner does not use: register it with max_turns={steps} among its kwargs instead"
-        )
-    env = gymnasium.make(env_id, disable_env_checker=True, **kwargs).unwrapped
-    if not isinstance(env, ToolEnv):
-        env.close()
-        raise ConfigError(
-            f"env.id={env_id!r} makes a {type(env).__name__}, not an envs.ToolEnv: register a ToolEnv "
-            "(or subclass) to train or evaluate it"
-        )
-    return env
-
-
-def check_env_id(env_id: str) -> None:
-    """Fail fast, before a model is loaded, when ``env_id`` is not registered (see :func:`make_tool_env`).
-
-    Raises:
-        ConfigError: naming the id and the three ways to register one.
-    """
-    import gymnasium
-
-    import envs  # noqa: F401 - registers the built-in ids and loads the entry-point plugins
-
-    module, _, name = env_id.rpartition(":")
-    if module:
-        import_env_module(module, env_id)
-    try:
-        gymnasium.spec(name)
-    except gymnasium.error.Error as exc:
-        raise ConfigError(
-            f"env.id={env_id!r} is not a registered Gymnasium id ({str(exc).splitlines()[0]}): register "
-            "it first (envs.register_tool_env, or a package's stare_agent.envs entry point), write "
-            "module:id to import the module that registers it, or use stare/CodeInterpreter-v0"
-        ) from None
-
-
-def registered_problems(env_id: str) -> Any:
-    """The ``problems`` ``env_id`` was registered with (``register_tool_env(..., problems=...)``): a
-    source name (a family, a file, a built-in set) or a list of problems; a built-in benchmark id's
-    set (``stare/AIME2024-v0``: ``aime2024``); None when it names none.
-
-    Raises:
-        ConfigError: the id is not registered (see :func:`check_env_id`).
-    """
-    import gymnasium
-
-    from envs.registry import BENCHMARKS
-
-    check_env_id(env_id)
-    kwargs = gymnasium.spec(env_id.split(":")[-1]).kwargs
-    problems = kwargs.get("problems", BENCHMARKS.get(kwargs.get("benchmark")))  # type: ignore[arg-type]
-    return os.fspath(problems) if isinstance(problems, os.PathLike) else problems
-
-
-def import_env_module(module: str, env_id: str) -> None:
-    """Import the ``module`` of a ``module:id`` env id as ``python -m`` would from the working
-    directory: a module that is not importable otherwise is looked up in the current directory too
-    (console scripts such as ``stare-agent`` put their own directory on ``sys.path``, not it).
-
-    Raises:
-        ConfigError: the module is not found in either place, naming how to make it importable.
-    """
-    import importlib
-    import sys
-
-    top = module.split(".")[0]
-    try:
-        importlib.import_module(module)
-        return
-    except ModuleNotFoundError as exc:
-        if exc.name != top or os.getcwd() in sys.path or "" in sys.path:
-            missing = exc
-        else:
-            sys.path.insert(0, os.getcwd())
-            try:
-                importlib.import_module(module)
-                return
-            except ModuleNotFoundError as again:
-                sys.path.remove(os.getcwd())
-                missing = again
-    if missing.name != top:  # the module exists but imports something that is missing
-        raise ConfigError(
-            f"env.id={env_id!r}: importing {module} failed ({missing}): install what it imports"
-        ) from None
-    raise ConfigError(
-        f"env.id={env_id!r}: no module named {top!r} here ({os.getcwd()}) or on sys.path: run from the "
-        f"directory that holds {top}.py, add that directory to PYTHONPATH, or pip install the package "
-        "that provides it"
-    ) from None
-
-
 ENV_KWARG_FIELDS = (
     "format",
     "max_turns",
@@ -641,7 +533,7 @@ class DataConfig:
         dedupe: Drop repeated problem texts of ``train`` (a file or hub dataset) at load time, keeping
             the first; the hub copy of DAPO-Math-17k repeats each problem 100 times. Known
             answer-format instructions (DAPO's "Answer: $Answer") are always removed, so the
-            environment's own prompt is the only instruction (``stare_agent.trainer.plain_problems``).
+            environment's own prompt is the only instruction (``envs.problems.plain_problems``).
     """
 
     train: str | None = None
@@ -1088,3 +980,41 @@ def cpu_has_bf16() -> bool:
     except OSError:
         return False
     return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
+DEFAULT_TRAIN_PROBLEMS = "mixed"
+_said: set[tuple[str, str]] = set()
+
+
+def train_source(config: RunConfig) -> str | Sequence[Problem]:
+    """The training problems: ``data.train`` when set, else the problems ``env.id`` was registered
+    with (``register_tool_env(..., problems=...)``), else ``mixed`` (see :func:`_configured_or_registered`)."""
+    source = _configured_or_registered(config, "train")
+    return DEFAULT_TRAIN_PROBLEMS if source is None else source
+
+
+def eval_source(config: RunConfig) -> str | Sequence[Problem] | None:
+    """The validation problems: ``data.eval`` when set, else the problems ``env.id`` was registered
+    with, else None."""
+    return _configured_or_registered(config, "eval")
+
+
+def _configured_or_registered(config: RunConfig, split: str) -> str | Sequence[Problem] | None:
+    """``data.<split>``, else the env's registered problems; when both are set the config wins and one
+    line (once per process and env) says so."""
+    configured = config.data.train if split == "train" else config.data.eval
+    registered = registered_problems(config.env.id)
+    if configured is None:
+        return registered
+    if (
+        registered is not None
+        and source_name(registered) != repr(configured)
+        and (config.env.id, split) not in _said
+    ):
+        _said.add((config.env.id, split))
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"[data] data.{split}={configured!r} is used, not the problems {config.env.id} was registered "
+                f"with ({source_name(registered)}): leave data.{split} unset to use those"
+            )
+    return configured

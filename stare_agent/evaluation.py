@@ -303,7 +303,7 @@ def evaluate_config(
     """:func:`evaluate` as a run config says: the one way the trainer, ``stare-agent eval`` and the
     quickstart evaluate.
 
-    ``data.eval`` problems (else the env's registered ones: ``trainer.eval_source``; seeded by ``trainer.seed``, ``data.difficulty``, at most ``data.eval_limit``)
+    ``data.eval`` problems (else the env's registered ones: ``stare_agent.config.eval_source``; seeded by ``trainer.seed``, ``data.difficulty``, at most ``data.eval_limit``)
     unless ``problems`` are given; ``data.eval_samples`` episodes per problem at ``data.eval_temperature``
     / ``data.eval_top_p`` (``greedy``: one temperature-0 episode), seeded by ``trainer.seed``; the env
     ``env.id`` with ``env_kwargs`` (the caller adds the pool or the sandbox settings to
@@ -311,7 +311,8 @@ def evaluate_config(
     :func:`evaluate` (``out_dir``, ``resume``, ``save_episodes``, ``progress``, ``keep_trajectories``;
     ``settings``, e.g. the model's identity, join the data source and sandbox limits the config gives).
     """
-    from stare_agent.trainer import eval_problems, eval_source
+    from envs.problems import eval_problems
+    from stare_agent.config import eval_source
 
     data, env, seed = config.data, config.env, config.trainer.seed
     source = eval_source(config)  # data.eval, else the problems env.id was registered with
@@ -388,7 +389,7 @@ def evaluate(
             continuously (``envs.rollout.RolloutRunner``'s ``continuous``).
         limit: Evaluate only the first ``limit`` problems.
         env_id: Gymnasium id of the ``ToolEnv`` to play (built-in, registered in Python or by an entry
-            point; ``module:id`` imports ``module`` first), made by ``stare_agent.config.make_tool_env``
+            point; ``module:id`` imports ``module`` first), made by ``envs.registry.make_tool_env``
             as in training. ``RunConfig.env`` gives both: ``env_id=cfg.env.id,
             env_kwargs=cfg.env.env_kwargs(evaluation=True)``.
         env_kwargs: Keyword arguments of the env (format, pool, max_turns, ...), over those it was
@@ -488,8 +489,8 @@ def _play(
 ) -> None:
     """Play ``jobs`` (problem, sample index) ``batch_size`` at a time into ``results``; hand each problem
     to ``files`` when its last sample is in."""
+    from envs.registry import check_env_id, make_tool_env
     from sandbox import SandboxPool  # the pool is shared by all envs of the evaluation
-    from stare_agent.config import check_env_id, make_tool_env
 
     runner = RolloutRunner(
         tokenizer,

@@ -159,13 +159,14 @@ def _run(
     numbers."""
     import torch
 
+    from envs.problems import eval_problems
     from sandbox import SandboxPool
     from stare_agent.cold_start import sft
     from stare_agent.evaluation import evaluate_config
     from stare_agent.metrics import policy_entropy, read_metrics
     from stare_agent.plots import plot_dashboard
     from stare_agent.provenance import model_settings
-    from stare_agent.trainer import Trainer, eval_problems, latest_checkpoint
+    from stare_agent.trainer import Trainer, latest_checkpoint
 
     data, env = config.data, config.env
     autocast = torch.bfloat16 if config.deepspeed.precision == "bf16-autocast" else None

@@ -193,13 +193,14 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
     import torch
 
     from envs.engine import SamplingParams
+    from envs.problems import ProblemStream
     from sandbox import SandboxPool
+    from stare_agent.config import train_source
     from stare_agent.engines import TransformersEngine
     from stare_agent.evaluation import evaluate
     from stare_agent.metrics import policy_entropy
     from stare_agent.models import load_policy
     from stare_agent.quickstart import usable_precision
-    from stare_agent.trainer import ProblemStream, train_source
 
     config = usable_precision(config)
     data, env = config.data, config.env

@@ -31,7 +31,6 @@ import shutil
 import time
 import warnings
 import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -43,7 +42,8 @@ from tqdm.auto import tqdm
 from transformers import set_seed
 
 from envs.engine import SamplingParams
-from envs.problems import Problem, generate_problems, load_problems, procedural_family
+from envs.problems import Problem, ProblemStream
+from envs.registry import check_env_id
 from envs.rollout import RolloutRunner
 from envs.tool_env import ToolEnv
 from envs.trajectory import Trajectory
@@ -61,7 +61,7 @@ from stare_agent.algorithms import (
     stare_weights,
 )
 from stare_agent.batch import collate
-from stare_agent.config import ConfigError, RunConfig, check_env_id, registered_problems
+from stare_agent.config import ConfigError, RunConfig, eval_source, train_source
 from stare_agent.learner import Learner, load_training_policy
 from stare_agent.metrics import StepLogger, ToolHealth, ToolHealthAlarm, rollout_metrics
 
@@ -70,85 +70,6 @@ if TYPE_CHECKING:
     from stare_agent.algorithms.stare import LPlusRule, Scope, Variant
 
 CHECKPOINT_PREFIX = "step-"
-
-
-ANSWER_FORMAT_WRAPPERS = (
-    (
-        # DAPO-Math-17k (BytedTsinghua-SIA/DAPO-Math-17k): every prompt asks for "Answer: $Answer",
-        # which contradicts the environment's own answer format (<answer>\boxed{}</answer>).
-        "Solve the following math problem step by step. The last line of your response should be of "
-        "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n",
-        '\n\nRemember to put your answer on its own line after "Answer:".',
-    ),
-)
-"""(prefix, suffix) of known dataset prompts that tell the model how to write its answer. They are
-removed, so that the environment's own prompt (its format's instructions) is the only instruction."""
-
-
-def plain_problems(problems: list[Problem], *, dedupe: bool) -> tuple[list[Problem], dict[str, int]]:
-    """The problems without the answer-format instructions of ``ANSWER_FORMAT_WRAPPERS`` and, with
-    ``dedupe``, without repeats of a problem text (the first one is kept; the hub copy of
-    DAPO-Math-17k holds each problem 100 times).
-
-    Returns:
-        (the problems, counts ``rows``, ``unwrapped``, ``duplicates``).
-    """
-    out: list[Problem] = []
-    seen: set[str] = set()
-    unwrapped = duplicates = 0
-    for p in problems:
-        text = p.problem
-        for prefix, suffix in ANSWER_FORMAT_WRAPPERS:
-            if text.startswith(prefix) and text.endswith(suffix):
-                text = text[len(prefix) : len(text) - len(suffix)]
-                unwrapped += 1
-                break
-        key = text.strip()
-        if dedupe and key in seen:
-            duplicates += 1
-            continue
-        seen.add(key)
-        out.append(p if text == p.problem else dataclasses.replace(p, problem=text))
-    return out, {"rows": len(problems), "unwrapped": unwrapped, "duplicates": duplicates}
-
-
-class ProblemStream:
-    """A reproducible, resumable stream of training problems.
-
-    Files are read in a fresh seeded permutation per epoch; a procedural family (``mixed``,
-    ``multiplication``, ...) yields problem i from seed ``(seed, i)``. ``position`` is all the
-    state there is, so a checkpoint stores it and resumes the stream exactly. Problems of files and
-    hub datasets go through :func:`plain_problems` (``counts`` says what it removed).
-    """
-
-    def __init__(
-        self, source: str | Sequence[Problem], *, seed: int, difficulty: int = 1, dedupe: bool = True
-    ) -> None:
-        self.source, self.seed, self.difficulty = source, seed, difficulty
-        self.position = 0
-        self.family = procedural_family(source) if isinstance(source, str) else None
-        self.problems: list[Problem] = []
-        self.counts: dict[str, int] = {}
-        if not self.family:
-            loaded = load_problems(source) if isinstance(source, str) else list(source)
-            self.problems, self.counts = plain_problems(loaded, dedupe=dedupe)
-        if not self.family and not self.problems:
-            raise ConfigError(
-                f"data.train={_shown(source)} holds no problems: point it at a non-empty problem file"
-            )
-
-    def take(self, n: int) -> list[Problem]:
-        out = [self._at(self.position + i) for i in range(n)]
-        self.position += n
-        return out
-
-    def _at(self, i: int) -> Problem:
-        if self.family:
-            seed = zlib.crc32(f"train/{self.seed}/{i}".encode())
-            return generate_problems(self.family, 1, seed=seed, difficulty=self.difficulty)[0]
-        epoch, index = divmod(i, len(self.problems))
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.problems))
-        return self.problems[int(order[index])]
 
 
 @dataclass
@@ -854,76 +775,6 @@ def check_run_dir(run_dir: str | Path) -> None:
         raise ConfigError(
             f"trainer.run_dir={run_dir} is a file: pass a directory for the run's config, logs and checkpoints"
         )
-
-
-def eval_problems(
-    source: str | Sequence[Problem] | None, *, seed: int, difficulty: int, limit: int | None
-) -> list[Problem]:
-    """Validation problems: a file/hub source, a list, or a procedural family with a held-out seed.
-
-    Raises:
-        ConfigError: no source (``data.eval`` unset and an env registered without problems), or one
-            that holds no problems; both before any model loads.
-    """
-    if source is None:
-        raise ConfigError(
-            "data.eval is not set: pass --data (or data.eval=...) with a problem file, a built-in set "
-            "(aime2024, aime2025, amc23, math500) or a procedural family (e.g. mixed)"
-        )
-    family = procedural_family(source) if isinstance(source, str) else None
-    if family is not None:
-        # Held out: the training stream never uses this seed space.
-        return generate_problems(
-            family, limit or 32, seed=zlib.crc32(f"eval/{seed}".encode()), difficulty=difficulty
-        )
-    problems = load_problems(source) if isinstance(source, str) else list(source)
-    if not problems:
-        raise ConfigError(
-            f"data.eval={_shown(source)} holds no problems: point it at a non-empty problem file"
-        )
-    return problems[:limit] if limit else problems
-
-
-DEFAULT_TRAIN_PROBLEMS = "mixed"
-_said: set[tuple[str, str]] = set()
-
-
-def train_source(config: RunConfig) -> str | Sequence[Problem]:
-    """The training problems: ``data.train`` when set, else the problems ``env.id`` was registered
-    with (``register_tool_env(..., problems=...)``), else ``mixed`` (see :func:`_configured_or_registered`)."""
-    source = _configured_or_registered(config, "train")
-    return DEFAULT_TRAIN_PROBLEMS if source is None else source
-
-
-def eval_source(config: RunConfig) -> str | Sequence[Problem] | None:
-    """The validation problems: ``data.eval`` when set, else the problems ``env.id`` was registered
-    with, else None."""
-    return _configured_or_registered(config, "eval")
-
-
-def _configured_or_registered(config: RunConfig, split: str) -> str | Sequence[Problem] | None:
-    """``data.<split>``, else the env's registered problems; when both are set the config wins and one
-    line (once per process and env) says so."""
-    configured = config.data.train if split == "train" else config.data.eval
-    registered = registered_problems(config.env.id)
-    if configured is None:
-        return registered
-    if (
-        registered is not None
-        and _shown(registered) != repr(configured)
-        and (config.env.id, split) not in _said
-    ):
-        _said.add((config.env.id, split))
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(
-                f"[data] data.{split}={configured!r} is used, not the problems {config.env.id} was registered "
-                f"with ({_shown(registered)}): leave data.{split} unset to use those"
-            )
-    return configured
-
-
-def _shown(source: str | Sequence[Problem]) -> str:
-    return repr(source) if isinstance(source, str) else f"<{len(source)} problems>"
 
 
 def resolve_rollout_correction(mode: str, engine: Any) -> str:

@@ -15,6 +15,7 @@ import gymnasium
 import pytest
 
 from envs.problems import generate_problems
+from envs.registry import EnvRegistrationError
 from envs.tool_env import ToolEnv
 from envs.tools import unregister_tool
 from stare_agent.config import ConfigError, load_config
@@ -151,19 +152,19 @@ def test_eval_kwargs_change_evaluation_only_and_bad_ids_fail_before_the_model_lo
     config = config_for(tmp_path, "env.eval_kwargs={max_turns: 8}")
     assert config.env.env_kwargs()["max_turns"] == 3
     assert config.env.env_kwargs(evaluation=True) == {**config.env.env_kwargs(), "max_turns": 8}
-    with pytest.raises(ConfigError, match=r"env.id='demo/Nope-v0' is not a registered Gymnasium id"):
+    with pytest.raises(EnvRegistrationError, match=r"env.id='demo/Nope-v0' is not a registered Gymnasium id"):
         Trainer(config_for(tmp_path, "env.id=demo/Nope-v0"), model=object(), tokenizer=object())
     with pytest.raises(ConfigError, match=r"cannot set \['pool'\]"):
         config_for(tmp_path, "env.kwargs={pool: 1}")
 
 
 def test_an_env_registered_with_max_episode_steps_is_refused_not_silently_unlimited():
-    from stare_agent.config import make_tool_env
+    from envs.registry import EnvRegistrationError, make_tool_env
 
     gymnasium.register("demo/Capped-v0", entry_point="envs.tool_env:ToolEnv", max_episode_steps=4)
     try:
         with pytest.raises(
-            ConfigError, match=r"max_episode_steps=4, a TimeLimit .* max_turns=4 among its kwargs"
+            EnvRegistrationError, match=r"max_episode_steps=4, a TimeLimit .* max_turns=4 among its kwargs"
         ):
             make_tool_env("demo/Capped-v0")
     finally:
@@ -221,7 +222,7 @@ def test_an_env_registered_with_problems_serves_them_unless_the_config_names_oth
 ):
     """``register_tool_env(..., problems="multiplication")``: training and evaluation use those problems
     when data.train / data.eval are unset; set, the config wins and one line says so."""
-    from stare_agent.trainer import eval_source, train_source
+    from stare_agent.config import eval_source, train_source
 
     unset = load_config(None, [f"env.id={calculator_env}"])
     assert (train_source(unset), eval_source(unset)) == ("multiplication", "multiplication")

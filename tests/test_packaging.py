@@ -218,8 +218,8 @@ def test_installed_wheel_evaluates_aime_2024_outside_the_repository(wheel, model
 
 @pytest.mark.parametrize("name", ["stare_o1", "stare_c2", "grpo_ds"])
 def test_paper_configs_validate_on_the_shipped_aime_set_offline(name, monkeypatch):
+    from envs.problems import eval_problems
     from stare_agent.config import load_config
-    from stare_agent.trainer import eval_problems
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     config = load_config(REPO / "configs" / f"{name}_retool_qwen2.5_7b.yaml")

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from envs.problems import load_problems
+from envs.problems import ANSWER_FORMAT_WRAPPERS, ProblemStream, load_problems
 from stare_agent.config import load_config
-from stare_agent.trainer import ANSWER_FORMAT_WRAPPERS, ProblemStream
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RL_CONFIGS = (

@@ -7,9 +7,8 @@ import json
 
 import pytest
 
-from envs.problems import ProblemSourceError, generate_problems, load_problems
+from envs.problems import ProblemSourceError, ProblemStream, eval_problems, generate_problems, load_problems
 from stare_agent.sft_data import SFTDataError, read_traces
-from stare_agent.trainer import ProblemStream, eval_problems
 
 
 def test_trainer_and_eval_parse_procedural_sources_like_the_env():

@@ -18,11 +18,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from envs.problems import ProblemStream
 from stare_agent.algorithms.stare import stare_weights
 from stare_agent.config import load_config
 from stare_agent.engines.scripted import ScriptedEngine
 from stare_agent.models import tiny_model
-from stare_agent.trainer import ProblemStream, Trainer, latest_checkpoint
+from stare_agent.trainer import Trainer, latest_checkpoint
 from tests.scripted_training import overrides, scripted_policy
 
 SCRIPT = Path(__file__).with_name("scripted_training.py")
