@@ -19,7 +19,7 @@ quickstart: docker
 test: docker
 	.venv/bin/python -m pytest -q tests
 
-# docs/configuration.md is generated from the config dataclasses (tests/test_docs.py checks it).
+# docs/configuration.md is generated from the config dataclasses (tests/repo/test_docs.py checks it).
 docs: setup
 	.venv/bin/python -m stare_agent.config_reference > docs/configuration.md
 

@@ -2,7 +2,7 @@
 SmolLM2-135M needs to use the code tool, and how far it collapses its sampling distribution.
 
 For each setting (``sft.*`` overrides of ``configs/quickstart.yaml``): the product's cold-start SFT
-(``stare_agent.cold_start.sft``: procedural ReTool traces whose interpreter output is REALLY produced
+(``stare_agent.train.sft.sft``: procedural ReTool traces whose interpreter output is REALLY produced
 in the sandbox, the DeepSpeed learner with its schedule and precision, exactly the loop
 ``stare-agent quickstart`` runs), then the product's tool-use evaluation
 (``stare_agent.evaluation.evaluate``) of the SFT policy twice:
@@ -60,7 +60,7 @@ from stare_agent.engines.transformers_engine import TransformersEngine
 from stare_agent.evaluation import evaluate
 from stare_agent.metrics import policy_entropy
 from stare_agent.models import load_policy
-from stare_agent.quickstart import usable_precision
+from stare_agent.recipes.quickstart import usable_precision
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 

@@ -56,7 +56,7 @@ COLUMNS = ("rollout", "log-prob", "update", "sync", "step")
 def run_path(model: str, steps: int, overrides: list[str], out: Path) -> None:
     """Train ``steps`` steps with ``overrides`` (in this process) and write per-step timings to ``out``."""
     from stare_agent.config import load_config
-    from stare_agent.trainer import Trainer
+    from stare_agent.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="rl-step-") as run_dir:
         config = load_config(

@@ -439,7 +439,7 @@ def bench_draw(args: argparse.Namespace) -> None:
     from stare_agent.config import load_config, train_source
     from stare_agent.engines import start_engine
     from stare_agent.models import load_policy
-    from stare_agent.quickstart import usable_precision
+    from stare_agent.recipes.quickstart import usable_precision
 
     if not Path(args.model, "config.json").is_file():
         sys.exit(

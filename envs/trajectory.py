@@ -4,7 +4,7 @@ A trajectory is the prompt's token ids followed by the response: the model's sam
 with tool output and chat-template glue. The loss mask says which response tokens the model sampled
 (1) and which we inserted (0); ``logprobs`` holds the sampling log-probability of every mask-1 token.
 Everything is a plain Python list, so trajectories serialize to JSON and need no torch (collation into
-tensors lives in ``stare_agent.batch``).
+tensors lives in ``stare_agent.train.batch``).
 
 The mask is built in exactly one place, :meth:`TrajectoryBuilder.append`, while the episode is played;
 it is never reconstructed afterwards from text or token patterns.

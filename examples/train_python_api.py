@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from stare_agent import Trainer, load_config
-from stare_agent.plots import plot_dashboard
+from stare_agent.recipes.plots import plot_dashboard
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 

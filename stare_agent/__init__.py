@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if TYPE_CHECKING:
-    from stare_agent.cold_start import sft
     from stare_agent.config import RunConfig, load_config
     from stare_agent.evaluation import evaluate
-    from stare_agent.learner import Learner
-    from stare_agent.trainer import Trainer
+    from stare_agent.train.learner import Learner
+    from stare_agent.train.sft import sft
+    from stare_agent.train.trainer import Trainer
 
 __all__ = ["Learner", "RunConfig", "Trainer", "evaluate", "load_config", "sft"]
 
@@ -28,9 +28,9 @@ _LAZY = {
     "RunConfig": "stare_agent.config",
     "load_config": "stare_agent.config",
     "evaluate": "stare_agent.evaluation",
-    "Learner": "stare_agent.learner",
-    "sft": "stare_agent.cold_start",
-    "Trainer": "stare_agent.trainer",
+    "Learner": "stare_agent.train.learner",
+    "sft": "stare_agent.train.sft",
+    "Trainer": "stare_agent.train.trainer",
 }
 
 

@@ -220,7 +220,7 @@ def _eval_engine(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
 
 def _train(args: argparse.Namespace) -> int:
     from stare_agent.config import ConfigError, load_config
-    from stare_agent.trainer import Trainer
+    from stare_agent.train.trainer import Trainer
 
     config = load_config(args.config, args.overrides)
     if args.resume and not Path(config.trainer.run_dir).is_dir():
@@ -234,7 +234,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from stare_agent.replay import replay
+    from stare_agent.train.replay import replay
 
     summary = replay(args.run_dir, args.out, args.overrides, model=args.model, steps=args.steps)
     print(f"replayed {summary['steps']} steps; replay directory: {summary['run_dir']}")
@@ -242,8 +242,8 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _sft(args: argparse.Namespace) -> int:
-    from stare_agent.cold_start import sft
     from stare_agent.config import load_config
+    from stare_agent.train.sft import sft
 
     summary = sft(load_config(args.config, args.overrides))
     print(json.dumps(summary, indent=2, default=str))
@@ -251,14 +251,14 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _quickstart(args: argparse.Namespace) -> int:
-    from stare_agent.quickstart import CONFIG, quickstart
+    from stare_agent.recipes.quickstart import CONFIG, quickstart
 
     quickstart(args.config or CONFIG, args.overrides)
     return 0
 
 
 def _study(args: argparse.Namespace) -> int:
-    from stare_agent.study import CONFIG, study
+    from stare_agent.recipes.study import CONFIG, study
 
     study(
         args.config or CONFIG,
@@ -274,7 +274,7 @@ def _study(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     from stare_agent.config import ConfigError
-    from stare_agent.plots import plot_dashboard
+    from stare_agent.recipes.plots import plot_dashboard
 
     if args.labels is not None and len(args.labels) != len(args.run_dirs):
         raise ConfigError(
@@ -528,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         nargs="+",
         default=None,
-        help="default: stare_agent.study.PAPER_VARIANTS; any of stare_agent.study.VARIANTS",
+        help="default: stare_agent.recipes.study.PAPER_VARIANTS; any of stare_agent.recipes.study.VARIANTS",
     )
     p.add_argument("--seeds", type=_positive_int, default=3, help="seeds of GRPO-ds, STARE-O1 and STARE-C2")
     p.add_argument("--ablation-seeds", type=_positive_int, default=1, help="seeds of each open-loop ablation")

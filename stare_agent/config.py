@@ -588,7 +588,7 @@ class OptimConfig:
         warmup_steps: Linear warmup from 0 over this many optimizer steps.
         schedule: After warmup: ``constant`` (paper), ``cosine`` or ``linear`` decay to ``min_lr_ratio * lr``
             at the last step (``transformers.get_scheduler``: ``constant_with_warmup``,
-            ``cosine_with_min_lr``, ``polynomial`` of power 1; see ``stare_agent.learner.lr_scheduler``).
+            ``cosine_with_min_lr``, ``polynomial`` of power 1; see ``stare_agent.train.learner.lr_scheduler``).
         min_lr_ratio: Final learning rate of the decaying schedules, as a fraction of ``lr``.
     """
 
@@ -616,7 +616,7 @@ class OptimConfig:
 
 @dataclass
 class DeepSpeedConfig:
-    """How the learner runs (``stare_agent.learner``).
+    """How the learner runs (``stare_agent.train.learner``).
 
     A DeepSpeed JSON file of your own (``config``) is merged over the config the learner generates:
     offload (``zero_optimization.offload_optimizer`` / ``offload_param``), bucket sizes, the ZeRO stage
@@ -759,7 +759,7 @@ class TrainerConfig:
 
 @dataclass
 class SFTConfig:
-    """Cold-start SFT (``stare_agent.cold_start``): only model-written tokens are trained.
+    """Cold-start SFT (``stare_agent.train.sft``): only model-written tokens are trained.
 
     Attributes:
         data: Traces: a JSONL/Parquet file, a Hugging Face dataset name (the paper's cold start is

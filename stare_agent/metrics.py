@@ -195,7 +195,7 @@ def policy_entropy(
     import torch
 
     from stare_agent.algorithms import causal_lm_logprobs_and_entropy
-    from stare_agent.batch import collate
+    from stare_agent.train.batch import collate
 
     total, count = 0.0, 0.0
     device = next(model.parameters()).device

@@ -163,7 +163,7 @@ def test_encode_as_text_never_gives_control_ids_and_decodes_back(tokenizer, text
 
 
 def test_sft_traces_tokenize_tool_steps_as_text():
-    sft_data = pytest.importorskip("stare_agent.sft_data")
+    sft_data = pytest.importorskip("stare_agent.train.sft_data")
     tokenizer = TOKENIZERS["smollm2"]()
     trace = sft_data.Trace(
         id="p",

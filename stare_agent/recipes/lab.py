@@ -1,0 +1,519 @@
+"""A dynamics lab: STARE and GRPO-ds on a seeded synthetic task, thousands of steps in minutes on a CPU.
+
+``python -m stare_agent.recipes.lab`` (docs/lab.md). The policy is a table of logits, one next-token
+distribution per (context, position): ``theta [C, T, V]`` (64 contexts x 12 positions x 16 tokens),
+initialised N(0, ``init_scale``^2). A prompt is a context c; a response is T tokens sampled
+position by position; the reward is ``1[sum(tokens) = c mod 7]`` (binary, verifiable). Each step
+runs the project's own functions, in the paper's order:
+
+    draw         32 contexts x 8 samples (``draw_batch``), again until dynamic sampling
+                 (``algorithms.dynamic_sampling``, cap 10 batches) keeps 32 groups with reward variance
+    advantages   ``algorithms.grpo_advantages``, broadcast to the T tokens
+    log-probs    ``algorithms.logprobs_and_entropy_from_logits(..., with_moments=True)`` on theta[c]
+    gate         ``algorithms.entropy_gate`` on the kept batch (the paper) or on the whole draw (ours)
+    weights      ``algorithms.stare_weights`` (global scope: one selection over the batch)
+    loss         ``algorithms.policy_loss`` (token-mean, on-policy), one Adam step on theta
+
+Tasks: ``mod7`` (the reward saturates: once a context is solved its groups are dropped) and
+``drift`` (the reward does not saturate: each context keeps a running accuracy over its groups,
+an exponential average of weight ``DRIFT_EMA``; once it reaches 0.5 the context's target residue
+moves by one and its running accuracy restarts at 0, so no context stays solved: a policy has to
+keep finding the next answer, which a collapsed one samples rarely). Variants: see ``VARIANTS``. The control ``random`` reweights a random subset of T+ of the
+size of L+ (same W, same gate), so it separates "which tokens" from "how many".
+
+Logged per step: the policy's entropy (mean over all contexts and positions of theta's
+distributions), the batch entropy of the kept groups and of the whole draw, the gate, the reward of
+the first drawn batch (fresh prompts), and the first-order diagnostics of ``entropy_effect``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stare_agent.algorithms import (
+    broadcast_to_tokens,
+    dynamic_sampling,
+    entropy_gate,
+    grpo_advantages,
+    logprobs_and_entropy_from_logits,
+    mechanism_metrics,
+    policy_loss,
+    stare_weights,
+)
+from stare_agent.algorithms.entropy_control import (
+    clip_cov_weights,
+    forking_token_weights,
+    kl_cov_coefficients,
+)
+from stare_agent.intervals import format_ci, mean_sd_ci
+
+DRIFT_EMA = 0.1  # drift task: weight of a context's latest group in its running accuracy
+
+
+@dataclass(frozen=True)
+class LabConfig:
+    """One lab run. ``algorithm``: ``grpo_ds``, ``stare``, ``random`` (the random-subset control), or one
+    of the field's other entropy controls (``algorithms.entropy_control``): ``entropy_bonus``,
+    ``kl_cov``, ``clip_cov``, ``forking_tokens``. ``minibatches`` > 1 splits each kept batch into that
+    many optimizer steps (verl's ``ppo_mini_batch``), each against the pre-update log-probs, so that
+    the PPO clip (``eps_high``) and KL-Cov's ``|logp - logp_old|`` act; 1 is the paper's one step."""
+
+    task: str = "mod7"
+    algorithm: str = "stare"
+    variant: str = "O1"
+    W: float = 1.1
+    M: float = 0.9
+    P: float = 0.1
+    H_tgt: float = 0.3
+    gate: str = "entropy"  # or "always_on" (open loop)
+    gate_batch: str = "kept"  # or "drawn" (ours: the gate reads the whole draw, before dynamic sampling)
+    L_plus_rule: str = "top_k"  # or "top_k_raising" (ours)
+    contexts: int = 64
+    positions: int = 12
+    vocab: int = 16
+    modulus: int = 7
+    prompts: int = 32
+    samples: int = 8
+    max_batches: int = 10
+    lr: float = 0.03
+    init_scale: float = 3.4
+    steps: int = 2000
+    seed: int = 0
+    eps_high: float = 0.28
+    minibatches: int = 1
+    entropy_coef: float = 0.01
+    kl_cov_k: float = 0.002
+    kl_cov_coef: float = 1.0
+    clip_cov_r: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    forking_rho: float = 0.2
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "grpo-ds": {"algorithm": "grpo_ds"},
+    "o1": {},
+    "c2": {"variant": "C2"},
+    "random": {"algorithm": "random"},
+    "open-W1.01": {"gate": "always_on", "W": 1.01},
+    "open-W1.1": {"gate": "always_on", "W": 1.1},
+    "open-W2": {"gate": "always_on", "W": 2.0},
+    "o1-W2": {"W": 2.0},
+    "o1-W3": {"W": 3.0},
+    "o1-W5": {"W": 5.0},
+    "o1-W10": {"W": 10.0},
+    "o1-drawgate": {"gate_batch": "drawn"},
+    "o1-raising": {"L_plus_rule": "top_k_raising"},
+    "o1-W3-drawgate": {"W": 3.0, "gate_batch": "drawn"},
+    "o1-W3-raising": {"W": 3.0, "L_plus_rule": "top_k_raising"},
+    # the field's other entropy controls (issue 31; algorithms.entropy_control)
+    "clip-higher-0.2": {"algorithm": "grpo_ds", "eps_high": 0.2},
+    "clip-higher-0.4": {"algorithm": "grpo_ds", "eps_high": 0.4},
+    "entropy-bonus-0.001": {"algorithm": "entropy_bonus", "entropy_coef": 0.001},
+    "entropy-bonus-0.01": {"algorithm": "entropy_bonus", "entropy_coef": 0.01},
+    "kl-cov": {"algorithm": "kl_cov"},
+    "kl-cov-k2%": {"algorithm": "kl_cov", "kl_cov_k": 0.02},
+    "clip-cov": {"algorithm": "clip_cov"},
+    "clip-cov-r2%": {"algorithm": "clip_cov", "clip_cov_r": 0.02},
+    "forking": {"algorithm": "forking_tokens"},
+}
+
+
+@dataclass
+class Group:
+    """One prompt's G responses: context index, tokens [G, T], rewards."""
+
+    context: int
+    tokens: torch.Tensor
+    rewards: list[float] = field(default_factory=list)
+
+
+def table_entropy(theta: torch.Tensor) -> torch.Tensor:
+    """Entropy of every (context, position) distribution of the table: [C, T]."""
+    log_p = theta.log_softmax(-1)
+    return -(log_p.exp() * log_p).sum(-1)
+
+
+def run(cfg: LabConfig, *, log_every: int = 1) -> list[dict[str, float]]:
+    """Train one lab run; the per-step records (every ``log_every`` steps)."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    theta = (
+        cfg.init_scale * torch.randn(cfg.contexts, cfg.positions, cfg.vocab, generator=gen)
+    ).requires_grad_()
+    opt = torch.optim.Adam([theta], lr=cfg.lr)
+    target = torch.arange(cfg.contexts) % cfg.modulus
+    accuracy = torch.zeros(cfg.contexts, dtype=torch.float64)  # drift task: each context's running accuracy
+    control = torch.Generator().manual_seed(10_000 + cfg.seed)
+    records: list[dict[str, float]] = []
+    for step in range(1, cfg.steps + 1):
+        drawn: list[Group] = []
+        draw_batch = partial(_draw, cfg, theta, target, gen, drawn)
+        kept, ds = dynamic_sampling(draw_batch, target_groups=cfg.prompts, max_batches=cfg.max_batches)
+        first = drawn[: cfg.prompts]
+        rec: dict[str, float] = {
+            "step": step,
+            "reward": sum(sum(g.rewards) for g in first) / (cfg.prompts * cfg.samples),
+            "kept_groups": ds["ds/groups_kept"],
+            "batches_drawn": ds["ds/batches_drawn"],
+        }
+        with torch.no_grad():
+            H_table = table_entropy(theta)
+            rec["policy_entropy"] = float(H_table.mean())
+            rec["drawn_entropy"] = float(H_table[[g.context for g in drawn]].mean())
+        if kept:
+            rec.update(_update(cfg, theta, opt, kept, rec["drawn_entropy"], control))
+        if cfg.task == "drift":  # a context that is solved half the time gets the next target
+            for g in drawn:
+                accuracy[g.context] += DRIFT_EMA * (sum(g.rewards) / len(g.rewards) - accuracy[g.context])
+                if accuracy[g.context] >= 0.5:
+                    target[g.context], accuracy[g.context] = (target[g.context] + 1) % cfg.modulus, 0.0
+        if step % log_every == 0 or step == cfg.steps:
+            records.append(rec)
+    return records
+
+
+def _draw(
+    cfg: LabConfig, theta: torch.Tensor, target: torch.Tensor, gen: torch.Generator, drawn: list[Group]
+) -> list[Group]:
+    """One prompt batch: ``cfg.prompts`` contexts x ``cfg.samples`` responses, scored; appended to ``drawn``."""
+    with torch.no_grad():
+        c = torch.randint(cfg.contexts, (cfg.prompts,), generator=gen)
+        probs = theta[c].softmax(-1).reshape(-1, cfg.vocab)  # [n * T, V]
+        tok = torch.multinomial(probs, cfg.samples, replacement=True, generator=gen)
+        tok = tok.view(cfg.prompts, cfg.positions, cfg.samples).transpose(1, 2)  # [n, G, T]
+        r = (tok.sum(-1) % cfg.modulus == target[c][:, None]).float()
+    groups = [Group(int(c[i]), tok[i], r[i].tolist()) for i in range(cfg.prompts)]
+    drawn.extend(groups)
+    return groups
+
+
+def _update(
+    cfg: LabConfig,
+    theta: torch.Tensor,
+    opt: torch.optim.Optimizer,
+    kept: Sequence[Group],
+    drawn_entropy: float,
+    control: torch.Generator,
+) -> dict[str, float]:
+    """Advantages, log-probs, gate, weights, loss and one optimizer step on the kept groups."""
+    G, T = cfg.samples, cfg.positions
+    rewards = torch.tensor([r for g in kept for r in g.rewards])
+    A, _ = grpo_advantages(rewards, group_size=G)
+    contexts = torch.tensor([g.context for g in kept]).repeat_interleave(G)  # [B]
+    tokens = torch.cat([g.tokens for g in kept])  # [B, T]
+    mask = torch.ones(len(tokens), T, dtype=torch.bool)
+    logp, entropy, moments = logprobs_and_entropy_from_logits(theta[contexts], tokens, with_moments=True)
+    A_tok = broadcast_to_tokens(A, mask)
+    gate_on, Hbar, _ = entropy_gate(entropy, mask, cfg.H_tgt)
+    out = {"kept_entropy": Hbar}
+    if cfg.gate_batch == "drawn":
+        gate_on = drawn_entropy < cfg.H_tgt
+    if cfg.gate == "always_on":
+        gate_on = True
+    weights = None
+    if cfg.algorithm in ("stare", "random"):
+        weights, L_plus, _, metrics = stare_weights(
+            A_tok,
+            logp,
+            mask,
+            gate_on=gate_on,
+            variant="C2" if cfg.variant == "C2" else "O1",
+            P=cfg.P,
+            W=cfg.W,
+            M=cfg.M,
+            scope="global",
+            entropy=entropy,
+            moments=moments,
+            L_plus_rule="top_k_raising" if cfg.L_plus_rule == "top_k_raising" else "top_k",
+        )
+        if cfg.algorithm == "random":  # the same number of T+ tokens, chosen at random
+            T_plus = (mask & (A_tok > 0)).flatten().nonzero().squeeze(1)
+            pick = T_plus[torch.randperm(len(T_plus), generator=control)[: int(L_plus.sum())]]
+            weights = torch.ones_like(logp.detach())
+            if gate_on:
+                weights.view(-1)[pick] = cfg.W
+            L_plus = torch.zeros_like(mask)
+            L_plus.view(-1)[pick] = True
+            metrics.update(
+                mechanism_metrics(A_tok, weights, L_plus, L_plus & False, mask, logp, entropy, moments)
+            )
+            metrics["stare/mean_weight"] = float(weights.mean())
+        out.update({k.removeprefix("stare/"): v for k, v in metrics.items() if k in _KEPT_METRICS})
+    kl_coef = None
+    if cfg.algorithm == "kl_cov":
+        kl_coef, metrics = kl_cov_coefficients(A_tok, logp, mask, k=cfg.kl_cov_k, coef=cfg.kl_cov_coef)
+        out["frac_selected"] = metrics["kl_cov/frac_selected"]
+    elif cfg.algorithm == "clip_cov":
+        weights, metrics = clip_cov_weights(
+            A_tok, logp, mask, r=cfg.clip_cov_r, lb=cfg.clip_cov_lb, ub=cfg.clip_cov_ub, generator=control
+        )
+        out["frac_selected"] = metrics["clip_cov/frac_selected"]
+    elif cfg.algorithm == "forking_tokens":
+        weights, metrics = forking_token_weights(entropy, mask, rho=cfg.forking_rho)
+        out["frac_selected"] = metrics["forking/frac_selected"]
+    if cfg.minibatches == 1 and cfg.algorithm != "entropy_bonus":  # the bonus needs H's gradient
+        loss, _ = policy_loss(
+            logp, logp.detach(), A_tok, mask, weights, eps_high=cfg.eps_high, kl_coef=kl_coef
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    else:
+        _minibatch_steps(cfg, theta, opt, contexts, tokens, logp.detach(), A_tok, mask, weights, kl_coef)
+    out["gate_on"] = float(gate_on)
+    return out
+
+
+def _minibatch_steps(
+    cfg: LabConfig,
+    theta: torch.Tensor,
+    opt: torch.optim.Optimizer,
+    contexts: torch.Tensor,
+    tokens: torch.Tensor,
+    logp_old: torch.Tensor,
+    A_tok: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None,
+    kl_coef: torch.Tensor | None,
+) -> None:
+    """``cfg.minibatches`` optimizer steps over consecutive row blocks of the kept batch, each a
+    token-mean over its block against the pre-update ``logp_old`` (the entropy bonus with the
+    gradient of each position's full entropy)."""
+    for rows in torch.arange(len(tokens)).chunk(cfg.minibatches):
+        log_p = theta[contexts[rows]].log_softmax(-1)  # [b, T, V]
+        logp = log_p.gather(-1, tokens[rows, :, None]).squeeze(-1)
+        entropy = -(log_p.exp() * log_p).sum(-1) if cfg.algorithm == "entropy_bonus" else None
+        loss, _ = policy_loss(
+            logp,
+            logp_old[rows],
+            A_tok[rows],
+            mask[rows],
+            weights[rows] if weights is not None else None,
+            eps_high=cfg.eps_high,
+            kl_coef=kl_coef[rows] if kl_coef is not None else None,
+            entropy=entropy,
+            entropy_coef=cfg.entropy_coef,
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+_KEPT_METRICS = {
+    "stare/L_plus_raising",
+    "stare/L_plus_s_above_H",
+    "stare/mass_weight",
+    "stare/mean_weight",
+    "stare/L_plus_mass_share",
+    "stare/dH_first_order",
+    "stare/dH_first_order_L_plus",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The study: variants x seeds, a table and a figure
+# ----------------------------------------------------------------------------------------------
+
+TAIL = 0.1  # summary statistics are means over the last 10 % of the steps (never a single step)
+COLUMNS = (
+    ("policy_entropy", "policy H (last 10 %)"),
+    ("kept_entropy", "kept-batch H"),
+    ("drawn_entropy", "whole-draw H"),
+    ("reward", "reward (fresh draw)"),
+    ("gate_on", "gate on (all steps)"),
+    ("L_plus_raising", "L+ raising"),
+    ("mass_weight", "mass weight"),
+    ("mean_weight", "token weight"),
+    ("frac_selected", "tokens selected"),
+    ("step_ms", "ms per step"),  # a run's wall time over its steps (lab() measures it; not per record)
+)
+
+
+def run_summary(records: list[dict[str, float]]) -> dict[str, float]:
+    """Per-run numbers: means over the last 10 % of steps; the gate's on-fraction over all steps."""
+    tail = records[-max(1, int(len(records) * TAIL)) :]
+    out: dict[str, float] = {}
+    for key, _ in COLUMNS:
+        rows = records if key == "gate_on" else tail
+        values = [r[key] for r in rows if key in r and math.isfinite(r[key])]
+        if values:
+            out[key] = sum(values) / len(values)
+    out["policy_entropy_start"] = records[0]["policy_entropy"]
+    return out
+
+
+def lab(
+    variants: Sequence[str],
+    seeds: int,
+    *,
+    task: str = "mod7",
+    steps: int = 2000,
+    out_dir: Path,
+    log_every: int = 10,
+    minibatches: int = 1,
+) -> dict[str, Any]:
+    """Run every variant x seed, write ``lab_<task>.json`` and return the summaries."""
+    torch.set_num_threads(1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    curves: dict[str, list[list[dict[str, float]]]] = {}
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    t0 = time.perf_counter()
+    for name in variants:
+        per_seed: dict[str, list[float]] = {}
+        for seed in range(seeds):
+            cfg = replace(
+                LabConfig(task=task, steps=steps, seed=seed, minibatches=minibatches), **VARIANTS[name]
+            )
+            t_run = time.perf_counter()
+            records = run(cfg, log_every=log_every)
+            per_seed.setdefault("step_ms", []).append(1000 * (time.perf_counter() - t_run) / steps)
+            curves.setdefault(name, []).append(records)
+            for key, value in run_summary(records).items():
+                per_seed.setdefault(key, []).append(value)
+        summary[name] = {key: mean_sd_ci(values) for key, values in per_seed.items()}
+        print(
+            f"[lab {task}] {name}: {format_table_row(name, summary[name])}  ({time.perf_counter() - t0:.0f} s)"
+        )
+    result = {
+        "task": task,
+        "steps": steps,
+        "seeds": seeds,
+        "config": asdict(LabConfig(task=task, steps=steps, minibatches=minibatches)),
+        "variants": {name: VARIANTS[name] for name in variants},
+        "summary": summary,
+        "curves": {
+            name: [
+                [
+                    {
+                        k: r[k]
+                        for k in ("step", "policy_entropy", "kept_entropy", "drawn_entropy", "reward")
+                        if k in r
+                    }
+                    for r in recs
+                ]
+                for recs in runs
+            ]
+            for name, runs in curves.items()
+        },
+        "wall_s": time.perf_counter() - t0,
+    }
+    (out_dir / f"lab_{task}.json").write_text(json.dumps(result))
+    return result
+
+
+def format_table_row(name: str, numbers: dict[str, dict[str, float]]) -> str:
+    cells = [format_ci(numbers[key]) if key in numbers else "-" for key, _ in COLUMNS]
+    return f"| {name} | " + " | ".join(cells) + " |"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """Markdown table: mean ± 95 % t interval over seeds of each run's last-10 % means."""
+    lines = [
+        "| variant | " + " | ".join(title for _, title in COLUMNS) + " |",
+        "|---|" + "---:|" * len(COLUMNS),
+    ]
+    lines += [format_table_row(name, numbers) for name, numbers in result["summary"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def format_paired_table(results: Sequence[dict[str, Any]]) -> str:
+    """One markdown table over tasks: per variant, each task's policy entropy (last 10 %), fresh-draw
+    reward and wall time per step, mean ± 95 % t interval over seeds (the variants of the first task)."""
+    cells = [("policy_entropy", "H"), ("reward", "reward"), ("step_ms", "ms/step")]
+    head = [f"{r['task']} {title}" for r in results for _, title in cells]
+    lines = ["| variant | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
+    for name in results[0]["summary"]:
+        row = [
+            format_ci(r["summary"][name][key]) if name in r["summary"] and key in r["summary"][name] else "-"
+            for r in results
+            for key, _ in cells
+        ]
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: Sequence[dict[str, Any]], path: Path, shown: Sequence[str]) -> None:
+    """Policy entropy over steps (mean and min-max over seeds), one panel per task, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.5), squeeze=False)
+    for ax, result in zip(axes[0], results, strict=True):
+        for name in shown:
+            runs = result["curves"].get(name)
+            if not runs:
+                continue
+            steps = [r["step"] for r in runs[0]]
+            H = torch.tensor([[r["policy_entropy"] for r in recs] for recs in runs])
+            (line,) = ax.plot(steps, H.mean(0), label=name, lw=1.2)
+            ax.fill_between(steps, H.min(0).values, H.max(0).values, color=line.get_color(), alpha=0.15)
+        ax.axhline(LabConfig().H_tgt, color="k", ls="--", lw=0.8, label="H_tgt")
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("policy entropy (nats)")
+        ax.set_title(f"task {result['task']}: {result['seeds']} seeds, mean and min-max")
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+FIGURE_VARIANTS = ("grpo-ds", "o1", "random", "open-W1.1", "o1-W3", "o1-W10", "o1-drawgate", "o1-W3-drawgate")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m stare_agent.recipes.lab", description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    parser.add_argument("--tasks", default="mod7,drift")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--out", type=Path, default=Path("runs/lab"))
+    parser.add_argument(
+        "--minibatches", type=int, default=1, help="optimizer steps per kept batch (1: the paper's)"
+    )
+    parser.add_argument(
+        "--figure-only", action="store_true", help="draw lab.png from the tasks' saved lab_<task>.json"
+    )
+    parser.add_argument(
+        "--table-only", action="store_true", help="print one table over the tasks' saved lab_<task>.json"
+    )
+    args = parser.parse_args(argv)
+    tasks = args.tasks.split(",")
+    if args.table_only:
+        print(
+            format_paired_table([json.loads((args.out / f"lab_{task}.json").read_text()) for task in tasks])
+        )
+        return
+    if args.figure_only:
+        saved = [json.loads((args.out / f"lab_{task}.json").read_text()) for task in tasks]
+        plot(saved, args.out / "lab.png", shown=[v for v in FIGURE_VARIANTS if v in saved[0]["curves"]])
+        return
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
+    results = []
+    for task in tasks:
+        result = lab(
+            variants, args.seeds, task=task, steps=args.steps, out_dir=args.out, minibatches=args.minibatches
+        )
+        results.append(result)
+        table = format_table(result)
+        (args.out / f"lab_{task}.md").write_text(table)
+        print(f"\ntask {task}, {args.seeds} seeds x {args.steps} steps, {result['wall_s']:.0f} s\n{table}")
+    plot(results, args.out / "lab.png", shown=[v for v in FIGURE_VARIANTS if v in variants])
+
+
+if __name__ == "__main__":
+    main()

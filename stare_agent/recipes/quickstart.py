@@ -1,0 +1,340 @@
+"""`stare-agent quickstart`: the main job on the embedded SmolLM2-135M-Instruct, on a CPU.
+
+1. sandbox   Docker when a daemon and the image are there (the image is built if only it is
+             missing), else the local backend with its warning
+2. model     the embedded model (converted from GGUF once, then cached), and the rollout engine:
+             vLLM (a worker process of .venv-vllm) when found, else the transformers engine
+3. baseline  tool-use evaluation on held-out procedural problems
+4. SFT       ReTool traces made by running solution code in the sandbox; cold-start SFT
+5. RL        a few STARE-O1 steps
+6. after     the same evaluation; a before/after table and where everything was written
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from sandbox.pool import Backend
+
+from stare_agent.config import RunConfig, cpu_has_bf16, load_config
+from stare_agent.metrics import json_ready
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+
+
+def pick_backend(requested: str) -> Backend:
+    """``docker`` when usable (building the image if only it is missing), else ``local`` for ``auto``."""
+    if requested != "auto":
+        return cast("Backend", requested)  # one of SANDBOX_BACKENDS: the config checked it
+    from sandbox import docker_available
+    from sandbox.build import build_image, image_exists
+    from sandbox.config import DEFAULT_IMAGE
+    from sandbox.docker import docker_client
+
+    if docker_available():
+        return "docker"
+    try:
+        docker_client(timeout=5).ping()
+        daemon = True
+    except Exception:  # noqa: BLE001 - any failure means "no daemon here"
+        daemon = False
+    if daemon and not image_exists(DEFAULT_IMAGE):
+        print(f"building the sandbox image {DEFAULT_IMAGE} (once, about 2 minutes)")
+        try:
+            build_image(DEFAULT_IMAGE)
+            return "docker"
+        except Exception as exc:  # noqa: BLE001 - fall back, loudly
+            print(f"could not build the sandbox image ({exc}); falling back to the local backend")
+    print(
+        "Docker is not usable here (`stare-agent sandbox doctor` says why): using the local backend, "
+        "whose isolation is weaker: run only trusted models with it"
+    )
+    return "local"
+
+
+def usable_precision(config: RunConfig) -> RunConfig:
+    """``config`` with ``bf16-autocast`` turned into ``fp32`` on a CPU without native bf16 (printed)."""
+    import torch
+
+    if config.deepspeed.precision == "bf16-autocast" and not torch.cuda.is_available() and not cpu_has_bf16():
+        print("this CPU has no native bf16 (AVX-512 BF16 / AMX): running in fp32, about 3x slower")
+        return replace(config, deepspeed=replace(config.deepspeed, precision="fp32"))
+    return config
+
+
+def quickstart(
+    config_path: str | Path = CONFIG, overrides: tuple[str, ...] | list[str] = ()
+) -> dict[str, Any]:
+    """Run the main job (see the module docstring); returns the before/after numbers and paths."""
+    from transformers import set_seed
+
+    from stare_agent.engines import start_engine
+    from stare_agent.models import load_policy
+
+    start = time.perf_counter()
+    times: dict[str, float] = {}
+    config = load_config(config_path, list(overrides))
+    run_dir = Path(config.trainer.run_dir)
+    config = usable_precision(config)
+
+    def phase(name: str, t0: float) -> None:
+        times[name] = time.perf_counter() - t0
+        print(f"[{name}] done in {times[name]:.0f} s", flush=True)
+
+    # 1. sandbox
+    t0 = time.perf_counter()
+    backend = pick_backend(config.sandbox.backend)
+    config = replace(config, sandbox=replace(config.sandbox, backend=backend))
+    print(f"[sandbox] backend: {backend}")
+    phase("sandbox", t0)
+
+    # 2. model
+    t0 = time.perf_counter()
+    set_seed(config.trainer.seed)
+    model, tokenizer = load_policy(config.model.name_or_path)
+    autocast = config.deepspeed.precision == "bf16-autocast"
+    engine_name, engine = start_engine(config, model, tokenizer, autocast=autocast)
+    print(f"[engine] {engine_name}")
+    eval_name, eval_engine = None, engine
+    try:
+        if config.data.eval_fp32:
+            eval_name, eval_engine = fp32_eval_engine(config, model, tokenizer, engine)
+            if eval_name:
+                print(f"[engine] before/after evaluation: {eval_name}")
+        phase("model", t0)
+        result = _run(config, run_dir, model, tokenizer, engine, eval_engine, backend, times, phase)
+    finally:
+        for e in {id(engine): engine, id(eval_engine): eval_engine}.values():
+            if hasattr(e, "close"):
+                e.close()
+    result["engine"] = engine_name
+    result["eval_engine"] = eval_name
+    result["total_s"] = time.perf_counter() - start
+    save_result(result, run_dir)
+    print(format_table(result))
+    return result
+
+
+def fp32_eval_engine(config: RunConfig, model: Any, tokenizer: Any, engine: Any) -> tuple[str | None, Any]:
+    """The engine of the before/after table under ``data.eval_fp32``, as ``(description, engine)``.
+
+    Greedy decoding takes an argmax, which bf16 rounding flips in a few episodes (one SFT model of the
+    quickstart: 0.800 in fp32, 0.750 in bf16; ``benchmarks/eval_engines.py``), so the table decodes in fp32
+    while the rollouts keep bf16's speed: beside a transformers engine under autocast, a transformers
+    engine on the same ``model`` without it; beside a vLLM worker in bf16, a second worker in fp32
+    (``_run`` gives it the policy's weights before each evaluation). ``(None, engine)`` when
+    ``engine`` already decodes in fp32, or is another kind (SGLang).
+    """
+    from stare_agent.engines import TransformersEngine, VLLMEngine
+    from stare_agent.engines import vllm_engine as vllm_module
+
+    if isinstance(engine, TransformersEngine) and engine.autocast_dtype is not None:
+        return "transformers (fp32, in process)", TransformersEngine(model, tokenizer)
+    if isinstance(engine, VLLMEngine) and engine.info["dtype"] != "float32":
+        section = replace(config.env.vllm, dtype="float32")
+        fp32 = vllm_module.vllm_engine_from_config(
+            section, config.model.name_or_path, seed=config.trainer.seed
+        )
+        return f"vllm {fp32.info['vllm_version']} (float32, worker process)", fp32
+    return None, engine
+
+
+def _run(
+    config: RunConfig,
+    run_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    engine: Any,
+    eval_engine: Any,
+    backend: Backend,
+    times: dict[str, float],
+    phase: Any,
+) -> dict[str, Any]:
+    """Steps 3 to 6 with one rollout engine (and ``eval_engine`` for the evaluations); the before/after
+    numbers."""
+    import torch
+
+    from envs.problems import eval_problems
+    from sandbox import SandboxPool
+    from stare_agent.evaluation import evaluate_config
+    from stare_agent.metrics import policy_entropy, read_metrics
+    from stare_agent.provenance import model_settings
+    from stare_agent.recipes.plots import plot_dashboard
+    from stare_agent.train.sft import sft
+    from stare_agent.train.trainer import Trainer, latest_checkpoint
+
+    data, env = config.data, config.env
+    autocast = torch.bfloat16 if config.deepspeed.precision == "bf16-autocast" else None
+    problems = eval_problems(
+        data.eval or "mixed", seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
+    )
+    pool = SandboxPool(config.sandbox.pool_size, backend=backend, config=config.sandbox.limits)
+    try:
+
+        def run_eval(tag: str, model_path: str) -> dict[str, float]:
+            """Evaluate the policy in memory, whose weights are those of ``model_path`` (its hash goes
+            into the summary's settings)."""
+            t = time.perf_counter()
+            if eval_engine is not engine and getattr(eval_engine, "model", None) is not model:
+                eval_engine.update_weights(model.named_parameters())  # a worker of its own
+            report = evaluate_config(
+                config,
+                engine=eval_engine,
+                tokenizer=tokenizer,
+                env_kwargs={**env.env_kwargs(evaluation=True), "pool": pool},
+                batch_size=max(config.sandbox.pool_size, 1),
+                problems=problems,
+                out_dir=run_dir / f"eval_{tag}",
+                keep_trajectories=True,
+                settings={"model": model_settings(model_path)},
+            )
+            metrics = dict(report.metrics)
+            device = next(model.parameters()).device.type
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast is not None):
+                metrics["entropy"] = policy_entropy(model, report.trajectories, tokenizer.pad_token_id or 0)
+            phase(f"eval {tag}", t)
+            return metrics
+
+        # 3. baseline
+        before = run_eval("before", config.model.name_or_path)
+    finally:
+        pool.close()
+
+    # 4. cold-start SFT (trains `model` in place and exports it)
+    t0 = time.perf_counter()
+    sft_summary = sft(config, model=model, tokenizer=tokenizer)
+    own_copy = getattr(engine, "model", None) is not model  # vLLM: give it the SFT weights
+    if own_copy:
+        engine.update_weights(model.named_parameters())
+    phase("sft", t0)
+
+    # 5. STARE-O1 RL, starting from the SFT model; the trainer syncs an engine with its own copy after
+    # every update (the transformers engine: the trainer's own, on the module it trains)
+    t0 = time.perf_counter()
+    rl_config = replace(config, model=replace(config.model, name_or_path=sft_summary["output_dir"]))
+    Trainer(rl_config, model=model, tokenizer=tokenizer, engine=engine if own_copy else None).fit()
+    phase("rl", t0)
+    steps = read_metrics(run_dir)
+    gate_activity, skipped_steps = gate_fraction(steps)
+
+    # 6. after
+    pool = SandboxPool(config.sandbox.pool_size, backend=backend, config=config.sandbox.limits)
+    try:
+        last = latest_checkpoint(run_dir)  # the trainer saves the last step's policy
+        after = run_eval("after", str(last / "hf") if last else f"{run_dir} (RL policy, no checkpoint)")
+    finally:
+        pool.close()
+    dashboard = plot_dashboard(run_dir)
+    checkpoint = latest_checkpoint(run_dir)
+    result = {
+        "backend": backend,
+        "problems": len(problems),
+        "samples": data.eval_samples,
+        "before": before,
+        "after": after,
+        "gate_activity": gate_activity,
+        "skipped_steps": skipped_steps,
+        # The gate's quantity: entropy of the policy on its own sampled RL rollouts, per step.
+        "rl_entropy": [r["entropy"] for r in steps if "entropy" in r],
+        "H_tgt": config.algorithm.H_tgt,
+        "rl_steps": len(steps),
+        "sft": sft_summary,
+        "times_s": times,
+        "run_dir": str(run_dir),
+        "dashboard": str(dashboard),
+        "checkpoint_hf": str(checkpoint / "hf") if checkpoint else None,
+    }
+    return result
+
+
+def save_result(result: dict[str, Any], run_dir: Path) -> Path:
+    """Write ``run_dir/quickstart.json``: strict JSON, a number that is not one (NaN) written as null."""
+    path = run_dir / "quickstart.json"
+    path.write_text(json.dumps(json_ready(result), indent=2, default=str, allow_nan=False))
+    return path
+
+
+def gate_fraction(steps: list[dict[str, Any]]) -> tuple[float | None, int]:
+    """The fraction of trained RL steps with the STARE gate on, and the number of steps that trained
+    nothing (``skipped``: no group with reward variance, or a non-finite loss): such a step has no gate
+    (the trainer logs gate_on 0 there), so it counts neither as on nor as off. ``None`` when no step
+    trained."""
+    trained = [r for r in steps if not r.get("skipped")]
+    if not trained:
+        return None, len(steps)
+    return sum(float(r.get("gate_on", 0)) for r in trained) / len(trained), len(steps) - len(trained)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The before/after table and the paths, as plain text."""
+    k = result["samples"]
+    b, a = result["before"], result["after"]
+    rows = [
+        (f"tool-use accuracy (avg@{k})", _number(b[f"avg@{k}"], ".3f"), _number(a[f"avg@{k}"], ".3f")),
+        (f"pass@{k}", _number(b[f"pass@{k}"], ".3f"), _number(a[f"pass@{k}"], ".3f")),
+        (
+            "tool calls per episode",
+            _number(b["tool_calls_per_episode"], ".2f"),
+            _number(a["tool_calls_per_episode"], ".2f"),
+        ),
+        (
+            "entropy, greedy eval rollouts (nats/token)",
+            _number(b["entropy"], ".3f"),
+            _number(a["entropy"], ".3f"),
+        ),
+        ("STARE gate on (fraction of trained RL steps)", "-", _number(result["gate_activity"], ".2f")),
+        (
+            "RL steps that trained nothing (skipped)",
+            "-",
+            f"{result.get('skipped_steps', 0)} of {result.get('rl_steps')}",
+        ),
+    ]
+    width = max(len(r[0]) for r in rows)
+    lines = [
+        f"\n{result['problems']} held-out procedural problems x {k} samples, sandbox: {result['backend']}, "
+        f"engine: {result.get('engine', 'transformers')}"
+        + (f", evaluated by {result['eval_engine']}" if result.get("eval_engine") else ""),
+        f"{'':<{width}}  {'before':>8}  {'after':>8}",
+        *(f"{name:<{width}}  {x:>8}  {y:>8}" for name, x, y in rows),
+        _rl_entropy_line(result),
+        "",
+        f"total time: {result['total_s'] / 60:.1f} min  ("
+        + ", ".join(f"{name} {secs:.0f} s" for name, secs in result["times_s"].items())
+        + ")",
+        f"run directory: {result['run_dir']}",
+        f"dashboard: {result['dashboard']}",
+        f"HF checkpoint: {result['checkpoint_hf']}",
+    ]
+    return "\n".join(lines)
+
+
+def _number(value: float | None, spec: str) -> str:
+    """``value`` formatted, or "-" where there is none (null in quickstart.json, or NaN)."""
+    return "-" if value is None or value != value else format(value, spec)
+
+
+def _rl_entropy_line(result: dict[str, Any]) -> str:
+    """The entropy the STARE gate controls: on the RL steps' sampled rollouts, not on greedy eval."""
+    # a skipped step logs no entropy: NaN in memory, null in quickstart.json
+    H = [h for h in result.get("rl_entropy", []) if h is not None and h == h]
+    if not H:
+        return "entropy, sampled RL rollouts (gate's H-bar): no RL step trained"
+    return (
+        f"entropy, sampled RL rollouts (gate's H-bar): {H[0]:.3f} at the first RL step -> {H[-1]:.3f} "
+        f"at the last (H_tgt = {result['H_tgt']:g})"
+    )
+
+
+__all__ = [
+    "format_table",
+    "fp32_eval_engine",
+    "gate_fraction",
+    "pick_backend",
+    "quickstart",
+    "usable_precision",
+]

@@ -1,0 +1,828 @@
+"""The STARE / GRPO-ds RL loop: ``Trainer(config).fit()`` and ``stare-agent train``.
+
+One step, in the paper's order (docs/algorithm.md, "One training step, in the paper's order"):
+
+    1. rollout      G episodes per prompt, multi-turn and token-exact (envs.rollout)
+    2. reward       binary accuracy of the final answer (scored by the environment)
+    3. dynamic      drop groups whose G rewards are all equal; draw more prompt batches (capped)
+       sampling     until ``data.prompts_per_step`` groups remain; truncate to exactly that
+    4. advantages   A_i = (r_i - mean_group) / (std_group + 1e-6), broadcast to mask-1 tokens
+    5. log-probs    pre-update log pi(o_t) and full-vocabulary entropy H_t of every response token
+                    (STARE only; GRPO-ds takes Hbar from its update's own forward pass)
+    6. gate         gate_on = Hbar < H_tgt, Hbar the masked token mean over the batch on all ranks
+    7. weights      STARE: W on L+, M on L- (C2), 1 elsewhere; GRPO-ds: none
+    8. update       one optimizer step of the dual-clip surrogate x weights, token-mean
+    9. sync         hand the new weights to the rollout engine
+
+Distributed (torchrun / the deepspeed launcher, gloo on CPU, NCCL on GPU): every rank draws the
+same prompt batch and plays the groups it owns (group g on rank g mod world); rewards and
+trajectories are exchanged so that dynamic sampling, advantages and the kept groups agree on all
+ranks; kept groups are dealt to ranks round-robin; the gate and STARE's global scope reduce over
+all ranks inside the algorithm functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import time
+import warnings
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+from transformers import set_seed
+
+from envs.engine import SamplingParams
+from envs.problems import Problem, ProblemStream
+from envs.registry import check_env_id
+from envs.rollout import RolloutRunner
+from envs.tool_env import ToolEnv
+from envs.trajectory import Trajectory
+from stare_agent.algorithms import (
+    AdaptiveController,
+    broadcast_to_tokens,
+    clip_cov_weights,
+    dynamic_sampling,
+    entropy_gate,
+    first_order_response,
+    forking_token_weights,
+    gate,
+    grpo_advantages,
+    kl_cov_coefficients,
+    stare_weights,
+)
+from stare_agent.config import ConfigError, RunConfig, eval_source, train_source
+from stare_agent.metrics import StepLogger, ToolHealth, ToolHealthAlarm, rollout_metrics
+from stare_agent.train.batch import collate
+from stare_agent.train.learner import Learner, load_training_policy
+
+if TYPE_CHECKING:
+    from sandbox.pool import PoolBackend
+    from stare_agent.algorithms.stare import LPlusRule, Scope, Variant
+
+CHECKPOINT_PREFIX = "step-"
+
+
+@dataclass
+class Group:
+    """The G episodes of one prompt. ``rewards`` are known on every rank; ``trajectories`` too once
+    exchanged (``global_ids`` are the episodes' batch-wide ids, used as STARE's tie-break key).
+    Episodes lost to an infrastructure failure (``finish_reason == "failed"``) are left out of all
+    three and counted in ``failed``; with ``data.on_failed_episode=drop_group`` (the default) the
+    other episodes of such a group are left out too (``dropped``), so it trains nothing."""
+
+    index: int
+    problem: Problem | None  # None in a replay: saved episodes keep only the problem's id
+    rewards: list[float]
+    trajectories: list[Trajectory] = field(default_factory=list)
+    global_ids: list[int] = field(default_factory=list)
+    failed: int = 0
+    dropped: bool = False
+
+
+class Trainer:
+    """RL training of a tool-using policy with GRPO-ds or STARE.
+
+    Args:
+        config: The run's config (``stare_agent.config.load_config``).
+        model, tokenizer: An already loaded policy (default: ``config.model.name_or_path``).
+        resume: Continue from the last complete checkpoint in ``config.trainer.run_dir``.
+        engine: A rollout engine to use instead of the one ``env.engine`` names (e.g. a scripted
+            engine in tests); it receives the new weights after every update.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        model: Any = None,
+        tokenizer: Any = None,
+        resume: bool = False,
+        engine: Any = None,
+    ) -> None:
+        self.config = config
+        if config.env.top_p < 1:
+            warnings.warn(
+                f"env.top_p={config.env.top_p}: rollouts sample from the nucleus-truncated distribution "
+                "while the loss scores them under the full one, as if on-policy (the ratio is off by the "
+                "truncation): use env.top_p=1.0 for RL (the paper's setting)",
+                stacklevel=2,
+            )
+        self.run_dir = Path(config.trainer.run_dir)
+        self.resume = resume
+        check_env_id(config.env.id)  # before the model loads, as the problems, run dir and engine are
+        check_run_dir(self.run_dir)
+        if engine is None and config.env.engine == "vllm":
+            from stare_agent.engines.vllm_engine import resolve_vllm_python
+
+            resolve_vllm_python(config.env.vllm.python)
+        self.stream = ProblemStream(
+            train_source(config),
+            seed=config.trainer.seed,
+            difficulty=config.data.difficulty,
+            dedupe=config.data.dedupe,
+        )
+        self._eval_source = eval_source(config)
+        if model is None or tokenizer is None:
+            model, tokenizer = load_training_policy(config)  # partitioned at load under ZeRO-3
+        if config.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        set_seed(config.trainer.seed)  # python, numpy, torch and CUDA generators
+        self.tokenizer = tokenizer
+        self.learner = Learner.from_config(model, tokenizer, config)
+        self.rank, self.world = self.learner.rank, self.learner.world_size
+        self._owns_engine = engine is None  # an engine we started (a vLLM worker) is ours to close
+        self._engine: Any = engine if engine is not None else self._make_engine()
+        if self.rank == 0 and self.stream.counts:
+            c = self.stream.counts
+            print(
+                f"data.train: {c['rows']} rows -> {len(self.stream.problems)} problems "
+                f"({c['duplicates']} repeats dropped, answer-format instructions removed from {c['unwrapped']})"
+            )
+        alg = config.algorithm
+        self.controller = AdaptiveController(
+            W=alg.W,
+            M=alg.M,
+            H_tgt=alg.H_tgt,
+            alpha=alg.alpha if alg.adaptive else 0.0,
+            W_max=max(alg.W_max, alg.W),
+            M_min=min(alg.M_min, alg.M),
+        )
+        self.step = 0
+        self.sync_s = 0.0  # seconds spent handing weights to the engine (time/sync_s per step)
+        self._pool: Any = None
+        self._played: list[Trajectory] = []  # this step's episodes, failed ones included (tool health)
+        self._tool_health = ToolHealth()
+        self._tool_alarm = ToolHealthAlarm(
+            config.trainer.max_infra_error_rate, config.trainer.infra_error_window
+        )
+        self._envs: list[ToolEnv] = []
+        self._last_drawn: list[Trajectory] = []  # the trajectories of this step's draws
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict[str, Any]:
+        """Train ``trainer.steps`` steps (from the last checkpoint with ``resume``); return a summary."""
+        cfg = self.config.trainer
+        if self.resume and self._restore():
+            # The engine still holds the weights it was built with: give it the restored policy
+            # before the first rollout (and any evaluation) samples from it.
+            self._sync_engine()
+        if self.rank == 0:
+            self.config.save(self.run_dir)
+        logger = None
+        if self.rank == 0:
+            logger = StepLogger(
+                self.run_dir, backends=self.config.logger.backends, job_type="rl", config=self.config
+            )
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="RL steps", unit="step", disable=self.rank != 0)
+        last: dict[str, Any] = {}
+        try:
+            while self.step < cfg.steps:
+                self.step += 1
+                last = self.train_step()
+                if (
+                    cfg.eval_every
+                    and self._eval_source is not None
+                    and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
+                ):
+                    report = self.evaluate()
+                    self._save_rollouts(f"eval_{self.step:05d}", report.trajectories)
+                    last.update({f"eval/{k}": v for k, v in report.metrics.items()})
+                    if self.config.data.eval_greedy:
+                        report = self.evaluate(greedy=True)
+                        self._save_rollouts(f"eval_greedy_{self.step:05d}", report.trajectories)
+                        last.update({f"eval_greedy/{k}": v for k, v in report.metrics.items()})
+                if logger is not None:
+                    logger.log(self.step, last)
+                self._tool_alarm.observe(self.step, self._tool_health)  # stops a run whose tools broke
+                bar.update(1)
+                bar.set_postfix(
+                    reward=f"{last['reward_mean']:.2f}", H=f"{last['entropy']:.3f}", gate=int(last["gate_on"])
+                )
+                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or self.step == cfg.steps:
+                    self.save_checkpoint()
+        finally:
+            bar.close()
+            if logger is not None:
+                logger.close()
+            self.close()
+        return {"steps": self.step, "run_dir": str(self.run_dir), "last": last}
+
+    def train_step(self) -> dict[str, Any]:
+        """One RL step (see the module docstring); returns its metrics."""
+        data = self.config.data
+        t0 = time.perf_counter()
+        # 1-3. rollout, reward, dynamic sampling (answers are verified inside env.step: time/reward_s
+        # is the checking part of time/rollout_s, summed over episodes)
+        check_before = sum(env.check_time_s for env in self._envs)
+        self._played = []
+        drawn: list[Group] = []
+        per_draw = data.prompts_per_draw or data.prompts_per_step
+
+        def draw_batch() -> list[Group]:
+            groups = self._rollout_groups(self.stream.take(per_draw), draw=len(drawn) // per_draw + 1)
+            drawn.extend(groups)
+            return [g for g in groups if g.rewards]  # one dropped for a failed episode has none left
+
+        if data.dynamic_sampling:
+            kept, ds_metrics = dynamic_sampling(
+                draw_batch,
+                target_groups=data.prompts_per_step,
+                max_batches=data.max_sampling_batches,
+                on_shortfall="raise" if data.on_short_batch == "raise" else "keep",
+            )
+        else:
+            kept, ds_metrics = [g for g in draw_batch() if g.trajectories][: data.prompts_per_step], {}
+        t_rollout = time.perf_counter() - t0
+        episodes = [t for g in drawn for t in g.trajectories]
+        trained = {id(g) for g in kept}
+        self._save_rollouts(
+            f"step_{self.step:05d}",
+            episodes,
+            [
+                {"group": n, "trained": id(g) in trained, "global_id": gid}
+                for n, g in enumerate(drawn)
+                for gid in g.global_ids
+            ],
+        )
+        metrics: dict[str, Any] = {**rollout_metrics(episodes, self._model_texts(episodes)), **ds_metrics}
+        metrics["time/rollout_s"] = t_rollout
+        metrics["failed_episodes"] = sum(g.failed for g in drawn)
+        self._tool_health = ToolHealth.of(self._played)  # the same on every rank: from gathered episodes
+        metrics.update(self._tool_health.metrics())
+        metrics["dropped_groups"] = sum(g.dropped for g in drawn)
+        if metrics["failed_episodes"] and self.rank == 0:
+            tqdm.write(
+                f"step {self.step}: {metrics['failed_episodes']} episodes failed in the sandbox infrastructure "
+                f"after their retries: {metrics['dropped_groups']} groups dropped whole (data.on_failed_episode="
+                f"{data.on_failed_episode})"
+            )
+        metrics["time/reward_s"] = sum(env.check_time_s for env in self._envs) - check_before
+        learned = self.learn(drawn, kept)
+        metrics.update(learned)
+        if "skip_reason" in learned:
+            return metrics
+        # 9. sync
+        if not learned.get("skipped"):
+            self._sync_engine()
+        metrics["time/update_s"] += self.sync_s
+        metrics["time/sync_s"], self.sync_s = self.sync_s, 0.0  # part of time/update_s
+        metrics["time/step_s"] = time.perf_counter() - t0
+        return metrics
+
+    def learn(self, drawn: list[Group], kept: list[Group]) -> dict[str, Any]:
+        """Steps 4-8 on one step's groups: ``drawn`` in draw order, ``kept`` those dynamic sampling
+        kept (in draw order). Advantages over the kept groups, log-probs, the gate, STARE weights and
+        the update; the engine is not synced. Returns the update's metrics, or ``skipped`` and
+        ``skip_reason`` when there is nothing to train. ``stare_agent.train.replay`` calls it on saved
+        episodes, so that a replay trains exactly as the run did."""
+        alg, data = self.config.algorithm, self.config.data
+        metrics: dict[str, Any] = {}
+        short = data.dynamic_sampling and len(kept) < data.prompts_per_step
+        if short and self.rank == 0:
+            skip = data.on_short_batch == "skip" or len(kept) < self.world
+            action = "skipping the step" if skip else f"training on {len(kept)}"
+            tqdm.write(
+                f"step {self.step}: dynamic sampling kept {len(kept)} of {data.prompts_per_step} groups after "
+                f"data.max_sampling_batches={data.max_sampling_batches}: {action} (data.on_short_batch="
+                f"{data.on_short_batch})"
+            )
+        if short and data.on_short_batch == "skip":
+            metrics.update(skipped=1, skip_reason="dynamic sampling fell short (data.on_short_batch=skip)")
+            return {**metrics, "entropy": float("nan"), "gate_on": 0}
+        if len(kept) < self.world:
+            # Every rank needs a group to take part in the update; all ranks see the same count.
+            reason = self._nothing_to_train(drawn, kept)
+            if self.rank == 0:
+                tqdm.write(f"step {self.step}: no update: {reason}")
+            metrics.update(skipped=1, skip_reason=reason)
+            return {**metrics, "entropy": float("nan"), "gate_on": 0}
+
+        # 4. advantages over all kept groups (identical on every rank), then this rank's share
+        rewards = torch.tensor([r for g in kept for r in g.rewards], dtype=torch.float32)
+        group_index = torch.tensor([i for i, g in enumerate(kept) for _ in g.rewards])
+        A_all, adv_metrics = grpo_advantages(rewards, group_index=group_index)
+        mine = [i for i, g in enumerate(kept) if i % self.world == self.rank]
+        offsets = np.cumsum([0] + [len(g.rewards) for g in kept])
+        rows = [r for i in mine for r in range(offsets[i], offsets[i + 1])]
+        trajectories = [t for i in mine for t in kept[i].trajectories]
+        if alg.overlong_filter:  # DAPO: budget-cut episodes shape their group's advantages, not the loss
+            trajectories = [_without_loss(t) if _budget_cut(t) else t for t in trajectories]
+        if alg.void_turn_filter:  # SimpleTIR: episodes with a void turn shape advantages, not the loss
+            trajectories = [_without_loss(t) if t.void_turn else t for t in trajectories]
+        sequence_ids = torch.tensor([gid for i in mine for gid in kept[i].global_ids])
+        A = A_all[rows]
+
+        # 5. pre-update log-probs and entropy ([B, L-1], column t scores token t+1), 6. gate (global
+        # over ranks) and the optional adaptive schedule, 7. STARE weights on mask-1 tokens. GRPO-ds
+        # needs no batch statistic before its loss: its update's own forward pass gives the entropy.
+        t1 = time.perf_counter()
+        weights, stare_metrics = None, dict[str, float]()
+        if alg.name == "stare":
+            logp, entropy, moments = self.learner.compute_logprobs_and_entropy(
+                trajectories, with_moments=True
+            )
+            mask = collate(trajectories, self.learner.pad_id)["response_mask"].to(logp.device)
+            A_tok = broadcast_to_tokens(A.to(logp.device), mask)
+            gate_on, Hbar, gate_metrics = entropy_gate(entropy, mask, alg.H_tgt)
+            if alg.gate_batch == "drawn":  # ours: the gate reads every drawn group, kept or dropped
+                gate_on, Hbar, gate_metrics = self._drawn_gate(drawn, kept, entropy, mask, Hbar)
+            if alg.gate == "always_on":  # the paper's open-loop ablation
+                gate_on = True
+            if alg.adaptive:
+                self.controller.update(Hbar)
+            weights, stare_metrics = self._stare_weights(
+                trajectories,
+                A_tok,
+                logp,
+                mask,
+                gate_on,
+                self.controller.W,
+                self.controller.M,
+                sequence_ids,
+                Hbar,
+                entropy,
+                moments,
+            )
+        kl_coef = None
+        if alg.name in ("kl_cov", "clip_cov", "forking_tokens"):  # the field's other entropy controls
+            weights, kl_coef, stare_metrics = self._entropy_control(trajectories, A, sequence_ids)
+        t_logprob = time.perf_counter() - t1
+
+        # 8. update
+        t2 = time.perf_counter()
+        update_metrics = self.learner.update(
+            trajectories, A, weights, rollout_correction=self.rollout_correction_mode(), kl_coef=kl_coef
+        )
+        t_update = time.perf_counter() - t2
+        if alg.name != "stare":  # the gate STARE would have seen, logged for comparison
+            Hbar = update_metrics["entropy"]
+            gate_on, gate_metrics = gate(Hbar, alg.H_tgt)
+            if alg.adaptive:
+                self.controller.update(Hbar)
+        W, M = self.controller.W, self.controller.M
+
+        metrics.update(adv_metrics)
+        metrics.update(gate_metrics)
+        metrics.update(stare_metrics)
+        metrics.update(update_metrics)
+        metrics.update(
+            entropy=Hbar,
+            gate_on=int(gate_on),
+            H_tgt=alg.H_tgt,
+            W=W,
+            M=M,
+            frac_reweighted=stare_metrics.get("stare/frac_reweighted", 0.0),
+            kept_groups=len(kept),
+            overlong_filtered=sum(_budget_cut(t) for g in kept for t in g.trajectories)
+            if alg.overlong_filter
+            else 0,
+        )
+        metrics["time/logprob_s"] = t_logprob
+        metrics["time/update_s"] = t_update
+        return metrics
+
+    # ------------------------------------------------------------------ pieces
+
+    def _entropy_control(
+        self, trajectories: list[Trajectory], A: torch.Tensor, sequence_ids: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, float]]:
+        """(weights, KL-Cov coefficients, metrics) of ``kl_cov``, ``clip_cov`` or ``forking_tokens``
+        from the pre-update policy's log-probs and entropy (``algorithms.entropy_control``), selected
+        per ``algorithm.scope`` like STARE's L+."""
+        alg = self.config.algorithm
+        logp, entropy, moments = self.learner.compute_logprobs_and_entropy(trajectories, with_moments=True)
+        mask = collate(trajectories, self.learner.pad_id)["response_mask"].to(logp.device)
+        A_tok = broadcast_to_tokens(A.to(logp.device), mask)
+        scope = cast("Scope", alg.scope)
+        split = self.learner.micro_batches(trajectories) if alg.scope == "micro_batch" else None
+        ids = sequence_ids.to(logp.device)
+        if alg.name == "kl_cov":
+            kl_coef, metrics = kl_cov_coefficients(
+                A_tok,
+                logp,
+                mask,
+                k=alg.kl_cov_k,
+                coef=alg.kl_cov_coef,
+                scope=scope,
+                micro_batches=split,
+                sequence_ids=ids,
+            )
+            metrics["entropy_control/dH_first_order"] = first_order_response(
+                A_tok, None, mask, logp, entropy, moments
+            )
+            return None, kl_coef, metrics
+        if alg.name == "clip_cov":  # the same draw on every rank: seeded by the run's seed and the step
+            draw = torch.Generator().manual_seed(
+                zlib.crc32(f"clip_cov {self.config.trainer.seed} {self.step}".encode())
+            )
+            weights, metrics = clip_cov_weights(
+                A_tok,
+                logp,
+                mask,
+                r=alg.clip_cov_r,
+                lb=alg.clip_cov_lb,
+                ub=alg.clip_cov_ub,
+                generator=draw,
+                scope=scope,
+                micro_batches=split,
+                sequence_ids=ids,
+            )
+        else:
+            weights, metrics = forking_token_weights(
+                entropy, mask, rho=alg.forking_rho, scope=scope, micro_batches=split, sequence_ids=ids
+            )
+        metrics["entropy_control/dH_first_order"] = first_order_response(
+            A_tok, weights, mask, logp, entropy, moments
+        )
+        return weights, None, metrics
+
+    def _stare_weights(
+        self,
+        trajectories: list[Trajectory],
+        A_tok: torch.Tensor,
+        logp: torch.Tensor,
+        mask: torch.Tensor,
+        gate_on: bool,
+        W: float,
+        M: float,
+        sequence_ids: torch.Tensor,
+        Hbar: float,
+        entropy: torch.Tensor,
+        moments: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """STARE's weights and its metrics over the whole batch on all ranks. The micro_batch scope
+        selects inside each of the learner's own micro-batches, as the authors' code does, so the
+        split must be the learner's."""
+        alg = self.config.algorithm
+        weights, _, _, metrics = stare_weights(
+            A_tok,
+            logp,
+            mask,
+            gate_on=gate_on,
+            variant=cast("Variant", alg.variant),  # the config checked variant and scope
+            P=alg.P,
+            W=W,
+            M=M,
+            scope=cast("Scope", alg.scope),
+            micro_batches=self.learner.micro_batches(trajectories) if alg.scope == "micro_batch" else None,
+            sequence_ids=sequence_ids.to(logp.device),
+            Hbar=Hbar,
+            entropy=entropy,
+            moments=moments,
+            L_plus_rule=cast("LPlusRule", alg.L_plus_rule),
+        )
+        return weights, metrics
+
+    def _drawn_gate(
+        self,
+        drawn: list[Group],
+        kept: list[Group],
+        entropy: torch.Tensor,
+        mask: torch.Tensor,
+        Hbar_kept: float,
+    ) -> tuple[bool, float, dict[str, float]]:
+        """The gate on the whole draw (algorithm.gate_batch=drawn, this project's variant): the kept
+        tokens' entropies and those of this rank's share of the dropped groups (drawn group n on rank
+        n mod world), one more log-prob pass; the mean is global over ranks as in ``entropy_gate``."""
+        trained = {id(g) for g in kept}
+        dropped = [
+            t
+            for n, g in enumerate(drawn)
+            if id(g) not in trained and n % self.world == self.rank
+            for t in g.trajectories
+        ]
+        H = [entropy[mask.bool()]]
+        if dropped:
+            _, H_dropped = self.learner.compute_logprobs_and_entropy(dropped)
+            dropped_mask = collate(dropped, self.learner.pad_id)["response_mask"].to(H_dropped.device)
+            H.append(H_dropped[dropped_mask.bool()].to(entropy.device))
+        H_all = torch.cat(H)[None]
+        gate_on, Hbar, metrics = entropy_gate(
+            H_all, torch.ones_like(H_all, dtype=torch.bool), self.config.algorithm.H_tgt
+        )
+        return gate_on, Hbar, {**metrics, "stare/entropy_kept": Hbar_kept}
+
+    def _rollout_groups(self, problems: list[Problem], *, draw: int) -> list[Group]:
+        """Play G episodes per problem (this rank's groups), then share rewards and trajectories."""
+        G = self.config.data.samples_per_prompt
+        mine = [i for i in range(len(problems)) if i % self.world == self.rank]
+        jobs = [(i, k) for i in mine for k in range(G)]
+        runner = self._runner(draw)
+        # Episodes hold a leased sandbox from reset to end: play them in waves of the pool's size.
+        wave = self.config.sandbox.pool_size
+        envs = self._get_envs(min(wave, len(jobs)))
+        trajectories: list[Trajectory] = []
+        for start in range(0, len(jobs), wave):
+            chunk = jobs[start : start + wave]
+            trajectories += runner.run(
+                envs[: len(chunk)],
+                options=[{"problem": problems[i]} for i, _ in chunk],
+                episode_keys=[f"{i}/{k}" for i, k in chunk],  # one sampling stream per episode
+            )
+        local = {i: trajectories[n * G : (n + 1) * G] for n, i in enumerate(mine)}
+        if self.world > 1:
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, {i: [t.to_dict() for t in ts] for i, ts in local.items()})
+            local = {i: [Trajectory.from_dict(d) for d in ts] for part in gathered for i, ts in part.items()}
+        self._played += [t for i in sorted(local) for t in local[i]]
+        base = (draw - 1) * len(problems) * G
+        groups = []
+        for i, p in enumerate(problems):
+            ok = [
+                (t, base + i * G + k)
+                for k, t in enumerate(local[i])
+                if t.info.get("finish_reason") != "failed"
+            ]
+            failed = G - len(ok)
+            drop = failed > 0 and self.config.data.on_failed_episode == "drop_group"
+            if drop:  # a group short of an episode would bias its group-relative advantages
+                ok = []
+            groups.append(
+                Group(
+                    i,
+                    p,
+                    [t.reward for t, _ in ok],
+                    [t for t, _ in ok],
+                    [g for _, g in ok],
+                    failed=failed,
+                    dropped=drop,
+                )
+            )
+        self._last_drawn = (
+            [t for g in groups for t in g.trajectories]
+            if draw == 1
+            else self._last_drawn + [t for g in groups for t in g.trajectories]
+        )
+        return groups
+
+    def _runner(self, draw: int) -> RolloutRunner:
+        env = self.config.env
+        # Episodes are keyed by (group, sample) within the draw: streams do not depend on rank or wave.
+        seed = zlib.crc32(f"rollout/{self.config.trainer.seed}/{self.step}/{draw}".encode())
+        sampling = SamplingParams(temperature=env.temperature, top_p=env.top_p, seed=seed)
+        return RolloutRunner(
+            self.tokenizer,
+            self.engine,
+            max_response_tokens=env.max_response_tokens,
+            sampling=sampling,
+            continuous=env.continuous_batching,
+        )
+
+    def _get_envs(self, n: int) -> list[ToolEnv]:
+        while len(self._envs) < n:
+            self._envs.append(self.config.env.make(pool=self._sandbox_pool(), tokenizer=self.tokenizer))
+        return self._envs
+
+    def _sandbox_pool(self) -> Any:
+        if self._pool is None:
+            from sandbox import open_pool
+
+            sb = self.config.sandbox
+            backend = cast("PoolBackend", sb.backend)  # one of SANDBOX_BACKENDS: the config checked it
+            self._pool = open_pool(sb.pool_size, backend=backend, config=sb.limits, fleet=sb.ray)
+        return self._pool
+
+    def _nothing_to_train(self, drawn: list[Group], kept: list[Group]) -> str:
+        """Why a step has fewer groups to train than ranks, in the user's terms, with what to change."""
+        data = self.config.data
+        if not any(g.trajectories for g in drawn):
+            return "every episode of the step was lost to sandbox failures: run `stare-agent sandbox doctor`"
+        if data.dynamic_sampling and self.world == 1:
+            return (
+                f"none of the {len(drawn)} prompts drawn had samples that scored differently (all right or all "
+                "wrong), so every GRPO advantage is 0 and there is nothing to learn from: if this repeats, "
+                "match the problems to the model (data.train, data.difficulty) or draw more "
+                "(data.max_sampling_batches, data.prompts_per_draw)"
+            )
+        groups = "groups with reward variance" if data.dynamic_sampling else "groups with episodes"
+        return (
+            f"{len(kept)} {groups} for {self.world} ranks, and every rank needs one: raise "
+            "data.prompts_per_step or data.max_sampling_batches"
+        )
+
+    def _model_texts(self, trajectories: list[Trajectory]) -> list[str]:
+        texts = []
+        for t in trajectories:
+            ids = [i for i, m in zip(t.response_ids, t.loss_mask, strict=True) if m]
+            texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))
+        return texts
+
+    def rollout_correction_mode(self) -> str:
+        """``algorithm.rollout_correction.mode`` for this run's engine (``resolve_rollout_correction``)."""
+        return resolve_rollout_correction(self.config.algorithm.rollout_correction.mode, self.engine)
+
+    def _sync_engine(self) -> None:
+        """Hand the policy's weights to the rollout engine (merged ones under LoRA). An engine that
+        samples from the learner's own module (the in-process transformers engine) is always in sync."""
+        if getattr(self.engine, "model", None) is self.learner.module:
+            return
+        start = time.perf_counter()
+        self.engine.update_weights(self.learner.named_weights())
+        self.sync_s += time.perf_counter() - start
+
+    @property
+    def engine(self) -> Any:
+        """The rollout engine; one this trainer started and :meth:`close` stopped is started again
+        (and given the current policy) when next needed."""
+        if self._engine is None:
+            self._engine = self._make_engine()
+            self._sync_engine()
+        return self._engine
+
+    def _make_engine(self) -> Any:
+        from stare_agent.engines import start_engine
+
+        description, engine = start_engine(
+            self.config,
+            self.learner.module,
+            self.tokenizer,
+            autocast=self.learner.precision == "bf16-autocast",
+        )
+        if self.rank == 0:
+            auto = " (env.engine=auto)" if self.config.env.engine == "auto" else ""
+            print(f"rollout engine: {description}{auto}")
+        return engine
+
+    def evaluate(self, *, greedy: bool = False) -> Any:
+        """Validation on ``data.eval`` with the current policy (avg@k etc.); ``greedy``: one
+        temperature-0 sample per problem instead of ``data.eval_samples`` at ``data.eval_temperature``."""
+        from stare_agent.evaluation import evaluate_config
+
+        return evaluate_config(
+            self.config,
+            engine=self.engine,
+            tokenizer=self.tokenizer,
+            env_kwargs={**self.config.env.env_kwargs(evaluation=True), "pool": self._sandbox_pool()},
+            batch_size=self.config.sandbox.pool_size,  # one leased sandbox per live episode at most
+            greedy=greedy,
+            progress=False,
+            keep_trajectories=self.config.trainer.save_rollouts,
+        )
+
+    def _save_rollouts(
+        self, name: str, trajectories: list[Trajectory], fields: list[dict[str, Any]] | None = None
+    ) -> None:
+        """With ``trainer.save_rollouts``: ``rollouts/<name>.jsonl``, one episode per line, each with its
+        ``fields`` (see ``TrainerConfig.save_rollouts``)."""
+        if not self.config.trainer.save_rollouts or self.rank != 0:
+            return
+        out = self.run_dir / "rollouts"
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / f"{name}.jsonl", "w") as f:
+            for n, t in enumerate(trajectories):
+                record = {
+                    **(fields[n] if fields else {}),
+                    "problem_id": t.info.get("problem_id"),
+                    "reward": t.reward,
+                    "response": self.tokenizer.decode(t.response_ids),
+                    "response_ids": t.response_ids,
+                    "info": t.info,
+                    # the rest of the trajectory, so that `stare-agent replay` trains on it token-exactly
+                    "prompt_ids": t.prompt_ids,
+                    "loss_mask": t.loss_mask,
+                    "logprobs": t.logprobs,
+                    "turn_spans": t.turn_spans,
+                }
+                f.write(json.dumps(record, default=str) + "\n")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> Path:
+        """Write ``run_dir/checkpoints/step-N`` atomically: into a temporary directory, then rename.
+
+        Holds the learner (model, optimizer, scheduler), the HF model + tokenizer, the data position,
+        the W/M controller and every RNG state; keeps the newest ``trainer.keep_checkpoints``.
+        """
+        root = self.run_dir / "checkpoints"
+        final = root / f"{CHECKPOINT_PREFIX}{self.step:06d}"
+        tmp = root / f".tmp-{final.name}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        state = {
+            "step": self.step,
+            "data_position": self.stream.position,
+            "controller": self.controller.state_dict(),
+        }
+        self.learner.save_checkpoint(tmp / "learner", client_state={"trainer": state})
+        self.learner.export_hf(tmp / "hf")
+        torch.save(_rng_state(), tmp / f"rng-rank{self.rank}.pt")
+        self._barrier()
+        if self.rank == 0:
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+            if final.exists():  # a resumed run redoing this step
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in sorted(root.glob(f"{CHECKPOINT_PREFIX}*"))[: -self.config.trainer.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        self._barrier()
+        return final
+
+    def _restore(self) -> bool:
+        """Load the last checkpoint, if any; return whether one was loaded."""
+        last = latest_checkpoint(self.run_dir)
+        if last is None:
+            if self.rank == 0:
+                print(f"no checkpoint in {self.run_dir}/checkpoints: starting from step 0")
+            return False
+        client = self.learner.load_checkpoint(last / "learner")
+        state = client["trainer"]
+        self.step = int(state["step"])
+        self.stream.position = int(state["data_position"])
+        self.controller.load_state_dict(state["controller"])
+        _set_rng_state(torch.load(last / f"rng-rank{self.rank}.pt", weights_only=False))
+        if self.rank == 0:
+            _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+            print(f"resumed from {last} (step {self.step})")
+        return True
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        """Close the envs, the sandbox pool and an engine this trainer started (a vLLM worker)."""
+        if self._owns_engine and hasattr(self._engine, "close"):
+            self._engine.close()
+            self._engine = None
+        for env in self._envs:
+            env.close()
+        self._envs = []
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+def check_run_dir(run_dir: str | Path) -> None:
+    """Refuse, before anything loads, a run directory that is a file.
+
+    Raises:
+        ConfigError: ``trainer.run_dir`` names a file.
+    """
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise ConfigError(
+            f"trainer.run_dir={run_dir} is a file: pass a directory for the run's config, logs and checkpoints"
+        )
+
+
+def resolve_rollout_correction(mode: str, engine: Any) -> str:
+    """``mode`` with ``auto`` resolved: ``token_tis`` for an engine whose log-probs come from
+    kernels of its own (``own_numerics``: vLLM, SGLang, OpenAI-compatible), else ``none`` (the
+    in-process transformers engine samples from the learner's own module, so the ratio is 1; a
+    scripted engine's log-probs are stand-ins)."""
+    if mode != "auto":
+        return mode
+    return "token_tis" if getattr(engine, "own_numerics", False) else "none"
+
+
+def _budget_cut(trajectory: Trajectory) -> bool:
+    return trajectory.info.get("finish_reason") == "budget"
+
+
+def _without_loss(trajectory: Trajectory) -> Trajectory:
+    """The episode with every token masked out of the loss (and out of every token count)."""
+    n = len(trajectory.response_ids)
+    return dataclasses.replace(trajectory, loss_mask=[0] * n, logprobs=[0.0] * n, turn_spans=[])
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint (renamed into place, so complete by construction), or None."""
+    found = sorted((Path(run_dir) / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*"))
+    return found[-1] if found else None
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after ``step``: they belong to work the checkpoint does not hold."""
+    if not path.is_file():
+        return
+    kept = [
+        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
+    ]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,175 @@
+"""The project's own docs (docs/) agree with the code, and nothing a user gets points outside the repository.
+
+- docs/configuration.md is exactly what ``stare_agent.config_reference`` generates from the config
+  dataclasses, whose docstrings document every field once;
+- docs/algorithm.md names only config fields, defaults, functions and classes that exist;
+- the README's table of the paper's settings names only real config fields;
+- no product file, doc or config refers to ../shared (a wheel user or a fresh clone has none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+from stare_agent.config import RunConfig
+from stare_agent.config_reference import attribute_docs, render, sections, yaml_value
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs"
+REGENERATE = "make docs (python -m stare_agent.config_reference > docs/configuration.md)"
+SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
+FIELD = re.compile(rf"^({'|'.join(SECTIONS)})\.[A-Za-z_][\w.]*$")
+PYTHON_NAME = re.compile(r"^(stare_agent|envs|sandbox)(\.\w+)+$")
+
+
+def config_default(dotted: str) -> object:
+    """The default of a config field such as ``algorithm.W``; KeyError if there is no such field."""
+    value: object = RunConfig()
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(value) or part not in {f.name for f in dataclasses.fields(value)}:
+            raise KeyError(dotted)
+        value = getattr(value, part)
+    return value
+
+
+def code_spans(text: str) -> list[str]:
+    return re.findall(r"(?<!`)`([^`\n]+)`(?!`)", text)
+
+
+def test_configuration_reference_is_the_generated_one():
+    page = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    assert page == render(), f"docs/configuration.md is out of date: run `{REGENERATE}`"
+
+
+def test_configuration_reference_covers_every_section_and_field():
+    page = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    listed = sections()
+    assert [name for name, _ in listed if "." not in name] == list(SECTIONS)
+    for dotted, cls in listed:
+        assert f"\n## `{dotted}`\n" in page
+        for f in dataclasses.fields(cls):
+            assert f"| `{dotted}.{f.name}` |" in page, f"{dotted}.{f.name}"
+    assert "| `sandbox.limits.memory_mb` | `int` | `1024` |" in page
+    assert "| `algorithm.H_tgt` | `float` | `0.3` | Target entropy;" in page
+
+
+def test_attribute_docs_reads_google_style_attributes():
+    class Section:
+        """Summary.
+
+        Attributes:
+            first: One line.
+            second: Two
+                lines.
+
+        Example:
+            not: an attribute
+        """
+
+    assert attribute_docs(Section) == {"first": "One line.", "second": "Two lines."}
+
+
+def test_table_cells_are_markdown():
+    from stare_agent.config_reference import _cell
+
+    assert _cell("see :class:`LoRAConfig`, ``r = 0`` or :func:`~envs.problems.load_problems`") == (
+        "see `LoRAConfig`, `r = 0` or `envs.problems.load_problems`"
+    )
+    assert (
+        _cell("``str | None``, fenced ```` ```output ```` blocks")
+        == "`str \\| None`, fenced ```` ```output ```` blocks"
+    )
+
+
+def test_an_undocumented_field_or_a_documented_ghost_is_an_error(monkeypatch):
+    from stare_agent import config
+
+    monkeypatch.setattr(
+        config.TrainerConfig, "__doc__", "The RL loop.\n\nAttributes:\n    steps: Steps.\n    ghost: Gone.\n"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"TrainerConfig \(trainer\): fields without a description \['checkpoint_every'.*descriptions of no field \['ghost'\]",
+    ):
+        render()
+
+
+def test_algorithm_page_names_real_fields_functions_and_defaults():
+    page = (DOCS / "algorithm.md").read_text(encoding="utf-8")
+    spans = code_spans(page)
+    fields = {s.split("=")[0] for s in spans if FIELD.match(s.split("=")[0])}
+    assert {"algorithm.W", "algorithm.H_tgt", "algorithm.scope", "data.prompts_per_step"} <= fields
+    for field in fields:
+        config_default(field)  # KeyError names a field that does not exist
+    names = [s for s in spans if PYTHON_NAME.match(s)]
+    assert "stare_agent.algorithms.stare.stare_weights" in names
+    for name in names:
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ModuleNotFoundError:
+                continue
+            for attribute in parts[cut:]:
+                obj = getattr(obj, attribute)  # AttributeError names what does not exist
+            break
+        else:
+            raise AssertionError(f"{name} is not importable")
+
+
+def test_hyperparameter_table_defaults_are_the_config_defaults():
+    page = (DOCS / "algorithm.md").read_text(encoding="utf-8")
+    table = page.split("## The paper's hyperparameters and their config fields")[1].split("\n## ")[0]
+    rows = re.findall(r"^\| [^|]+ \| `([\w.]+)` \| `([^`]+)` \|$", table, re.M)
+    assert len(rows) >= 25
+    wrong = [(f, d, yaml_value(config_default(f))) for f, d in rows if yaml_value(config_default(f)) != d]
+    assert not wrong, f"(field, documented default, actual default): {wrong}"
+    assert {f for f, _ in rows} >= {
+        f"algorithm.{name}" for name in ("P", "W", "M", "H_tgt", "eps_low", "clip_c")
+    }
+
+
+def test_readme_table_of_the_paper_settings_names_real_fields():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    table = readme.split("## The paper's settings")[1].split("\n## ")[0]
+    fields = [s for s in code_spans(table) if FIELD.match(s)]
+    assert len(fields) >= 15
+    for field in fields:
+        config_default(field)
+
+
+PRODUCT = [
+    "sandbox",
+    "envs",
+    "stare_agent",
+    "stare_integrations",
+    "examples",
+    "configs",
+    "scripts",
+    "docs",
+    "README.md",
+    "Makefile",
+]
+
+
+def test_no_product_file_refers_to_the_shared_folder():
+    """A wheel user or a fresh clone has no ../shared: product code, docs and configs never point there."""
+    pattern = re.compile(
+        r"\.\./shared|/shared/(data|STARE|ARCHITECTURE|STYLE)|\"shared\" / \"data\"|parents\[\d\] / \"shared\""
+    )
+    offenders = []
+    for root in PRODUCT:
+        path = REPO / root
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        for file in files:
+            if "__pycache__" in file.parts or file.suffix in {".pyc", ".jsonl"}:
+                continue
+            for number, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+                if pattern.search(line):
+                    offenders.append(f"{file.relative_to(REPO)}:{number}: {line.strip()[:100]}")
+    assert not offenders, "\n".join(offenders)

@@ -1,0 +1,59 @@
+"""The examples run (with the tiny model) so they cannot rot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_evaluate_aime_example(tmp_path, shared_data):
+    report = _load("evaluate_aime").main(
+        [
+            "--model",
+            "tiny",
+            "--limit",
+            "2",
+            "--samples",
+            "2",
+            "--max-response-tokens",
+            "48",
+            "--backend",
+            "local",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert [p.problem_id for p in report.problems] == ["aime2024-I-01", "aime2024-I-02"]
+    assert json.loads((tmp_path / "summary.json").read_text())["avg@2"] == report.metrics["avg@2"]
+
+
+def test_train_python_api_example(tmp_path):
+    run_dir = tmp_path / "run"
+    summary = _load("train_python_api").main(
+        [
+            "--tiny",
+            "--run-dir",
+            str(run_dir),
+            "sandbox.backend=local",
+            "env.max_response_tokens=48",
+            "data.prompts_per_step=2",
+            "data.samples_per_prompt=2",
+            "data.max_sampling_batches=1",
+            "sandbox.pool_size=2",
+        ]
+    )
+    assert summary["steps"] == 2
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    assert (run_dir / "plots" / "dashboard.png").is_file()
+    assert (run_dir / "checkpoints" / "step-000002" / "hf" / "config.json").is_file()

@@ -1,0 +1,254 @@
+"""The Docker backend on the real daemon and image: semantics, timeouts, resets, hardening, cleanup."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import docker
+import pytest
+
+from sandbox import DockerSandbox, SandboxClosed, SandboxConfig, SandboxError, make_sandbox
+from sandbox.config import PRELOAD_MATH, SANDBOX_UID
+from sandbox.docker import LABEL
+
+pytestmark = pytest.mark.docker
+
+
+@pytest.fixture(scope="module")
+def sb(docker_ready):
+    with DockerSandbox(SandboxConfig(max_output_chars=1000)) as sandbox:
+        yield sandbox
+
+
+def test_state_persists_and_trailing_expression_is_shown(sb: DockerSandbox) -> None:
+    assert sb.run("x = 20").ok
+    result = sb.run("print('hi')\nx * 2 + 2")
+    assert result.stdout == "hi\n42\n"
+    assert result.peak_memory_bytes > 10 * 2**20 and result.duration_s > 0
+
+
+def test_cpu_and_peak_memory_are_measured_per_call(sb: DockerSandbox) -> None:
+    busy = sb.run("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass")
+    assert busy.cpu_s >= 0.29 and busy.cpu_s < busy.duration_s + 0.1  # one busy thread: CPU <= wall
+    big = sb.run("b = b'x' * (200 * 2**20)\ndel b")  # touches 200 MiB, then frees it
+    after = sb.run("1")
+    assert big.peak_memory_bytes > 200 * 2**20
+    # The peak is reset before each call wherever the kernel allows it: cgroup v1 with a root
+    # host (memory.max_usage_in_bytes), cgroup v2 on Linux 6.12+ (memory.peak, per descriptor).
+    usage = sb._driver.host.usage
+    v2 = usage.peak_file.name == "memory.peak"
+    release = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
+    possible = (release >= (6, 12) and os.access(usage.peak_file, os.W_OK)) if v2 else os.geteuid() == 0
+    assert usage.peak_resettable == possible
+    if not possible:
+        pytest.skip(
+            f"this host cannot reset the peak ({'v2 before Linux 6.12' if v2 else 'v1 without root'})"
+        )
+    assert big.peak_memory_bytes - after.peak_memory_bytes > 150 * 2**20
+
+
+def test_stderr_and_error_fields(sb: DockerSandbox) -> None:
+    result = sb.run("import sys\nprint('warn', file=sys.stderr)\nraise KeyError('k')")
+    assert result.stderr == "warn\n"
+    assert (result.error.type, result.error.message) == ("KeyError", "'k'")
+    assert "\x1b[" not in result.error.traceback and "raise KeyError" in result.error.traceback
+
+
+def test_call_right_after_an_error_runs(sb: DockerSandbox) -> None:
+    for i in range(10):  # ipykernel's stop-on-error abort window must not swallow the next call
+        assert sb.run("1/0").error.type == "ZeroDivisionError"
+        assert sb.run(f"{i} * 2").stdout == f"{i * 2}\n"
+
+
+def test_output_cap_has_marker(sb: DockerSandbox) -> None:
+    result = sb.run("print('a' * 5000)")
+    assert result.truncated and "[4001 characters truncated]" in result.stdout
+
+
+def test_python_loop_timeout_keeps_state(sb: DockerSandbox) -> None:
+    sb.run("kept = 'yes'")
+    result = sb.run("print('before')\nwhile True: pass", timeout=1)
+    assert result.timed_out and not result.state_lost and result.stdout == "before\n"
+    assert sb.run("kept").stdout == "'yes'\n"
+
+
+def test_c_loop_timeout_replaces_kernel_within_timeout_plus_2s(sb: DockerSandbox) -> None:
+    start = time.monotonic()
+    result = sb.run("sum(range(10**12))", timeout=1)
+    assert time.monotonic() - start < 1 + 2 + 0.5
+    assert result.timed_out and result.state_lost
+    assert sb.run("kept").error.type == "NameError"
+    assert sb.run("1 + 1").stdout == "2\n"
+
+
+BUSY_06 = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"
+
+
+def test_cpu_timeout_counts_the_cpu_the_code_used_not_the_wall_time(docker_ready) -> None:
+    # Half a core stands for a machine whose other sandboxes and engine take the rest: every CPU
+    # second of the code then takes two seconds of wall time.
+    config = SandboxConfig(cpus=0.5, cpu_timeout_s=1.0, timeout_s=30.0)
+    with DockerSandbox(config) as sb:
+        slept = sb.run("import time\ntime.sleep(1.5)\nprint('slept')")
+        assert slept.ok and slept.stdout == "slept\n"
+        busy = sb.run(BUSY_06)  # 0.6 CPU seconds in about 1.2 wall seconds: within the budget
+        assert busy.ok and busy.duration_s > 1.0 and 0.6 <= busy.cpu_s < 1.0
+        walled = sb.run(BUSY_06, timeout=1.0)  # the same code under a 1 s wall-clock limit is cut
+        assert walled.timed_out and walled.error.message.startswith("the code timed out after 1 s;")
+        sb.run("kept = 'yes'")
+        start = time.monotonic()
+        looped = sb.run("print('before')\nwhile True: pass")
+        assert looped.timed_out and not looped.state_lost and looped.stdout == "before\n"
+        assert looped.error.message.startswith("the code timed out after 1 s of CPU time;")
+        assert 1.0 <= looped.cpu_s < 1.5 and time.monotonic() - start < 5.0
+        assert sb.run("kept").stdout == "'yes'\n"
+
+
+def test_string_hashes_and_set_order_are_the_same_in_every_sandbox(sb: DockerSandbox) -> None:
+    code = "print(hash('stare'), list({'apple', 'banana', 'cherry', 'damson', 'elder', 'fig'}))"
+    with DockerSandbox() as other:
+        assert sb.run(code).stdout == other.run(code).stdout != ""
+
+
+def test_random_draws_the_same_in_every_sandbox_and_after_every_reset(sb: DockerSandbox) -> None:
+    code = "import random\nprint(random.random(), random.randint(0, 10**9))"
+    first = sb.run(code).stdout
+    with DockerSandbox() as other:
+        assert other.run(code).stdout == first != ""
+    assert sb.run(code).stdout != first  # the stream goes on within an episode
+    sb.reset()
+    assert sb.run(code).stdout == first  # and starts over in the next
+
+
+NUMPY_DRAW = "import numpy\nprint(numpy.random.rand(), numpy.random.randint(0, 10**9))"
+PRELOADED = "import sys\nprint(sorted(name for name in ('numpy', 'sympy') if name in sys.modules))"
+
+
+def test_numpy_random_draws_the_same_in_every_sandbox_and_after_every_reset(docker_ready) -> None:
+    config = SandboxConfig(preload=list(PRELOAD_MATH))
+    with DockerSandbox(config) as sb, DockerSandbox(config) as other:
+        first = sb.run(NUMPY_DRAW).stdout
+        assert other.run(NUMPY_DRAW).stdout == first != ""
+        assert sb.run(NUMPY_DRAW).stdout != first  # the stream goes on within an episode
+        sb.reset()
+        assert sb.run(NUMPY_DRAW).stdout == first  # and starts over in the next
+
+
+def test_preloaded_modules_are_imported_before_the_first_call_of_every_episode(sb: DockerSandbox) -> None:
+    sb.reset()
+    assert sb.run(PRELOADED).stdout == "[]\n"  # the default preloads nothing
+    with DockerSandbox(SandboxConfig(preload=list(PRELOAD_MATH))) as loaded:
+        assert loaded.run(PRELOADED).stdout == "['numpy', 'sympy']\n"
+        loaded.reset()  # a fresh fork of the warden, which imported them once
+        assert loaded.run(PRELOADED).stdout == "['numpy', 'sympy']\n"
+
+
+def test_a_preload_module_missing_from_the_image_stops_the_start_with_its_name(docker_ready) -> None:
+    with pytest.raises(
+        SandboxError, match=r"exit code 75.*cannot preload 'no_such_module'.*sandbox.limits.preload"
+    ):
+        DockerSandbox(SandboxConfig(preload=["numpy", "no_such_module"]))
+
+
+def test_soft_and_hard_reset_clear_state(sb: DockerSandbox) -> None:
+    sb.run(
+        "import os\nv = 1\nopen('/work/f', 'w').write('x')\nopen('/tmp/g', 'w').write('x')\nos.environ['E'] = '1'"
+    )
+    start = time.monotonic()
+    sb.reset()
+    assert time.monotonic() - start < 1.0
+    assert sb.run("v").error.type == "NameError"
+    assert sb.run("import os\nos.listdir('/work'), os.path.exists('/tmp/g'), os.environ.get('E')").stdout == (
+        "([], False, None)\n"
+    )
+    started = sb.container.attrs["State"]["StartedAt"]
+    sb.reset()
+    sb.container.reload()
+    assert sb.container.attrs["State"]["StartedAt"] == started  # the default keeps the container
+    sb.run("w = 1")
+    sb.reset(hard=True)
+    assert sb.run("w").error.type == "NameError"
+    sb.container.reload()
+    assert sb.container.attrs["State"]["StartedAt"] != started  # hard: a restarted container
+
+
+def test_container_is_hardened(sb: DockerSandbox) -> None:
+    sb.container.reload()
+    host = sb.container.attrs["HostConfig"]
+    assert host["NetworkMode"] == "none" and host["ReadonlyRootfs"] and not host["Privileged"]
+    assert host["CapDrop"] == ["ALL"] and "no-new-privileges" in host["SecurityOpt"]
+    assert host["Memory"] == host["MemorySwap"] == 1024 * 2**20
+    assert host["PidsLimit"] == 128 and host["NanoCpus"] == 10**9
+    assert sb.container.attrs["Config"]["User"] == f"{SANDBOX_UID}:{SANDBOX_UID}"
+    mounts = [m["Source"] for m in sb.container.attrs["Mounts"]]
+    assert mounts == [str(sb.dir)] and not any("docker.sock" in m for m in mounts)
+    assert any(option.startswith("seccomp=") for option in host["SecurityOpt"])  # sandbox.seccomp's
+    assert "/proc/sys/kernel/random/boot_id" in host["MaskedPaths"]
+    # PID 1 is the warden (no init of the image's), and the kernel its child
+    result = sb.run("import os\nopen('/proc/1/cmdline').read().split('\\0')[:2], os.getppid(), os.getuid()")
+    assert result.stdout == f"(['python3', '-c'], 1, {SANDBOX_UID})\n"
+
+
+def test_close_leaves_no_container_or_temp_dir(docker_ready) -> None:
+    sandbox = make_sandbox("docker")
+    assert isinstance(sandbox, DockerSandbox)
+    cid, folder = sandbox.container.id, sandbox.dir
+    sandbox.close()
+    sandbox.close()
+    client = docker.from_env()
+    assert cid not in [c.id for c in client.containers.list(all=True, filters={"label": f"{LABEL}=1"})]
+    assert not folder.exists()
+    with pytest.raises(SandboxClosed):
+        sandbox.run("1")
+
+
+NON_ROOT_CHILD = """
+import os
+from sandbox import DockerSandbox
+with DockerSandbox(start_timeout=60) as sb:
+    print(os.geteuid(), sb.run("6 * 7").stdout.strip(), sb.run("import os; os._exit(1)").error.type,
+          sb.run("1 + 1").stdout.strip())
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None or not Path("/var/run/docker.sock").exists(),
+    reason="needs root (to start a child as another user), setpriv and a local Docker socket",
+)
+def test_a_non_root_host_user_other_than_the_kernels_uid_connects(docker_ready) -> None:
+    docker_gid = os.stat("/var/run/docker.sock").st_gid
+    child = subprocess.run(
+        ["setpriv", "--reuid=4242", "--regid=4242", f"--groups={docker_gid}", sys.executable, "-c", NON_ROOT_CHILD],
+        cwd="/tmp", env={"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "HOME": "/tmp", "PATH": os.environ["PATH"]},
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert child.stdout.split() == ["4242", "42", "KernelDied", "2"], child.stderr[-2000:]
+
+
+@pytest.mark.docker
+def test_containers_of_a_killed_owner_are_reaped(docker_ready, tmp_path):
+    """SIGKILL leaves no chance to clean up; the next process that starts a sandbox removes them."""
+    import signal
+
+    from sandbox.docker import OWNER_LABEL, docker_client, reap_orphans
+    from tests.sandbox.helpers_processes import start_sandbox_owner
+
+    child, written = start_sandbox_owner(
+        "DockerSandbox", "sb.container.id + ' ' + str(sb.dir)", tmp_path / "ready"
+    )
+    container_id, conn_dir = written.split()
+    client = docker_client()
+    assert client.containers.get(container_id).labels[OWNER_LABEL].split(":")[4] == str(child.pid)
+    reap_orphans(client)
+    assert client.containers.list(all=True, filters={"id": container_id})  # its owner is alive: kept
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert reap_orphans(client) >= 1
+    assert not client.containers.list(all=True, filters={"id": container_id})
+    assert not os.path.exists(conn_dir)

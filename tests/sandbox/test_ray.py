@@ -1,0 +1,380 @@
+"""The Ray fleet (``sandbox.backend: ray``) on a real multi-node Ray cluster of this machine
+(``ray.cluster_utils.Cluster``: a head without sandboxes and sandbox nodes, each with its own
+resources) and real Docker: placement, the lease cap and the creation-rate limit under a burst,
+hostile code through the fleet, and the faults (an actor killed mid-call, a node killed
+mid-episode, a node that joins later). Every node talks over the loopback only."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from sandbox import SandboxConfig
+from sandbox.ray_fleet import RayFleetConfig, RaySandbox, RaySandboxFleet, SandboxLost
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(600)]
+
+NAMESPACE = "stare-test-fleet"
+LIMITS = SandboxConfig(memory_mb=512, tmpfs_mb=64, pids_limit=64, max_output_chars=2000, timeout_s=10)
+NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "resources": {"stare_sandbox": 1}}
+FLEET = RayFleetConfig(
+    namespace=NAMESPACE,
+    sandboxes_per_node=2,
+    max_leases=3,
+    creations_per_s=2.0,
+    creation_burst=2,
+    lease_timeout_s=60.0,
+    call_margin_s=20.0,
+    refresh_s=0.5,
+    start_timeout_s=240.0,
+)
+
+
+def test_no_ray_cluster_is_one_line_with_the_fix(ray_ready, monkeypatch) -> None:
+    import ray
+
+    from sandbox import SandboxUnavailable
+
+    def no_cluster(**kwargs):
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_cluster)
+    with pytest.raises(SandboxUnavailable) as failure:
+        RaySandboxFleet(RayFleetConfig())
+    message = str(failure.value)
+    assert message.startswith("no Ray cluster at sandbox.ray.address='auto' (Could not find any running Ray")
+    assert "ray start --address ... --resources '{\"stare_sandbox\": 1}'" in message and "\n" not in message
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_ready, docker_ready):
+    """A head node (no sandboxes) and two sandbox nodes, all on 127.0.0.1, and this process joined."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every node on 127.0.0.1, not the host's address
+    cluster = Cluster(
+        initialize_head=True,
+        connect=False,
+        head_node_args={
+            "num_cpus": 1,
+            "object_store_memory": 80 * 2**20,
+            "include_dashboard": False,
+            # a lost node is declared dead within about 10 s, not Ray's default 30 s; not faster, as a
+            # node of a loaded machine may miss a few heartbeats and would be declared dead alive
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 10},
+        },
+    )
+    try:
+        for _ in range(2):
+            cluster.add_node(**NODE)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace=NAMESPACE, logging_level="WARNING")
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+        from sandbox.docker import reap_orphans
+
+        reap_orphans()  # containers of hosts that were killed (their owner process is gone)
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster):
+    fleet = RaySandboxFleet(FLEET, LIMITS, min_hosts=2)
+    try:
+        yield fleet
+    finally:
+        fleet.shutdown_fleet()
+        fleet.close()
+
+
+def _ready_hosts(fleet: RaySandboxFleet) -> set[str]:
+    return {h.node_id for h in fleet.stats().hosts if h.ready}
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        time.sleep(0.25)
+
+
+def test_leases_spread_over_nodes_and_results_round_trip(fleet: RaySandboxFleet) -> None:
+    leases = [fleet.acquire() for _ in range(2)]
+    try:
+        nodes = [lease.inner.node_id for lease in leases]
+        assert len(set(nodes)) == 2, nodes  # one per node: the emptier host takes the next lease
+        assert all(isinstance(lease.inner, RaySandbox) for lease in leases)
+        first = leases[0]
+        assert first.run("x = 6").ok
+        result = first.run("print(x * 7)\nimport sys; sys.stderr.write('warn')\n1 / 0")
+        assert result.stdout == "42\n" and result.stderr == "warn"
+        assert result.error is not None and result.error.type == "ZeroDivisionError"
+        assert "division by zero" in result.error.traceback
+        assert result.duration_s > 0 and result.peak_memory_bytes is not None
+        assert leases[1].run("'x' in dir()").stdout == "False\n"  # another episode's sandbox
+    finally:
+        for lease in leases:
+            lease.close()
+    with fleet.lease() as again:  # a reset sandbox: the last episode's names are gone
+        assert again.run("'x' in dir()").stdout == "False\n"
+
+
+def test_the_coordinator_lives_on_the_node_that_built_the_fleet(fleet: RaySandboxFleet) -> None:
+    """Not on a Docker node: a sandbox node that dies (or misses its heartbeats under load) costs
+    its own leases, never the coordinator and with it every episode of the fleet."""
+    import ray
+
+    node = fleet.stats().coordinator_node
+    assert node == ray.get_runtime_context().get_node_id()
+    sandbox_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("stare_sandbox")}
+    assert len(sandbox_nodes) >= 2 and node not in sandbox_nodes
+
+
+def test_hostile_code_through_the_fleet(fleet: RaySandboxFleet) -> None:
+    with fleet.lease() as sb:
+        start = time.monotonic()
+        result = sb.run("y = 5\nwhile True: pass", timeout=1)
+        assert result.timed_out and not result.state_lost and time.monotonic() - start < 1 + 2 + 1
+        assert sb.run("y").stdout == "5\n"  # a timeout keeps the state
+
+        result = sb.run("print('x' * 10**7)\nimport sys\nsys.stderr.write('y' * 10**6)")
+        assert result.truncated and len(result.stdout) < 2100 and len(result.stderr) < 2100
+
+        result = sb.run("b = bytearray(2 * 1024**3)")
+        assert result.error is not None and result.error.type in ("KernelDied", "MemoryError")
+        assert result.state_lost == (result.error.type == "KernelDied")
+
+        result = sb.run("import os; os.kill(os.getpid(), 9)")
+        assert result.error is not None and result.error.type == "KernelDied" and result.state_lost
+        assert sb.tainted  # replaced, not reset, when it goes back
+        assert sb.run("6 * 7").stdout == "42\n"  # the host's sandbox came back with a fresh kernel
+
+
+def test_the_lease_cap_and_the_creation_rate_hold_under_a_burst(fleet: RaySandboxFleet) -> None:
+    before = fleet.stats()
+    errors: list[BaseException] = []
+
+    def episode(i: int) -> None:
+        try:
+            lease = fleet.acquire(timeout=120)
+            try:
+                assert lease.run(f"{i} + 1").stdout == f"{i + 1}\n"
+                time.sleep(0.3)
+            finally:
+                fleet.release(lease, broken=i % 2 == 0)  # half of them are replaced: container starts
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=episode, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not errors, errors
+    after = fleet.stats()
+    assert after.peak_leased == FLEET.max_leases  # the cap (3) of the 4 sandboxes, reached and held
+    assert after.leases - before.leases == 8
+    _wait(lambda: fleet.stats().leased == 0, 30, "every lease given back")  # hosts report returns
+    _wait(lambda: len(fleet.stats().creations) >= len(before.creations) + 4, 120, "4 replacements started")
+    creations = fleet.stats().creations
+    for i in range(len(creations)):  # the token bucket: at most burst + rate * span in any window
+        for j in range(i + 1, len(creations)):
+            span = creations[j] - creations[i]
+            assert j - i + 1 <= FLEET.creation_burst + FLEET.creations_per_s * span + 1e-6, (i, j, span)
+
+
+def test_an_actor_killed_mid_call_fails_the_call_and_its_host_comes_back(fleet: RaySandboxFleet) -> None:
+    import ray
+
+    lease = fleet.acquire()
+    sandbox = lease.inner
+    assert isinstance(sandbox, RaySandbox)
+    failure: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            lease.run("import time; time.sleep(30)", timeout=60)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            failure.append(exc)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(1.0)
+    start = time.monotonic()
+    ray.kill(sandbox._host)
+    thread.join(30)
+    assert not thread.is_alive(), "the call hung after its host was killed"
+    assert len(failure) == 1 and isinstance(failure[0], SandboxLost), failure
+    assert "was lost during run" in str(failure[0]) and time.monotonic() - start < 15
+    assert lease.tainted
+    lease.close()
+    with fleet.lease() as sb:  # leasing goes on at once, on the other host
+        assert sb.run("1 + 1").stdout == "2\n"
+    # the killed host's node is alive: it gets a new host
+    _wait(lambda: sandbox.node_id in _ready_hosts(fleet), 120, "a new host on the node of the killed one")
+    assert fleet.stats().hosts_lost >= 1
+
+
+def test_a_node_killed_mid_episode_fails_the_episode_and_a_new_node_takes_leases(cluster, fleet) -> None:
+    from envs.tool_env import EpisodeInfrastructureError, ToolEnv
+
+    old = _ready_hosts(fleet)
+    _wait(lambda: len(old) == 2 and _ready_hosts(fleet) == old, 60, "two ready hosts")
+    for lease in [fleet.acquire(), fleet.acquire()]:  # one on each old host, so both were leased lately
+        lease.close()
+    node = cluster.add_node(**NODE)  # a node that joins after the fleet started
+    _wait(lambda: len(_ready_hosts(fleet)) == 3, 180, "a host on the node that joined")
+    (new,) = _ready_hosts(fleet) - old
+
+    env = ToolEnv("modpow", format="hermes", pool=fleet, max_turns=4)
+    try:
+        env.reset(seed=0)
+        env.step('<tool_call>{"name": "code_interpreter", "arguments": {"code": "z = 1"}}</tool_call>')
+        assert env._sandbox.inner.node_id == new  # among equally free hosts, the one leased least recently
+        failure: list[BaseException] = []
+
+        def step() -> None:
+            call = '<tool_call>{"name": "code_interpreter", "arguments": {"code": "import time; time.sleep(30)"}}</tool_call>'
+            try:
+                env.step(call)
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                failure.append(exc)
+
+        thread = threading.Thread(target=step)
+        thread.start()
+        time.sleep(1.0)
+        start = time.monotonic()
+        cluster.remove_node(node, allow_graceful=False)
+        thread.join(60)
+        assert not thread.is_alive(), "the step hung after its node was killed"
+        assert len(failure) == 1 and isinstance(failure[0], EpisodeInfrastructureError), failure
+        assert isinstance(failure[0].__cause__, SandboxLost) and time.monotonic() - start < 30
+        env.reset(seed=1)  # the episode is played again, on a healthy node
+        obs, *_ = env.step(
+            '<tool_call>{"name": "code_interpreter", "arguments": {"code": "print(2 + 3)"}}</tool_call>'
+        )
+        assert "5" in obs and env._sandbox.inner.node_id in old
+    finally:
+        env.close()
+    _wait(lambda: new not in {h.node_id for h in fleet.stats().hosts}, 60, "the dead node's host dropped")
+
+
+def test_an_evaluation_plays_its_episodes_on_the_fleet(fleet: RaySandboxFleet) -> None:
+    """What ``stare-agent eval`` does with ``sandbox.backend=ray``: the fleet is the envs' pool."""
+    from envs.problems import Problem
+    from stare_agent.engines.scripted import ScriptedEngine
+    from stare_agent.evaluation import evaluate
+    from tests.helpers_tokenizers import smollm2_tokenizer
+
+    tokenizer = smollm2_tokenizer()
+    call = '<tool_call>{"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
+    scripts = [[call, "<answer>\\boxed{42}</answer>"]] * 2
+    report = evaluate(
+        [Problem("p1", "What is 6 times 7?", "42")],
+        engine=ScriptedEngine(tokenizer, scripts),
+        tokenizer=tokenizer,
+        samples=2,
+        batch_size=2,
+        env_kwargs={"format": "hermes", "pool": fleet},
+        progress=False,
+    )
+    assert report.metrics["avg@2"] == 1.0 and report.settings["sandbox"]["backend"] == "ray"
+    assert (
+        report.table()
+        .splitlines()[-1]
+        .startswith("tool health: 2 calls in 2 episodes (1.0 per episode): 0 raised")
+    )
+
+
+def test_a_training_step_plays_its_episodes_on_the_fleet(fleet: RaySandboxFleet, tmp_path) -> None:
+    """``sandbox.backend=ray``: the trainer's episodes lease the fleet's sandboxes (this namespace's
+    coordinator, which the trainer joins), and the step logs a healthy tool use."""
+    import json
+    import math
+
+    from stare_agent.config import load_config
+    from stare_agent.engines.scripted import ScriptedEngine
+    from stare_agent.models import tiny_model
+    from stare_agent.train.trainer import Trainer
+    from tests.stare_agent.train.scripted_training import overrides, scripted_policy
+
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text(
+        "".join(
+            json.dumps({"id": f"add-{a}", "problem": f"What is {a} + 2?", "answer": str(a + 2)}) + "\n"
+            for a in range(4)
+        )
+    )
+    settings = overrides(str(tmp_path / "run"), str(problems), 1)
+    config = load_config(
+        None, [*settings, "sandbox.backend=ray", f"sandbox.ray.namespace={NAMESPACE}", "env.format=retool"]
+    )
+    before = fleet.stats().leases
+    model, tokenizer = tiny_model()
+    trainer = Trainer(
+        config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
+    )
+    try:
+        trainer.step = 1
+        metrics = trainer.train_step()
+        assert type(trainer._pool).__name__ == "RaySandboxFleet"
+    finally:
+        trainer.close()
+    assert fleet.stats().leases - before >= 4
+    _wait(lambda: fleet.stats().leased == 0, 30, "every lease given back")
+    assert metrics["tools/calls_per_episode"] == 1.0 and metrics["tools/infra_error_fraction"] == 0.0
+    assert metrics["failed_episodes"] == 0 and math.isfinite(metrics["loss"])
+
+
+def test_a_lease_whose_holder_is_gone_is_taken_back(cluster) -> None:
+    """A process that dies holding a lease: after ``lease_idle_s`` without a call its host takes the
+    lease back (the sandbox is replaced, the cap's slot freed) and a late call is refused."""
+    from sandbox import SandboxClosed
+
+    config = RayFleetConfig(
+        namespace="stare-test-idle", sandboxes_per_node=1, lease_idle_s=2.0, refresh_s=0.5, call_margin_s=20.0
+    )
+    idle = RaySandboxFleet(config, LIMITS, min_hosts=2)
+    try:
+        kept = idle.acquire()
+        assert kept.run("1 + 1").stdout == "2\n"
+        held = idle.acquire()  # never used again, never given back: its holder "died"
+        for _ in range(6):  # a lease in use is kept however long it lives
+            time.sleep(0.5)
+            assert kept.run("1").ok
+        start = time.monotonic()
+        _wait(lambda: idle.stats().leased == 1, 30, "the idle lease taken back")
+        assert time.monotonic() - start < 15
+        with pytest.raises(SandboxClosed, match="taken back after 2 s without a call"):
+            held.run("1")
+        with idle.lease(timeout=30) as again:  # its slot serves the next episode
+            assert again.run("3 * 3").stdout == "9\n"
+        kept.close()
+    finally:
+        idle.shutdown_fleet()
+        idle.close()
+
+
+def test_the_adapters_sessions_lease_from_the_fleet(fleet: RaySandboxFleet) -> None:
+    """verl's tool and verifiers' env (``stare_integrations._sandboxes``) with ``backend="ray"``: a
+    session leases a fleet sandbox at its first call and gives it back at its end."""
+    from stare_integrations._sandboxes import LeasedTools, ToolSession
+
+    tools = LeasedTools(2, "ray", LIMITS, 30.0, None, fleet=FLEET)
+    session = ToolSession()
+    try:
+        tools.run(session, {"code": "y = 6"})
+        assert tools.run(session, {"code": "print(y * 7)"}).text.strip() == "42"  # one stateful sandbox
+        assert session.sandbox is not None and isinstance(session.sandbox.inner, RaySandbox)
+        tools.end(session)
+        _wait(lambda: fleet.stats().leased == 0, 30, "the session's lease given back")
+    finally:
+        tools.close()

@@ -1,0 +1,105 @@
+"""The quickstart's before/after table names its two entropies apart."""
+
+import json
+import math
+
+from stare_agent.recipes.quickstart import format_table, gate_fraction, save_result
+
+
+def _result(rl_entropy):
+    side = {"avg@1": 0.5, "pass@1": 0.5, "tool_calls_per_episode": 1.0, "entropy": 0.08}
+    return {
+        "samples": 1,
+        "before": {**side, "avg@1": 0.0, "pass@1": 0.0, "entropy": 0.95},
+        "after": side,
+        "gate_activity": 1.0,
+        "skipped_steps": 0,
+        "rl_steps": 3,
+        "rl_entropy": rl_entropy,
+        "H_tgt": 0.3,
+        "problems": 40,
+        "backend": "docker",
+        "engine": "vllm 0.32.0 (bfloat16, worker process)",
+        "total_s": 60.0,
+        "times_s": {"sft": 30.0},
+        "run_dir": "runs/quickstart",
+        "dashboard": "runs/quickstart/plots/dashboard.png",
+        "checkpoint_hf": None,
+    }
+
+
+def test_table_reports_greedy_and_sampled_entropy_under_distinct_names():
+    table = format_table(_result([0.28, float("nan"), 0.25]))
+    assert "entropy, greedy eval rollouts (nats/token)       0.950     0.080" in table
+    # the skipped middle step (NaN) is passed over: first and last trained step
+    assert (
+        "entropy, sampled RL rollouts (gate's H-bar): 0.280 at the first RL step -> 0.250 at the last (H_tgt = 0.3)"
+        in table
+    )
+    assert "dashboard: runs/quickstart/plots/dashboard.png" in table
+
+
+def test_gate_fraction_counts_trained_steps_only():
+    trained, skipped = {"gate_on": 1, "entropy": 0.01}, {"gate_on": 0, "entropy": math.nan, "skipped": 1}
+    # a step that trained nothing has no gate: neither on nor off
+    assert gate_fraction([trained, skipped, trained]) == (1.0, 1)
+    assert gate_fraction([trained, {"gate_on": 0, "entropy": 0.4, "skipped": 0}]) == (0.5, 0)
+    assert gate_fraction([skipped, skipped]) == (None, 2)
+
+
+def test_table_counts_the_gate_over_trained_steps_and_says_how_many_were_skipped():
+    table = format_table({**_result([0.28, float("nan"), 0.25]), "skipped_steps": 1})
+    assert "STARE gate on (fraction of trained RL steps)         -      1.00" in table
+    assert "RL steps that trained nothing (skipped)              -    1 of 3" in table
+    none_trained = {**_result([float("nan")] * 3), "skipped_steps": 3, "gate_activity": None}
+    assert "STARE gate on (fraction of trained RL steps)         -         -" in format_table(none_trained)
+
+
+def test_quickstart_json_is_strict_json_and_reads_back(tmp_path):
+    result = _result([0.28, float("nan"), 0.25])
+    result["after"] = {**result["after"], "pass@1": float("nan")}
+    path = save_result(result, tmp_path)
+
+    def refuse(constant):
+        raise ValueError(f"bare {constant} in quickstart.json")
+
+    loaded = json.loads(path.read_text(), parse_constant=refuse)
+    assert loaded["rl_entropy"] == [0.28, None, 0.25] and loaded["after"]["pass@1"] is None
+    table = format_table(loaded)  # the table of a quickstart.json read back: null shown as "-"
+    assert "pass@1" in table and "0.280 at the first RL step -> 0.250 at the last" in table
+
+
+def test_table_says_when_no_rl_step_trained():
+    assert "sampled RL rollouts (gate's H-bar): no RL step trained" in format_table(_result([float("nan")]))
+
+
+def test_table_names_the_rollout_engine():
+    table = format_table(_result([0.28]))
+    assert "sandbox: docker, engine: vllm 0.32.0 (bfloat16, worker process)" in table
+
+
+def test_table_names_the_fp32_evaluation_engine_beside_the_rollout_engine():
+    result = {**_result([0.28]), "eval_engine": "vllm 0.32.0 (float32, worker process)"}
+    assert (
+        "engine: vllm 0.32.0 (bfloat16, worker process), evaluated by vllm 0.32.0 (float32, worker process)"
+        in format_table(result)
+    )
+
+
+def test_fp32_evaluation_beside_a_bf16_transformers_engine_is_the_same_model_without_autocast():
+    import torch
+
+    from stare_agent.config import load_config
+    from stare_agent.engines import TransformersEngine
+    from stare_agent.models import tiny_model
+    from stare_agent.recipes.quickstart import fp32_eval_engine
+
+    config = load_config(None, ["data.eval_fp32=true"])
+    model, tokenizer = tiny_model()
+    bf16 = TransformersEngine(model, tokenizer, autocast_dtype=torch.bfloat16)
+    name, engine = fp32_eval_engine(config, model, tokenizer, bf16)
+    assert name == "transformers (fp32, in process)"
+    assert isinstance(engine, TransformersEngine) and engine is not bf16
+    assert engine.model is model and engine.autocast_dtype is None  # no copy, nothing to sync
+    fp32 = TransformersEngine(model, tokenizer)
+    assert fp32_eval_engine(config, model, tokenizer, fp32) == (None, fp32)  # already fp32: itself

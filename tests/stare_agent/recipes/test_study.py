@@ -1,0 +1,200 @@
+"""`stare-agent study --smoke` as a user runs it: SFT, calibration, two variants through the real
+Trainer, then the figure, the CSV and the table; a second call reuses everything it finished. It
+asserts nothing about which variant wins."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from stare_agent.config import ConfigError
+from stare_agent.recipes.study import plan, run_numbers, summarize
+from tests.stare_agent.test_cli import cli
+
+
+def test_study_smoke_makes_figure_table_and_data_then_resumes(tmp_path, model_dir):
+    root = tmp_path / "study"
+    args = [
+        "study",
+        "--smoke",
+        f"trainer.run_dir={root}",
+        f"model.name_or_path={model_dir}",
+        "sandbox.backend=local",
+        "sandbox.pool_size=4",
+        "env.max_response_tokens=32",
+        "deepspeed.precision=fp32",
+        "env.engine=transformers",  # the study's vLLM engine in the trainer: tests/stare_agent/engines/test_vllm_engine.py
+        "data.eval_limit=2",
+        # a random model never answers right: without dynamic sampling its zero-variance groups still
+        # go through the whole step (advantages, gate, weights, update)
+        "data.dynamic_sampling=false",
+    ]
+    done = cli(*args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[calibration] SFT policy on the first RL draws at temperature 1: mean reward" in done.stdout
+    # the start's entropy on its own sampled tokens (the gate's H-bar) is printed and kept
+    assert "entropy on its sampled tokens (the gate's H-bar)" in done.stdout
+    assert json.loads((root / "calibration.json").read_text())["entropy"] > 0
+    # the start is evaluated once per seed, as the runs evaluate, and leads every run as step 0
+    assert "[start seed 0] held-out accuracy of the SFT policy: eval/avg@2" in done.stdout
+    start = json.loads((root / "start_eval.json").read_text())
+    assert set(start) == {"0"} and {"eval/avg@2", "eval_greedy/avg@1"} <= set(start["0"])
+    for name in ("study.png", "study.csv", "study.md", "study.json", "calibration.json"):
+        assert (root / name).is_file(), name
+    assert (root / "study.png").stat().st_size > 20_000
+    rows = list(csv.DictReader((root / "study.csv").open()))
+    assert sorted((r["variant"], r["seed"], r["step"]) for r in rows) == [
+        ("grpo-ds", "0", "0"),
+        ("grpo-ds", "0", "1"),
+        ("grpo-ds", "0", "2"),
+        ("stare-o1", "0", "0"),
+        ("stare-o1", "0", "1"),
+        ("stare-o1", "0", "2"),
+    ]
+    assert all(float(r["eval/avg@2"]) == start["0"]["eval/avg@2"] for r in rows if r["step"] == "0")
+    # both variants ran through the whole step: entropy measured, STARE's weights only for STARE
+    assert all(float(r["entropy"]) > 0 for r in rows if r["step"] != "0")
+    assert {r["variant"] for r in rows if r.get("stare/mean_weight")} == {"stare-o1"}
+    table = (root / "study.md").read_text().splitlines()
+    assert "held-out accuracy (sampled) " in table[0] and "held-out accuracy (greedy) " in table[0]
+    # two tables (the main one, then the entropy's dynamics and STARE's reach), one row per variant
+    assert [line.split("|")[1].strip() for line in table if line.startswith("| ") and "---" not in line] == [
+        "variant",
+        "grpo-ds",
+        "stare-o1",
+        "variant",
+        "grpo-ds",
+        "stare-o1",
+    ]
+    assert "entropy, first 5 steps" in table[-4] and "L+ raising entropy (1st order)" in table[-4]
+    summary = json.loads((root / "study.json").read_text())["variants"]
+    assert summary["stare-o1"]["entropy_final"]["n"] == 1
+    assert "heldout_greedy_final" in summary["grpo-ds"]  # step 2 evaluates, sampled and greedy
+
+    again = cli(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "[sft] reusing" in again.stdout
+    assert again.stdout.count("finished earlier") == 2
+    assert "[start seed" not in again.stdout  # the start's evaluation is reused too
+
+
+def test_plan_gives_main_variants_all_seeds_seed_by_seed_and_rejects_unknown_names():
+    assert plan(["open-loop-w2", "stare-c2", "grpo-ds"], seeds=3, ablation_seeds=1) == [
+        ("stare-c2", 0),
+        ("grpo-ds", 0),
+        ("stare-c2", 1),
+        ("grpo-ds", 1),
+        ("stare-c2", 2),
+        ("grpo-ds", 2),
+        ("open-loop-w2", 0),
+    ]
+    with pytest.raises(ConfigError, match="unknown study variant 'stare-o2': use one of grpo-ds, stare-o1"):
+        plan(["stare-o2"], seeds=1, ablation_seeds=1)
+
+
+def test_run_numbers_skip_nan_steps_and_take_the_median_step_time():
+    records = [
+        {"step": 0, "eval/avg@2": 0.75, "eval_greedy/avg@1": 0.75},  # the start: not a trained step
+        {"step": 1, "entropy": 0.4, "time/step_s": 30.0},
+        {"step": 2, "entropy": float("nan"), "time/step_s": 10.0},  # a skipped step
+        {"step": 3, "entropy": 0.2, "time/step_s": 20.0, "eval/avg@2": 0.25, "eval_greedy/avg@1": 0.5},
+        {"step": 5, "entropy": 0.2, "time/step_s": 40.0, "eval/avg@2": 0.5, "eval_greedy/avg@1": 0.25},
+    ]
+    n = run_numbers(records)
+    # trapezoid over steps 1-3-5: (2 * 0.3 + 2 * 0.2) / 4 = 0.25
+    assert n["entropy_auc"] == pytest.approx(0.25) and n["entropy_final"] == 0.2
+    assert (n["heldout_sampled_best"], n["heldout_sampled_final"]) == (0.5, 0.5)
+    assert (n["heldout_greedy_best"], n["heldout_greedy_final"]) == (0.5, 0.25)
+    assert n["seconds_per_step"] == 30.0  # median of 10, 20, 30, 40 (upper middle)
+
+
+def test_run_numbers_give_the_entropy_at_both_ends_its_step_noise_and_stares_reach():
+    H = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
+    records = [{"step": i + 1, "entropy": h} for i, h in enumerate(H)]
+    records[0].update({"stare/L_plus": 10.0, "stare/L_plus_raising": 0.5, "stare/mass_weight": 1.05})
+    records[1].update({"stare/L_plus": 20.0, "stare/L_plus_raising": 0.25, "stare/mass_weight": 1.0})
+    n = run_numbers(records)
+    assert n["entropy_early"] == pytest.approx(0.3)  # steps 1-5: (0.1 + ... + 0.5) / 5
+    assert n["entropy_late"] == pytest.approx(0.5)  # steps 3-7
+    # population std of 0.1..0.7 around 0.4: sqrt((0.09 + 0.04 + 0.01 + 0 + 0.01 + 0.04 + 0.09) / 7)
+    assert n["entropy_step_std"] == pytest.approx(0.2)
+    assert n["L_plus"] == 15.0 and n["L_plus_raising"] == pytest.approx(0.375)
+    assert n["mass_weight"] == pytest.approx(1.025)
+
+
+def test_summaries_over_seeds_give_the_sample_sd_and_a_t_interval():
+    run = lambda h: [{"step": 1, "entropy": h}]  # noqa: E731
+    out = summarize({0: run(0.1), 1: run(0.2), 2: run(0.3)})["entropy_late"]
+    # mean 0.2, sample SD sqrt((0.01 + 0 + 0.01) / 2) = 0.1, half-width t_{0.975, 2} 0.1 / sqrt 3 = 0.2484
+    assert (out["mean"], out["n"]) == (pytest.approx(0.2), 3)
+    assert out["sd"] == pytest.approx(0.1) and out["ci95"] == pytest.approx(4.303 * 0.1 / 3**0.5)
+
+
+def test_engine_auto_is_resolved_once_for_every_run(tmp_path, monkeypatch):
+    """A vLLM worker that fails to start in one run must not put that run on another engine."""
+    from stare_agent.engines import vllm_engine
+    from stare_agent.recipes import study as study_module
+
+    runs: list[list[str]] = []
+    monkeypatch.setattr(vllm_engine, "pick_engine", lambda requested, python=None: "vllm")
+    monkeypatch.setattr(study_module, "cold_start", lambda config, root: root / "sft_model")
+    monkeypatch.setattr(
+        study_module,
+        "calibrate",
+        lambda *a: {"mean_reward": 0.5, "groups_with_variance": 1.0, "entropy": 0.1},
+    )
+    monkeypatch.setattr(
+        study_module,
+        "start_eval",
+        lambda path, overrides, seeds, sft, root: runs.append(list(overrides)),
+    )
+    monkeypatch.setattr(
+        study_module,
+        "train_one",
+        lambda path, overrides, variant, seed, sft, root: runs.append(list(overrides)),
+    )
+    monkeypatch.setattr(
+        study_module, "write_report", lambda root, *a, **k: (root / "study.md").write_text("") or {}
+    )
+    study_module.study(
+        overrides=[f"trainer.run_dir={tmp_path}", "env.engine=auto"],
+        variants=["grpo-ds", "stare-o1"],
+        seeds=1,
+    )
+    assert len(runs) == 3 and all(r[-1] == "env.engine=vllm" for r in runs)  # the start's evaluation too
+
+
+def test_report_only_tabulates_the_runs_logged_so_far(tmp_path):
+    from stare_agent.recipes.study import study
+
+    (tmp_path / "calibration.json").write_text(
+        json.dumps(
+            {"problems": 4, "samples_per_problem": 4, "temperature": 1.0, "mean_reward": 0.4, "entropy": 0.1}
+        )
+    )
+    for run, steps in (("grpo-ds-s0", 3), ("stare-o1-s0", 1)):  # one finished, one just started
+        (tmp_path / "runs" / run).mkdir(parents=True)
+        rows = [
+            {"step": i, "entropy": 0.1 * i, "reward_mean": 0.5, "time/step_s": 10.0}
+            for i in range(1, steps + 1)
+        ]
+        (tmp_path / "runs" / run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = study(overrides=[f"trainer.run_dir={tmp_path}"], report_only=True)
+    assert set(report["variants"]) == {"grpo-ds", "stare-o1"}  # the other runs have not started
+    table = (tmp_path / "study.md").read_text()
+    assert "| grpo-ds | 1 | 3 | 0.200 |" in table and "| stare-o1 | 1 | 1 | 0.100 |" in table
+    assert (tmp_path / "study.png").stat().st_size > 0
+    with pytest.raises(ConfigError, match="no study in .* run `stare-agent study` first"):
+        study(overrides=[f"trainer.run_dir={tmp_path / 'none'}"], report_only=True)
+
+
+def test_the_other_entropy_controls_are_arms_named_on_demand():
+    from stare_agent.config import load_config
+    from stare_agent.recipes.study import PAPER_VARIANTS, VARIANTS
+
+    others = {"entropy-bonus", "kl-cov", "clip-cov", "forking-tokens"}
+    assert others <= set(VARIANTS) and not others & set(PAPER_VARIANTS)
+    for name in others:
+        assert load_config(None, list(VARIANTS[name])).algorithm.name == name.replace("-", "_")

@@ -1,0 +1,156 @@
+"""Each CLI command runs as a user would run it: a subprocess, a model directory on disk (the tiny
+random model saved in Hugging Face format), real sandboxes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    return subprocess.run(
+        [sys.executable, "-m", "stare_agent.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_bad_input_is_one_line_of_cause_and_fix(tmp_path):
+    done = cli("train", "--config", str(tmp_path / "missing.yaml"))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: config file {tmp_path / 'missing.yaml'} not found: pass an existing YAML file, "
+        "e.g. configs/quickstart.yaml"
+    ]
+    done = cli("train", "algorithm.Wx=1")
+    assert done.returncode == 2 and "unknown config key 'algorithm.Wx'" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_sft_then_train_then_plot(tmp_path, model_dir):
+    run = tmp_path / "run"
+    common = [
+        f"trainer.run_dir={run}",
+        "sandbox.backend=local",
+        "sandbox.pool_size=4",
+        "env.max_response_tokens=32",
+        "deepspeed.precision=fp32",
+        "env.engine=transformers",  # the quickstart's auto picks vLLM where found (tests/stare_agent/engines/test_vllm_engine.py)
+    ]
+    done = cli(
+        "sft",
+        "--config",
+        "configs/quickstart.yaml",
+        f"model.name_or_path={model_dir}",
+        "sft.procedural_rows=4",
+        "sft.batch_size=2",
+        "sft.epochs=1",
+        f"sft.output_dir={run / 'sft'}",
+        *common,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((run / "sft_log.jsonl").read_text().splitlines()[-1])["summary"]
+    assert summary["steps"] == 2 and summary["output_dir"] == str(run / "sft")
+    done = cli(
+        "train",
+        "--config",
+        "configs/quickstart.yaml",
+        f"model.name_or_path={run / 'sft'}",
+        "trainer.steps=2",
+        "data.prompts_per_step=2",
+        "data.samples_per_prompt=2",
+        "data.max_sampling_batches=1",
+        "data.prompts_per_draw=2",  # the quickstart draws 8 prompts at once
+        *common,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"trained 2 steps; run directory: {run}" in done.stdout
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    assert (run / "checkpoints" / "step-000002" / "hf" / "model.safetensors").is_file()
+    done = cli("plot", str(run))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (run / "plots" / "dashboard.png").is_file()
+
+
+def test_eval_on_aime_2024(tmp_path, model_dir, shared_data):
+    args = [
+        "eval",
+        "--model",
+        str(model_dir),
+        "--data",
+        str(shared_data / "aime2024.jsonl"),
+        "--limit",
+        "2",
+        "--samples",
+        "2",
+        "--max-response-tokens",
+        "24",
+        "--backend",
+        "local",
+        "--out",
+        str(tmp_path),
+        "--save-episodes",
+    ]
+    done = cli(*args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "avg@2" in done.stdout and "maj@2" in done.stdout
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["problem_id"] for r in rows] == ["aime2024-I-01", "aime2024-I-02"]
+    assert len((tmp_path / "episodes.jsonl").read_text().splitlines()) == 4
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    model = summary["settings"]["model"]
+    assert model["path"] == str(model_dir) and len(model["sha256"]) == 64
+    assert f"model: {model_dir} ({model['sha256'][:12]})" in done.stdout
+    assert summary["settings"]["data"]["source"].endswith("aime2024.jsonl")
+    # a finished evaluation resumed: nothing is played again, the same summary
+    done = cli(*args, "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+
+
+def test_eval_stopped_by_ctrl_c_resumes_to_the_uninterrupted_summary(tmp_path, model_dir, shared_data):
+    import signal
+    import time
+
+    args = ["eval", "--model", str(model_dir), "--data", str(shared_data / "aime2024.jsonl"), "--limit", "12",
+            "--samples", "2", "--max-response-tokens", "32", "--backend", "local", "--batch-size", "2"]  # fmt: skip
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert cli(*args, "--out", str(straight)).returncode == 0
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    command = [sys.executable, "-m", "stare_agent.cli", *args, "--out", str(cut)]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ) as process:
+        deadline = time.monotonic() + 300
+        while not (cut / "results.jsonl").is_file() or not (cut / "results.jsonl").read_text():
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)  # Ctrl-C once the first problem is written
+        _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-3000:]
+    finished = len((cut / "results.jsonl").read_text().splitlines())
+    assert 1 <= finished < 12 and f"{finished} of 12 problems finished" in err
+    partial = json.loads((cut / "summary.json").read_text())
+    assert partial["complete"] is False and partial["problems_evaluated"] == finished
+    done = cli(*args, "--out", str(cut), "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{finished} of 12 problems finished, {12 - finished} to play" in done.stdout
+    for name in ("results.jsonl", "summary.json"):
+        assert (cut / name).read_text() == (straight / name).read_text()
+
+
+def test_sandbox_doctor_reports_every_check():
+    done = cli("sandbox", "doctor", timeout=120)
+    names = [
+        line.split("]")[1].split(":")[0].strip() for line in done.stdout.splitlines() if line.startswith("[")
+    ]
+    assert {"docker daemon", "sandbox image", "local sandbox"} <= set(names)
+    assert done.returncode in (0, 1)

@@ -1,0 +1,268 @@
+"""One environment configuration (``env.id`` + the ``env`` section) for training, in-training
+evaluation, ``evaluate()`` and ``stare-agent eval``: any registered Gymnasium id, the same settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import gymnasium
+import pytest
+
+from envs.problems import generate_problems
+from envs.registry import EnvRegistrationError
+from envs.tool_env import ToolEnv
+from envs.tools import unregister_tool
+from stare_agent.config import ConfigError, load_config
+from stare_agent.engines.scripted import ScriptedEngine
+from stare_agent.evaluation import evaluate
+from stare_agent.models import tiny_model
+from stare_agent.train.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "register_tool_env.py"
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def calculator_env():
+    """``demo/Calculator-v0`` of examples/register_tool_env.py, registered in this process."""
+    runpy.run_path(str(EXAMPLE), run_name="example")
+    yield "demo/Calculator-v0"
+    unregister_tool("calculator")
+    gymnasium.registry.pop("demo/Calculator-v0", None)
+
+
+def calculator_policy(*, wrong_on_odd: bool):
+    """Turn 0 calls the calculator on the problem's product; turn 1 boxes the product (off by one on
+    odd episodes when ``wrong_on_odd``, so that every group of 2 has rewards {0, 1})."""
+    episodes = iter(range(10**6))
+
+    def turn(prompt_text: str, turn_index: int) -> str:
+        a, b = map(int, re.findall(r"\$(\d+) \\times (\d+)\$", prompt_text)[-1])
+        if turn_index == 0:
+            args = json.dumps({"expression": f"{a} * {b}"})
+            return f'<tool_call>{{"name": "calculator", "arguments": {args}}}</tool_call>'
+        extra = 1 if wrong_on_odd and next(episodes) % 2 else 0
+        return f"The product is <answer>\\boxed{{{a * b + extra}}}</answer>"
+
+    return turn
+
+
+def config_for(tmp_path, *extra: str):
+    return load_config(
+        None,
+        [
+            "data.train=multiplication",
+            "data.prompts_per_step=2",
+            "data.samples_per_prompt=2",
+            "data.max_sampling_batches=1",
+            "env.max_turns=3",
+            "env.max_response_tokens=256",
+            "sandbox.backend=local",
+            "sandbox.pool_size=4",
+            "optim.lr=1e-3",
+            "trainer.steps=1",
+            f"trainer.run_dir={tmp_path / 'run'}",
+            "deepspeed.micro_batch_tokens=1024",
+            "algorithm.H_tgt=100.0",
+            *extra,
+        ],
+    )
+
+
+def test_registered_example_env_trains_one_rl_step_and_evaluates(tmp_path, calculator_env):
+    config = config_for(tmp_path, f"env.id={calculator_env}")
+    model, tokenizer = tiny_model()
+    engine = ScriptedEngine(tokenizer, calculator_policy(wrong_on_odd=True))
+    trainer = Trainer(config, model=model, tokenizer=tokenizer, engine=engine)
+    summary = trainer.fit()
+    last = summary["last"]
+    # 2 groups of 2 episodes, each one calculator call; odd episodes box a wrong product
+    assert (last["kept_groups"], last["skipped"], last["reward_mean"]) == (2, 0, 0.5)
+    assert last["tool_calls_per_episode"] == 1.0 and last["grad_norm"] > 0
+
+    problems = generate_problems("multiplication", 3, seed=7)
+    report = evaluate(
+        problems,
+        engine=ScriptedEngine(tokenizer, calculator_policy(wrong_on_odd=False)),
+        tokenizer=tokenizer,
+        samples=2,
+        env_id=config.env.id,
+        env_kwargs={**config.env.env_kwargs(evaluation=True), "sandbox_backend": "local"},
+        progress=False,
+    )
+    assert report.metrics["avg@2"] == 1.0 and report.metrics["tool_calls_per_episode"] == 1.0
+
+
+def test_training_and_evaluation_envs_get_identical_settings_by_default(tmp_path, monkeypatch):
+    """The trainer's rollout envs and its in-training evaluation envs, as they are reset."""
+    seen: list[dict] = []
+    reset = ToolEnv.reset
+
+    def spy(self, *, seed=None, options=None):
+        seen.append(
+            {
+                "class": type(self).__name__,
+                "format": self.format.name,
+                "tools": list(self.tools),
+                "max_turns": self.max_turns,
+                "max_tool_calls": self.max_tool_calls,
+                "max_output_chars": self.max_output_chars,
+                "max_output_tokens": self.max_output_tokens,
+                "system_prompt": self.system_prompt,
+                "prompt_template": self.prompt_template,
+                "tokenizer": self.tokenizer is not None,
+            }
+        )
+        return reset(self, seed=seed, options=options)
+
+    monkeypatch.setattr(ToolEnv, "reset", spy)
+    config = load_config(
+        REPO / "configs" / "quickstart.yaml",
+        [
+            "sandbox.backend=local",
+            "sandbox.pool_size=2",
+            "data.eval=multiplication",
+            "data.eval_limit=2",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    model, tokenizer = tiny_model()
+    engine = ScriptedEngine(tokenizer, lambda prompt, turn: "<answer>\\boxed{1}</answer>")
+    trainer = Trainer(config, model=model, tokenizer=tokenizer, engine=engine)
+    try:
+        trainer._rollout_groups(trainer.stream.take(1), draw=1)
+        n_train = len(seen)
+        trainer.evaluate()
+    finally:
+        trainer.close()
+    train, evaluation = seen[:n_train], seen[n_train:]
+    assert train and evaluation
+    assert all(s == train[0] for s in seen), (train[0], evaluation[0])
+    assert (train[0]["max_turns"], train[0]["max_tool_calls"], train[0]["max_output_chars"]) == (3, 3, 1024)
+
+
+def test_eval_kwargs_change_evaluation_only_and_bad_ids_fail_before_the_model_loads(tmp_path):
+    config = config_for(tmp_path, "env.eval_kwargs={max_turns: 8}")
+    assert config.env.env_kwargs()["max_turns"] == 3
+    assert config.env.env_kwargs(evaluation=True) == {**config.env.env_kwargs(), "max_turns": 8}
+    with pytest.raises(EnvRegistrationError, match=r"env.id='demo/Nope-v0' is not a registered Gymnasium id"):
+        Trainer(config_for(tmp_path, "env.id=demo/Nope-v0"), model=object(), tokenizer=object())
+    with pytest.raises(ConfigError, match=r"cannot set \['pool'\]"):
+        config_for(tmp_path, "env.kwargs={pool: 1}")
+
+
+def test_an_env_registered_with_max_episode_steps_is_refused_not_silently_unlimited():
+    from envs.registry import EnvRegistrationError, make_tool_env
+
+    gymnasium.register("demo/Capped-v0", entry_point="envs.tool_env:ToolEnv", max_episode_steps=4)
+    try:
+        with pytest.raises(
+            EnvRegistrationError, match=r"max_episode_steps=4, a TimeLimit .* max_turns=4 among its kwargs"
+        ):
+            make_tool_env("demo/Capped-v0")
+    finally:
+        gymnasium.registry.pop("demo/Capped-v0")
+
+
+PLUGIN = f"""
+import runpy
+
+
+def register():  # the stare_agent.envs entry point: registers demo/Calculator-v0
+    runpy.run_path({str(EXAMPLE)!r}, run_name="plugin")
+"""
+
+
+@pytest.mark.parametrize("registered_by", ["module:id", "entry point"])
+def test_cli_eval_plays_the_example_env(tmp_path, registered_by):
+    """`stare-agent eval --env ...` with the example's id, registered by the module Gymnasium imports
+    for ``module:id``, or by a package's ``stare_agent.envs`` entry point."""
+    path = tmp_path / "tiny"
+    model, tokenizer = tiny_model()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    if registered_by == "module:id":
+        env_id, paths = "register_tool_env:demo/Calculator-v0", [str(EXAMPLE.parent), str(REPO)]
+    else:  # an installed distribution declaring the entry point
+        env_id, paths = "demo/Calculator-v0", [str(tmp_path / "site"), str(REPO)]
+        dist = tmp_path / "site" / "calculator_plugin-0.1.dist-info"
+        dist.mkdir(parents=True)
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: calculator-plugin\nVersion: 0.1\n")
+        (dist / "entry_points.txt").write_text(
+            "[stare_agent.envs]\ncalculator = calculator_plugin:register\n"
+        )
+        (tmp_path / "site" / "calculator_plugin.py").write_text(PLUGIN)
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    done = subprocess.run(
+        [sys.executable, "-m", "stare_agent.cli", "eval", "--model", str(path), "--data", "multiplication"]
+        + ["--env", env_id, "--limit", "2", "--samples", "2"]
+        + ["--max-response-tokens", "16", "--backend", "local", "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"env: {env_id} (format hermes, tools: calculator)" in done.stdout
+    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(len(r["correct"]) == 2 for r in rows)
+
+
+def test_an_env_registered_with_problems_serves_them_unless_the_config_names_others(
+    tmp_path, calculator_env, capsys
+):
+    """``register_tool_env(..., problems="multiplication")``: training and evaluation use those problems
+    when data.train / data.eval are unset; set, the config wins and one line says so."""
+    from stare_agent.config import eval_source, train_source
+
+    unset = load_config(None, [f"env.id={calculator_env}"])
+    assert (train_source(unset), eval_source(unset)) == ("multiplication", "multiplication")
+    default = load_config(None)  # stare/CodeInterpreter-v0 names no problems of its own
+    assert (train_source(default), eval_source(default)) == ("mixed", None)
+    assert capsys.readouterr().out == ""
+
+    both = load_config(None, [f"env.id={calculator_env}", "data.train=mixed", "data.eval=aime2024"])
+    assert (train_source(both), eval_source(both)) == ("mixed", "aime2024")
+    assert capsys.readouterr().out.splitlines() == [
+        f"[data] data.train='mixed' is used, not the problems {calculator_env} was registered with "
+        "('multiplication'): leave data.train unset to use those",
+        f"[data] data.eval='aime2024' is used, not the problems {calculator_env} was registered with "
+        "('multiplication'): leave data.eval unset to use those",
+    ]
+
+    # the trainer draws and evaluates the registered problems
+    config = load_config(
+        None,
+        [
+            f"env.id={calculator_env}",
+            "data.prompts_per_step=2",
+            "data.samples_per_prompt=2",
+            "env.max_turns=3",
+            "env.max_response_tokens=256",
+            "sandbox.backend=local",
+            "sandbox.pool_size=4",
+            "data.eval_samples=1",
+            "data.eval_limit=2",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    model, tokenizer = tiny_model()
+    engine = ScriptedEngine(tokenizer, calculator_policy(wrong_on_odd=False))
+    trainer = Trainer(config, model=model, tokenizer=tokenizer, engine=engine)
+    try:
+        assert trainer.stream.family == "multiplication"
+        assert all(p.id.startswith("multiplication-") for p in trainer.stream.take(3))
+        report = trainer.evaluate()
+    finally:
+        trainer.close()
+    assert [p.problem_id.split("-")[0] for p in report.problems] == ["multiplication"] * 2
+    assert report.metrics["avg@1"] == 1.0

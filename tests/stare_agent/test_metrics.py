@@ -1,0 +1,336 @@
+"""Step metrics, the JSONL/TensorBoard logger, policy entropy and the plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from envs.trajectory import TrajectoryBuilder
+from stare_agent.metrics import (
+    StepLogger,
+    ToolHealth,
+    ToolHealthAlarm,
+    ToolHealthError,
+    policy_entropy,
+    read_metrics,
+    reflection_counts,
+    rollout_metrics,
+)
+from stare_agent.models import tiny_model
+from stare_agent.recipes.plots import plot_dashboard
+
+
+def _trajectory(prompt, segments, reward=0.0, **info):
+    b = TrajectoryBuilder(prompt)
+    for ids, mask in segments:
+        b.append(ids, mask, [-1.0] * len(ids) if mask else None)
+    return b.build(reward=reward, info=info)
+
+
+def test_reflection_counts_whole_words_case_insensitive():
+    counts = reflection_counts(["Wait, check it. WAIT", "checking is not check", "butter"])
+    assert counts["wait"] == pytest.approx(2 / 3)
+    assert counts["check"] == pytest.approx(2 / 3)  # "checking" is not "check"
+    assert counts["but"] == 0.0  # "butter" is not "but"
+
+
+def test_rollout_metrics_by_hand():
+    calls = [{"timed_out": True, "error_type": "TimeoutError"}, {"timed_out": False, "error_type": None}]
+    t1 = _trajectory(
+        [1],
+        [([5, 6], 1), ([7, 8, 9], 0), ([4], 1)],
+        reward=1.0,
+        correct=True,
+        num_tool_calls=2,
+        tool_calls=calls,
+    )
+    t2 = _trajectory([1], [([5], 1)], reward=0.0, correct=False, num_tool_calls=0, truncated=True)
+    m = rollout_metrics([t1, t2])
+    assert m["reward_mean"] == 0.5 and m["accuracy"] == 0.5
+    assert m["response_length_mean"] == (6 + 1) / 2
+    assert m["sampled_tokens_mean"] == (3 + 1) / 2
+    assert m["tool_calls_per_episode"] == 1.0
+    assert m["tool_timeouts_per_episode"] == 0.5 and m["tool_errors_per_episode"] == 0.5
+    assert m["truncated_fraction"] == 0.5
+
+
+def test_logger_writes_jsonl_and_tensorboard_and_read_keeps_last_record_per_step(tmp_path):
+    with StepLogger(tmp_path) as log:
+        log.log(1, {"reward_mean": 0.25, "gate_on": True, "entropy": torch.tensor(0.5)})
+        log.log(2, {"reward_mean": 0.5})
+        log.log(2, {"reward_mean": 0.75})  # a resumed run re-logging a step
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[0]) == {"step": 1, "reward_mean": 0.25, "gate_on": 1, "entropy": 0.5}
+    assert [r["reward_mean"] for r in read_metrics(tmp_path)] == [0.25, 0.75]
+    with pytest.raises(FileNotFoundError, match="stare-agent train"):
+        read_metrics(tmp_path / "nope")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "rl"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(1, 0.25), (2, 0.5), (2, 0.75)]
+    assert [(e.step, e.value) for e in events.Scalars("gate_on")] == [(1, 1.0)]
+
+
+def wandb_records(run_dir, kind):
+    """The records of one kind (``history``, ``run``, ...) of the offline wandb run in ``run_dir``,
+    read from its ``.wandb`` file: LevelDB-style log blocks of protobuf ``Record`` messages. wandb's
+    service process finishes writing the file after ``finish()`` returns: wait for its exit record."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while not (records := _wandb_file_records(run_dir)) or records[-1].WhichOneof("record_type") != "exit":
+        assert time.monotonic() < deadline, "the offline wandb run was not complete within 60 s"
+        time.sleep(0.2)
+    return [getattr(r, kind) for r in records if r.WhichOneof("record_type") == kind]
+
+
+def _wandb_file_records(run_dir):
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    paths = list(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(paths) <= 1, paths
+    if not paths:
+        return []
+    path = paths[0]
+    data, block, pos, parts, out = path.read_bytes(), 32768, 7, b"", []
+    if len(data) < 7:  # the header is not written yet
+        return []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, part = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        parts += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if part in (1, 4):  # a full record, or the last part of one
+            record = pb.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            out.append(record)
+    return out
+
+
+def _key(item):
+    return item.key or "/".join(item.nested_key)
+
+
+def test_logger_writes_an_offline_wandb_run_with_the_config(tmp_path, monkeypatch):
+    from stare_agent.config import load_config
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = load_config(None, ["logger.backends=[wandb]", "logger.name=probe", "algorithm.W=1.2"])
+    with StepLogger(tmp_path, backends=config.logger.backends, config=config) as log:
+        log.log(1, {"entropy": 0.5, "gate_on": True, "skip_reason": "text is not a scalar"})
+        log.log(2, {"entropy": float("nan"), "reward_mean": 0.75})
+    history = [
+        {_key(item): json.loads(item.value_json) for item in h.item if not _key(item).startswith("_")}
+        for h in wandb_records(tmp_path, "history")
+    ]
+    assert history == [{"entropy": 0.5, "gate_on": 1}, {"reward_mean": 0.75}]
+    (run,) = wandb_records(tmp_path, "run")
+    values = {_key(item): json.loads(item.value_json) for item in run.config.update}
+    assert values["algorithm"]["W"] == 1.2 and run.display_name == "probe" and run.job_type == "rl"
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_wandb_backend_missing_says_how_to_install(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'stare-agent\[wandb\]', or drop wandb"):
+        StepLogger(tmp_path, backends=["wandb"])
+
+
+def test_logger_backends_are_validated():
+    from stare_agent.config import ConfigError, load_config
+
+    with pytest.raises(
+        ConfigError, match="logger.backends='mlflow' is not valid: use one of tensorboard, wandb"
+    ):
+        load_config(None, ["logger.backends=[mlflow]"])
+
+
+def test_policy_entropy_is_the_masked_mean_of_the_naive_entropy():
+    model, tokenizer = tiny_model()
+    trajs = [_trajectory([1, 2, 3], [([10, 11], 1), ([12], 0), ([13], 1)]), _trajectory([4], [([20], 1)])]
+    got = policy_entropy(model, trajs, pad_id=0, batch_size=1)
+    values = []
+    with torch.no_grad():
+        for t in trajs:
+            ids = torch.tensor([t.input_ids])
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+            H = -(logp.exp() * logp).sum(-1)  # position i predicts token i + 1
+            mask = [0] * (len(t.prompt_ids) - 1) + list(t.loss_mask)
+            values += [float(h) for h, m in zip(H, mask, strict=True) if m]
+    assert len(values) == 4
+    assert got == pytest.approx(sum(values) / len(values), rel=1e-5)
+
+
+def _log_steps(run_dir, steps, **extra):
+    with StepLogger(run_dir, backends=()) as log:
+        for step in steps:
+            log.log(step, {"entropy": 0.5 - 0.1 * step, "H_tgt": 0.3, "reward_mean": 0.1 * step, **extra})
+
+
+def test_plot_dashboard_draws_one_image_with_a_panel_per_logged_group(tmp_path):
+    import matplotlib.image
+
+    full = dict(
+        accuracy=0.1,
+        response_length_mean=100,
+        gate_on=1,
+        frac_reweighted=0.01,
+        **{"stare/L_plus": 3, "stare/L_minus": 1, "eval/avg@4": 0.25},
+        tool_calls_per_episode=1.5,
+        tool_errors_per_episode=0.1,
+        **{"tools/infra_error_fraction": 0.0, "tools/void_turn_fraction": 0.1},
+    )
+    _log_steps(tmp_path / "full", (1, 2, 3), **full)
+    _log_steps(tmp_path / "bare", (1, 2))  # entropy and reward only: two panels
+    out = plot_dashboard(tmp_path / "full")
+    assert out == tmp_path / "full" / "plots" / "dashboard.png"
+    # 7 panels (tool health among them): 3 rows of 3 of 5.2 x 3.4 inch panels at 110 dpi; 2 panels: one row of two.
+    assert matplotlib.image.imread(out).shape[:2] == (round(3 * 3.4 * 110), round(3 * 5.2 * 110))
+    bare = plot_dashboard(tmp_path / "bare")
+    assert matplotlib.image.imread(bare).shape[:2] == (round(3.4 * 110), round(2 * 5.2 * 110))
+
+
+def test_plot_dashboard_overlays_runs_in_their_common_parent(tmp_path):
+    _log_steps(tmp_path / "grpo", (1, 2))
+    _log_steps(tmp_path / "stare", (1, 2, 3))
+    out = plot_dashboard([tmp_path / "grpo", tmp_path / "stare"])
+    assert out == tmp_path / "dashboard.png" and out.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="1 labels for 2 runs"):
+        plot_dashboard([tmp_path / "grpo", tmp_path / "stare"], labels=["only-one"])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="has no steps yet"):
+        plot_dashboard([tmp_path / "grpo", tmp_path / "empty"])
+
+
+def test_logged_nan_is_written_as_null_and_read_back_as_nan(tmp_path):
+    with StepLogger(tmp_path, backends=()) as log:
+        log.log(1, {"entropy": float("nan"), "gate_on": 0, "skipped": 1, "extra": {"x": float("inf")}})
+    line = (tmp_path / "metrics.jsonl").read_text()
+
+    def refuse(constant):
+        raise ValueError(f"bare {constant} in metrics.jsonl")
+
+    assert json.loads(line, parse_constant=refuse) == {
+        "step": 1,
+        "entropy": None,
+        "gate_on": 0,
+        "skipped": 1,
+        "extra": {"x": None},
+    }
+    (record,) = read_metrics(tmp_path)
+    assert math.isnan(record["entropy"])
+    # files written before nulls, with a bare NaN, still read
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "entropy": NaN}\n')
+    assert math.isnan(read_metrics(tmp_path)[0]["entropy"])
+
+
+def _line(ax, label):
+    (line,) = [line for line in ax.get_lines() if line.get_label() == label]
+    return list(line.get_ydata())
+
+
+def test_dashboard_marks_skipped_steps_and_draws_no_gate_for_them(tmp_path):
+    from stare_agent.recipes.plots import SKIPPED_LABEL, dashboard_figure
+
+    with StepLogger(tmp_path, backends=()) as log:
+        for step, skipped in ((1, 0), (2, 1), (3, 0)):
+            log.log(step, {"entropy": math.nan if skipped else 0.01 * step, "H_tgt": 0.3, "gate_on": 1 - skipped,
+                           "skipped": skipped, "reward_mean": 0.5, "accuracy": 0.5,
+                           "response_length_mean": 100.0})  # fmt: skip
+    fig = dashboard_figure([tmp_path])
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    gate = axes["STARE gate and weights"]
+    y = _line(gate, "gate_on")
+    assert y[0] == y[2] == 1.0 and math.isnan(y[1])  # a gap, not gate off
+    for ax in axes.values():  # every panel shades the skipped step
+        (band,) = [p for p in ax.patches if p.get_label() == SKIPPED_LABEL]
+        assert band.get_x() == 1.5 and band.get_width() == 1.0
+    assert _line(axes["Response length"], "response_length_mean") == [100.0] * 3  # rollouts were measured
+    entropy = axes["Entropy on sampled rollouts (gate's H-bar)"]
+    assert entropy.get_yscale() == "log" and "H_tgt = 0.3" in [
+        line.get_label() for line in entropy.get_lines()
+    ]
+    # reward equal to accuracy at every step: one line, and the title says why
+    reward = axes["Accuracy (= reward: 1 for a correct answer, else 0)"]
+    assert [line.get_label() for line in reward.get_lines()] == ["accuracy"]
+
+
+def test_dashboard_draws_reward_beside_accuracy_when_they_differ_and_the_sft_loss(tmp_path):
+    from stare_agent.recipes.plots import dashboard_figure
+
+    with StepLogger(tmp_path, backends=()) as log:
+        log.log(1, {"entropy": 0.2, "reward_mean": 0.4, "accuracy": 0.5})
+    with StepLogger(tmp_path, filename="sft_log.jsonl", backends=()) as log:
+        log.log(1, {"loss": 2.0, "skipped": 0})
+        log.log(2, {"loss": 1.5, "skipped": 0})
+        log.log(2, {"summary": {"steps": 2, "first_loss": 2.0}})
+    axes = {ax.get_title(): ax for ax in dashboard_figure([tmp_path]).axes if ax.get_visible()}
+    reward = axes["Reward and accuracy (they differ by the reward's shaping)"]
+    assert [line.get_label() for line in reward.get_lines()] == ["reward_mean", "accuracy"]
+    sft = axes["Cold-start SFT loss (sft_log.jsonl)"]
+    assert _line(sft, "loss") == [2.0, 1.5] and sft.get_xlabel() == "SFT step"
+
+
+def test_dashboard_draws_the_engine_learner_mismatch(tmp_path):
+    import matplotlib.image
+
+    _log_steps(tmp_path / "run", (1, 2), **{"mismatch/kl": 0.002, "mismatch/abs_logp_mean": 0.036})
+    out = plot_dashboard(tmp_path / "run")
+    # entropy, reward and the mismatch panel: one row of three
+    assert matplotlib.image.imread(out).shape[:2] == (round(3.4 * 110), round(3 * 5.2 * 110))
+
+
+def test_tool_health_counts_each_kind_of_fault_by_hand():
+    calls = [
+        {"error_type": None, "timed_out": False},
+        {"error_type": "ZeroDivisionError", "timed_out": False},  # the model's code raised
+        {"error_type": "Timeout", "timed_out": True},
+    ]
+    episodes = [
+        _trajectory([1], [([5], 1)], tool_calls=calls, finish_reason="terminated"),
+        # played again once after its sandbox was lost, then finished with one clean call
+        _trajectory([1], [([5], 1)], tool_calls=calls[:1], retries=1, finish_reason="terminated"),
+        # neither a call nor an answer
+        _trajectory([1], [([5], 1)], tool_calls=[], void_turn=True, finish_reason="terminated"),
+        # lost on every attempt: 1 try + 2 retries
+        _trajectory([1], [], finish_reason="failed", retries=2, failed="host lost [SandboxLost]"),
+    ]
+    health = ToolHealth.of(episodes)
+    assert (health.episodes, health.calls, health.code_errors, health.timeouts) == (4, 4, 1, 1)
+    assert (health.infra_failures, health.failed_episodes, health.void_turns) == (4, 1, 1)
+    assert health.last_failure == "host lost [SandboxLost]"
+    m = health.metrics()
+    assert m["tools/calls_per_episode"] == 1.0
+    assert m["tools/code_error_fraction"] == 0.25 and m["tools/timeout_fraction"] == 0.25
+    assert m["tools/infra_error_fraction"] == 4 / 8 and m["tools/infra_failures"] == 4
+    assert m["tools/void_turn_fraction"] == 0.25
+
+
+def test_the_tool_health_alarm_stops_above_the_rate_over_its_window():
+    alarm = ToolHealthAlarm(0.05, 3, min_attempts=20)
+    alarm.observe(1, ToolHealth(calls=10, infra_failures=1))  # 1 of 11: too few attempts to judge
+    alarm.observe(2, ToolHealth(calls=40))  # 1 of 51 (2 %)
+    with pytest.raises(ToolHealthError) as stop:
+        alarm.observe(3, ToolHealth(calls=40, infra_failures=6, last_failure="host lost [SandboxLost]"))
+    message = str(stop.value)
+    assert message.startswith("step 3: 7 of 97 tool calls over the last 3 steps (7.2%) failed in the sandbox")
+    assert "trainer.max_infra_error_rate=0.05 (last: host lost [SandboxLost])" in message
+    assert "stare-agent train --resume" in message and "\n" not in message
+    rolling = ToolHealthAlarm(0.05, 2, min_attempts=50)
+    rolling.observe(1, ToolHealth(calls=20, infra_failures=20))  # 40 attempts: not judged yet
+    with pytest.raises(ToolHealthError):
+        rolling.observe(2, ToolHealth(calls=100))  # 20 of 140 in the window
+    for step in (3, 4):  # the failing step left the window of 2
+        rolling.observe(step, ToolHealth(calls=100))
+    ToolHealthAlarm(1.0, 5).observe(1, ToolHealth(calls=0, infra_failures=50))  # 1.0: never stops
