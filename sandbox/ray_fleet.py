@@ -157,8 +157,7 @@ class FleetStats:
         creations: Creation tokens handed out (container starts), with their times
             (``time.monotonic`` of the coordinator's process).
         last_failure: Why the last host was dropped ("" when none was).
-        coordinator_node: The Ray node the coordinator runs on (the one of the process that built
-            the fleet, unless that process has no node of its own).
+        coordinator_node: The Ray node the coordinator runs on (see :func:`coordinator_node`).
     """
 
     hosts: tuple[HostStats, ...]
@@ -641,6 +640,21 @@ class RaySandbox(Sandbox):
         return f"RaySandbox(node={self.node_id[:12]}, lease={self.lease_id[:8]})"
 
 
+def coordinator_node(ray: Any, node_resource: str) -> str:
+    """The node for a new coordinator: this process's node unless it is a sandbox node, else a node
+    without sandboxes (the head first), else this process's node (every node has sandboxes).
+
+    A sandbox node that dies, or misses its heartbeats under load, then costs its own leases only,
+    never the coordinator and with it every episode of the fleet.
+    """
+    here = ray.get_runtime_context().get_node_id()
+    plain = [n for n in ray.nodes() if n.get("Alive") and not n.get("Resources", {}).get(node_resource, 0)]
+    if not plain or here in {n["NodeID"] for n in plain}:
+        return str(here)
+    heads = [n for n in plain if "node:__internal_head__" in n.get("Resources", {})]
+    return str((heads or plain)[0]["NodeID"])
+
+
 class RaySandboxFleet:
     """The client of a fleet of sandboxes on a Ray cluster, with a pool's verbs. Thread-safe.
 
@@ -690,10 +704,8 @@ class RaySandboxFleet:
         self._closed = False
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        # The coordinator lives on the node of the process that creates it (the trainer's), not on
-        # a Docker node: losing a sandbox node then costs that node's leases, never the fleet.
-        # Soft, so that a client without a node of its own (Ray Client) still gets one.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        # Pinned (Ray's soft affinity was seen placing it elsewhere): see coordinator_node.
+        here = NodeAffinitySchedulingStrategy(coordinator_node(ray, self.config.node_resource), soft=False)
         self._coordinator = (
             ray.remote(FleetCoordinator)
             .options(
