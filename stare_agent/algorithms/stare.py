@@ -37,7 +37,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from stare_agent.algorithms.entropy_effect import first_order_entropy_effect, mechanism_metrics
+
+if TYPE_CHECKING:
+    from stare_agent.config import AlgorithmConfig
 
 Variant = Literal["O1", "C2"]
 Scope = Literal["micro_batch", "global"]
@@ -148,18 +151,32 @@ class AdaptiveController:
     ``W <- clip(W + alpha * sign(H_tgt - Hbar), 1, W_max)``,
     ``M <- clip(M - alpha * sign(H_tgt - Hbar), M_min, 1)``.
     Call ``update(Hbar)`` right after the gate, then use ``W``/``M`` for this step's weights.
-    Save ``state_dict()`` with checkpoints and restore it with ``load_state_dict``.
+    Save ``state_dict()`` with checkpoints and restore it with ``load_state_dict``. A run builds it
+    with :meth:`from_config`; the defaults are ``AlgorithmConfig``'s (stated there once).
     """
 
-    W: float = 1.1
-    M: float = 0.9
-    H_tgt: float = 0.3
-    alpha: float = 0.01
-    W_max: float = 1.5
-    M_min: float = 0.5
+    W: float
+    M: float
+    H_tgt: float
+    alpha: float
+    W_max: float
+    M_min: float
 
     def __post_init__(self) -> None:
         check_adaptive_options(W=self.W, M=self.M, alpha=self.alpha, W_max=self.W_max, M_min=self.M_min)
+
+    @classmethod
+    def from_config(cls, algorithm: AlgorithmConfig) -> AdaptiveController:
+        """The controller of an ``algorithm`` config section. Without ``algorithm.adaptive`` its step
+        is 0 (W and M stay fixed) and its bounds widen to hold any W and M the config allows."""
+        return cls(
+            W=algorithm.W,
+            M=algorithm.M,
+            H_tgt=algorithm.H_tgt,
+            alpha=algorithm.alpha if algorithm.adaptive else 0.0,
+            W_max=max(algorithm.W_max, algorithm.W),
+            M_min=min(algorithm.M_min, algorithm.M),
+        )
 
     def update(self, Hbar: float) -> dict[str, float]:
         """Step W and M toward raising entropy when Hbar < H_tgt (lowering it when above)."""

@@ -55,9 +55,13 @@ from stare_agent.algorithms.entropy_control import (
     forking_token_weights,
     kl_cov_coefficients,
 )
+from stare_agent.config import AlgorithmConfig
 from stare_agent.intervals import format_ci, mean_sd_ci
 
 DRIFT_EMA = 0.1  # drift task: weight of a context's latest group in its running accuracy
+
+
+_ALG = AlgorithmConfig()  # the run config's algorithm section: the lab's defaults, stated there once
 
 
 @dataclass(frozen=True)
@@ -66,18 +70,20 @@ class LabConfig:
     of the field's other entropy controls (``algorithms.entropy_control``): ``entropy_bonus``,
     ``kl_cov``, ``clip_cov``, ``forking_tokens``. ``minibatches`` > 1 splits each kept batch into that
     many optimizer steps (verl's ``ppo_mini_batch``), each against the pre-update log-probs, so that
-    the PPO clip (``eps_high``) and KL-Cov's ``|logp - logp_old|`` act; 1 is the paper's one step."""
+    the PPO clip (``eps_high``) and KL-Cov's ``|logp - logp_old|`` act; 1 is the paper's one step.
+    The algorithm's fields default to ``AlgorithmConfig``'s (see there); ``entropy_coef`` is the
+    lab's own."""
 
     task: str = "mod7"
-    algorithm: str = "stare"
-    variant: str = "O1"
-    W: float = 1.1
-    M: float = 0.9
-    P: float = 0.1
-    H_tgt: float = 0.3
-    gate: str = "entropy"  # or "always_on" (open loop)
-    gate_batch: str = "kept"  # or "drawn" (ours: the gate reads the whole draw, before dynamic sampling)
-    L_plus_rule: str = "top_k"  # or "top_k_raising" (ours)
+    algorithm: str = _ALG.name
+    variant: str = _ALG.variant
+    W: float = _ALG.W
+    M: float = _ALG.M
+    P: float = _ALG.P
+    H_tgt: float = _ALG.H_tgt
+    gate: str = _ALG.gate  # or "always_on" (open loop)
+    gate_batch: str = _ALG.gate_batch  # or "drawn" (ours: the gate reads the whole draw)
+    L_plus_rule: str = _ALG.L_plus_rule  # or "top_k_raising" (ours)
     contexts: int = 64
     positions: int = 12
     vocab: int = 16
@@ -89,15 +95,16 @@ class LabConfig:
     init_scale: float = 3.4
     steps: int = 2000
     seed: int = 0
-    eps_high: float = 0.28
+    eps_high: float = _ALG.eps_high
     minibatches: int = 1
+    # The lab's own default, not the config's 0.001 (the variants name theirs: entropy-bonus-*).
     entropy_coef: float = 0.01
-    kl_cov_k: float = 0.002
-    kl_cov_coef: float = 1.0
-    clip_cov_r: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    forking_rho: float = 0.2
+    kl_cov_k: float = _ALG.kl_cov_k
+    kl_cov_coef: float = _ALG.kl_cov_coef
+    clip_cov_r: float = _ALG.clip_cov_r
+    clip_cov_lb: float = _ALG.clip_cov_lb
+    clip_cov_ub: float = _ALG.clip_cov_ub
+    forking_rho: float = _ALG.forking_rho
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -473,7 +480,9 @@ FIGURE_VARIANTS = ("grpo-ds", "o1", "random", "open-W1.1", "o1-W3", "o1-W10", "o
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m stare_agent.recipes.lab", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m stare_agent.recipes.lab", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     parser.add_argument("--tasks", default="mod7,drift")
     parser.add_argument("--seeds", type=int, default=5)

@@ -148,15 +148,7 @@ class Trainer:
                 f"data.train: {c['rows']} rows -> {len(self.stream.problems)} problems "
                 f"({c['duplicates']} repeats dropped, answer-format instructions removed from {c['unwrapped']})"
             )
-        alg = config.algorithm
-        self.controller = AdaptiveController(
-            W=alg.W,
-            M=alg.M,
-            H_tgt=alg.H_tgt,
-            alpha=alg.alpha if alg.adaptive else 0.0,
-            W_max=max(alg.W_max, alg.W),
-            M_min=min(alg.M_min, alg.M),
-        )
+        self.controller = AdaptiveController.from_config(config.algorithm)
         self.step = 0
         self.sync_s = 0.0  # seconds spent handing weights to the engine (time/sync_s per step)
         self._pool: Any = None

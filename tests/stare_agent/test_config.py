@@ -14,6 +14,13 @@ from stare_agent.config import ConfigError, RunConfig, load_config, resolve_prec
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
+def _controller(**fields: float) -> AdaptiveController:
+    """A controller with the paper's schedule and ``fields`` changed."""
+    return AdaptiveController(
+        **{"W": 1.1, "M": 0.9, "H_tgt": 0.3, "alpha": 0.01, "W_max": 1.5, "M_min": 0.5, **fields}
+    )
+
+
 def test_defaults_are_the_papers():
     c = load_config()
     assert (c.optim.lr, c.data.prompts_per_step, c.data.samples_per_prompt) == (1e-6, 64, 8)
@@ -142,8 +149,8 @@ def _tensors():
         (["algorithm.loss_agg=sum"], lambda: policy_loss(*_tensors(), agg="sum")),
         (["algorithm.variant=O3"], lambda: stare_weights(*_tensors()[1:], gate_on=True, variant="O3")),
         (["algorithm.scope=batch"], lambda: stare_weights(*_tensors()[1:], gate_on=True, scope="batch")),
-        (["algorithm.adaptive=true", "algorithm.W_max=1.0"], lambda: AdaptiveController(W=1.1, W_max=1.0)),
-        (["algorithm.adaptive=true", "algorithm.M_min=0.95"], lambda: AdaptiveController(M=0.9, M_min=0.95)),
+        (["algorithm.adaptive=true", "algorithm.W_max=1.0"], lambda: _controller(W=1.1, W_max=1.0)),
+        (["algorithm.adaptive=true", "algorithm.M_min=0.95"], lambda: _controller(M=0.9, M_min=0.95)),
     ],
 )
 def test_algorithm_rules_are_stated_once(overrides, direct):

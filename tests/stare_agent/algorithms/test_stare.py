@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from fractions import Fraction
 
@@ -16,6 +17,7 @@ from stare_agent.algorithms.stare import (
     stare_weights,
     top_k_count,
 )
+from stare_agent.config import AlgorithmConfig
 
 W, M = 1.1, 0.9
 
@@ -173,15 +175,15 @@ def test_adaptive_controller_steps_clips_and_round_trips():
     assert (c.W, c.M) == pytest.approx((1.1, 0.9))
     c.update(0.3)  # sign(0) = 0: unchanged
     assert (c.W, c.M) == pytest.approx((1.1, 0.9))
-    top = AdaptiveController(W=1.5, M=0.5)
+    top = dataclasses.replace(c, W=1.5, M=0.5)
     top.update(0.0)
     assert (top.W, top.M) == (1.5, 0.5)  # clipped at W_max and M_min
-    bottom = AdaptiveController(W=1.0, M=1.0)
+    bottom = dataclasses.replace(c, W=1.0, M=1.0)
     bottom.update(1.0)
     assert (bottom.W, bottom.M) == (1.0, 1.0)  # clipped at 1
 
     saved = c.state_dict()
-    restored = AdaptiveController()
+    restored = AdaptiveController.from_config(AlgorithmConfig())
     restored.load_state_dict(saved)
     assert restored == c
     with pytest.raises(ValueError, match="W_max"):
