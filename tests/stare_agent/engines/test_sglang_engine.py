@@ -7,7 +7,6 @@ elsewhere they are skipped with the reason.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from stare_agent.engines.sglang_engine import (
     to_generation,
     weight_buckets,
 )
+from tests.conftest import require
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 HAS_CUDA = torch.cuda.is_available()
@@ -157,12 +157,9 @@ else:
 def sglang_setup():
     """The embedded model in SGLang (float32) and in transformers on the GPU, for every GPU test.
 
-    Skips when SGLang or a CUDA GPU is missing, or fails then when STARE_REQUIRE_GPU=1 (gpu_check.sh).
+    Skips when SGLang or a CUDA GPU is missing, or fails then when STARE_REQUIRE names gpu (gpu_check.sh).
     """
-    if GPU_SKIP:
-        if os.environ.get("STARE_REQUIRE_GPU") == "1":
-            pytest.fail(f"STARE_REQUIRE_GPU=1 but {GPU_SKIP}")
-        pytest.skip(GPU_SKIP)
+    require("gpu", GPU_SKIP or None)
     from stare_agent.models import embedded_model_path, load_policy
 
     path = embedded_model_path()

