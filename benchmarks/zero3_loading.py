@@ -1,5 +1,5 @@
 """CPU memory of loading a policy with two ranks: plain ``from_pretrained`` on every rank (baseline)
-vs ZeRO-3 partitioned loading (``stare_agent.train.learner.load_training_policy``, under ``zero.Init``).
+vs ZeRO-3 partitioned loading (``stare_agent.train.deepspeed_setup.load_training_policy``, under ``zero.Init``).
 
     python benchmarks/zero3_loading.py                 # the embedded SmolLM2-135M (fp32, ~0.5 GB)
     python benchmarks/zero3_loading.py --model PATH    # any checkpoint directory or hub id
@@ -39,7 +39,7 @@ def _rank(model: str, zero3: bool, out: str) -> None:
     import torch.distributed as dist
 
     from stare_agent.config import load_config
-    from stare_agent.train.learner import init_distributed, load_training_policy
+    from stare_agent.train.deepspeed_setup import init_distributed, load_training_policy
 
     cfg = load_config(
         None,

@@ -250,7 +250,7 @@ def load_policy(
         dtype: weight dtype (``torch.bfloat16`` or ``"bfloat16"``); None keeps the checkpoint's
             dtype (float32 for the embedded model).
         device: where the weights go (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
-        zero3_config: a DeepSpeed config of ZeRO stage 3 (``stare_agent.train.learner.deepspeed_config``),
+        zero3_config: a DeepSpeed config of ZeRO stage 3 (``stare_agent.train.deepspeed_setup.deepspeed_config``),
             with ``torch.distributed`` initialised: the model is loaded partitioned. A
             ``transformers.integrations.HfDeepSpeedConfig`` of it is alive during ``from_pretrained``,
             which then builds the model inside ``deepspeed.zero.Init`` and lets rank 0 read the

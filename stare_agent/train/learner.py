@@ -22,10 +22,10 @@ The learner runs with ``torch.distributed``: gloo on CPU (fp32) and NCCL on GPUs
 ``deepspeed``/``torchrun``; a plain single process works too (it sets up a world of one on a free
 loopback port).
 
-Its DeepSpeed config is :func:`deepspeed_config` (generated, with a user's ``deepspeed.config`` JSON
-merged over it and checked); :func:`load_training_policy` loads the policy for it (partitioned under
-ZeRO-3); with ``model.lora`` only LoRA adapters train (see :class:`Learner`); the learning-rate
-schedule is :func:`lr_scheduler` (``transformers.get_scheduler``).
+Its DeepSpeed config is ``deepspeed_setup.deepspeed_config`` (generated, with a user's
+``deepspeed.config`` JSON merged over it and checked); ``deepspeed_setup.load_training_policy``
+loads the policy for it (partitioned under ZeRO-3); with ``model.lora`` only LoRA adapters train
+(see :class:`Learner`); the learning-rate schedule is :func:`lr_scheduler` (``transformers.get_scheduler``).
 
 Example:
     >>> from stare_agent.config import load_config
@@ -38,11 +38,9 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import socket
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -63,42 +61,19 @@ from stare_agent.algorithms.losses import policy_loss
 from stare_agent.algorithms.rollout_correction import correction_weights, mismatch_metrics, mismatch_sums
 from stare_agent.config import (
     AlgorithmConfig,
-    ConfigError,
     DeepSpeedConfig,
     LoRAConfig,
     OptimConfig,
     RunConfig,
-    read_deepspeed_json,
     resolve_precision,
 )
 from stare_agent.train.batch import bucket_by_length, collate, split_by_token_budget
+from stare_agent.train.deepspeed_setup import deepspeed_config, init_distributed
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_TAG = "learner"
 ADAPTER_DIRNAME = "adapter"
-
-
-def init_distributed(backend: str = "auto") -> None:
-    """Initialise ``torch.distributed`` through DeepSpeed once per process.
-
-    Under a launcher (``RANK``/``WORLD_SIZE`` set) its rendezvous is used; a plain process becomes a
-    world of one on a free loopback port. ``auto`` picks NCCL when CUDA is available, else gloo.
-    """
-    if dist.is_available() and dist.is_initialized():
-        return
-    import deepspeed
-
-    if "WORLD_SIZE" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-        )
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int) -> Any:
@@ -135,128 +110,6 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_ste
         num_training_steps=total_steps,
         scheduler_specific_kwargs={"min_lr_rate": optim.min_lr_ratio},
     )
-
-
-def load_training_policy(config: RunConfig) -> tuple[Any, Any]:
-    """The policy and tokenizer of ``config.model`` for training, in the learner's dtype.
-
-    Under ZeRO-3 the model is loaded partitioned (``stare_agent.models.load_policy`` with the
-    learner's DeepSpeed config: ``from_pretrained`` inside ``deepspeed.zero.Init``, rank 0 scatters
-    the checkpoint), so no rank holds a full copy of the weights. The DeepSpeed config is built (and
-    a user's ``deepspeed.config`` checked) before anything loads.
-
-    Raises:
-        ConfigError: ``deepspeed.config`` conflicts with the learner.
-        stare_agent.models.ModelLoadError: the model cannot be loaded (ModelTooLargeError: it does
-            not fit in memory).
-    """
-    from stare_agent.models import load_policy
-
-    ds = config.deepspeed
-    init_distributed(ds.dist_backend)
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    precision = resolve_precision(ds.precision, device_type)
-    settings = deepspeed_config(ds, config.optim, precision, dist.get_world_size())
-    dtype = torch.bfloat16 if precision == "bf16" else None
-    return load_policy(
-        config.model.name_or_path, dtype=dtype, zero3_config=settings if ds.zero_stage == 3 else None
-    )
-
-
-# Keys of a user's DeepSpeed config that the learner sets itself, and why (for the error line).
-_OWNED_KEYS = {
-    "train_micro_batch_size_per_gpu": "the learner splits batches by deepspeed.micro_batch_tokens",
-    "gradient_accumulation_steps": "the learner accumulates over deepspeed.micro_batch_tokens micro-batches",
-    "train_batch_size": "one optimizer step per learner call, on every rank",
-    "gradient_clipping": "optim.grad_clip sets it",
-}
-_REFUSED_SECTIONS = {
-    "optimizer": "the learner builds AdamW from the optim section: set optim.lr, optim.betas, ...",
-    "scheduler": "the learner's schedule comes from optim.schedule and optim.warmup_steps",
-    "fp16": "the learner trains in bf16 or fp32: use deepspeed.precision=bf16",
-}
-
-
-def deepspeed_config(
-    ds: DeepSpeedConfig, optim: OptimConfig, precision: str, world_size: int
-) -> dict[str, Any]:
-    """The DeepSpeed config of the learner: generated from ``ds`` and ``optim``, then ``ds.config``'s
-    file merged over it (see :class:`~stare_agent.config.DeepSpeedConfig` for what it may set).
-
-    Raises:
-        ConfigError: the file sets a key the learner owns to another value, or a refused section.
-    """
-    stage = ds.zero_stage or 0  # null: none set here or in the file
-    zero: dict[str, Any] = {"stage": stage}
-    if stage == 3:
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
-    generated: dict[str, Any] = {
-        # One optimizer step per call: micro-batching and accumulation are ours (token budget).
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": world_size,
-        "gradient_clipping": optim.grad_clip,
-        "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": precision == "bf16", "check_grad_overflow": True},
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
-    if ds.config is None:
-        return generated
-    return _merge_user_config(generated, read_deepspeed_json(ds.config), ds.config, precision)
-
-
-def _merge_user_config(
-    generated: dict[str, Any], user: dict[str, Any], path: str, precision: str
-) -> dict[str, Any]:
-    """``user`` merged over ``generated`` after checking the keys the learner owns (one-line errors)."""
-
-    def conflict(key: str, value: Any, ours: Any, why: str, fix: str) -> ConfigError:
-        return ConfigError(
-            f"deepspeed.config={path} sets {key}={json.dumps(value)} but the learner uses "
-            f"{json.dumps(ours)} ({why}): {fix}"
-        )
-
-    def without_auto(d: dict[str, Any]) -> dict[str, Any]:
-        return {k: without_auto(v) if isinstance(v, dict) else v for k, v in d.items() if v != "auto"}
-
-    user = without_auto(user)
-    for key, why in _REFUSED_SECTIONS.items():
-        section = user.get(key)
-        if section is not None and not (key == "fp16" and not section.get("enabled", True)):
-            raise ConfigError(
-                f"deepspeed.config={path} has a {key!r} section ({why}): remove it from the file"
-            )
-    for key, why in _OWNED_KEYS.items():
-        if key in user and user[key] != generated[key]:
-            raise conflict(
-                key, user[key], generated[key], why, f"remove {key} from the file or set it to 'auto'"
-            )
-    bf16 = user.get("bf16", {}).get("enabled")
-    if bf16 is not None and bf16 != generated["bf16"]["enabled"]:
-        raise conflict(
-            "bf16.enabled",
-            bf16,
-            generated["bf16"]["enabled"],
-            f"deepspeed.precision resolves to {precision}",
-            "set deepspeed.precision=bf16 (GPU) or fp32 to match, or remove bf16.enabled from the file",
-        )
-    merged = _deep_merge(generated, user)
-    offload = merged["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
-    if offload != "none":
-        merged.setdefault("zero_force_ds_cpu_optimizer", False)  # torch AdamW steps on the CPU
-    return merged
-
-
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 class Learner:
@@ -606,8 +459,7 @@ class Learner:
                 )
         denominators = self._global_denominators(trajectories)
         rc = cfg.rollout_correction
-        learner_logp = torch.zeros(B, L - 1, dtype=torch.float32, device=self.device)
-
+        mismatch: dict[tuple[int, ...], dict[str, float]] = {}  # per micro-batch; a repeat rewrites its own
         bonus = cfg.name == "entropy_bonus"
 
         def micro_loss(micro: dict[str, Tensor], idx: list[int]) -> tuple[Tensor, dict[str, float]]:
@@ -620,13 +472,15 @@ class Learner:
 
             old = take(old_logprobs) if old_logprobs is not None else logp.detach()
             mask = micro["response_mask"]
-            learner_logp[rows, :width] = logp.detach().float()  # a padding repeat writes the same
+            sampler_logp = micro["old_logprobs"].to(self.device)[:, :width]  # the engine's
             w = take(weights) if weights is not None else None
+            l_plus = None if w is None else w > 1.0  # STARE's L+ (mismatch/L_plus_abs_logp_mean)
+            mismatch[tuple(idx)] = mismatch_sums(logp, sampler_logp, mask, l_plus)
             correction: dict[str, float] = {}
             if rollout_correction != "none":
                 c, correction = correction_weights(
                     logp,
-                    micro["old_logprobs"].to(self.device)[:, :width],
+                    sampler_logp,
                     mask,
                     mode=rollout_correction,
                     cap=rc.cap,
@@ -656,12 +510,10 @@ class Learner:
             return raw * self._loss_scale(mask, denominators), metrics
 
         out = self._step(trajectories, micro_loss)
-        batch = collate(trajectories, self.pad_id, self.device)
-        l_plus = weights.to(self.device) > 1.0 if weights is not None else None
-        sums = mismatch_sums(learner_logp, batch["old_logprobs"], batch["response_mask"], l_plus)
-        keys = sorted(k for k in sums if k != "abs_max")
-        totals = dict(zip(keys, self._all_reduce([sums[k] for k in keys]), strict=True))
-        totals["abs_max"] = self._all_reduce([sums["abs_max"]], op=dist.ReduceOp.MAX)[0]
+        parts = list(mismatch.values())
+        keys = sorted(k for k in parts[0] if k != "abs_max")
+        totals = dict(zip(keys, self._all_reduce([sum(p[k] for p in parts) for k in keys]), strict=True))
+        totals["abs_max"] = self._all_reduce([max(p["abs_max"] for p in parts)], op=dist.ReduceOp.MAX)[0]
         out.update(mismatch_metrics(totals))
         return out
 

@@ -29,7 +29,8 @@ from envs.problems import procedural_family
 from envs.trajectory import Trajectory
 from stare_agent.config import RunConfig
 from stare_agent.metrics import StepLogger
-from stare_agent.train.learner import Learner, load_training_policy
+from stare_agent.train.deepspeed_setup import load_training_policy
+from stare_agent.train.learner import Learner
 from stare_agent.train.sft_data import (
     SFTDataError,
     Trace,

@@ -63,7 +63,8 @@ from stare_agent.algorithms import (
 from stare_agent.config import ConfigError, RunConfig, eval_source, train_source
 from stare_agent.metrics import StepLogger, ToolHealth, ToolHealthAlarm, rollout_metrics
 from stare_agent.train.batch import collate
-from stare_agent.train.learner import Learner, load_training_policy
+from stare_agent.train.deepspeed_setup import load_training_policy
+from stare_agent.train.learner import Learner
 
 if TYPE_CHECKING:
     from sandbox.pool import PoolBackend

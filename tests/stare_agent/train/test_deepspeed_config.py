@@ -11,7 +11,8 @@ import torch
 from envs.trajectory import TrajectoryBuilder
 from stare_agent.config import ConfigError, load_config
 from stare_agent.models import tiny_model
-from stare_agent.train.learner import Learner, deepspeed_config
+from stare_agent.train.deepspeed_setup import deepspeed_config
+from stare_agent.train.learner import Learner
 
 
 def _write(tmp_path, data, name="ds_config.json"):

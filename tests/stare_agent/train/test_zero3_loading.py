@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM
 from envs.trajectory import TrajectoryBuilder
 from stare_agent.config import load_config
 from stare_agent.models import tiny_model
-from stare_agent.train.learner import Learner, load_training_policy
+from stare_agent.train.deepspeed_setup import load_training_policy
+from stare_agent.train.learner import Learner
 
 REPO = Path(__file__).resolve().parents[3]
 
