@@ -36,12 +36,14 @@ the messages it sends back.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import hmac
-import json
 import logging
 import re
 import time
 from collections.abc import Sequence
+from importlib import resources
 from typing import Any, Protocol, cast
 
 import zmq
@@ -78,6 +80,8 @@ character in JSON (``\\u0000``), two chunks stay under ``MAX_MESSAGE_BYTES``."""
 
 MAX_SKIPPED_MESSAGES = 100
 """Malformed messages tolerated in one call; past it the kernel is restarted."""
+
+KERNEL_STOPPED = "the kernel stopped answering; it was restarted and all state is lost"
 
 
 class UsageMeter(Protocol):
@@ -347,6 +351,23 @@ class KernelDriver:
             self.wait_ready(start_timeout)
         self._discard_shell_replies()
         meter = self.host.meter()
+        cpu_before = self._start_metering(meter, cpu_timeout)
+        started = time.monotonic()
+        msg_id = self._send(encodable(code), timeout)
+        if msg_id is None:
+            return ExecResult(error=ExecError("KernelDied", KERNEL_STOPPED), state_lost=True)
+        output = OutputBuffer(self.max_output_chars), OutputBuffer(self.max_output_chars)
+        call = _Call(msg_id, *output, limit=f"{timeout:g} s")
+        self._collect(call, _Limits(started + timeout, cpu_timeout, cpu_before, meter))
+        if call.idle_lost and not call.state_lost and self._reconnect_or_restart(min(timeout, 10.0)):
+            # The iopub connection may be gone for good: renewed, or the kernel restarted.
+            call.state_lost = True
+            call.error = ExecError("KernelDied", KERNEL_STOPPED)
+        return self._result(call, time.monotonic() - started, meter, cpu_before)
+
+    def _start_metering(self, meter: UsageMeter | None, cpu_timeout: float | None) -> float | None:
+        """Restart the peak and read the CPU counter before a call (None when unreadable); warn
+        once when ``cpu_timeout`` cannot be enforced here."""
         cpu_before = None
         if meter is not None:
             meter.reset_peak()
@@ -358,137 +379,144 @@ class KernelDriver:
                 "(remote Docker daemon or no cgroupfs/procfs): only the wall-clock timeout_s applies",
                 cpu_timeout,
             )
-        started = time.monotonic()
-        deadline = started + timeout
+        return cpu_before
+
+    def _send(self, code: str, timeout: float) -> str | None:
+        """Send ``code`` as an execute request: its msg_id, or None when the kernel stopped
+        answering and was restarted (no connection to send on: see ``_connect``)."""
+        try:
+            return self._request(code)
+        except zmq.Again:
+            if self._reconnect_or_restart(min(timeout, 10.0)):
+                return None
+            return self._request(code)
+
+    def _request(self, code: str) -> str:
         # stop_on_error=False: after an error ipykernel otherwise aborts every request that reaches
         # it before its event loop turns once more, which a fast next call does.
-        code = encodable(code)
-        try:
-            msg_id = self.client.execute(
-                code, silent=False, store_history=True, allow_stdin=False, stop_on_error=False
-            )
-        except zmq.Again:  # no connection to send on (see _connect): reconnect, else start over
-            if self._reconnect_or_restart(min(timeout, 10.0)):
-                return ExecResult(
-                    error=ExecError(
-                        "KernelDied", "the kernel stopped answering; it was restarted and all state is lost"
-                    ),
-                    state_lost=True,
-                )
-            msg_id = self.client.execute(
-                code, silent=False, store_history=True, allow_stdin=False, stop_on_error=False
-            )
-        stdout, stderr = OutputBuffer(self.max_output_chars), OutputBuffer(self.max_output_chars)
-        error: ExecError | None = None
-        timed_out = state_lost = replied = idle_lost = False
-        skipped = 0
-        give_up = float("inf")
-        limit = f"{timeout:g} s"
-        wait = POLL_S
+        return self.client.execute(
+            code, silent=False, store_history=True, allow_stdin=False, stop_on_error=False
+        )
+
+    def _collect(self, call: _Call, limits: _Limits) -> None:
+        """Read the call's messages from iopub until the kernel's "idle", or until a limit, the
+        kernel's death, a lost "idle" or a flood of malformed messages ends the call."""
         while True:
             now = time.monotonic()
-            if not timed_out and cpu_timeout is not None and cpu_before is not None and meter is not None:
-                used = meter.cpu_seconds()
-                if used is not None and used - cpu_before >= cpu_timeout:
-                    timed_out, limit, wait = True, f"{cpu_timeout:g} s of CPU time", POLL_S
-                elif used is not None:  # wake soon after the budget could be spent (<= 1 core a second)
-                    wait = min(POLL_S, max(0.01, cpu_timeout - (used - cpu_before)))
-            if not timed_out and now >= deadline:
-                timed_out = True
-            if timed_out and give_up == float("inf"):
-                self.host.interrupt()
-                give_up = now + self.restart_grace_s / 2
-            if timed_out and now >= give_up:
-                self.restart()
-                state_lost = True
-                break
+            if self._enforce_limits(call, limits, now):
+                return
             try:
-                msg = self._receive(
-                    self._iopub, max(0.0, min(wait, (give_up if timed_out else deadline) - now))
-                )
+                msg = self._receive(self._iopub, limits.wait_s(call.timed_out, now))
             except MalformedMessage:
                 msg = None
-                skipped += 1
+                call.skipped += 1
             if msg is None:
-                if skipped > MAX_SKIPPED_MESSAGES:
-                    self.restart()
-                    state_lost = True
-                    error = ExecError(
-                        "KernelProtocolError",
-                        f"the kernel sent more than {MAX_SKIPPED_MESSAGES} malformed messages; "
-                        "it was restarted and all state is lost",
-                    )
-                    break
-                if skipped:
-                    continue  # a malformed message is not a quiet poll
-                if not self.host.is_alive():
-                    cause = self.host.death_cause()
-                    self.restart()
-                    state_lost = True
-                    error = ExecError(
-                        "KernelDied",
-                        f"the Python process died ({cause}); it was restarted and all state is lost",
-                    )
-                    break
-                if replied:  # replied, then a whole quiet poll: the "idle" was dropped
-                    skipped += 1
-                    idle_lost = True
-                    break
-                replied = self._replied(msg_id)
-                continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if not _well_formed(kind, content):
-                skipped += 1
-                continue
-            if kind == "stream":
-                (stderr if content.get("name") == "stderr" else stdout).write(content.get("text", ""))
-            elif kind in ("execute_result", "display_data"):
-                text = content.get("data", {}).get("text/plain")
-                if text is not None:
-                    if stdout.total and not stdout.text()[0].endswith("\n"):
-                        stdout.write("\n")
-                    stdout.write(text + "\n")
-            elif kind == "error":
-                error = self._error(content)
-            elif kind == "status" and content.get("execution_state") == "idle":
-                break
-        if idle_lost and not state_lost and self._reconnect_or_restart(min(timeout, 10.0)):
-            # The iopub connection may be gone for good: renewed, or the kernel restarted.
-            state_lost = True
-            error = ExecError(
-                "KernelDied", "the kernel stopped answering; it was restarted and all state is lost"
+                if self._quiet(call):
+                    return
+            elif self._take(call, msg):
+                return
+
+    def _enforce_limits(self, call: _Call, limits: _Limits, now: float) -> bool:
+        """Steps 1 and 2 of the timeout policy (module docstring): interrupt the kernel at the
+        first limit reached, restart it half of ``restart_grace_s`` later. True when restarted."""
+        if not call.timed_out and limits.cpu_spent():
+            call.timed_out, call.limit = True, f"{limits.cpu_timeout:g} s of CPU time"
+        if not call.timed_out and now >= limits.deadline:
+            call.timed_out = True
+        if call.timed_out and limits.give_up == float("inf"):
+            self.host.interrupt()
+            limits.give_up = now + self.restart_grace_s / 2
+        if call.timed_out and now >= limits.give_up:
+            self.restart()
+            call.state_lost = True
+            return True
+        return False
+
+    def _quiet(self, call: _Call) -> bool:
+        """A poll that brought no usable message. True when it ends the call: too many malformed
+        messages or a dead kernel (each restarts it), or an "idle" that never came after the reply."""
+        if call.skipped > MAX_SKIPPED_MESSAGES:
+            self.restart()
+            call.state_lost = True
+            call.error = ExecError(
+                "KernelProtocolError",
+                f"the kernel sent more than {MAX_SKIPPED_MESSAGES} malformed messages; "
+                "it was restarted and all state is lost",
             )
-        duration = time.monotonic() - started
+            return True
+        if call.skipped:
+            return False  # a malformed message is not a quiet poll
+        if not self.host.is_alive():
+            cause = self.host.death_cause()
+            self.restart()
+            call.state_lost = True
+            call.error = ExecError(
+                "KernelDied", f"the Python process died ({cause}); it was restarted and all state is lost"
+            )
+            return True
+        if call.replied:  # replied, then a whole quiet poll: the "idle" was dropped
+            call.skipped += 1
+            call.idle_lost = True
+            return True
+        call.replied = self._replied(call.msg_id)
+        return False
+
+    def _take(self, call: _Call, msg: dict[str, Any]) -> bool:
+        """Add one iopub message to the call's output or error. True for the kernel's "idle"."""
+        if msg["parent_header"].get("msg_id") != call.msg_id:
+            return False
+        kind, content = msg["msg_type"], msg["content"]
+        if not _well_formed(kind, content):
+            call.skipped += 1
+            return False
+        if kind == "stream":
+            (call.stderr if content.get("name") == "stderr" else call.stdout).write(content.get("text", ""))
+        elif kind in ("execute_result", "display_data"):
+            text = content.get("data", {}).get("text/plain")
+            if text is not None:
+                if call.stdout.total and not call.stdout.text()[0].endswith("\n"):
+                    call.stdout.write("\n")
+                call.stdout.write(text + "\n")
+        elif kind == "error":
+            call.error = self._error(content)
+        elif kind == "status" and content.get("execution_state") == "idle":
+            return True
+        return False
+
+    def _result(
+        self, call: _Call, duration: float, meter: UsageMeter | None, cpu_before: float | None
+    ) -> ExecResult:
+        """The call's ``ExecResult``: its usage read on the host (unless the kernel was replaced),
+        the timeout as its error, and a note on stderr of the messages skipped."""
         cpu_s, peak = 0.0, None
-        if meter is not None and not state_lost:
+        if meter is not None and not call.state_lost:
             cpu_after = meter.cpu_seconds()
             if cpu_before is not None and cpu_after is not None:
                 cpu_s = max(0.0, cpu_after - cpu_before)
             peak = meter.peak_bytes()
-        if timed_out:
-            kept = "all state is lost" if state_lost else "variables are kept"
-            how = "the kernel was restarted" if state_lost else "it was interrupted"
-            error = ExecError("TimeoutError", f"the code timed out after {limit}; {how} and {kept}")
-        if skipped:
-            stderr.write(
-                f"\n[{skipped} message(s) from the kernel were malformed or over "
+        error = call.error
+        if call.timed_out:
+            kept = "all state is lost" if call.state_lost else "variables are kept"
+            how = "the kernel was restarted" if call.state_lost else "it was interrupted"
+            error = ExecError("TimeoutError", f"the code timed out after {call.limit}; {how} and {kept}")
+        if call.skipped:
+            call.stderr.write(
+                f"\n[{call.skipped} message(s) from the kernel were malformed or over "
                 f"{MAX_MESSAGE_BYTES // 2**20} MiB and were skipped; output may be missing]\n"
             )
-        out, out_cut = stdout.text()
-        err, err_cut = stderr.text()
+        out, out_cut = call.stdout.text()
+        err, err_cut = call.stderr.text()
         return ExecResult(
             stdout=encodable(out),
             stderr=encodable(err),
             error=error,
-            timed_out=timed_out,
-            state_lost=state_lost,
+            timed_out=call.timed_out,
+            state_lost=call.state_lost,
             duration_s=duration,
             cpu_s=cpu_s,
             peak_memory_bytes=peak,
             truncated=out_cut or err_cut,
-            skipped_messages=skipped,
+            skipped_messages=call.skipped,
         )
 
     def run_quiet(self, code: str, timeout: float) -> bool:
@@ -575,6 +603,56 @@ class KernelDriver:
                 continue
 
 
+@dataclasses.dataclass
+class _Call:
+    """What one ``execute`` gathers from the kernel's messages."""
+
+    msg_id: str
+    stdout: OutputBuffer
+    stderr: OutputBuffer
+    limit: str
+    """The limit that a timeout reached, as its error message names it."""
+    error: ExecError | None = None
+    timed_out: bool = False
+    state_lost: bool = False
+    replied: bool = False
+    """The execute reply has come (on shell): the "idle" on iopub follows or was dropped."""
+    idle_lost: bool = False
+    skipped: int = 0
+
+
+@dataclasses.dataclass
+class _Limits:
+    """The deadlines of one ``execute``: wall clock, CPU seconds, and when to give up on an interrupt."""
+
+    deadline: float
+    cpu_timeout: float | None
+    cpu_before: float | None
+    meter: UsageMeter | None
+    give_up: float = float("inf")
+    """Set at the interrupt: the time to restart a kernel that has not gone idle."""
+    wait: float = POLL_S
+    """Longest wait for a message before the next check of the limits."""
+
+    def cpu_spent(self) -> bool:
+        """True when the call used up its CPU seconds; else the next check is due soon after the
+        budget could be spent (at most one core a second)."""
+        if self.cpu_timeout is None or self.cpu_before is None or self.meter is None:
+            return False
+        used = self.meter.cpu_seconds()
+        if used is None:
+            return False
+        if used - self.cpu_before >= self.cpu_timeout:
+            self.wait = POLL_S
+            return True
+        self.wait = min(POLL_S, max(0.01, self.cpu_timeout - (used - self.cpu_before)))
+        return False
+
+    def wait_s(self, timed_out: bool, now: float) -> float:
+        """How long the next read may wait: until the next check, the deadline, or the give-up."""
+        return max(0.0, min(self.wait, (self.give_up if timed_out else self.deadline) - now))
+
+
 class _Channel:
     """A channel as ``_receive`` reads it: a socket and the session that checks its messages."""
 
@@ -654,73 +732,36 @@ def _well_formed(kind: str, content: dict[str, Any]) -> bool:
     return True
 
 
-BOUNDED_OUTPUT = (
-    "exec('import sys\\n"
-    f"CHUNK = {OUTPUT_CHUNK_CHARS}\\n"
-    "def bounded(stream):\\n"
-    "    write, flush, pending = stream.write, stream.flush, [0]\\n"
-    "    def chunked(text):\\n"
-    "        if not isinstance(text, str) or len(text) + pending[0] < CHUNK:\\n"
-    "            pending[0] += len(text) if isinstance(text, str) else 0\\n"
-    "            return write(text)\\n"
-    "        for start in range(0, len(text), CHUNK):\\n"
-    "            write(text[start:start + CHUNK])\\n"
-    "            flush()\\n"
-    "        pending[0] = 0\\n"
-    "        return len(text)\\n"
-    "    stream.write = chunked\\n"
-    "for stream in (sys.stdout, sys.stderr):\\n"
-    "    bounded(stream)\\n"
-    "formatter = get_ipython().display_formatter\\n"
-    "def plain_only(obj, include=None, exclude=None, format=formatter.format):\\n"
-    "    data, _ = format(obj, include=include, exclude=exclude)\\n"
-    '    text = data.get("text/plain")\\n'
-    "    if not isinstance(text, str):\\n"
-    "        return {}, {}\\n"
-    "    if len(text) > CHUNK:\\n"
-    "        cut, keep = len(text) - CHUNK, CHUNK // 2\\n"
-    '        text = f"{text[:keep]}\\\\n... [{cut} characters truncated] ...\\\\n{text[len(text) - keep:]}"\\n'
-    '    return {"text/plain": text}, {}\\n'
-    "formatter.format = plain_only\\n', {'get_ipython': get_ipython})"
-)
-"""Run once after each kernel start, like ``BOOT_SNAPSHOT``: the kernel's stdout and stderr send
-at most ``OUTPUT_CHUNK_CHARS`` characters a message (a big write is split, each chunk flushed
-before the next), and displayed values keep only their ``text/plain`` form (all the driver reads),
-cut to the same size around a marker. Code in the sandbox can undo this; then only its own
-oversized messages are lost (``MAX_MESSAGE_BYTES``)."""
+@functools.cache
+def _cell_source(module: str) -> str:
+    return resources.files("sandbox.cells").joinpath(f"{module}.py").read_text()
 
 
-BOOT_SNAPSHOT = (
-    "exec('import os, sys, types\\n"
-    'boot = sys.modules["_stare_boot"] = types.ModuleType("_stare_boot")\\n'
-    "boot.environ = dict(os.environ)\\n"
-    "boot.path = list(sys.path)\\n"
-    'for name in ("last_type", "last_value", "last_traceback", "last_exc"):\\n'
-    "    sys.__dict__.pop(name, None)\\n', {})"
-)
-"""Run once after each kernel start (outside the user namespace): records what ``reset_code``
+def _cell(module: str, call: str) -> str:
+    """A housekeeping cell that runs the source of ``sandbox/cells/<module>.py``, then ``call``, in
+    a namespace of their own (outside the user namespace)."""
+    text = f"{_cell_source(module)}{call}\n"
+    return f"exec({text!r}, {{}})"
+
+
+BOUNDED_OUTPUT = _cell("bounded_output", f"bound_output({OUTPUT_CHUNK_CHARS})")
+"""Run once after each kernel start, like ``BOOT_SNAPSHOT``: output messages of at most
+``OUTPUT_CHUNK_CHARS`` characters, displayed values as ``text/plain`` only (``sandbox/cells/bounded_output.py``).
+Code in the sandbox can undo this; then only its own oversized messages are lost (``MAX_MESSAGE_BYTES``)."""
+
+BOOT_SNAPSHOT = _cell("boot_snapshot", "snapshot()")
+"""Run once after each kernel start (``sandbox/cells/boot_snapshot.py``): records what ``reset_code``
 restores, and forgets the error of ``WARM_TRACEBACKS`` (``sys.last_*``)."""
 
-SEED_RANDOM = (
-    "exec('import random, sys\\n"
-    f"random.seed({RANDOM_SEED})\\n"
-    'numpy = sys.modules.get("numpy")\\n'
-    "if numpy is not None:\\n"
-    "    try:\\n"
-    f"        numpy.random.seed({RANDOM_SEED})\\n"
-    "    except Exception:\\n"
-    "        pass\\n', {})"
-)
+SEED_RANDOM = _cell("seed_random", f"seed_random({RANDOM_SEED})")
 """Run after each kernel start and at each soft reset: ``random``, and ``numpy.random``'s global
-generator where numpy is imported (``SandboxConfig.preload``; numpy 2 imports ``numpy.random`` on
-first use, here), start from ``RANDOM_SEED``. (Code that broke ``numpy.random.seed`` in a local
-kernel keeps its break after a soft reset, like any monkey-patch.)"""
+generator where numpy is imported, start from ``RANDOM_SEED`` (``sandbox/cells/seed_random.py``)."""
 
 
 def preload_code(modules: Sequence[str]) -> str:
     """Housekeeping cell that imports ``modules`` (``SandboxConfig.preload``) outside the user
     namespace: what a local kernel runs once at its start (the Docker warden imports them itself)."""
-    return f"exec('import importlib\\nfor name in {json.dumps(list(modules))}:\\n    importlib.import_module(name)\\n', {{}})"
+    return _cell("preload", f"preload({list(modules)!r})")
 
 
 KERNEL_BOOT = f"{BOOT_SNAPSHOT}\n{BOUNDED_OUTPUT}\n{SEED_RANDOM}"
@@ -733,75 +774,8 @@ the lazy imports of IPython's traceback machinery (~100-150 ms here), so it is p
 sandbox is handed out. ``BOOT_SNAPSHOT``, run next, forgets it (``sys.last_*``)."""
 
 
-_RESET_SOURCE = """
-import os, shutil, signal, sys
-from IPython import get_ipython
-# What `%reset -f` does, without its two full gc.collect() passes (~150 ms): drop user names, the
-# output cache and the input history; cyclic garbage is left to the automatic collector.
-shell = get_ipython()
-for name in [name for name in shell.user_ns if name not in shell.user_ns_hidden]:
-    del shell.user_ns[name]
-shell.history_manager.output_hist.clear()
-del shell.history_manager.input_hist_parsed[1:], shell.history_manager.input_hist_raw[1:]
-for name in ("_", "__", "___"):
-    shell.user_ns[name] = ""
-    setattr(shell.displayhook, name, "")
-boot = sys.modules.get("_stare_boot")
-if boot is not None:
-    os.environ.clear()
-    os.environ.update(boot.environ)
-    sys.path[:] = boot.path
-for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
-    signal.signal(sig, signal.SIG_DFL)
-signal.setitimer(signal.ITIMER_REAL, 0)
-me = os.getpid()
-parents = {}
-for entry in os.listdir("/proc"):
-    if entry.isdigit():
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            pass
-if KILL_ALL:
-    victims = [pid for pid in parents if pid not in (1, me)]
-else:
-    victims, frontier = [], [me]
-    while frontier:
-        children = [pid for pid, ppid in parents.items() if ppid in frontier and pid != me]
-        victims += children
-        frontier = children
-for pid in victims:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
-import time
-reap_until = time.monotonic() + 1.0
-try:
-    while time.monotonic() < reap_until:
-        if os.waitpid(-1, os.WNOHANG)[0] == 0:
-            time.sleep(0.002)
-except ChildProcessError:
-    pass
-for folder in SCRATCH:
-    for entry in os.listdir(folder):
-        path = os.path.join(folder, entry)
-        if path in KEEP:
-            continue
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-os.chdir(SCRATCH[0])
-"""
-
-
 def reset_code(scratch_dirs: list[str], *, kill_all: bool, keep: tuple[str, ...] = ()) -> str:
-    """Housekeeping cell for a soft reset, run outside the user namespace.
+    """Housekeeping cell for a soft reset, run outside the user namespace (``sandbox/cells/soft_reset.py``).
 
     It clears the user namespace and output cache (like ``%reset -f``), restores ``os.environ`` and ``sys.path`` to
     their values at kernel start, reseeds ``random`` and a loaded ``numpy.random`` (``SEED_RANDOM``), resets signal handlers and alarms, SIGKILLs stray processes
@@ -810,8 +784,8 @@ def reset_code(scratch_dirs: list[str], *, kill_all: bool, keep: tuple[str, ...]
     (re-importing C extensions such as numpy in one process is unsafe), so a monkey-patch of a
     module survives; ``reset(hard=True)`` starts a fresh process when that matters.
     """
-    source = f"KILL_ALL = {kill_all!r}\nSCRATCH = {scratch_dirs!r}\nKEEP = {list(keep)!r}\n{_RESET_SOURCE}"
-    return f"exec({source!r}, {{}})\n{SEED_RANDOM}"
+    call = f"reset({list(scratch_dirs)!r}, kill_all={kill_all!r}, keep={list(keep)!r})"
+    return f"{_cell('soft_reset', call)}\n{SEED_RANDOM}"
 
 
 class KernelSandbox(Sandbox):
