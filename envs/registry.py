@@ -208,8 +208,7 @@ def check_env_id(env_id: str) -> None:
     Raises:
         EnvRegistrationError: naming the id and the three ways to register one.
     """
-    import envs  # noqa: F401 - registers the built-in ids and loads the entry-point plugins
-
+    # The built-in ids and the entry-point plugins are registered: importing envs.registry ran envs/__init__.
     module, _, name = env_id.rpartition(":")
     if module:
         import_env_module(module, env_id)

@@ -450,7 +450,8 @@ def _backend_factory(backend: str, config: SandboxConfig | None) -> Callable[[],
     """Starts sandboxes of one concrete backend, never another (no silent fallback)."""
 
     def make() -> Sandbox:
-        from sandbox import DockerSandbox, LocalSandbox  # late: sandbox/__init__ imports this module
+        from sandbox.docker import DockerSandbox  # late: the docker SDK only when a pool starts one
+        from sandbox.local import LocalSandbox
 
         return DockerSandbox(config) if backend == "docker" else LocalSandbox(config)
 

@@ -214,7 +214,8 @@ class SandboxHost:
 
         def make() -> Sandbox:
             ray.get(coordinator.take_creation_token.remote(config.lease_timeout_s))
-            from sandbox import DockerSandbox, LocalSandbox
+            from sandbox.docker import DockerSandbox
+            from sandbox.local import LocalSandbox
 
             return DockerSandbox(sandbox_config) if backend == "docker" else LocalSandbox(sandbox_config)
 
