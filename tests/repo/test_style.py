@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -32,4 +33,96 @@ def test_imports_go_one_way_and_lower_layers_never_import_torch():
                 m = re.match(r"\s*(?:from|import)\s+([\w.]+)", line)
                 if m and m.group(1).split(".")[0] in forbidden:
                     bad.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert not bad, "\n".join(bad)
+
+
+PROJECT = ("sandbox", "envs", "stare_agent", "stare_integrations")
+
+
+def _imports(node: ast.AST, top: bool = True):
+    """(imported module, at module level) for every import under node; `if TYPE_CHECKING:` bodies skipped."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            nested = child.orelse
+        else:
+            nested = [child]
+        for item in nested:
+            if isinstance(item, ast.Import):
+                yield from ((alias.name, top) for alias in item.names)
+            elif isinstance(item, ast.ImportFrom):
+                yield from ((f"{item.module}.{alias.name}", top) for alias in item.names)
+            if not isinstance(item, ast.Import | ast.ImportFrom):
+                inner = top and not isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+                yield from _imports(item, inner)
+
+
+def _import_graph() -> dict[str, dict[str, bool]]:
+    """module -> {project module it imports: at module level}; `from a import b` counts as a.b where that
+    is a module, else a (the project uses absolute imports only: ruff's TID252)."""
+    paths = {}
+    for package in PROJECT:
+        for path in (REPO / package).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, dict[str, bool]] = {}
+    for name, path in paths.items():
+        edges = graph.setdefault(name, {})
+        for target, top in _imports(ast.parse(path.read_text(encoding="utf-8"))):
+            while target and target not in paths:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges[target] = edges.get(target, False) or top
+    return graph
+
+
+# Import edges that still close a circle, each to be cut (and then deleted here): SandboxPool.__init__ imports
+# resolve_backend from the sandbox package, whose __init__ imports sandbox.pool (the fix: resolve_backend
+# and docker_available in a module of their own, which sandbox/__init__ re-exports).
+PENDING_CIRCLE_EDGES = [("sandbox.pool", "sandbox")]
+
+
+def test_no_import_circles_among_the_projects_modules():
+    """No module imports, even inside a function, a module that leads back to it (a package's __init__
+    included): each layer and package stands on the ones below it."""
+    graph = _import_graph()
+    for module, target in PENDING_CIRCLE_EDGES:
+        assert target in graph[module], (
+            f"{module} no longer imports {target}: delete it from PENDING_CIRCLE_EDGES"
+        )
+        del graph[module][target]
+    circles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for target in sorted(graph[module]):
+            if target in path:
+                circles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target not in done:
+                visit(target, [*path, target])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert not circles, "\n".join(circles)
+
+
+def test_the_floors_import_downward():
+    """stare_agent's shared top-level modules import stare_agent.recipes only lazily (the CLI's
+    subcommands), stare_agent.train never. envs/problems and envs/registry import no stare_agent:
+    test_imports_go_one_way_and_lower_layers_never_import_torch (all of envs)."""
+    graph = _import_graph()
+    shared = ["config", "evaluation", "metrics", "models", "errors", "intervals", "provenance"]
+    bad = [
+        f"{module} imports {target} at module level"
+        for module in [f"stare_agent.{m}" for m in [*shared, "config_reference", "cli"]]
+        for target, top in graph[module].items()
+        if top and target.startswith("stare_agent.recipes")
+    ]
+    bad += [
+        f"{module} imports {target}"
+        for module, edges in graph.items()
+        if module.startswith("stare_agent.train")
+        for target in edges
+        if target.startswith("stare_agent.recipes")
+    ]
     assert not bad, "\n".join(bad)
