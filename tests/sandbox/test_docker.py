@@ -1,9 +1,10 @@
-"""The Docker backend on the real daemon and image: semantics, timeouts, resets, hardening, cleanup."""
+"""The Docker backend on the real daemon and image: what only it does (CPU limits on a share of a core,
+preloads in the warden, resets, hardening, cleanup); the contract it shares with the local backend is
+checked in test_backends.py."""
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -26,65 +27,10 @@ def sb(docker_ready):
         yield sandbox
 
 
-def test_state_persists_and_trailing_expression_is_shown(sb: DockerSandbox) -> None:
-    assert sb.run("x = 20").ok
-    result = sb.run("print('hi')\nx * 2 + 2")
-    assert result.stdout == "hi\n42\n"
-    assert result.peak_memory_bytes > 10 * 2**20 and result.duration_s > 0
-
-
-def test_cpu_and_peak_memory_are_measured_per_call(sb: DockerSandbox) -> None:
-    busy = sb.run("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass")
-    assert busy.cpu_s >= 0.29 and busy.cpu_s < busy.duration_s + 0.1  # one busy thread: CPU <= wall
-    big = sb.run("b = b'x' * (200 * 2**20)\ndel b")  # touches 200 MiB, then frees it
-    after = sb.run("1")
-    assert big.peak_memory_bytes > 200 * 2**20
-    # The peak is reset before each call wherever the kernel allows it: cgroup v1 with a root
-    # host (memory.max_usage_in_bytes), cgroup v2 on Linux 6.12+ (memory.peak, per descriptor).
-    usage = sb._driver.host.usage
-    v2 = usage.peak_file.name == "memory.peak"
-    release = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
-    possible = (release >= (6, 12) and os.access(usage.peak_file, os.W_OK)) if v2 else os.geteuid() == 0
-    assert usage.peak_resettable == possible
-    if not possible:
-        pytest.skip(
-            f"this host cannot reset the peak ({'v2 before Linux 6.12' if v2 else 'v1 without root'})"
-        )
-    assert big.peak_memory_bytes - after.peak_memory_bytes > 150 * 2**20
-
-
-def test_stderr_and_error_fields(sb: DockerSandbox) -> None:
-    result = sb.run("import sys\nprint('warn', file=sys.stderr)\nraise KeyError('k')")
-    assert result.stderr == "warn\n"
-    assert (result.error.type, result.error.message) == ("KeyError", "'k'")
-    assert "\x1b[" not in result.error.traceback and "raise KeyError" in result.error.traceback
-
-
 def test_call_right_after_an_error_runs(sb: DockerSandbox) -> None:
     for i in range(10):  # ipykernel's stop-on-error abort window must not swallow the next call
         assert sb.run("1/0").error.type == "ZeroDivisionError"
         assert sb.run(f"{i} * 2").stdout == f"{i * 2}\n"
-
-
-def test_output_cap_has_marker(sb: DockerSandbox) -> None:
-    result = sb.run("print('a' * 5000)")
-    assert result.truncated and "[4001 characters truncated]" in result.stdout
-
-
-def test_python_loop_timeout_keeps_state(sb: DockerSandbox) -> None:
-    sb.run("kept = 'yes'")
-    result = sb.run("print('before')\nwhile True: pass", timeout=1)
-    assert result.timed_out and not result.state_lost and result.stdout == "before\n"
-    assert sb.run("kept").stdout == "'yes'\n"
-
-
-def test_c_loop_timeout_replaces_kernel_within_timeout_plus_2s(sb: DockerSandbox) -> None:
-    start = time.monotonic()
-    result = sb.run("sum(range(10**12))", timeout=1)
-    assert time.monotonic() - start < 1 + 2 + 0.5
-    assert result.timed_out and result.state_lost
-    assert sb.run("kept").error.type == "NameError"
-    assert sb.run("1 + 1").stdout == "2\n"
 
 
 BUSY_06 = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"
@@ -110,34 +56,7 @@ def test_cpu_timeout_counts_the_cpu_the_code_used_not_the_wall_time(docker_ready
         assert sb.run("kept").stdout == "'yes'\n"
 
 
-def test_string_hashes_and_set_order_are_the_same_in_every_sandbox(sb: DockerSandbox) -> None:
-    code = "print(hash('stare'), list({'apple', 'banana', 'cherry', 'damson', 'elder', 'fig'}))"
-    with DockerSandbox() as other:
-        assert sb.run(code).stdout == other.run(code).stdout != ""
-
-
-def test_random_draws_the_same_in_every_sandbox_and_after_every_reset(sb: DockerSandbox) -> None:
-    code = "import random\nprint(random.random(), random.randint(0, 10**9))"
-    first = sb.run(code).stdout
-    with DockerSandbox() as other:
-        assert other.run(code).stdout == first != ""
-    assert sb.run(code).stdout != first  # the stream goes on within an episode
-    sb.reset()
-    assert sb.run(code).stdout == first  # and starts over in the next
-
-
-NUMPY_DRAW = "import numpy\nprint(numpy.random.rand(), numpy.random.randint(0, 10**9))"
 PRELOADED = "import sys\nprint(sorted(name for name in ('numpy', 'sympy') if name in sys.modules))"
-
-
-def test_numpy_random_draws_the_same_in_every_sandbox_and_after_every_reset(docker_ready) -> None:
-    config = SandboxConfig(preload=list(PRELOAD_MATH))
-    with DockerSandbox(config) as sb, DockerSandbox(config) as other:
-        first = sb.run(NUMPY_DRAW).stdout
-        assert other.run(NUMPY_DRAW).stdout == first != ""
-        assert sb.run(NUMPY_DRAW).stdout != first  # the stream goes on within an episode
-        sb.reset()
-        assert sb.run(NUMPY_DRAW).stdout == first  # and starts over in the next
 
 
 def test_preloaded_modules_are_imported_before_the_first_call_of_every_episode(sb: DockerSandbox) -> None:
