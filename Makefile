@@ -19,9 +19,11 @@ quickstart: docker
 test: docker
 	.venv/bin/python -m pytest -q tests
 
-# docs/configuration.md is generated from the config dataclasses (tests/repo/test_docs.py checks it).
+# docs/configuration.md is generated from the config dataclasses (tests/repo/test_docs.py checks it);
+# then the site (mkdocs.yml) is built into site/, failing on a dead link or a page missing from nav.
 docs: setup
 	.venv/bin/python -m stare_agent.config_reference > docs/configuration.md
+	.venv/bin/mkdocs build --strict
 
 lint: setup
 	.venv/bin/ruff check sandbox envs stare_agent stare_integrations tests benchmarks examples

@@ -1,4 +1,5 @@
-"""Helpers of the adapters' tests: the README section's code blocks, and the trainers they need.
+"""Helpers of the adapters' tests: the code blocks of the integrations page (docs/integrations.md), and the
+trainers they need.
 
 The trainers are installed into .venv by ``scripts/setup_integrations.sh`` (run by ``make setup``).
 Without one a test skips, except under ``STARE_REQUIRE=integrations`` (CI), where a missing trainer is an
@@ -14,17 +15,14 @@ from types import ModuleType
 
 from tests.conftest import require as require_need
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-SECTION = "## Use with verl / TRL / verifiers"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 
 
 def readme_block(first_line: str) -> str:
-    """The one fenced block of the section whose first line starts with ``first_line``."""
-    text = README.read_text(encoding="utf-8")
-    start = text.index(SECTION)
-    end = text.find("\n## ", start + len(SECTION))
-    section = text[start : end if end >= 0 else len(text)]
-    blocks = re.findall(r"^```[a-z]*\n(.*?)^```$", section, flags=re.DOTALL | re.MULTILINE)
+    """The one fenced block of the integrations page (docs/integrations.md, moved there from the README)
+    whose first line starts with ``first_line``."""
+    text = PAGE.read_text(encoding="utf-8")
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```$", text, flags=re.DOTALL | re.MULTILINE)
     [block] = [b for b in blocks if b.startswith(first_line)]
     return block
 

@@ -98,13 +98,13 @@ def test_one_grpo_step_trains_on_env_episodes_with_tool_output_masked(docker_rea
 
 
 def test_readme_trl_example_runs_one_step_with_the_models_own_rollouts(docker_ready, tmp_path, monkeypatch):
-    """The README's example as written (one step instead of 200): the trainer's model plays the episodes."""
+    """The integrations page's example as written (one step instead of 200): the trainer's model plays the episodes."""
     require("trl")
     code = readme_block("# TRL: GRPO on a code-interpreter environment")
     assert code.count("max_steps=200") == 1
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(compile(code.replace("max_steps=200", "max_steps=1"), "README.md", "exec"), namespace)
+    exec(compile(code.replace("max_steps=200", "max_steps=1"), "docs/integrations.md", "exec"), namespace)
     trainer = namespace["trainer"]
     assert trainer.state.global_step == 1
     assert namespace["pool"].closed

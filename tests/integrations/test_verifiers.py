@@ -1,4 +1,4 @@
-"""The verifiers adapter against the installed verifiers: the README's ``vf-eval`` command (verifiers' own
+"""The verifiers adapter against the installed verifiers: the integrations page's ``vf-eval`` command (verifiers' own
 CLI, which loads our module through ``vf.load_environment``) evaluates our environment against a local
 OpenAI-compatible server, with real Docker sandboxes.
 
@@ -36,7 +36,7 @@ def test_readme_vf_eval_scores_our_env_with_stateful_sandboxes(docker_ready, tmp
     problems.write_text("".join(json.dumps(dict(id=i, problem=p, answer=a)) + "\n" for i, p, a in rows))
 
     with ScriptedOpenAIServer() as server:
-        # The README's command with this test's data, server and size; one sandbox for two rollouts, so
+        # The integrations page's command with this test's data, server and size; one sandbox for two rollouts, so
         # the second runs only if the first gave its sandbox back.
         values = {"-a": json.dumps({"data": str(problems), "pool_size": 1}), "-m": "scripted"}
         values |= {"-b": server.base_url, "-n": "2", "-r": "1"}

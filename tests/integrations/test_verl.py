@@ -1,6 +1,6 @@
 """The verl adapter against the installed verl: our code interpreter as a verl ``BaseTool`` (built from the
-README's tool config by verl's own loader, run through verl's own agent loop step) and our checker as a
-verl ``compute_score`` (loaded from the README's overrides by verl's loader, called by verl's reward
+integrations page's tool config by verl's own loader, run through verl's own agent loop step) and our checker as a
+verl ``compute_score`` (loaded from the integrations page's overrides by verl's loader, called by verl's reward
 manager). Real Docker sandboxes.
 
 verl's agent loop imports hydra-core, whose pins (omegaconf 2.3, antlr4 4.9) would downgrade .venv's
@@ -172,7 +172,7 @@ COMPOSE = textwrap.dedent(
 
 
 def test_readme_reward_overrides_score_through_verls_reward_manager():
-    """The README's overrides, composed with verl's own trainer config by Hydra (in the overlay), load
+    """The integrations page's overrides, composed with verl's own trainer config by Hydra (in the overlay), load
     our compute_score through verl's loader; verl's naive reward manager scores with it."""
     require("verl")
     import torch
