@@ -201,7 +201,7 @@ def main() -> None:
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--sampled-n", type=int, default=16, help="held-out problems sampled at T = 1")
     parser.add_argument("--sampled-k", type=int, default=4, help="samples per problem (a GRPO group)")
-    parser.add_argument("--sandbox", default="docker", choices=["docker", "local"])
+    parser.add_argument("--sandbox", default="docker", choices=["docker", "local"])  # sandbox.backend
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
@@ -227,7 +227,7 @@ def main() -> None:
         flush=True,
     )
     rows: list[tuple[str, Setting | None, dict[str, float]]] = []
-    pool = SandboxPool(base_config.sandbox.pool_size, backend=args.sandbox, config=base_config.sandbox.limits)
+    pool = base_config.sandbox.make_pool()
     try:
         if not args.skip_baseline:
             set_seed(base_config.trainer.seed)

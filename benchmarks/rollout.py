@@ -435,7 +435,6 @@ def bench_draw(args: argparse.Namespace) -> None:
     from envs.engine import SamplingParams
     from envs.problems import ProblemStream
     from envs.rollout import RolloutRunner
-    from sandbox import SandboxPool
     from stare_agent.config import load_config, train_source
     from stare_agent.engines import start_engine
     from stare_agent.models import load_policy
@@ -451,15 +450,11 @@ def bench_draw(args: argparse.Namespace) -> None:
     data, env = config.data, config.env
     model, tokenizer = load_policy(args.model)
     G = data.samples_per_prompt
-    _, old = start_engine(
-        replace(config, env=replace(env, engine="transformers")), model, tokenizer, autocast=True
-    )
-    vllm_name, vllm = start_engine(
-        replace(config, env=replace(env, engine="vllm")), model, tokenizer, autocast=True
-    )
+    _, old = start_engine(config, model, tokenizer, name="transformers", autocast=True)
+    vllm_name, vllm = start_engine(config, model, tokenizer, name="vllm", autocast=True)
     paths = {"old: transformers, lockstep": old, "vLLM, lockstep": _Lockstep(vllm), "vLLM, continuous": vllm}
     n = data.prompts_per_step * G
-    pool = SandboxPool(n, backend=config.sandbox.backend, config=config.sandbox.limits)
+    pool = config.sandbox.make_pool(n)
     envs = [env.make(pool=pool, tokenizer=tokenizer) for _ in range(n)]
     stream = ProblemStream(train_source(config), seed=config.trainer.seed, difficulty=data.difficulty)
     results: dict[str, list[tuple[float, int]]] = {name: [] for name in paths}

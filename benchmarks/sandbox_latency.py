@@ -37,13 +37,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sandbox import Sandbox, make_sandbox  # noqa: E402
-from sandbox.config import DEFAULT_IMAGE, PRELOAD_MATH  # noqa: E402
-from sandbox.pool import Backend, PoolStats, SandboxPool  # noqa: E402
+from sandbox import Sandbox, make_sandbox, resolve_backend  # noqa: E402
+from sandbox.config import DEFAULT_IMAGE, PRELOAD_MATH, Backend  # noqa: E402
+from sandbox.pool import PoolStats, SandboxPool  # noqa: E402
 
 STATEMENT = "x = 1"
 
@@ -294,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in filter(None, args.backends.split(",")):
         if name not in ("docker", "local"):
             parser.error(f"unknown backend {name!r}: use docker and/or local")
-        backends.append(cast(Backend, name))
+        backends.append(resolve_backend(name))
     # Calls per round of each contender, rounds, cold starts, seconds of pool throughput.
     n_warm, n_sub, n_exec = 50, 5, 2
     rounds, n_cold, seconds, n_reset = (4, 2, 4.0, 10) if args.quick else (10, 5, 8.0, 40)

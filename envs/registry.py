@@ -185,6 +185,12 @@ def make_tool_env(env_id: str, **kwargs: Any) -> Any:
         EnvRegistrationError: the id is not registered, its env is not an ``envs.ToolEnv``, or it is registered
             with ``max_episode_steps`` (a wrapper's limit, which the unwrapped env would lose silently).
     """
+    return make_tool_envs(env_id, 1, **kwargs)[0]
+
+
+def make_tool_envs(env_id: str, count: int, **kwargs: Any) -> list[Any]:
+    """``count`` envs of :func:`make_tool_env`, the id checked once for all of them (a batch of an
+    evaluation or a training step); on an error the ones already made are closed."""
     check_env_id(env_id)
     steps = gymnasium.spec(env_id.split(":")[-1]).max_episode_steps
     if steps is not None:
@@ -192,14 +198,22 @@ def make_tool_env(env_id: str, **kwargs: Any) -> Any:
             f"env.id={env_id!r} is registered with max_episode_steps={steps}, a TimeLimit wrapper the rollout "
             f"runner does not use: register it with max_turns={steps} among its kwargs instead"
         )
-    env = gymnasium.make(env_id, disable_env_checker=True, **kwargs).unwrapped
-    if not isinstance(env, ToolEnv):
-        env.close()
-        raise EnvRegistrationError(
-            f"env.id={env_id!r} makes a {type(env).__name__}, not an envs.ToolEnv: register a ToolEnv "
-            "(or subclass) to train or evaluate it"
-        )
-    return env
+    made: list[Any] = []
+    try:
+        for _ in range(count):
+            env = gymnasium.make(env_id, disable_env_checker=True, **kwargs).unwrapped
+            if not isinstance(env, ToolEnv):
+                env.close()
+                raise EnvRegistrationError(
+                    f"env.id={env_id!r} makes a {type(env).__name__}, not an envs.ToolEnv: register a ToolEnv "
+                    "(or subclass) to train or evaluate it"
+                )
+            made.append(env)
+    except BaseException:
+        for env in made:
+            env.close()
+        raise
+    return made
 
 
 def check_env_id(env_id: str) -> None:

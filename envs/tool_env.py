@@ -46,9 +46,9 @@ from envs.problems import (
 from envs.rewards import AnswerChecker, RewardConfig, compute_reward
 from envs.text_tokens import encode_as_text
 from envs.tools import BoundTool, ToolResult, ToolSpec, get_tool
-from sandbox.config import SandboxConfig
+from sandbox.config import Backend, SandboxConfig
 from sandbox.errors import SandboxError
-from sandbox.pool import Backend, PooledSandbox, SandboxPool
+from sandbox.pool import PooledSandbox, SandboxPool
 from sandbox.result import truncate_text
 
 MAX_ACTION_CHARS = 1 << 18
@@ -138,6 +138,30 @@ def initial_messages(problem: str, *, system_prompt: str, prompt_template: str) 
     return messages
 
 
+LIMITS = {
+    "max_turns": (1, ""),
+    "max_tool_calls": (1, ""),
+    "max_output_chars": (64, " so the truncation marker fits"),
+    "max_output_tokens": (64, " so the truncation marker fits"),
+}
+"""The episode limits of a ``ToolEnv``: name -> (least value, why)."""
+
+
+def broken_limit(**limits: int | None) -> tuple[str, int, str] | None:
+    """The first of ``limits`` (names of :data:`LIMITS`; None: not set) that breaks its rule, as
+    ``(name, value, rule)``, e.g. ``("max_turns", 0, "must be >= 1")``; None when all keep theirs. The
+    one check of the limits: ``ToolEnv`` and ``EnvConfig`` word its error each in its own terms.
+
+    >>> broken_limit(max_turns=0, max_output_chars=4096)
+    ('max_turns', 0, 'must be >= 1')
+    """
+    for name, value in limits.items():
+        least, why = LIMITS[name]
+        if value is not None and value < least:
+            return name, value, f"must be >= {least}{why}"
+    return None
+
+
 class ToolEnv(gymnasium.Env[str, str]):
     """Solve a problem with tools over several turns; reward = verified final answer.
 
@@ -189,12 +213,15 @@ class ToolEnv(gymnasium.Env[str, str]):
         difficulty: int = 1,
         render_mode: str | None = None,
     ) -> None:
-        for name, value in (("max_turns", max_turns), ("max_tool_calls", max_tool_calls)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        for name, value in (("max_output_chars", max_output_chars), ("max_output_tokens", max_output_tokens)):
-            if value < 64:
-                raise ValueError(f"{name} must be >= 64 so the truncation marker fits, got {value}")
+        broken = broken_limit(
+            max_turns=max_turns,
+            max_tool_calls=max_tool_calls,
+            max_output_chars=max_output_chars,
+            max_output_tokens=max_output_tokens,
+        )
+        if broken is not None:
+            name, value, rule = broken
+            raise ValueError(f"{name} {rule}, got {value}")
         if render_mode not in (None, "ansi"):
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
         self.format = get_format(format)

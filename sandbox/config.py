@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 DEFAULT_IMAGE = "stare-sandbox:0.3"
+
+Backend = Literal["auto", "docker", "local", "ray"]
+"""Where sandboxes run: ``docker`` (a hardened container), ``local`` (a kernel process on this host:
+weaker isolation), ``auto`` (Docker when a daemon answers and the image is present, else local;
+``sandbox.resolve_backend``), or ``ray`` (the Docker nodes of a Ray cluster; ``sandbox.open_pool``)."""
+
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
+"""Every :data:`Backend`, in its declared order."""
 
 SANDBOX_UID = 61000
 """The kernel's uid and gid in the image: above the login-user range (``UID_MAX`` 60000), so not

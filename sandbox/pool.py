@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from sandbox.base import Sandbox
-from sandbox.config import SandboxConfig
+from sandbox.config import Backend, SandboxConfig
 from sandbox.errors import PoolExhausted, SandboxClosed
 from sandbox.result import ExecResult
 from sandbox.shutdown import exit_on_sigterm
@@ -42,11 +42,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TIMEOUT_S = 60.0
 """How long ``acquire`` waits for a free sandbox unless told otherwise."""
-
-Backend = Literal["auto", "docker", "local"]
-
-PoolBackend = Literal["auto", "docker", "local", "ray"]
-"""What ``sandbox.open_pool`` accepts: a local pool's backends, or ``"ray"`` (a fleet on a cluster)."""
 
 Rearm = Literal["reset", "replace", "retire", "start"]
 """What a background thread does with a sandbox that comes back (see ``SandboxPool._rearm``)."""
@@ -167,7 +162,7 @@ class SandboxPool:
         factory: Callable[[], Sandbox] | None = None,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT_S,
     ) -> None:
-        if backend not in ("auto", "docker", "local"):
+        if backend not in ("auto", "docker", "local"):  # "ray" is a fleet: sandbox.open_pool
             raise ValueError(f"unknown sandbox backend {backend!r}: use 'auto', 'docker' or 'local'")
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"pool size must be an int >= 1, got {size!r}")

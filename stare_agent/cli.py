@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import textwrap
@@ -85,7 +84,6 @@ EVAL_FLAGS = {
 
 def _eval(args: argparse.Namespace) -> int:
     from envs.problems import eval_problems
-    from envs.registry import make_tool_env
     from stare_agent.config import eval_source, load_config
     from stare_agent.evaluation import evaluate_config
     from stare_agent.provenance import model_settings
@@ -96,30 +94,18 @@ def _eval(args: argparse.Namespace) -> int:
     ]
     config = load_config(args.config, [*args.overrides, *flags])
     data, env = config.data, config.env
-    env_kwargs = {
-        **env.env_kwargs(evaluation=True),
-        "sandbox_backend": config.sandbox.backend,
-        "sandbox_config": config.sandbox.limits,
-    }
     # fail on a bad env or problem source before loading a model (the env leases no sandbox yet)
-    with make_tool_env(env.id, **env_kwargs) as probe:
+    with env.make(evaluation=True) as probe:
         print(f"env: {env.id} (format {probe.format.name}, tools: {', '.join(probe.tools)})")
     problems = eval_problems(
         eval_source(config), seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
     )
     engine, tokenizer = _eval_engine(args, config)
-    fleet = None
-    if config.sandbox.backend == "ray":  # the Ray cluster's sandboxes, one client for the evaluation
-        from sandbox import open_pool
-
-        fleet = open_pool(args.batch_size, "ray", config.sandbox.limits, fleet=config.sandbox.ray)
-        env_kwargs = {**env_kwargs, "pool": fleet}
     try:
         report = evaluate_config(
             config,
             engine=engine,
             tokenizer=tokenizer,
-            env_kwargs=env_kwargs,
             batch_size=args.batch_size,
             problems=problems,
             out_dir=args.out,
@@ -130,8 +116,6 @@ def _eval(args: argparse.Namespace) -> int:
     finally:
         if hasattr(engine, "close"):
             engine.close()
-        if fleet is not None:
-            fleet.close()
     print(report.table())
     print(f"per-problem results: {args.out}/results.jsonl")
     return 0
@@ -186,34 +170,16 @@ def _check_device(device: str) -> None:
 
 def _eval_engine(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
     """The engine `stare-agent eval --engine` names (default: env.engine), and the rollouts' tokenizer."""
-    from stare_agent.engines.vllm_engine import pick_engine
-
-    model_name = config.model.name_or_path
-    name = pick_engine(args.engine or config.env.engine, config.env.vllm.python)
-    if name == "openai":
-        from stare_agent.engines.openai_engine import OpenAIEngine
-        from stare_agent.models import load_tokenizer
-
-        tokenizer = load_tokenizer(args.tokenizer or model_name)
-        engine = OpenAIEngine(
-            args.base_url,
-            model_name,
-            api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
-            tokenizer=tokenizer,
-            text_fallback=True,
-        )
-        print(f"engine: openai at {args.base_url}, model {engine.model}")
-        return engine, tokenizer
-    if name == "sglang":
-        raise SystemExit("stare-agent eval has no --engine sglang: use --engine vllm, transformers or openai")
-    from dataclasses import replace
-
     from stare_agent.engines import start_engine
     from stare_agent.models import load_tokenizer
 
-    tokenizer = load_tokenizer(model_name)
-    config = replace(config, env=replace(config.env, engine=args.engine or config.env.engine))
-    description, engine = start_engine(config, None, tokenizer, device=args.device)
+    name = args.engine or config.env.engine
+    if name == "sglang":
+        raise SystemExit("stare-agent eval has no --engine sglang: use --engine vllm, transformers or openai")
+    tokenizer = load_tokenizer((args.tokenizer if name == "openai" else None) or config.model.name_or_path)
+    description, engine = start_engine(
+        config, None, tokenizer, name=name, device=args.device, base_url=args.base_url, api_key=args.api_key
+    )
     print(f"engine: {description}")
     return engine, tokenizer
 
@@ -376,6 +342,9 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sandbox.config import BACKENDS
+    from stare_agent.engines import ENGINE_NAMES
+
     parser = _Parser(prog="stare-agent", description="Train and evaluate tool-using LLM agents with STARE.")
     parser.add_argument("--version", action="version", version=f"stare-agent {_version()}")
     # The deepspeed launcher appends --local_rank=N (before the subcommand); the rank is read from
@@ -394,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sandbox_sub.add_parser("doctor", help="check daemon, image and permissions; one line per problem")
     p.set_defaults(func=_sandbox_doctor)
     p = sandbox_sub.add_parser("demo", help="run a few cells in a sandbox")
-    p.add_argument("--backend", default="auto", choices=["auto", "docker", "local"])
+    p.add_argument("--backend", default="auto", choices=[b for b in BACKENDS if b != "ray"])
     p.set_defaults(func=_sandbox_demo)
 
     p = sub.add_parser(
@@ -418,12 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-turns", type=int, help="env.max_turns")
     p.add_argument("--format", choices=["retool", "hermes"], help="env.format")
     p.add_argument("--env", help="env.id: a Gymnasium id (or module:id) of a tool environment")
-    p.add_argument("--backend", choices=["auto", "docker", "local", "ray"], help="sandbox.backend")
+    p.add_argument("--backend", choices=BACKENDS, help="sandbox.backend")
     p.add_argument("--batch-size", type=_positive_int, default=16, help="episodes advanced together")
     p.add_argument("--device", default="cpu")
     p.add_argument(
         "--engine",
-        choices=["transformers", "vllm", "auto", "openai"],
+        choices=[e for e in ENGINE_NAMES if e != "sglang"],
         help="env.engine (default: the config's, transformers): transformers loads --model here; vllm runs "
         "vllm.LLM in a worker (env.vllm.*); auto: vllm when found, else transformers; openai: a served "
         "model behind --base-url (vLLM, SGLang, ...)",

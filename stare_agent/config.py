@@ -35,11 +35,14 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from envs.problems import Problem
 from envs.problems.selection import source_name
 from envs.registry import make_tool_env, registered_problems
-from sandbox.config import SandboxConfig
-from sandbox.ray_fleet import RayFleetConfig
+from envs.tool_env import LIMITS, broken_limit
+from sandbox import SandboxPool, open_pool
+from sandbox.config import BACKENDS, Backend, SandboxConfig
+from sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
 from stare_agent.algorithms.losses import check_loss_options
 from stare_agent.algorithms.rollout_correction import check_rollout_correction
 from stare_agent.algorithms.stare import L_PLUS_RULES, check_adaptive_options, check_stare_options
+from stare_agent.engines import ENGINE_NAMES
 from stare_agent.errors import StareError
 
 CONFIG_FILENAME = "config.yaml"
@@ -48,8 +51,9 @@ GATES = ("entropy", "always_on")
 GATE_BATCHES = ("kept", "drawn")
 PRECISIONS = ("auto", "bf16", "fp32", "bf16-autocast")
 SCHEDULES = ("constant", "cosine", "linear")
-SANDBOX_BACKENDS = ("auto", "docker", "local", "ray")
-ENGINES = ("transformers", "vllm", "sglang", "auto")
+SANDBOX_BACKENDS = BACKENDS
+ENGINES = tuple(name for name in ENGINE_NAMES if name != "openai")
+"""``env.engine``'s choices: every engine but ``openai``, whose server a config does not name."""
 VLLM_DTYPES = ("bfloat16", "float32", "float16")
 SFT_FORMATS = ("auto", "retool", "openai", "tora")
 SHORT_BATCH_ACTIONS = ("train", "skip", "raise")
@@ -150,7 +154,7 @@ class SandboxSection:
             cluster-wide lease cap and container-creation rate; see ``sandbox.ray_fleet.RayFleetConfig``.
     """
 
-    backend: str = "auto"
+    backend: Backend = "auto"
     pool_size: int = 8
     limits: SandboxConfig = field(default_factory=SandboxConfig)
     ray: RayFleetConfig = field(default_factory=RayFleetConfig)
@@ -158,6 +162,13 @@ class SandboxSection:
     def __post_init__(self) -> None:
         _one_of("sandbox", "backend", self.backend, SANDBOX_BACKENDS)
         _positive("sandbox", self, "pool_size")
+
+    def make_pool(self, size: int | None = None) -> SandboxPool | RaySandboxFleet:
+        """What this section's episodes lease sandboxes from (``sandbox.open_pool``): ``size`` (default
+        ``pool_size``) warm sandboxes of ``backend`` with ``limits``, or the client of the Ray fleet
+        ``ray`` describes. The one way the trainer, ``stare-agent eval``, the quickstart and the study
+        build theirs; close it when done."""
+        return open_pool(self.pool_size if size is None else size, self.backend, self.limits, fleet=self.ray)
 
 
 @dataclass
@@ -276,14 +287,10 @@ class EnvConfig:
             _one_of("env", "format", self.format, sorted(FORMATS))
         _one_of("env", "engine", self.engine, ENGINES)
         _positive("env", self, "max_response_tokens", "temperature")
-        for name in ("max_turns", "max_tool_calls"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"env.{name}={getattr(self, name)} must be >= 1, or null for the env's own")
-        for name in ("max_output_chars", "max_output_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 64:
-                raise ConfigError(
-                    f"env.{name}={getattr(self, name)} must be >= 64 so the truncation marker fits"
-                )
+        broken = broken_limit(**{name: getattr(self, name) for name in LIMITS})  # the env's own check
+        if broken is not None:
+            name, value, rule = broken
+            raise ConfigError(f"env.{name}={value} {rule}, or null for the env's own")
         if not 0 < self.top_p <= 1:
             raise ConfigError(
                 f"env.top_p={self.top_p} must be in (0, 1]: use 1.0 to disable nucleus sampling"
@@ -931,6 +938,8 @@ def _merge(base: Any, other: Any, where: str) -> Any:
         if exc.full_key:
             parent, _, name = exc.full_key.rpartition(".")
             expected = _declared_type(parent, name)
+            if expected.startswith("Literal["):  # OmegaConf's message lists the choices
+                raise ConfigError(f"config key {exc.full_key!r} {where}: {message}") from None
             raise ConfigError(
                 f"config key {exc.full_key!r} {where}: {message.rstrip('.')}; expected {expected}"
             ) from None

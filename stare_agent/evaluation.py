@@ -294,8 +294,8 @@ def evaluate_config(
     *,
     engine: Engine,
     tokenizer: Tokenizer,
-    env_kwargs: dict[str, Any],
     batch_size: int,
+    pool: Any = None,
     greedy: bool = False,
     problems: Sequence[Problem] | None = None,
     **options: Any,
@@ -303,13 +303,15 @@ def evaluate_config(
     """:func:`evaluate` as a run config says: the one way the trainer, ``stare-agent eval`` and the
     quickstart evaluate.
 
-    ``data.eval`` problems (else the env's registered ones: ``stare_agent.config.eval_source``; seeded by ``trainer.seed``, ``data.difficulty``, at most ``data.eval_limit``)
-    unless ``problems`` are given; ``data.eval_samples`` episodes per problem at ``data.eval_temperature``
-    / ``data.eval_top_p`` (``greedy``: one temperature-0 episode), seeded by ``trainer.seed``; the env
-    ``env.id`` with ``env_kwargs`` (the caller adds the pool or the sandbox settings to
-    ``env.env_kwargs(evaluation=True)``) and ``env.max_response_tokens``. ``options`` go to
-    :func:`evaluate` (``out_dir``, ``resume``, ``save_episodes``, ``progress``, ``keep_trajectories``;
-    ``settings``, e.g. the model's identity, join the data source and sandbox limits the config gives).
+    ``data.eval`` problems (else the env's registered ones: ``stare_agent.config.eval_source``; seeded
+    by ``trainer.seed``, ``data.difficulty``, at most ``data.eval_limit``) unless ``problems`` are given;
+    ``data.eval_samples`` episodes per problem at ``data.eval_temperature`` / ``data.eval_top_p``
+    (``greedy``: one temperature-0 episode), seeded by ``trainer.seed``; the env ``env.id`` with
+    ``env.env_kwargs(evaluation=True)`` and ``env.max_response_tokens``; sandboxes leased from ``pool``,
+    else from one of ``batch_size`` this call builds from the ``sandbox`` section
+    (``SandboxSection.make_pool``) and closes. ``options`` go to :func:`evaluate` (``out_dir``,
+    ``resume``, ``save_episodes``, ``progress``, ``keep_trajectories``; ``settings``, e.g. the model's
+    identity, join the data source and sandbox limits the config gives).
     """
     from envs.problems import eval_problems
     from stare_agent.config import eval_source
@@ -318,30 +320,38 @@ def evaluate_config(
     source = eval_source(config)  # data.eval, else the problems env.id was registered with
     if problems is None:
         problems = eval_problems(source, seed=seed, difficulty=data.difficulty, limit=data.eval_limit)
-    return evaluate(
-        problems,
-        engine=engine,
-        tokenizer=tokenizer,
-        samples=1 if greedy else data.eval_samples,
-        sampling=SamplingParams(
-            temperature=0.0 if greedy else data.eval_temperature, top_p=data.eval_top_p, seed=seed
-        ),
-        max_response_tokens=env.max_response_tokens,
-        batch_size=batch_size,
-        continuous_batching=env.continuous_batching,
-        env_id=env.id,
-        env_kwargs=env_kwargs,
-        settings={
-            "data": {
-                "source": source if isinstance(source, str) else data.eval,
-                "difficulty": data.difficulty,
-                "limit": data.eval_limit,
+    samples = 1 if greedy else data.eval_samples
+    own_pool = pool is None
+    if own_pool:
+        pool = config.sandbox.make_pool(max(min(batch_size, len(problems) * samples), 1))
+    try:
+        return evaluate(
+            problems,
+            engine=engine,
+            tokenizer=tokenizer,
+            samples=samples,
+            sampling=SamplingParams(
+                temperature=0.0 if greedy else data.eval_temperature, top_p=data.eval_top_p, seed=seed
+            ),
+            max_response_tokens=env.max_response_tokens,
+            batch_size=batch_size,
+            continuous_batching=env.continuous_batching,
+            env_id=env.id,
+            env_kwargs={**env.env_kwargs(evaluation=True), "pool": pool},
+            settings={
+                "data": {
+                    "source": source if isinstance(source, str) else data.eval,
+                    "difficulty": data.difficulty,
+                    "limit": data.eval_limit,
+                },
+                "sandbox": {"limits": config.sandbox.limits},
+                **options.pop("settings", {}),
             },
-            "sandbox": {"limits": config.sandbox.limits},
-            **options.pop("settings", {}),
-        },
-        **options,
-    )
+            **options,
+        )
+    finally:
+        if own_pool:
+            pool.close()
 
 
 def evaluate(
@@ -390,11 +400,11 @@ def evaluate(
         limit: Evaluate only the first ``limit`` problems.
         env_id: Gymnasium id of the ``ToolEnv`` to play (built-in, registered in Python or by an entry
             point; ``module:id`` imports ``module`` first), made by ``envs.registry.make_tool_env``
-            as in training. ``RunConfig.env`` gives both: ``env_id=cfg.env.id,
-            env_kwargs=cfg.env.env_kwargs(evaluation=True)``.
+            as in training (``evaluate_config`` plays a run config's).
         env_kwargs: Keyword arguments of the env (format, pool, max_turns, ...), over those it was
-            registered with; ``sandbox_backend`` / ``sandbox_config`` configure the evaluation's own
-            pool when no ``pool`` is given.
+            registered with. Without a ``pool`` (shared by all the envs: ``sandbox.open_pool``), each
+            env leases from a private pool of one of its ``sandbox_backend`` (``auto`` resolved here,
+            once) and ``sandbox_config``.
         out_dir: When given, per-problem ``results.jsonl`` and ``summary.json`` are written there.
         resume: Continue the evaluation whose ``results.jsonl`` is in ``out_dir`` (same problems,
             samples and sampling; a different setting stops with the settings that differ).
@@ -489,8 +499,7 @@ def _play(
 ) -> None:
     """Play ``jobs`` (problem, sample index) ``batch_size`` at a time into ``results``; hand each problem
     to ``files`` when its last sample is in."""
-    from envs.registry import check_env_id, make_tool_env
-    from sandbox import SandboxPool  # the pool is shared by all envs of the evaluation
+    from envs.registry import make_tool_envs
 
     runner = RolloutRunner(
         tokenizer,
@@ -499,19 +508,10 @@ def _play(
         sampling=sampling,
         continuous=continuous_batching,
     )
-    check_env_id(env_id)
-    kwargs = dict(kwargs)
-    own_pool = kwargs.get("pool") is None
-    width = min(batch_size, len(jobs))
-    if own_pool:
-        kwargs["pool"] = SandboxPool(
-            width, backend=kwargs.pop("sandbox_backend", "auto"), config=kwargs.pop("sandbox_config", None)
-        )
-    envs = []
+    envs = make_tool_envs(env_id, min(batch_size, len(jobs)), tokenizer=tokenizer, **kwargs)
     bar = _progress(len(jobs), progress)
     episodes: dict[str, list[Trajectory]] = {}
     try:
-        envs += [make_tool_env(env_id, tokenizer=tokenizer, **kwargs) for _ in range(width)]
         files.format = getattr(envs[0], "format", None)
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]
@@ -535,8 +535,6 @@ def _play(
             bar.close()
         for env in envs:
             env.close()
-        if own_pool:
-            kwargs["pool"].close()
 
 
 class _ResultFiles:

@@ -22,7 +22,15 @@ if TYPE_CHECKING:
     from stare_agent.engines.transformers_engine import TransformersEngine
     from stare_agent.engines.vllm_engine import VLLMEngine
 
-__all__ = ["OpenAIEngine", "SGLangEngine", "ScriptedEngine", "TransformersEngine", "VLLMEngine"]
+__all__ = [
+    "ENGINE_NAMES",
+    "OpenAIEngine",
+    "SGLangEngine",
+    "ScriptedEngine",
+    "TransformersEngine",
+    "VLLMEngine",
+    "start_engine",
+]
 
 _LAZY = {
     "OpenAIEngine": "stare_agent.engines.openai_engine",
@@ -33,40 +41,79 @@ _LAZY = {
 }
 
 
+ENGINE_NAMES = ("auto", "transformers", "vllm", "sglang", "openai")
+"""What :func:`start_engine` starts: ``env.engine``'s choices (``stare_agent.config.ENGINES``), and
+``openai``, a served model (``stare-agent eval --engine openai --base-url ...``)."""
+
+
 def start_engine(
-    config: Any, model: Any, tokenizer: Any, *, autocast: bool = False, device: str = "cpu"
+    config: Any,
+    model: Any,
+    tokenizer: Any,
+    *,
+    name: str | None = None,
+    autocast: bool = False,
+    device: str = "cpu",
+    base_url: str | None = None,
+    api_key: str | None = None,
 ) -> tuple[str, Any]:
-    """The rollout engine ``env.engine`` names, as ``(description, engine)``: the one way the trainer,
-    the quickstart and ``stare-agent eval`` start theirs.
+    """The rollout engine ``name`` (default ``env.engine``) names, as ``(description, engine)``: the
+    one way the trainer, the quickstart and ``stare-agent eval`` start theirs.
 
     ``auto``: vLLM when a Python with vLLM is found, else the transformers engine; a vLLM engine that
     fails to start under ``auto`` falls back to the transformers engine, saying why in one line. vLLM
-    runs in bf16 only where it is fast (a GPU, or a CPU with AVX-512 BF16), else in fp32. The
-    transformers engine samples from ``model`` itself (under bf16 autocast with ``autocast``); with
-    ``model=None`` it loads ``model.name_or_path`` on ``device`` (only then: vLLM and SGLang load their own).
+    runs ``env.vllm.dtype``, bf16 only where it is fast (a GPU, or a CPU with AVX-512 BF16), else fp32.
+    The transformers engine samples from ``model`` itself (under bf16 autocast with ``autocast``); with
+    ``model=None`` it loads ``model.name_or_path`` on ``device`` (only then: vLLM and SGLang load their
+    own). ``openai``: the server at ``base_url`` serving ``model.name_or_path`` (``api_key``, default
+    ``$OPENAI_API_KEY``), whose token ids ``tokenizer`` gives.
+
+    Raises:
+        ValueError: an unknown ``name``, or ``openai`` without ``base_url``.
     """
     from dataclasses import replace
 
-    import torch
-
-    from stare_agent.config import cpu_has_bf16
-    from stare_agent.engines.vllm_engine import VLLMEngineError, pick_engine, vllm_engine_from_config
+    from stare_agent.engines.vllm_engine import VLLMEngineError, pick_engine
 
     env = config.env
-    name = pick_engine(env.engine, env.vllm.python)
-    if name == "sglang":
+    requested = name or env.engine
+    if requested not in ENGINE_NAMES:
+        raise ValueError(f"unknown engine {requested!r}: use one of {', '.join(ENGINE_NAMES)}")
+    chosen = pick_engine(requested, env.vllm.python)
+    if chosen == "openai":
+        import os
+
+        from stare_agent.engines.openai_engine import OpenAIEngine
+
+        if not base_url:
+            raise ValueError(
+                "the openai engine needs base_url: the server's API root, e.g. http://127.0.0.1:8000/v1"
+            )
+        key = api_key or os.environ.get("OPENAI_API_KEY")
+        served = OpenAIEngine(
+            base_url, config.model.name_or_path, api_key=key, tokenizer=tokenizer, text_fallback=True
+        )
+        return f"openai at {base_url}, model {served.model}", served
+    if chosen == "sglang":
         from stare_agent.engines.sglang_engine import SGLangEngine
 
         return "sglang (GPU server)", SGLangEngine(config.model.name_or_path)
-    if name == "vllm":
+    import torch
+
+    if chosen == "vllm":
+        from stare_agent.config import cpu_has_bf16
+        from stare_agent.engines import vllm_engine
+
         section = env.vllm
         if section.dtype == "bfloat16" and not torch.cuda.is_available() and not cpu_has_bf16():
             section = replace(section, dtype="float32")  # bf16 without AVX-512 BF16 is slower than fp32
         try:
-            engine = vllm_engine_from_config(section, config.model.name_or_path, seed=config.trainer.seed)
+            engine = vllm_engine.vllm_engine_from_config(
+                section, config.model.name_or_path, seed=config.trainer.seed
+            )
             return f"vllm {engine.info['vllm_version']} ({engine.info['dtype']}, worker process)", engine
         except VLLMEngineError as exc:
-            if env.engine != "auto":
+            if requested != "auto":
                 raise
             print(f"[engine] vLLM did not start, using the transformers engine: {exc}")
     from stare_agent.engines.transformers_engine import TransformersEngine

@@ -16,45 +16,12 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
-
-if TYPE_CHECKING:
-    from sandbox.pool import Backend
+from typing import Any
 
 from stare_agent.config import RunConfig, cpu_has_bf16, load_config
 from stare_agent.metrics import json_ready
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
-
-
-def pick_backend(requested: str) -> Backend:
-    """``docker`` when usable (building the image if only it is missing), else ``local`` for ``auto``."""
-    if requested != "auto":
-        return cast("Backend", requested)  # one of SANDBOX_BACKENDS: the config checked it
-    from sandbox import docker_available
-    from sandbox.build import build_image, image_exists
-    from sandbox.config import DEFAULT_IMAGE
-    from sandbox.docker import docker_client
-
-    if docker_available():
-        return "docker"
-    try:
-        docker_client(timeout=5).ping()
-        daemon = True
-    except Exception:  # noqa: BLE001 - any failure means "no daemon here"
-        daemon = False
-    if daemon and not image_exists(DEFAULT_IMAGE):
-        print(f"building the sandbox image {DEFAULT_IMAGE} (once, about 2 minutes)")
-        try:
-            build_image(DEFAULT_IMAGE)
-            return "docker"
-        except Exception as exc:  # noqa: BLE001 - fall back, loudly
-            print(f"could not build the sandbox image ({exc}); falling back to the local backend")
-    print(
-        "Docker is not usable here (`stare-agent sandbox doctor` says why): using the local backend, "
-        "whose isolation is weaker: run only trusted models with it"
-    )
-    return "local"
 
 
 def usable_precision(config: RunConfig) -> RunConfig:
@@ -73,6 +40,7 @@ def quickstart(
     """Run the main job (see the module docstring); returns the before/after numbers and paths."""
     from transformers import set_seed
 
+    from sandbox import resolve_backend
     from stare_agent.engines import start_engine
     from stare_agent.models import load_policy
 
@@ -88,7 +56,8 @@ def quickstart(
 
     # 1. sandbox
     t0 = time.perf_counter()
-    backend = pick_backend(config.sandbox.backend)
+    # auto: Docker, building its image if only that is missing, else local (saying why)
+    backend = resolve_backend(config.sandbox.backend, config.sandbox.limits, build=True)
     config = replace(config, sandbox=replace(config.sandbox, backend=backend))
     print(f"[sandbox] backend: {backend}")
     phase("sandbox", t0)
@@ -107,7 +76,7 @@ def quickstart(
             if eval_name:
                 print(f"[engine] before/after evaluation: {eval_name}")
         phase("model", t0)
-        result = _run(config, run_dir, model, tokenizer, engine, eval_engine, backend, times, phase)
+        result = _run(config, run_dir, model, tokenizer, engine, eval_engine, times, phase)
     finally:
         for e in {id(engine): engine, id(eval_engine): eval_engine}.values():
             if hasattr(e, "close"):
@@ -130,17 +99,13 @@ def fp32_eval_engine(config: RunConfig, model: Any, tokenizer: Any, engine: Any)
     (``_run`` gives it the policy's weights before each evaluation). ``(None, engine)`` when
     ``engine`` already decodes in fp32, or is another kind (SGLang).
     """
-    from stare_agent.engines import TransformersEngine, VLLMEngine
-    from stare_agent.engines import vllm_engine as vllm_module
+    from stare_agent.engines import TransformersEngine, VLLMEngine, start_engine
 
     if isinstance(engine, TransformersEngine) and engine.autocast_dtype is not None:
-        return "transformers (fp32, in process)", TransformersEngine(model, tokenizer)
+        return start_engine(config, model, tokenizer, name="transformers")
     if isinstance(engine, VLLMEngine) and engine.info["dtype"] != "float32":
-        section = replace(config.env.vllm, dtype="float32")
-        fp32 = vllm_module.vllm_engine_from_config(
-            section, config.model.name_or_path, seed=config.trainer.seed
-        )
-        return f"vllm {fp32.info['vllm_version']} (float32, worker process)", fp32
+        fp32 = replace(config.env, vllm=replace(config.env.vllm, dtype="float32"))
+        return start_engine(replace(config, env=fp32), model, tokenizer, name="vllm")
     return None, engine
 
 
@@ -151,7 +116,6 @@ def _run(
     tokenizer: Any,
     engine: Any,
     eval_engine: Any,
-    backend: Backend,
     times: dict[str, float],
     phase: Any,
 ) -> dict[str, Any]:
@@ -160,20 +124,20 @@ def _run(
     import torch
 
     from envs.problems import eval_problems
-    from sandbox import SandboxPool
     from stare_agent.evaluation import evaluate_config
     from stare_agent.metrics import policy_entropy, read_metrics
     from stare_agent.provenance import model_settings
     from stare_agent.recipes.plots import plot_dashboard
+    from stare_agent.train.checkpoints import latest_checkpoint
     from stare_agent.train.sft import sft
-    from stare_agent.train.trainer import Trainer, latest_checkpoint
+    from stare_agent.train.trainer import Trainer
 
-    data, env = config.data, config.env
+    data = config.data
     autocast = torch.bfloat16 if config.deepspeed.precision == "bf16-autocast" else None
     problems = eval_problems(
         data.eval or "mixed", seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
     )
-    pool = SandboxPool(config.sandbox.pool_size, backend=backend, config=config.sandbox.limits)
+    pool = config.sandbox.make_pool()
     try:
 
         def run_eval(tag: str, model_path: str) -> dict[str, float]:
@@ -186,7 +150,7 @@ def _run(
                 config,
                 engine=eval_engine,
                 tokenizer=tokenizer,
-                env_kwargs={**env.env_kwargs(evaluation=True), "pool": pool},
+                pool=pool,
                 batch_size=max(config.sandbox.pool_size, 1),
                 problems=problems,
                 out_dir=run_dir / f"eval_{tag}",
@@ -223,7 +187,7 @@ def _run(
     gate_activity, skipped_steps = gate_fraction(steps)
 
     # 6. after
-    pool = SandboxPool(config.sandbox.pool_size, backend=backend, config=config.sandbox.limits)
+    pool = config.sandbox.make_pool()
     try:
         last = latest_checkpoint(run_dir)  # the trainer saves the last step's policy
         after = run_eval("after", str(last / "hf") if last else f"{run_dir} (RL policy, no checkpoint)")
@@ -232,7 +196,7 @@ def _run(
     dashboard = plot_dashboard(run_dir)
     checkpoint = latest_checkpoint(run_dir)
     result = {
-        "backend": backend,
+        "backend": config.sandbox.backend,
         "problems": len(problems),
         "samples": data.eval_samples,
         "before": before,
@@ -334,7 +298,6 @@ __all__ = [
     "format_table",
     "fp32_eval_engine",
     "gate_fraction",
-    "pick_backend",
     "quickstart",
     "usable_precision",
 ]

@@ -27,10 +27,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
-
-if TYPE_CHECKING:
-    from sandbox.pool import Backend
+from typing import Any
 
 from stare_agent.config import ConfigError, RunConfig, load_config
 from stare_agent.intervals import format_ci, mean_sd_ci
@@ -194,7 +191,6 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
 
     from envs.engine import SamplingParams
     from envs.problems import ProblemStream
-    from sandbox import SandboxPool
     from stare_agent.config import train_source
     from stare_agent.engines import TransformersEngine
     from stare_agent.evaluation import evaluate
@@ -210,8 +206,7 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
         data.prompts_per_draw or data.prompts_per_step
     )
     t0 = time.perf_counter()
-    backend = cast("Backend", config.sandbox.backend)  # one of SANDBOX_BACKENDS: the config checked it
-    pool = SandboxPool(config.sandbox.pool_size, backend=backend, config=config.sandbox.limits)
+    pool = config.sandbox.make_pool()
     try:
         report = evaluate(
             problems,
@@ -222,7 +217,7 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
             max_response_tokens=env.max_response_tokens,
             batch_size=config.sandbox.pool_size,
             env_id=env.id,
-            env_kwargs={**env.env_kwargs(), "pool": pool},
+            env_kwargs={**env.env_kwargs(), "pool": pool},  # training's env: sampled as in RL
             progress=False,
             keep_trajectories=True,
         )

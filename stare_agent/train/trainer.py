@@ -67,7 +67,6 @@ from stare_agent.train.deepspeed_setup import load_training_policy
 from stare_agent.train.learner import Learner
 
 if TYPE_CHECKING:
-    from sandbox.pool import PoolBackend
     from stare_agent.algorithms.stare import LPlusRule, Scope, Variant
 
 CHECKPOINT_PREFIX = "step-"
@@ -579,11 +578,7 @@ class Trainer:
 
     def _sandbox_pool(self) -> Any:
         if self._pool is None:
-            from sandbox import open_pool
-
-            sb = self.config.sandbox
-            backend = cast("PoolBackend", sb.backend)  # one of SANDBOX_BACKENDS: the config checked it
-            self._pool = open_pool(sb.pool_size, backend=backend, config=sb.limits, fleet=sb.ray)
+            self._pool = self.config.sandbox.make_pool()
         return self._pool
 
     def _nothing_to_train(self, drawn: list[Group], kept: list[Group]) -> str:
@@ -656,7 +651,7 @@ class Trainer:
             self.config,
             engine=self.engine,
             tokenizer=self.tokenizer,
-            env_kwargs={**self.config.env.env_kwargs(evaluation=True), "pool": self._sandbox_pool()},
+            pool=self._sandbox_pool(),
             batch_size=self.config.sandbox.pool_size,  # one leased sandbox per live episode at most
             greedy=greedy,
             progress=False,
