@@ -20,6 +20,7 @@ import dataclasses
 import inspect
 import json
 import re
+import typing
 from typing import Any
 
 from stare_agent.config import RunConfig
@@ -114,7 +115,7 @@ def render() -> str:
         parts.append(f"\n## `{dotted}`\n\n{summary} (`{cls.__module__}.{cls.__qualname__}`)\n")
         parts.append("\n| field | type | default | description |\n|---|---|---|---|\n")
         for f in fields:
-            row = (f"`{dotted}.{f.name}`", f"`{_type(f)}`", f"`{yaml_value(_default(f))}`", docs[f.name])
+            row = (f"`{dotted}.{f.name}`", f"`{_type(f, cls)}`", f"`{yaml_value(_default(f))}`", docs[f.name])
             parts.append("| " + " | ".join(map(_cell, row)) + " |\n")
         for name in nested:
             row = (
@@ -135,7 +136,10 @@ def _default(f: dataclasses.Field[Any]) -> Any:
     raise ValueError(f"config field {f.name} has no default: every config field needs one")
 
 
-def _type(f: dataclasses.Field[Any]) -> str:
+def _type(f: dataclasses.Field[Any], cls: type) -> str:
+    hint = typing.get_type_hints(cls).get(f.name)
+    if typing.get_origin(hint) is typing.Literal:  # a named set of choices: spell them out
+        return " | ".join(map(str, typing.get_args(hint)))
     return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
 
 
