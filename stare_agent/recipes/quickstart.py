@@ -21,7 +21,7 @@ from typing import Any
 from stare_agent.config import RunConfig, cpu_has_bf16, load_config
 from stare_agent.metrics import json_ready
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 
 
 def usable_precision(config: RunConfig) -> RunConfig:

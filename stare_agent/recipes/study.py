@@ -70,7 +70,7 @@ SMOKE_OVERRIDES = (
     "sft.batch_size=4",
 )
 BAND = (0.3, 0.7)
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "study.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "study.yaml"
 CSV_NAME, FIGURE_NAME, TABLE_NAME, START_NAME = "study.csv", "study.png", "study.md", "start_eval.json"
 
 
