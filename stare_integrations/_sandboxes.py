@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from envs.tools import BoundTool, get_tool
+from sandbox import resolve_backend
 from sandbox.config import SandboxConfig
 from sandbox.pool import PooledSandbox, SandboxPool
 from sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
@@ -90,7 +91,7 @@ class LeasedTools:
             if self.pool is None:
                 self.pool = SandboxPool(
                     self.pool_size,
-                    backend=self.backend,  # type: ignore[arg-type]  # checked by SandboxPool
+                    backend=resolve_backend(self.backend, self.sandbox_config),  # a config's string, checked
                     config=self.sandbox_config,
                     lease_timeout=self.lease_timeout_s,
                 )
