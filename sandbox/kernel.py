@@ -28,6 +28,10 @@ of frames whole, since its ``MAXMSGSIZE`` bounds each frame); and the kernel sen
 chunks that fit (``BOUNDED_OUTPUT``). If a dropped message took the kernel's "idle" with it, the call ends once the
 execute reply has come and the output channel stays quiet.
 
+The code a kernel runs for the host, outside the user namespace (its boot: ``KERNEL_BOOT``; the local
+backend's soft reset: ``reset_code``), lives in ``sandbox/cells/``: real modules, linted and
+type-checked, whose source is sent to the kernel as a housekeeping cell.
+
 CPU seconds and peak memory are read on the host (``sandbox.usage``: the container's cgroup, or
 ``/proc`` of the local kernel), never by asking the kernel, so an execution costs one request and
 the messages it sends back.
@@ -356,8 +360,8 @@ class KernelDriver:
         msg_id = self._send(encodable(code), timeout)
         if msg_id is None:
             return ExecResult(error=ExecError("KernelDied", KERNEL_STOPPED), state_lost=True)
-        output = OutputBuffer(self.max_output_chars), OutputBuffer(self.max_output_chars)
-        call = _Call(msg_id, *output, limit=f"{timeout:g} s")
+        chars = self.max_output_chars
+        call = _Call(msg_id, OutputBuffer(chars), OutputBuffer(chars), limit=f"{timeout:g} s")
         self._collect(call, _Limits(started + timeout, cpu_timeout, cpu_before, meter))
         if call.idle_lost and not call.state_lost and self._reconnect_or_restart(min(timeout, 10.0)):
             # The iopub connection may be gone for good: renewed, or the kernel restarted.
