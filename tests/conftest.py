@@ -47,6 +47,16 @@ def pytest_configure(config: pytest.Config) -> None:
     required()  # a misspelt STARE_REQUIRE stops the run before any test, not when a test first asks
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses one of its module's ``SLOW_FIXTURES`` (a real vLLM started for the module: a minute
+    or more on 2 CPU cores) is marked ``slow``, so that `make test-fast` (``-m "not slow"``) leaves it out."""
+    for item in items:
+        slow = getattr(getattr(item, "module", None), "SLOW_FIXTURES", ())
+        if set(slow) & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Tests marked ``gpu`` need a CUDA GPU (``gpu`` in STARE_REQUIRE: benchmarks/gpu_check.sh)."""
     if item.get_closest_marker("gpu") is not None:

@@ -33,6 +33,7 @@ from tests.envs.test_rollout_exactness import RecordingEngine, _check_engine_tok
 REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 STARTUP_DEADLINE_S = 240
+SLOW_FIXTURES = ("vllm_server",)  # `vllm serve` for the module (tests/conftest.py marks its users slow)
 
 # Forces every model turn to be one ReTool tool call (vLLM structured outputs), so that the untouched
 # 135M model, which never calls the tool by itself, plays real multi-turn episodes.

@@ -37,6 +37,7 @@ from tests.conftest import require
 from tests.envs.test_rollout_exactness import RecordingEngine, _check_engine_tokens
 
 REPO = Path(__file__).resolve().parents[3]
+SLOW_FIXTURES = ("engine",)  # the module's vLLM worker (tests/conftest.py marks its users slow)
 # Forced tool calls (vLLM structured outputs): the untouched 135M model never calls the tool by itself.
 RETOOL_CALL = r"Let me compute it\.\n<code>\n```python\nprint\([1-9][0-9]? \* [1-9]\)\n```\n</code>"
 HERMES_CALL = (
