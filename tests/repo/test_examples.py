@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -37,6 +39,7 @@ def test_evaluate_aime_example(tmp_path, shared_data):
     assert json.loads((tmp_path / "summary.json").read_text())["avg@2"] == report.metrics["avg@2"]
 
 
+@pytest.mark.slow  # a real training run of the example: 2 min on 2 loaded cores
 def test_train_python_api_example(tmp_path):
     run_dir = tmp_path / "run"
     summary = _load("train_python_api").main(

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -22,6 +24,7 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # `stare-agent` processes, each importing torch: 20 s on 2 loaded cores
 def test_bad_input_is_one_line_of_cause_and_fix(tmp_path):
     done = cli("train", "--config", str(tmp_path / "missing.yaml"))
     assert done.returncode == 2
@@ -34,6 +37,7 @@ def test_bad_input_is_one_line_of_cause_and_fix(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # three `stare-agent` runs with a model: 40 s on 2 loaded cores
 def test_sft_then_train_then_plot(tmp_path, model_dir):
     run = tmp_path / "run"
     common = [
@@ -80,6 +84,7 @@ def test_sft_then_train_then_plot(tmp_path, model_dir):
     assert (run / "plots" / "dashboard.png").is_file()
 
 
+@pytest.mark.slow  # `stare-agent eval` of a model on AIME 2024: 30 s on 2 loaded cores
 def test_eval_on_aime_2024(tmp_path, model_dir, shared_data):
     args = [
         "eval",
