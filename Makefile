@@ -1,5 +1,5 @@
 # Two entry points for a fresh machine (see README): `make quickstart` and `make test`.
-.PHONY: setup docker quickstart test lint bench docs
+.PHONY: setup docker quickstart test test-fast lint bench docs
 
 setup:
 	bash scripts/setup_python.sh
@@ -18,6 +18,11 @@ quickstart: docker
 
 test: docker
 	.venv/bin/python -m pytest -q tests
+
+# What needs neither Docker nor the `slow` mark (a real vLLM, whole training runs, mypy, wheel builds):
+# the local sandbox backend, tiny models, every error message. Measured by benchmarks/house.py.
+test-fast: setup
+	.venv/bin/python -m pytest -q -m "not docker and not slow" tests
 
 # docs/configuration.md is generated from the config dataclasses (tests/repo/test_docs.py checks it);
 # then the site (mkdocs.yml) is built into site/, failing on a dead link or a page missing from nav.
