@@ -439,24 +439,10 @@ class Learner:
         if not trajectories:
             raise ValueError("cannot take a step on an empty batch: pass at least one trajectory")
         B, L = len(trajectories), max(t.num_tokens for t in trajectories)
-        if not isinstance(advantages, Tensor) or advantages.dim() == 1:
-            per_seq = torch.as_tensor(advantages, dtype=torch.float32, device=self.device)
-            if per_seq.shape != (B,):
-                raise ValueError(
-                    f"got {per_seq.numel()} advantages for {B} trajectories: pass one per trajectory"
-                )
-            advantages = per_seq[:, None].expand(B, L - 1)
-        for name, tensor in (
-            ("advantages", advantages),
-            ("weights", weights),
-            ("old_logprobs", old_logprobs),
-            ("kl_coef", kl_coef),
-        ):
-            if tensor is not None and tuple(tensor.shape) != (B, L - 1):
-                raise ValueError(
-                    f"{name} has shape {tuple(tensor.shape)}, expected {(B, L - 1)}: align it with "
-                    "stare_agent.train.batch.collate(trajectories)"
-                )
+        advantages = self._token_advantages(advantages, B, L)
+        _check_shapes(
+            (B, L - 1), advantages=advantages, weights=weights, old_logprobs=old_logprobs, kl_coef=kl_coef
+        )
         denominators = self._global_denominators(trajectories)
         rc = cfg.rollout_correction
         mismatch: dict[tuple[int, ...], dict[str, float]] = {}  # per micro-batch; a repeat rewrites its own
@@ -510,12 +496,26 @@ class Learner:
             return raw * self._loss_scale(mask, denominators), metrics
 
         out = self._step(trajectories, micro_loss)
-        parts = list(mismatch.values())
+        out.update(self._mismatch_metrics(list(mismatch.values())))
+        return out
+
+    def _mismatch_metrics(self, parts: list[dict[str, float]]) -> dict[str, float]:
+        """``mismatch_metrics`` of the micro-batches' ``mismatch_sums``, added up over all ranks."""
         keys = sorted(k for k in parts[0] if k != "abs_max")
         totals = dict(zip(keys, self._all_reduce([sum(p[k] for p in parts) for k in keys]), strict=True))
         totals["abs_max"] = self._all_reduce([max(p["abs_max"] for p in parts)], op=dist.ReduceOp.MAX)[0]
-        out.update(mismatch_metrics(totals))
-        return out
+        return mismatch_metrics(totals)
+
+    def _token_advantages(self, advantages: Tensor | Sequence[float], B: int, L: int) -> Tensor:
+        """``advantages`` as a [B, L-1] tensor: one per trajectory broadcast along its row, or as given."""
+        if isinstance(advantages, Tensor) and advantages.dim() != 1:
+            return advantages
+        per_seq = torch.as_tensor(advantages, dtype=torch.float32, device=self.device)
+        if per_seq.shape != (B,):
+            raise ValueError(
+                f"got {per_seq.numel()} advantages for {B} trajectories: pass one per trajectory"
+            )
+        return per_seq[:, None].expand(B, L - 1)
 
     def sft_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One optimizer step of masked NLL: ``-sum mask_t * logp_t / sum mask_t`` over the whole batch.
@@ -757,6 +757,16 @@ class Learner:
         self.steps_applied = int(counters.get("steps_applied", 0))
         self.steps_skipped = int(counters.get("steps_skipped", 0))
         return client
+
+
+def _check_shapes(expected: tuple[int, int], **tensors: Tensor | None) -> None:
+    """Refuse a per-token tensor not aligned with ``collate(trajectories)`` ([B, L-1])."""
+    for name, tensor in tensors.items():
+        if tensor is not None and tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)}, expected {expected}: align it with "
+                "stare_agent.train.batch.collate(trajectories)"
+            )
 
 
 def _base_names(names: Iterator[tuple[str, Any]]) -> list[str]:

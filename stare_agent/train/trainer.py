@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import random
-import shutil
 import time
 import warnings
 import zlib
@@ -62,14 +59,13 @@ from stare_agent.algorithms import (
 )
 from stare_agent.config import ConfigError, RunConfig, eval_source, train_source
 from stare_agent.metrics import StepLogger, ToolHealth, ToolHealthAlarm, rollout_metrics
+from stare_agent.train import checkpoints
 from stare_agent.train.batch import collate
 from stare_agent.train.deepspeed_setup import load_training_policy
 from stare_agent.train.learner import Learner
 
 if TYPE_CHECKING:
     from stare_agent.algorithms.stare import LPlusRule, Scope, Variant
-
-CHECKPOINT_PREFIX = "step-"
 
 
 @dataclass
@@ -211,12 +207,82 @@ class Trainer:
         return {"steps": self.step, "run_dir": str(self.run_dir), "last": last}
 
     def train_step(self) -> dict[str, Any]:
-        """One RL step (see the module docstring); returns its metrics."""
-        data = self.config.data
+        """One RL step in the paper's order (see the module docstring); returns its metrics."""
         t0 = time.perf_counter()
-        # 1-3. rollout, reward, dynamic sampling (answers are verified inside env.step: time/reward_s
-        # is the checking part of time/rollout_s, summed over episodes)
-        check_before = sum(env.check_time_s for env in self._envs)
+        checked = sum(env.check_time_s for env in self._envs)
+        # 1-3. rollout, reward (answers are verified inside env.step), dynamic sampling
+        drawn, kept, ds_metrics = self._draw_groups()
+        t_rollout = time.perf_counter() - t0
+        metrics = self._rollout_metrics(drawn, kept, ds_metrics, t_rollout)
+        metrics["time/reward_s"] = sum(env.check_time_s for env in self._envs) - checked  # part of rollout_s
+        # 4-8. advantages, log-probs, gate, weights, update
+        learned = self.learn(drawn, kept)
+        metrics.update(learned)
+        if "skip_reason" in learned:
+            return metrics
+        # 9. sync
+        if not learned.get("skipped"):
+            self._sync_engine()
+        metrics["time/update_s"] += self.sync_s
+        metrics["time/sync_s"], self.sync_s = self.sync_s, 0.0  # part of time/update_s
+        metrics["time/step_s"] = time.perf_counter() - t0
+        return metrics
+
+    def learn(self, drawn: list[Group], kept: list[Group]) -> dict[str, Any]:
+        """Steps 4-8 on one step's groups: ``drawn`` in draw order, ``kept`` those dynamic sampling
+        kept (in draw order). Advantages over the kept groups, log-probs, the gate, STARE weights and
+        the update; the engine is not synced. Returns the update's metrics, or ``skipped`` and
+        ``skip_reason`` when there is nothing to train. ``stare_agent.train.replay`` calls it on saved
+        episodes, so that a replay trains exactly as the run did."""
+        alg = self.config.algorithm
+        skip = self._skip(drawn, kept)
+        if skip is not None:
+            return skip
+        # 4. advantages over all kept groups (identical on every rank), then this rank's share
+        A, trajectories, sequence_ids, adv_metrics = self._advantages(kept)
+        # 5-7. pre-update log-probs and entropy, the gate (global over ranks), the weights. GRPO-ds
+        # needs no batch statistic before its loss: its update's own forward pass gives the entropy.
+        t1 = time.perf_counter()
+        weights, kl_coef, gated, pre_metrics = None, None, None, dict[str, float]()
+        if alg.name == "stare":
+            weights, gated, pre_metrics = self._stare(drawn, kept, trajectories, A, sequence_ids)
+        elif alg.name in ("kl_cov", "clip_cov", "forking_tokens"):  # the field's other entropy controls
+            weights, kl_coef, pre_metrics = self._entropy_control(trajectories, A, sequence_ids)
+        t_logprob = time.perf_counter() - t1
+        # 8. update
+        t2 = time.perf_counter()
+        update_metrics = self.learner.update(
+            trajectories, A, weights, rollout_correction=self.rollout_correction_mode(), kl_coef=kl_coef
+        )
+        t_update = time.perf_counter() - t2
+        if gated is None:  # not STARE: the gate STARE would have seen, logged for comparison
+            gated = self._gate_after_update(update_metrics["entropy"])
+        gate_on, Hbar, gate_metrics = gated
+        return {
+            **adv_metrics,
+            **gate_metrics,
+            **pre_metrics,
+            **update_metrics,
+            "entropy": Hbar,
+            "gate_on": int(gate_on),
+            "H_tgt": alg.H_tgt,
+            "W": self.controller.W,
+            "M": self.controller.M,
+            "frac_reweighted": pre_metrics.get("stare/frac_reweighted", 0.0),
+            "kept_groups": len(kept),
+            "overlong_filtered": sum(_budget_cut(t) for g in kept for t in g.trajectories)
+            if alg.overlong_filter
+            else 0,
+            "time/logprob_s": t_logprob,
+            "time/update_s": t_update,
+        }
+
+    # ------------------------------------------------------------------ the phases
+
+    def _draw_groups(self) -> tuple[list[Group], list[Group], dict[str, float]]:
+        """1-3. Draw prompt batches and play G episodes per prompt (rewarded by the environment) until
+        dynamic sampling keeps ``data.prompts_per_step`` groups (capped): (drawn, kept, metrics)."""
+        data = self.config.data
         self._played = []
         drawn: list[Group] = []
         per_draw = data.prompts_per_draw or data.prompts_per_step
@@ -226,16 +292,21 @@ class Trainer:
             drawn.extend(groups)
             return [g for g in groups if g.rewards]  # one dropped for a failed episode has none left
 
-        if data.dynamic_sampling:
-            kept, ds_metrics = dynamic_sampling(
-                draw_batch,
-                target_groups=data.prompts_per_step,
-                max_batches=data.max_sampling_batches,
-                on_shortfall="raise" if data.on_short_batch == "raise" else "keep",
-            )
-        else:
-            kept, ds_metrics = [g for g in draw_batch() if g.trajectories][: data.prompts_per_step], {}
-        t_rollout = time.perf_counter() - t0
+        if not data.dynamic_sampling:
+            return drawn, [g for g in draw_batch() if g.trajectories][: data.prompts_per_step], {}
+        kept, ds_metrics = dynamic_sampling(
+            draw_batch,
+            target_groups=data.prompts_per_step,
+            max_batches=data.max_sampling_batches,
+            on_shortfall="raise" if data.on_short_batch == "raise" else "keep",
+        )
+        return drawn, kept, ds_metrics
+
+    def _rollout_metrics(
+        self, drawn: list[Group], kept: list[Group], ds_metrics: dict[str, float], t_rollout: float
+    ) -> dict[str, Any]:
+        """The step's episodes saved (``trainer.save_rollouts``) and measured: rollout, dynamic
+        sampling and tool-health metrics; infrastructure failures printed on rank 0."""
         episodes = [t for g in drawn for t in g.trajectories]
         trained = {id(g) for g in kept}
         self._save_rollouts(
@@ -257,29 +328,14 @@ class Trainer:
             tqdm.write(
                 f"step {self.step}: {metrics['failed_episodes']} episodes failed in the sandbox infrastructure "
                 f"after their retries: {metrics['dropped_groups']} groups dropped whole (data.on_failed_episode="
-                f"{data.on_failed_episode})"
+                f"{self.config.data.on_failed_episode})"
             )
-        metrics["time/reward_s"] = sum(env.check_time_s for env in self._envs) - check_before
-        learned = self.learn(drawn, kept)
-        metrics.update(learned)
-        if "skip_reason" in learned:
-            return metrics
-        # 9. sync
-        if not learned.get("skipped"):
-            self._sync_engine()
-        metrics["time/update_s"] += self.sync_s
-        metrics["time/sync_s"], self.sync_s = self.sync_s, 0.0  # part of time/update_s
-        metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
 
-    def learn(self, drawn: list[Group], kept: list[Group]) -> dict[str, Any]:
-        """Steps 4-8 on one step's groups: ``drawn`` in draw order, ``kept`` those dynamic sampling
-        kept (in draw order). Advantages over the kept groups, log-probs, the gate, STARE weights and
-        the update; the engine is not synced. Returns the update's metrics, or ``skipped`` and
-        ``skip_reason`` when there is nothing to train. ``stare_agent.train.replay`` calls it on saved
-        episodes, so that a replay trains exactly as the run did."""
-        alg, data = self.config.algorithm, self.config.data
-        metrics: dict[str, Any] = {}
+    def _skip(self, drawn: list[Group], kept: list[Group]) -> dict[str, Any] | None:
+        """The metrics of a step with nothing to train, said on rank 0 (dynamic sampling fell short
+        with ``data.on_short_batch=skip``, or fewer kept groups than ranks); None otherwise."""
+        data = self.config.data
         short = data.dynamic_sampling and len(kept) < data.prompts_per_step
         if short and self.rank == 0:
             skip = data.on_short_batch == "skip" or len(kept) < self.world
@@ -290,17 +346,22 @@ class Trainer:
                 f"{data.on_short_batch})"
             )
         if short and data.on_short_batch == "skip":
-            metrics.update(skipped=1, skip_reason="dynamic sampling fell short (data.on_short_batch=skip)")
-            return {**metrics, "entropy": float("nan"), "gate_on": 0}
-        if len(kept) < self.world:
+            reason = "dynamic sampling fell short (data.on_short_batch=skip)"
+        elif len(kept) < self.world:
             # Every rank needs a group to take part in the update; all ranks see the same count.
             reason = self._nothing_to_train(drawn, kept)
             if self.rank == 0:
                 tqdm.write(f"step {self.step}: no update: {reason}")
-            metrics.update(skipped=1, skip_reason=reason)
-            return {**metrics, "entropy": float("nan"), "gate_on": 0}
+        else:
+            return None
+        return {"skipped": 1, "skip_reason": reason, "entropy": float("nan"), "gate_on": 0}
 
-        # 4. advantages over all kept groups (identical on every rank), then this rank's share
+    def _advantages(
+        self, kept: list[Group]
+    ) -> tuple[torch.Tensor, list[Trajectory], torch.Tensor, dict[str, float]]:
+        """4. GRPO advantages over all kept groups (identical on every rank), then this rank's share
+        (kept group i on rank i mod world): (A, trajectories, sequence_ids, metrics)."""
+        alg = self.config.algorithm
         rewards = torch.tensor([r for g in kept for r in g.rewards], dtype=torch.float32)
         group_index = torch.tensor([i for i, g in enumerate(kept) for _ in g.rewards])
         A_all, adv_metrics = grpo_advantages(rewards, group_index=group_index)
@@ -313,76 +374,58 @@ class Trainer:
         if alg.void_turn_filter:  # SimpleTIR: episodes with a void turn shape advantages, not the loss
             trajectories = [_without_loss(t) if t.void_turn else t for t in trajectories]
         sequence_ids = torch.tensor([gid for i in mine for gid in kept[i].global_ids])
-        A = A_all[rows]
+        return A_all[rows], trajectories, sequence_ids, adv_metrics
 
-        # 5. pre-update log-probs and entropy ([B, L-1], column t scores token t+1), 6. gate (global
-        # over ranks) and the optional adaptive schedule, 7. STARE weights on mask-1 tokens. GRPO-ds
-        # needs no batch statistic before its loss: its update's own forward pass gives the entropy.
-        t1 = time.perf_counter()
-        weights, stare_metrics = None, dict[str, float]()
-        if alg.name == "stare":
-            logp, entropy, moments = self.learner.compute_logprobs_and_entropy(
-                trajectories, with_moments=True
-            )
-            mask = collate(trajectories, self.learner.pad_id)["response_mask"].to(logp.device)
-            A_tok = broadcast_to_tokens(A.to(logp.device), mask)
-            gate_on, Hbar, gate_metrics = entropy_gate(entropy, mask, alg.H_tgt)
-            if alg.gate_batch == "drawn":  # ours: the gate reads every drawn group, kept or dropped
-                gate_on, Hbar, gate_metrics = self._drawn_gate(drawn, kept, entropy, mask, Hbar)
-            if alg.gate == "always_on":  # the paper's open-loop ablation
-                gate_on = True
-            if alg.adaptive:
-                self.controller.update(Hbar)
-            weights, stare_metrics = self._stare_weights(
-                trajectories,
-                A_tok,
-                logp,
-                mask,
-                gate_on,
-                self.controller.W,
-                self.controller.M,
-                sequence_ids,
-                Hbar,
-                entropy,
-                moments,
-            )
-        kl_coef = None
-        if alg.name in ("kl_cov", "clip_cov", "forking_tokens"):  # the field's other entropy controls
-            weights, kl_coef, stare_metrics = self._entropy_control(trajectories, A, sequence_ids)
-        t_logprob = time.perf_counter() - t1
-
-        # 8. update
-        t2 = time.perf_counter()
-        update_metrics = self.learner.update(
-            trajectories, A, weights, rollout_correction=self.rollout_correction_mode(), kl_coef=kl_coef
+    def _stare(
+        self,
+        drawn: list[Group],
+        kept: list[Group],
+        trajectories: list[Trajectory],
+        A: torch.Tensor,
+        sequence_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, tuple[bool, float, dict[str, float]], dict[str, float]]:
+        """5-7 for STARE: pre-update log-probs and entropy ([B, L-1], column t scores token t+1), the
+        gate (global over ranks; the optional adaptive W/M steps on its Hbar), and the weights on
+        mask-1 tokens over the whole batch on all ranks: (weights, (gate_on, Hbar, gate metrics),
+        metrics). The micro_batch scope selects inside each of the learner's own micro-batches, as
+        the authors' code does, so the split must be the learner's."""
+        alg = self.config.algorithm
+        logp, entropy, moments = self.learner.compute_logprobs_and_entropy(trajectories, with_moments=True)
+        mask = collate(trajectories, self.learner.pad_id)["response_mask"].to(logp.device)
+        A_tok = broadcast_to_tokens(A.to(logp.device), mask)
+        gate_on, Hbar, gate_metrics = entropy_gate(entropy, mask, alg.H_tgt)
+        if alg.gate_batch == "drawn":  # ours: the gate reads every drawn group, kept or dropped
+            gate_on, Hbar, gate_metrics = self._drawn_gate(drawn, kept, entropy, mask, Hbar)
+        if alg.gate == "always_on":  # the paper's open-loop ablation
+            gate_on = True
+        if alg.adaptive:
+            self.controller.update(Hbar)
+        weights, _, _, metrics = stare_weights(
+            A_tok,
+            logp,
+            mask,
+            gate_on=gate_on,
+            variant=cast("Variant", alg.variant),  # the config checked variant and scope
+            P=alg.P,
+            W=self.controller.W,
+            M=self.controller.M,
+            scope=cast("Scope", alg.scope),
+            micro_batches=self.learner.micro_batches(trajectories) if alg.scope == "micro_batch" else None,
+            sequence_ids=sequence_ids.to(logp.device),
+            Hbar=Hbar,
+            entropy=entropy,
+            moments=moments,
+            L_plus_rule=cast("LPlusRule", alg.L_plus_rule),
         )
-        t_update = time.perf_counter() - t2
-        if alg.name != "stare":  # the gate STARE would have seen, logged for comparison
-            Hbar = update_metrics["entropy"]
-            gate_on, gate_metrics = gate(Hbar, alg.H_tgt)
-            if alg.adaptive:
-                self.controller.update(Hbar)
-        W, M = self.controller.W, self.controller.M
+        return weights, (gate_on, Hbar, gate_metrics), metrics
 
-        metrics.update(adv_metrics)
-        metrics.update(gate_metrics)
-        metrics.update(stare_metrics)
-        metrics.update(update_metrics)
-        metrics.update(
-            entropy=Hbar,
-            gate_on=int(gate_on),
-            H_tgt=alg.H_tgt,
-            W=W,
-            M=M,
-            frac_reweighted=stare_metrics.get("stare/frac_reweighted", 0.0),
-            kept_groups=len(kept),
-            overlong_filtered=sum(_budget_cut(t) for g in kept for t in g.trajectories)
-            if alg.overlong_filter
-            else 0,
-        )
-        metrics["time/logprob_s"] = t_logprob
-        metrics["time/update_s"] = t_update
-        return metrics
+    def _gate_after_update(self, Hbar: float) -> tuple[bool, float, dict[str, float]]:
+        """6 for the algorithms other than STARE: the gate on the update's own Hbar, logged for
+        comparison (the adaptive W/M steps on it): (gate_on, Hbar, metrics)."""
+        gate_on, gate_metrics = gate(Hbar, self.config.algorithm.H_tgt)
+        if self.config.algorithm.adaptive:
+            self.controller.update(Hbar)
+        return gate_on, Hbar, gate_metrics
 
     # ------------------------------------------------------------------ pieces
 
@@ -438,43 +481,6 @@ class Trainer:
             A_tok, weights, mask, logp, entropy, moments
         )
         return weights, None, metrics
-
-    def _stare_weights(
-        self,
-        trajectories: list[Trajectory],
-        A_tok: torch.Tensor,
-        logp: torch.Tensor,
-        mask: torch.Tensor,
-        gate_on: bool,
-        W: float,
-        M: float,
-        sequence_ids: torch.Tensor,
-        Hbar: float,
-        entropy: torch.Tensor,
-        moments: torch.Tensor,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """STARE's weights and its metrics over the whole batch on all ranks. The micro_batch scope
-        selects inside each of the learner's own micro-batches, as the authors' code does, so the
-        split must be the learner's."""
-        alg = self.config.algorithm
-        weights, _, _, metrics = stare_weights(
-            A_tok,
-            logp,
-            mask,
-            gate_on=gate_on,
-            variant=cast("Variant", alg.variant),  # the config checked variant and scope
-            P=alg.P,
-            W=W,
-            M=M,
-            scope=cast("Scope", alg.scope),
-            micro_batches=self.learner.micro_batches(trajectories) if alg.scope == "micro_batch" else None,
-            sequence_ids=sequence_ids.to(logp.device),
-            Hbar=Hbar,
-            entropy=entropy,
-            moments=moments,
-            L_plus_rule=cast("LPlusRule", alg.L_plus_rule),
-        )
-        return weights, metrics
 
     def _drawn_gate(
         self,
@@ -687,58 +693,27 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self) -> Path:
-        """Write ``run_dir/checkpoints/step-N`` atomically: into a temporary directory, then rename.
-
-        Holds the learner (model, optimizer, scheduler), the HF model + tokenizer, the data position,
-        the W/M controller and every RNG state; keeps the newest ``trainer.keep_checkpoints``.
-        """
-        root = self.run_dir / "checkpoints"
-        final = root / f"{CHECKPOINT_PREFIX}{self.step:06d}"
-        tmp = root / f".tmp-{final.name}"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self._barrier()
+        """Write ``run_dir/checkpoints/step-N`` atomically (``checkpoints.save_checkpoint``): the
+        learner (model, optimizer, scheduler), the HF model + tokenizer, the data position, the W/M
+        controller and every RNG state; keeps the newest ``trainer.keep_checkpoints``."""
         state = {
             "step": self.step,
             "data_position": self.stream.position,
             "controller": self.controller.state_dict(),
         }
-        self.learner.save_checkpoint(tmp / "learner", client_state={"trainer": state})
-        self.learner.export_hf(tmp / "hf")
-        torch.save(_rng_state(), tmp / f"rng-rank{self.rank}.pt")
-        self._barrier()
-        if self.rank == 0:
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-            if final.exists():  # a resumed run redoing this step
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for old in sorted(root.glob(f"{CHECKPOINT_PREFIX}*"))[: -self.config.trainer.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-        self._barrier()
-        return final
+        return checkpoints.save_checkpoint(
+            self.run_dir, self.learner, state, keep=self.config.trainer.keep_checkpoints
+        )
 
     def _restore(self) -> bool:
         """Load the last checkpoint, if any; return whether one was loaded."""
-        last = latest_checkpoint(self.run_dir)
-        if last is None:
-            if self.rank == 0:
-                print(f"no checkpoint in {self.run_dir}/checkpoints: starting from step 0")
+        state = checkpoints.load_checkpoint(self.run_dir, self.learner)
+        if state is None:
             return False
-        client = self.learner.load_checkpoint(last / "learner")
-        state = client["trainer"]
         self.step = int(state["step"])
         self.stream.position = int(state["data_position"])
         self.controller.load_state_dict(state["controller"])
-        _set_rng_state(torch.load(last / f"rng-rank{self.rank}.pt", weights_only=False))
-        if self.rank == 0:
-            _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
-            print(f"resumed from {last} (step {self.step})")
         return True
-
-    def _barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
 
     def close(self) -> None:
         """Close the envs, the sandbox pool and an engine this trainer started (a vLLM worker)."""
@@ -783,34 +758,3 @@ def _without_loss(trajectory: Trajectory) -> Trajectory:
     """The episode with every token masked out of the loss (and out of every token count)."""
     n = len(trajectory.response_ids)
     return dataclasses.replace(trajectory, loss_mask=[0] * n, logprobs=[0.0] * n, turn_spans=[])
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint (renamed into place, so complete by construction), or None."""
-    found = sorted((Path(run_dir) / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*"))
-    return found[-1] if found else None
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records of steps after ``step``: they belong to work the checkpoint does not hold."""
-    if not path.is_file():
-        return
-    kept = [
-        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
-    ]
-    path.write_text("".join(line + "\n" for line in kept))
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

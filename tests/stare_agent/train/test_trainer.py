@@ -23,7 +23,8 @@ from stare_agent.algorithms.stare import stare_weights
 from stare_agent.config import load_config
 from stare_agent.engines.scripted import ScriptedEngine
 from stare_agent.models import tiny_model
-from stare_agent.train.trainer import Trainer, latest_checkpoint
+from stare_agent.train.checkpoints import latest_checkpoint
+from stare_agent.train.trainer import Trainer
 from tests.stare_agent.train.scripted_training import overrides, scripted_policy
 
 SCRIPT = Path(__file__).with_name("scripted_training.py")

@@ -1,0 +1,103 @@
+"""RL checkpoints: ``run_dir/checkpoints/step-NNNNNN``, written atomically, the newest one resumed.
+
+A checkpoint holds the learner (model, optimizer, scheduler: ``learner/``), the Hugging Face model and
+tokenizer (``hf/``), the trainer's state (step, data position, W/M controller:
+``trainer_state.json`` and the learner's client state) and every rank's RNG states
+(``rng-rank{r}.pt``). It is written into a temporary directory and renamed into place, so a
+directory named ``step-*`` is complete by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from stare_agent.train.learner import Learner
+
+CHECKPOINT_PREFIX = "step-"
+
+
+def save_checkpoint(run_dir: Path, learner: Learner, state: dict[str, Any], *, keep: int) -> Path:
+    """Write ``run_dir/checkpoints/step-N`` (N = ``state["step"]``) atomically: into a temporary
+    directory, then rename; keep the newest ``keep``. Collective: every rank calls it."""
+    root = run_dir / "checkpoints"
+    final = root / f"{CHECKPOINT_PREFIX}{state['step']:06d}"
+    tmp = root / f".tmp-{final.name}"
+    if learner.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(learner)
+    learner.save_checkpoint(tmp / "learner", client_state={"trainer": state})
+    learner.export_hf(tmp / "hf")
+    torch.save(_rng_state(), tmp / f"rng-rank{learner.rank}.pt")
+    _barrier(learner)
+    if learner.rank == 0:
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        if final.exists():  # a resumed run redoing this step
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in sorted(root.glob(f"{CHECKPOINT_PREFIX}*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier(learner)
+    return final
+
+
+def load_checkpoint(run_dir: Path, learner: Learner) -> dict[str, Any] | None:
+    """Load the newest checkpoint of ``run_dir`` into ``learner`` and this rank's RNGs, drop the
+    metrics of later steps, and return the trainer's state; None when there is none."""
+    last = latest_checkpoint(run_dir)
+    if last is None:
+        if learner.rank == 0:
+            print(f"no checkpoint in {run_dir}/checkpoints: starting from step 0")
+        return None
+    state = learner.load_checkpoint(last / "learner")["trainer"]
+    _set_rng_state(torch.load(last / f"rng-rank{learner.rank}.pt", weights_only=False))
+    if learner.rank == 0:
+        _truncate_metrics(run_dir / "metrics.jsonl", int(state["step"]))
+        print(f"resumed from {last} (step {int(state['step'])})")
+    return state
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint (renamed into place, so complete by construction), or None."""
+    found = sorted((Path(run_dir) / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*"))
+    return found[-1] if found else None
+
+
+def _barrier(learner: Learner) -> None:
+    if learner.world_size > 1:
+        dist.barrier()
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after ``step``: they belong to work the checkpoint does not hold."""
+    if not path.is_file():
+        return
+    kept = [
+        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
+    ]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
