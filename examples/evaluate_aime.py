@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from sandbox import SandboxPool
 from stare_agent import evaluate
 from stare_agent.engines import TransformersEngine
 from stare_agent.models import load_policy, tiny_model
@@ -26,21 +27,27 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--samples", type=int, default=2, help="k sampled episodes per problem")
     parser.add_argument("--limit", type=int, default=5, help="first N problems")
     parser.add_argument("--max-response-tokens", type=int, default=512)
-    parser.add_argument("--backend", default="auto", choices=["auto", "docker", "local"])
+    parser.add_argument(
+        "--backend", default="auto", choices=["auto", "docker", "local"], help="sandbox backend"
+    )
+    parser.add_argument("--batch-size", type=int, default=8, help="episodes played at once, one sandbox each")
     parser.add_argument("--out", default="runs/eval_aime")
     args = parser.parse_args(argv)
 
     model, tokenizer = tiny_model() if args.model == "tiny" else load_policy(args.model)
-    report = evaluate(
-        args.data,
-        engine=TransformersEngine(model, tokenizer),
-        tokenizer=tokenizer,
-        samples=args.samples,
-        limit=args.limit,
-        max_response_tokens=args.max_response_tokens,
-        env_kwargs={"format": "retool", "sandbox_backend": args.backend, "max_turns": 4},
-        out_dir=args.out,
-    )
+    size = min(args.batch_size, args.limit * args.samples)  # one sandbox per episode played at once
+    with SandboxPool(size, backend=args.backend) as pool:  # started together, shared by the envs
+        report = evaluate(
+            args.data,
+            engine=TransformersEngine(model, tokenizer),
+            tokenizer=tokenizer,
+            samples=args.samples,
+            limit=args.limit,
+            max_response_tokens=args.max_response_tokens,
+            batch_size=args.batch_size,
+            env_kwargs={"format": "retool", "pool": pool, "max_turns": 4},
+            out_dir=args.out,
+        )
     print(report.table())
     return report
 
