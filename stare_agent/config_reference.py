@@ -46,7 +46,7 @@ stare-agent train --config configs/quickstart.yaml algorithm.variant=C2 trainer.
 from stare_agent import load_config
 
 config = load_config("configs/quickstart.yaml", ["algorithm.W=1.2"])
-config.save("runs/my-run")      # the resolved config, beside the run's results
+config.save("runs/my-run")  # the resolved config, beside the run's results
 ```
 
 `null` is YAML's None. How the algorithm's fields map onto the STARE paper: [algorithm.md](algorithm.md).
