@@ -297,6 +297,7 @@ def test_train_help_lists_the_main_fields():
     assert "--resume" in done.stdout and "docs/configuration.md" in done.stdout
 
 
+@pytest.mark.slow  # 25 s: a stare-agent process waiting out the hub, on 2 loaded cores
 def test_a_hub_id_while_the_hub_is_unreachable_fails_fast(tmp_path):
     """No 54 s of retries then a traceback: one line that names the hub, HF_HUB_OFFLINE and a local path."""
     unreachable = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}
@@ -320,6 +321,7 @@ def test_a_hub_id_while_the_hub_is_unreachable_fails_fast(tmp_path):
     assert "HF_HUB_OFFLINE is set" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # 20 s: a stare-agent eval process, on 2 loaded cores
 def test_readme_module_id_command_runs_from_examples(tmp_path, model_dir):
     """The README's `stare-agent eval --env register_tool_env:demo/Calculator-v0`, run from examples/ with
     the installed console script (which puts its own directory on sys.path, not the working one); the

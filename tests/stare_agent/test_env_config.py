@@ -180,6 +180,7 @@ def register():  # the stare_agent.envs entry point: registers demo/Calculator-v
 """
 
 
+@pytest.mark.slow  # 16-22 s each: a stare-agent eval process, on 2 loaded cores
 @pytest.mark.parametrize("registered_by", ["module:id", "entry point"])
 def test_cli_eval_plays_the_example_env(tmp_path, registered_by):
     """`stare-agent eval --env ...` with the example's id, registered by the module Gymnasium imports

@@ -29,6 +29,7 @@ def test_majority_ties_go_to_first_seen_answer():
     assert majority_correct([None, None], [False, False]) is False
 
 
+@pytest.mark.slow  # 18 s, on 2 loaded cores
 def test_scripted_evaluation_reproduces_hand_computed_metrics(tmp_path):
     tokenizer = smollm2_tokenizer()
     problems = [Problem("p1", "What is 6 times 7?", "42"), Problem("p2", "What is 3 + 4?", "7")]

@@ -391,6 +391,7 @@ def _two_rank_worker(out_dir: str, zero_stage: int) -> None:
     )
 
 
+@pytest.mark.slow  # 26 s each: two torch.distributed ranks, on 2 loaded cores
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_ranks_take_the_whole_batch_gradient(zero_stage, batch, tmp_path):
     import os

@@ -225,6 +225,7 @@ def _rl_config(run_dir, steps: int):
     )
 
 
+@pytest.mark.slow  # 16 s: RL steps with LoRA and a merged export, on 2 loaded cores
 def test_rl_trainer_with_lora_syncs_merged_weights_and_checkpoints_adapters(tmp_path):
     """The trainer's in-process engine samples through the adapters (no sync needed); an engine on
     its own plain copy of the base model (as an SGLang server holds) receives the merged weights."""

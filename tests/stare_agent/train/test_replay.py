@@ -152,6 +152,7 @@ def test_the_command_line_replays_and_says_where(run, tmp_path, capsys, monkeypa
     assert "saved 3 steps: pass --steps 3 or fewer" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 51 s: a two-rank run and its replays, on 2 loaded cores
 def test_a_two_rank_run_replays_bit_for_bit_on_two_ranks_and_to_fp_tolerance_on_one(tmp_path):
     """torchrun, 2 ranks, gloo: the replay deals the kept groups to ranks as the run did, so the same
     world size repeats the run exactly; one rank splits the sums differently (fp tolerance)."""

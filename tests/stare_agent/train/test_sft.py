@@ -165,6 +165,7 @@ def test_procedural_traces_hold_real_sandbox_output(backend, tmp_path, request):
     assert [(t.problem, t.steps) for t in again] == [(t.problem, t.steps) for t in traces]
 
 
+@pytest.mark.slow  # 24 s: stare-agent sft processes, on 2 loaded cores
 def test_bad_sft_input_gives_one_line(tmp_path):
     with pytest.raises(SFTDataError) as missing:
         read_traces(tmp_path / "nope.jsonl")

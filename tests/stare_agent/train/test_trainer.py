@@ -112,6 +112,7 @@ def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # 52 s: a killed training run and its resume, on 2 loaded cores
 def test_sigkill_then_resume_loses_and_repeats_no_step(tmp_path, problem_file):
     """Kill a run after its second checkpoint, resume it, and compare with an uninterrupted run."""
     whole, broken = tmp_path / "whole", tmp_path / "broken"
@@ -143,6 +144,7 @@ def test_sigkill_then_resume_loses_and_repeats_no_step(tmp_path, problem_file):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow  # 33 s: two-rank and one-process training runs, on 2 loaded cores
 def test_two_ranks_on_cpu_agree_with_each_other_and_with_one_process(tmp_path, problem_file):
     """torchrun, 2 ranks, gloo: groups split across ranks, global STARE scope and gate over both."""
     two, one = tmp_path / "two", tmp_path / "one"
@@ -510,6 +512,7 @@ def test_the_other_entropy_controls_train_a_step_beside_the_void_turn_filter(
         assert 0 <= metrics[key] <= 1 and "entropy_control/dH_first_order" in metrics
 
 
+@pytest.mark.slow  # 64 s: two-rank training runs, on 2 loaded cores
 def test_a_global_forking_token_selection_over_two_ranks_is_the_one_process_selection(tmp_path, problem_file):
     """torchrun, 2 ranks, gloo, algorithm.name=forking_tokens with the global scope: one top 20 % over
     the whole batch on both ranks: the same count and entropy threshold as one process."""

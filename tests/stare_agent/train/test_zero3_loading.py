@@ -71,6 +71,7 @@ def _worker(model_dir: str, out_dir: str, lora: bool) -> None:
     )
 
 
+@pytest.mark.slow  # 40-100 s: two ranks load and train under ZeRO-3, on 2 loaded cores
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_zero3_loads_partitioned_and_trains_with_two_ranks(lora, tmp_path):
     model, tokenizer = tiny_model(seed=4)
