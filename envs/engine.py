@@ -86,11 +86,16 @@ class Generation:
         logprobs: The sampling log-prob of each token (under the distribution actually sampled from).
         finish_reason: ``"stop"`` (a stop string), ``"eos"`` (an end-of-sequence token) or ``"length"``
             (``max_new_tokens`` reached).
+        weight_version: The policy version that sampled these tokens, as whoever hands the engine its
+            weights counts them (the trainer: the step whose update produced them, 0 for the initial
+            policy); None: not tracked. The runner records it per model turn
+            (``Trajectory.turn_versions``).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    weight_version: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):

@@ -500,7 +500,7 @@ class RolloutRunner:
         ids, logprobs, reason = gen.token_ids, gen.logprobs, gen.finish_reason
         if len(ids) > remaining:  # the batch limit was another episode's larger budget
             ids, logprobs, reason = ids[:remaining], logprobs[:remaining], "length"
-        ep.builder.append(ids, 1, logprobs)
+        ep.builder.append(ids, 1, logprobs, version=gen.weight_version)
         ep.turns += 1
         ep.turn_ended_with_eos = reason == "eos"
         if reason == "length" and len(ep.builder) >= self.max_response_tokens:

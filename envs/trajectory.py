@@ -51,6 +51,9 @@ class Trajectory:
             infrastructure failure, ``info["finish_reason"] == "failed"``).
         info: Episode information (problem id, number of tool calls, answer, correct, finish reason, ...);
             must be JSON-serializable for :meth:`to_json`.
+        turn_versions: One entry per turn span: the policy version that sampled that turn
+            (``Generation.weight_version``); empty when not tracked. With asynchronous rollouts a
+            weight update can land between two turns of an episode, so its turns may differ.
     """
 
     prompt_ids: list[int]
@@ -60,9 +63,15 @@ class Trajectory:
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     reward: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    turn_versions: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
+        if self.turn_versions and len(self.turn_versions) != len(self.turn_spans):
+            raise TrajectoryError(
+                f"{len(self.turn_versions)} turn versions for {len(self.turn_spans)} turn spans: give one "
+                "policy version per model turn, or none"
+            )
         if len(self.loss_mask) != n or len(self.logprobs) != n:
             raise TrajectoryError(
                 f"response_ids, loss_mask and logprobs must have one entry per response token, got lengths "
@@ -105,6 +114,14 @@ class Trajectory:
         """Prompt plus response length."""
         return len(self.prompt_ids) + len(self.response_ids)
 
+    def token_versions(self) -> list[int | None]:
+        """The policy version of every response token: its turn's for mask-1 tokens, None for inserted
+        ones (and for all when versions are not tracked)."""
+        versions: list[int | None] = [None] * len(self.response_ids)
+        for (start, end), v in zip(self.turn_spans, self.turn_versions, strict=False):
+            versions[start:end] = [v] * (end - start)
+        return versions
+
     @property
     def num_sampled_tokens(self) -> int:
         """Number of mask-1 (model-sampled) tokens."""
@@ -127,6 +144,7 @@ class Trajectory:
             "turn_spans": [[s, e] for s, e in self.turn_spans],
             "reward": self.reward,
             "info": dict(self.info),
+            "turn_versions": list(self.turn_versions),
         }
 
     @classmethod
@@ -140,6 +158,7 @@ class Trajectory:
             turn_spans=[(int(s), int(e)) for s, e in data.get("turn_spans", [])],
             reward=float(data.get("reward", 0.0)),
             info=dict(data.get("info", {})),
+            turn_versions=[int(v) for v in data.get("turn_versions", [])],
         )
 
     def to_json(self) -> str:
@@ -165,6 +184,7 @@ class TrajectoryBuilder:
         self.loss_mask: list[int] = []
         self.logprobs: list[float] = []
         self.turn_spans: list[tuple[int, int]] = []
+        self.turn_versions: list[int | None] = []
 
     def __len__(self) -> int:
         """Number of response tokens so far."""
@@ -175,7 +195,14 @@ class TrajectoryBuilder:
         """Prompt plus response so far: what the engine continues from."""
         return self.prompt_ids + self.response_ids
 
-    def append(self, ids: Sequence[int], mask: int, logprobs: Sequence[float] | None = None) -> None:
+    def append(
+        self,
+        ids: Sequence[int],
+        mask: int,
+        logprobs: Sequence[float] | None = None,
+        *,
+        version: int | None = None,
+    ) -> None:
         """Append one segment with one mask value.
 
         Args:
@@ -183,6 +210,7 @@ class TrajectoryBuilder:
             mask: 1 for a model turn (``ids`` exactly as sampled; recorded as one turn span), 0 for tokens
                 we inserted (tool output, chat-template glue).
             logprobs: Sampling log-probs, one per id; required for mask 1, must be None for mask 0.
+            version: For mask 1, the policy version that sampled the turn (None: not tracked).
         """
         ids = list(ids)
         if mask == 1:
@@ -193,6 +221,7 @@ class TrajectoryBuilder:
                 )
             start = len(self.response_ids)
             self.turn_spans.append((start, start + len(ids)))
+            self.turn_versions.append(version)
             self.logprobs.extend(float(x) for x in logprobs)
         elif mask == 0:
             if logprobs is not None:
@@ -213,4 +242,7 @@ class TrajectoryBuilder:
             turn_spans=list(self.turn_spans),
             reward=float(reward),
             info=dict(info or {}),
+            turn_versions=[v for v in self.turn_versions if v is not None]
+            if all(v is not None for v in self.turn_versions)
+            else [],
         )

@@ -740,6 +740,13 @@ class TrainerConfig:
             otherwise train without them and look fine. 1.0: never stop. Every step logs the
             ``tools/...`` rates (dashboard panel "Tool health").
         infra_error_window: Steps ``max_infra_error_rate`` is taken over.
+        max_staleness: Asynchronous rollouts (AReaL; verl's partial rollouts): episodes for the next
+            steps are played while the learner trains the current one, each model token at most this
+            many policy updates behind the policy it is trained from (docs/training.md,
+            "Asynchronous rollouts"). The loss corrects for the older sampler with the engine's
+            log-probs (decoupled PPO; ``algorithm.rollout_correction.mode=auto`` becomes
+            ``token_tis``). Needs an engine that holds its own weights (vLLM, SGLang). 0: the
+            synchronous trainer (each step's rollouts after the previous update).
     """
 
     steps: int = 2000
@@ -752,9 +759,15 @@ class TrainerConfig:
     save_rollouts: bool = False
     max_infra_error_rate: float = 0.05
     infra_error_window: int = 5
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         _positive("trainer", self, "steps", "log_every", "keep_checkpoints", "infra_error_window")
+        if self.max_staleness < 0:
+            raise ConfigError(
+                f"trainer.max_staleness={self.max_staleness} must be >= 0 (0 = synchronous rollouts; 1 = "
+                "rollouts for the next step while this one trains)"
+            )
         if not 0 <= self.max_infra_error_rate <= 1:
             raise ConfigError(
                 f"trainer.max_infra_error_rate={self.max_infra_error_rate} must be in [0, 1] (a share of tool "

@@ -14,6 +14,10 @@ One step, in the paper's order (docs/algorithm.md, "One training step, in the pa
     8. update       one optimizer step of the dual-clip surrogate x weights, token-mean
     9. sync         hand the new weights to the rollout engine
 
+With ``trainer.max_staleness = k > 0`` steps 1-3 of later steps run on a producer thread while
+steps 4-9 of this one run here (``train.async_rollouts``): every model token is labelled with the
+policy version that sampled it and is at most k updates stale when trained.
+
 Distributed (torchrun / the deepspeed launcher, gloo on CPU, NCCL on GPU): every rank draws the
 same prompt batch and plays the groups it owns (group g on rank g mod world); rewards and
 trajectories are exchanged so that dynamic sampling, advantages and the kept groups agree on all
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 import warnings
 import zlib
@@ -60,6 +65,7 @@ from stare_agent.algorithms import (
 from stare_agent.config import ConfigError, RunConfig, eval_source, train_source
 from stare_agent.metrics import StepLogger, ToolHealth, ToolHealthAlarm, rollout_metrics
 from stare_agent.train import checkpoints
+from stare_agent.train.async_rollouts import RolloutProducer, VersionedEngine, versioned
 from stare_agent.train.batch import collate
 from stare_agent.train.deepspeed_setup import load_training_policy
 from stare_agent.train.learner import Learner
@@ -83,6 +89,23 @@ class Group:
     global_ids: list[int] = field(default_factory=list)
     failed: int = 0
     dropped: bool = False
+
+
+@dataclass
+class Rollouts:
+    """One step's steps 1-3 as they reach the learner: its groups in draw order (``drawn``), those
+    dynamic sampling kept, every episode played (failed ones included, for tool health), the problem
+    stream's position after the step's draws (what a checkpoint stores once the step is trained)
+    and the seconds they took (``reward_s``: answer checking, part of ``rollout_s``)."""
+
+    step: int
+    drawn: list[Group]
+    kept: list[Group]
+    ds_metrics: dict[str, float]
+    played: list[Trajectory]
+    position: int
+    rollout_s: float
+    reward_s: float
 
 
 class Trainer:
@@ -138,6 +161,21 @@ class Trainer:
         self.rank, self.world = self.learner.rank, self.learner.world_size
         self._owns_engine = engine is None  # an engine we started (a vLLM worker) is ours to close
         self._engine: Any = engine if engine is not None else self._make_engine()
+        self._versioned: VersionedEngine | None = None
+        self.policy_version = 0  # the step whose update produced the learner's weights
+        self.max_staleness = config.trainer.max_staleness
+        if self.max_staleness and getattr(self._engine, "model", None) is self.learner.module:
+            raise ConfigError(
+                f"trainer.max_staleness={self.max_staleness} samples while the learner updates, but this engine "
+                "samples from the learner's own module, which the optimizer changes in place: use an engine "
+                "that holds its own weights (env.engine=vllm or sglang), or trainer.max_staleness=0"
+            )
+        self._producer: RolloutProducer[Rollouts] | None = None
+        self._rollout_lock = threading.Lock()  # one step's rollouts, or an evaluation, at a time
+        # the producer's reward/trajectory exchange, apart from the learner's collectives
+        self._rollout_group: Any = (
+            dist.new_group(backend="gloo") if self.max_staleness and self.world > 1 else None
+        )
         if self.rank == 0 and self.stream.counts:
             c = self.stream.counts
             print(
@@ -154,7 +192,7 @@ class Trainer:
             config.trainer.max_infra_error_rate, config.trainer.infra_error_window
         )
         self._envs: list[ToolEnv] = []
-        self._last_drawn: list[Trajectory] = []  # the trajectories of this step's draws
+        self._consumed_position = self.stream.position  # after the last trained step's draws
 
     # ------------------------------------------------------------------ the loop
 
@@ -183,11 +221,13 @@ class Trainer:
                     and self._eval_source is not None
                     and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
                 ):
-                    report = self.evaluate()
+                    with self._rollout_lock:  # between two steps' rollouts
+                        report = self.evaluate()
                     self._save_rollouts(f"eval_{self.step:05d}", report.trajectories)
                     last.update({f"eval/{k}": v for k, v in report.metrics.items()})
                     if self.config.data.eval_greedy:
-                        report = self.evaluate(greedy=True)
+                        with self._rollout_lock:
+                            report = self.evaluate(greedy=True)
                         self._save_rollouts(f"eval_greedy_{self.step:05d}", report.trajectories)
                         last.update({f"eval_greedy/{k}": v for k, v in report.metrics.items()})
                 if logger is not None:
@@ -209,24 +249,88 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One RL step in the paper's order (see the module docstring); returns its metrics."""
         t0 = time.perf_counter()
-        checked = sum(env.check_time_s for env in self._envs)
-        # 1-3. rollout, reward (answers are verified inside env.step), dynamic sampling
-        drawn, kept, ds_metrics = self._draw_groups()
-        t_rollout = time.perf_counter() - t0
-        metrics = self._rollout_metrics(drawn, kept, ds_metrics, t_rollout)
-        metrics["time/reward_s"] = sum(env.check_time_s for env in self._envs) - checked  # part of rollout_s
+        busy0 = self._rollout_engine.busy_s()
+        # 1-3. rollout, reward (answers are verified inside env.step), dynamic sampling: played here,
+        # or taken from the producer thread (trainer.max_staleness > 0)
+        rollouts = self._next_rollouts()
+        t_wait = time.perf_counter() - t0
+        drawn, kept = rollouts.drawn, rollouts.kept
+        self._played, self._consumed_position = rollouts.played, rollouts.position
+        metrics = self._rollout_metrics(drawn, kept, rollouts.ds_metrics, rollouts.rollout_s)
+        metrics["time/reward_s"] = rollouts.reward_s  # part of rollout_s
+        metrics.update(self._staleness(kept))
         # 4-8. advantages, log-probs, gate, weights, update
         learned = self.learn(drawn, kept)
         metrics.update(learned)
         if "skip_reason" in learned:
+            self._publish_version()  # the policy after this step: unchanged
             return metrics
         # 9. sync
         if not learned.get("skipped"):
             self._sync_engine()
+        self._publish_version()
         metrics["time/update_s"] += self.sync_s
         metrics["time/sync_s"], self.sync_s = self.sync_s, 0.0  # part of time/update_s
-        metrics["time/step_s"] = time.perf_counter() - t0
+        step_s = time.perf_counter() - t0
+        metrics["time/step_s"] = step_s
+        metrics["time/learner_idle_frac"] = t_wait / step_s  # waiting for rollouts
+        engine_busy = self._rollout_engine.busy_s() - busy0
+        metrics["time/engine_idle_frac"] = max(0.0, 1.0 - engine_busy / step_s)
         return metrics
+
+    def _next_rollouts(self) -> Rollouts:
+        """This step's rollouts: played now (max_staleness 0), or the producer's (started here)."""
+        if not self.max_staleness:
+            return self._produce(self.step)
+        if self._producer is None or not self._producer.first <= self.step <= self._producer.last:
+            if self._producer is not None:
+                self._producer.close()
+            self._producer = RolloutProducer(
+                self._produce,
+                self._rollout_engine,
+                first=self.step,
+                last=max(self.config.trainer.steps, self.step),
+                max_staleness=self.max_staleness,
+                lock=self._rollout_lock,
+            )
+        return self._producer.take(self.step)
+
+    def _produce(self, step: int) -> Rollouts:
+        """Steps 1-3 of step ``step``, on whichever thread plays them."""
+        t0 = time.perf_counter()
+        checked = sum(env.check_time_s for env in self._envs)
+        played: list[Trajectory] = []
+        drawn, kept, ds_metrics = self._draw_groups(step, played)
+        return Rollouts(
+            step,
+            drawn,
+            kept,
+            ds_metrics,
+            played,
+            self.stream.position,
+            time.perf_counter() - t0,
+            sum(env.check_time_s for env in self._envs) - checked,
+        )
+
+    def _staleness(self, kept: list[Group]) -> dict[str, float]:
+        """``async/staleness_mean`` (token mean) and ``_max`` of the kept groups' model tokens: how many
+        updates older than the proximal policy (version ``step - 1``) each token's sampler was."""
+        proximal = self.step - 1
+        lags = [
+            proximal - v
+            for g in kept
+            for t in g.trajectories
+            for (start, end), v in zip(t.turn_spans, t.turn_versions, strict=False)
+            for _ in range(end - start)
+        ]
+        if not lags:
+            return {}
+        if max(lags) > self.max_staleness or min(lags) < 0:
+            raise RuntimeError(
+                f"step {self.step} got tokens {max(lags)} updates stale (bound trainer.max_staleness="
+                f"{self.max_staleness}) or from a future policy ({min(lags)}): a bug in the rollout producer"
+            )
+        return {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
 
     def learn(self, drawn: list[Group], kept: list[Group]) -> dict[str, Any]:
         """Steps 4-8 on one step's groups: ``drawn`` in draw order, ``kept`` those dynamic sampling
@@ -279,16 +383,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ the phases
 
-    def _draw_groups(self) -> tuple[list[Group], list[Group], dict[str, float]]:
-        """1-3. Draw prompt batches and play G episodes per prompt (rewarded by the environment) until
-        dynamic sampling keeps ``data.prompts_per_step`` groups (capped): (drawn, kept, metrics)."""
+    def _draw_groups(
+        self, step: int, played: list[Trajectory]
+    ) -> tuple[list[Group], list[Group], dict[str, float]]:
+        """1-3 of step ``step``. Draw prompt batches and play G episodes per prompt (rewarded by the
+        environment; every episode, failed ones included, added to ``played``) until dynamic sampling
+        keeps ``data.prompts_per_step`` groups (capped): (drawn, kept, metrics)."""
         data = self.config.data
-        self._played = []
         drawn: list[Group] = []
         per_draw = data.prompts_per_draw or data.prompts_per_step
 
         def draw_batch() -> list[Group]:
-            groups = self._rollout_groups(self.stream.take(per_draw), draw=len(drawn) // per_draw + 1)
+            groups = self._rollout_groups(
+                self.stream.take(per_draw), draw=len(drawn) // per_draw + 1, step=step, played=played
+            )
             drawn.extend(groups)
             return [g for g in groups if g.rewards]  # one dropped for a failed episode has none left
 
@@ -511,12 +619,20 @@ class Trainer:
         )
         return gate_on, Hbar, {**metrics, "stare/entropy_kept": Hbar_kept}
 
-    def _rollout_groups(self, problems: list[Problem], *, draw: int) -> list[Group]:
-        """Play G episodes per problem (this rank's groups), then share rewards and trajectories."""
+    def _rollout_groups(
+        self,
+        problems: list[Problem],
+        *,
+        draw: int,
+        step: int | None = None,
+        played: list[Trajectory] | None = None,
+    ) -> list[Group]:
+        """Play G episodes per problem (this rank's groups) for step ``step`` (default: the current
+        one), then share rewards and trajectories; every episode is added to ``played``."""
         G = self.config.data.samples_per_prompt
         mine = [i for i in range(len(problems)) if i % self.world == self.rank]
         jobs = [(i, k) for i in mine for k in range(G)]
-        runner = self._runner(draw)
+        runner = self._runner(draw, self.step if step is None else step)
         # Episodes hold a leased sandbox from reset to end: play them in waves of the pool's size.
         wave = self.config.sandbox.pool_size
         envs = self._get_envs(min(wave, len(jobs)))
@@ -531,9 +647,12 @@ class Trainer:
         local = {i: trajectories[n * G : (n + 1) * G] for n, i in enumerate(mine)}
         if self.world > 1:
             gathered: list[Any] = [None] * self.world
-            dist.all_gather_object(gathered, {i: [t.to_dict() for t in ts] for i, ts in local.items()})
+            dist.all_gather_object(
+                gathered, {i: [t.to_dict() for t in ts] for i, ts in local.items()}, group=self._rollout_group
+            )
             local = {i: [Trajectory.from_dict(d) for d in ts] for part in gathered for i, ts in part.items()}
-        self._played += [t for i in sorted(local) for t in local[i]]
+        if played is not None:
+            played += [t for i in sorted(local) for t in local[i]]
         base = (draw - 1) * len(problems) * G
         groups = []
         for i, p in enumerate(problems):
@@ -557,21 +676,16 @@ class Trainer:
                     dropped=drop,
                 )
             )
-        self._last_drawn = (
-            [t for g in groups for t in g.trajectories]
-            if draw == 1
-            else self._last_drawn + [t for g in groups for t in g.trajectories]
-        )
         return groups
 
-    def _runner(self, draw: int) -> RolloutRunner:
+    def _runner(self, draw: int, step: int) -> RolloutRunner:
         env = self.config.env
         # Episodes are keyed by (group, sample) within the draw: streams do not depend on rank or wave.
-        seed = zlib.crc32(f"rollout/{self.config.trainer.seed}/{self.step}/{draw}".encode())
+        seed = zlib.crc32(f"rollout/{self.config.trainer.seed}/{step}/{draw}".encode())
         sampling = SamplingParams(temperature=env.temperature, top_p=env.top_p, seed=seed)
         return RolloutRunner(
             self.tokenizer,
-            self.engine,
+            self._rollout_engine,
             max_response_tokens=env.max_response_tokens,
             sampling=sampling,
             continuous=env.continuous_batching,
@@ -614,16 +728,34 @@ class Trainer:
 
     def rollout_correction_mode(self) -> str:
         """``algorithm.rollout_correction.mode`` for this run's engine (``resolve_rollout_correction``)."""
-        return resolve_rollout_correction(self.config.algorithm.rollout_correction.mode, self.engine)
+        return resolve_rollout_correction(
+            self.config.algorithm.rollout_correction.mode, self.engine, max_staleness=self.max_staleness
+        )
 
     def _sync_engine(self) -> None:
-        """Hand the policy's weights to the rollout engine (merged ones under LoRA). An engine that
-        samples from the learner's own module (the in-process transformers engine) is always in sync."""
+        """Hand the policy's weights to the rollout engine (merged ones under LoRA), as version
+        ``self.step``. An engine that samples from the learner's own module (the in-process
+        transformers engine) is always in sync."""
+        self.policy_version = self.step
         if getattr(self.engine, "model", None) is self.learner.module:
+            self._rollout_engine.set_version(self.step)
             return
         start = time.perf_counter()
-        self.engine.update_weights(self.learner.named_weights())
+        self._rollout_engine.update_weights(self.learner.named_weights(), version=self.step)
         self.sync_s += time.perf_counter() - start
+
+    def _publish_version(self) -> None:
+        """After step ``self.step`` (synced, or skipped: the same weights), label later engine calls
+        with it; a producer waiting for it to respect the staleness bound goes on."""
+        self.policy_version = self.step
+        self._rollout_engine.set_version(self.step)
+
+    @property
+    def _rollout_engine(self) -> VersionedEngine:
+        """The engine as rollouts use it: its generations labelled with the policy version."""
+        if self._versioned is None or self._versioned.engine is not self.engine:
+            self._versioned = versioned(self.engine, self.policy_version)
+        return self._versioned
 
     @property
     def engine(self) -> Any:
@@ -687,6 +819,7 @@ class Trainer:
                     "loss_mask": t.loss_mask,
                     "logprobs": t.logprobs,
                     "turn_spans": t.turn_spans,
+                    "turn_versions": t.turn_versions,
                 }
                 f.write(json.dumps(record, default=str) + "\n")
 
@@ -698,7 +831,9 @@ class Trainer:
         controller and every RNG state; keeps the newest ``trainer.keep_checkpoints``."""
         state = {
             "step": self.step,
-            "data_position": self.stream.position,
+            # after the last trained step's draws: the rollouts of later steps in flight are played
+            # again on resume, with the same seeds
+            "data_position": self._consumed_position,
             "controller": self.controller.state_dict(),
         }
         return checkpoints.save_checkpoint(
@@ -711,12 +846,17 @@ class Trainer:
         if state is None:
             return False
         self.step = int(state["step"])
-        self.stream.position = int(state["data_position"])
+        self.stream.position = self._consumed_position = int(state["data_position"])
+        self.policy_version = self.step
         self.controller.load_state_dict(state["controller"])
         return True
 
     def close(self) -> None:
-        """Close the envs, the sandbox pool and an engine this trainer started (a vLLM worker)."""
+        """Close the rollout producer, the envs, the sandbox pool and an engine this trainer
+        started (a vLLM worker)."""
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
         if self._owns_engine and hasattr(self._engine, "close"):
             self._engine.close()
             self._engine = None
@@ -740,14 +880,15 @@ def check_run_dir(run_dir: str | Path) -> None:
         )
 
 
-def resolve_rollout_correction(mode: str, engine: Any) -> str:
+def resolve_rollout_correction(mode: str, engine: Any, *, max_staleness: int = 0) -> str:
     """``mode`` with ``auto`` resolved: ``token_tis`` for an engine whose log-probs come from
-    kernels of its own (``own_numerics``: vLLM, SGLang, OpenAI-compatible), else ``none`` (the
-    in-process transformers engine samples from the learner's own module, so the ratio is 1; a
-    scripted engine's log-probs are stand-ins)."""
+    kernels of its own (``own_numerics``: vLLM, SGLang, OpenAI-compatible) and for asynchronous
+    rollouts (``max_staleness > 0``: the sampler is an older policy than the proximal one), else
+    ``none`` (the in-process transformers engine samples from the learner's own module, so the
+    ratio is 1; a scripted engine's log-probs are stand-ins)."""
     if mode != "auto":
         return mode
-    return "token_tis" if getattr(engine, "own_numerics", False) else "none"
+    return "token_tis" if max_staleness > 0 or getattr(engine, "own_numerics", False) else "none"
 
 
 def _budget_cut(trajectory: Trajectory) -> bool:
@@ -757,4 +898,6 @@ def _budget_cut(trajectory: Trajectory) -> bool:
 def _without_loss(trajectory: Trajectory) -> Trajectory:
     """The episode with every token masked out of the loss (and out of every token count)."""
     n = len(trajectory.response_ids)
-    return dataclasses.replace(trajectory, loss_mask=[0] * n, logprobs=[0.0] * n, turn_spans=[])
+    return dataclasses.replace(
+        trajectory, loss_mask=[0] * n, logprobs=[0.0] * n, turn_spans=[], turn_versions=[]
+    )
