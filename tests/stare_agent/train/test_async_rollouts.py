@@ -1,0 +1,312 @@
+"""Asynchronous rollouts (trainer.max_staleness): policy versions per token, the staleness bound,
+whole groups, partial rollouts across a weight update, and resume; on scripted rollouts, whose tokens
+and log-probs do not depend on the weights, so that an asynchronous run can be compared with a
+synchronous one exactly."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from envs.engine import Generation, SamplingParams
+from envs.tool_env import ToolEnv
+from stare_agent.config import ConfigError
+from stare_agent.engines import TransformersEngine
+from stare_agent.engines.scripted import ScriptedEngine
+from stare_agent.models import tiny_model
+from stare_agent.train.async_rollouts import RolloutProducer, VersionedEngine, versioned
+from stare_agent.train.trainer import Trainer, resolve_rollout_correction
+from tests.stare_agent.train.scripted_training import scripted_policy
+from tests.stare_agent.train.test_trainer import (
+    LAUNCHER_VARS,
+    SCRIPT,
+    _free_port,
+    _records,
+    _run,
+    make_config,
+    problem_file,  # noqa: F401  (a fixture)
+)
+
+# ---------------------------------------------------------------------- the engine wrapper
+
+
+class _SlowEngine:
+    """generate blocks until ``release`` is set; update_weights records its calls."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.updates = 0
+
+    def generate(self, prompts, params, stop):
+        self.entered.set()
+        assert self.release.wait(10)
+        return [Generation([1], [-0.5], "eos") for _ in prompts]
+
+    def update_weights(self, named_tensors):
+        list(named_tensors)
+        self.updates += 1
+
+
+def test_an_update_waits_for_the_engine_call_in_flight_and_labels_later_calls():
+    inner = _SlowEngine()
+    engine = VersionedEngine(inner, version=3)
+    out: list[list[Generation]] = []
+    call = threading.Thread(target=lambda: out.append(engine.generate([[0]], SamplingParams(), [])))
+    call.start()
+    assert inner.entered.wait(10)
+    update = threading.Thread(target=lambda: engine.update_weights([("w", None)], version=4))
+    update.start()
+    time.sleep(0.2)
+    assert inner.updates == 0 and update.is_alive()  # the turn in flight finishes under version 3
+    inner.release.set()
+    call.join(10)
+    update.join(10)
+    assert inner.updates == 1 and engine.version == 4
+    assert [g.weight_version for g in out[0]] == [3]
+    assert [g.weight_version for g in engine.generate([[0], [1]], SamplingParams(), [])] == [4, 4]
+    assert engine.busy_s() >= 0.2
+
+
+class _SubmitEngine(_SlowEngine):
+    def submit(self, prompt, params, stop):
+        future: Future[Generation] = Future()
+        threading.Thread(target=lambda: future.set_result(self.generate([prompt], params, stop)[0])).start()
+        return future
+
+
+def test_a_continuous_engine_keeps_the_version_of_submission_across_an_update():
+    inner = _SubmitEngine()
+    engine = versioned(inner, 0)
+    assert hasattr(engine, "submit") and not hasattr(versioned(_SlowEngine(), 0), "submit")
+    future = engine.submit([0], SamplingParams(), [])
+    assert inner.entered.wait(10)
+    update = threading.Thread(target=lambda: engine.update_weights([], version=1))
+    update.start()
+    time.sleep(0.2)
+    assert update.is_alive()  # waits for the submitted turn, not for its episode
+    inner.release.set()
+    assert future.result(10).weight_version == 0
+    update.join(10)
+    assert engine.version == 1 and engine.submit([0], SamplingParams(), []).result(10).weight_version == 1
+
+
+def test_the_producer_starts_a_step_only_within_the_staleness_bound_and_passes_errors_on():
+    engine = VersionedEngine(_SlowEngine(), version=0)
+    started: dict[int, int] = {}
+
+    def produce(step):
+        started[step] = engine.version
+        if step == 5:
+            raise ValueError("broken step")
+        return step
+
+    producer = RolloutProducer(produce, engine, first=1, last=5, max_staleness=1, lock=threading.Lock())
+    try:
+        assert producer.take(1) == 1
+        time.sleep(0.3)
+        assert sorted(started) == [1, 2]  # step 3 needs version 1
+        for step in (2, 3, 4):
+            engine.set_version(step - 1)  # step - 1 trained
+            assert producer.take(step) == step
+        engine.set_version(4)
+        with pytest.raises(ValueError, match="broken step"):
+            producer.take(5)
+    finally:
+        producer.close()
+    assert all(version >= step - 2 for step, version in started.items())
+
+
+def test_auto_rollout_correction_is_token_tis_for_asynchronous_rollouts():
+    _, tokenizer = tiny_model()
+    scripted = ScriptedEngine(tokenizer, [["x"]])
+    assert resolve_rollout_correction("auto", scripted) == "none"
+    assert resolve_rollout_correction("auto", scripted, max_staleness=1) == "token_tis"
+    assert resolve_rollout_correction("seq_mis", scripted, max_staleness=1) == "seq_mis"
+
+
+def test_asynchronous_rollouts_refuse_an_engine_that_samples_from_the_learners_module(tmp_path, problem_file):
+    model, tokenizer = tiny_model()
+    config = make_config(tmp_path, problem_file, "trainer.max_staleness=1")
+    with pytest.raises(ConfigError, match="learner's own module"):
+        Trainer(config, model=model, tokenizer=tokenizer, engine=TransformersEngine(model, tokenizer))
+    with pytest.raises(ConfigError, match="max_staleness=-1 must be >= 0"):
+        make_config(tmp_path, problem_file, "trainer.max_staleness=-1")
+
+
+# ---------------------------------------------------------------------- scripted runs
+
+
+class RecordingEngine(ScriptedEngine):
+    """A scripted engine that records, for every turn it returns, its own weight version (the number
+    of updates it received) by the context it continued."""
+
+    def __init__(self, tokenizer, scripts):
+        super().__init__(tokenizer, scripts)
+        self.seen: dict[tuple[int, ...], set[int]] = defaultdict(set)
+
+    def generate(self, prompts, params, stop):
+        version = self.weight_version
+        out = super().generate(prompts, params, stop)
+        for prompt, gen in zip(prompts, out, strict=True):
+            self.seen[tuple(prompt)].add(version)
+        return out
+
+
+def _train(tmp_path, problem_file, name, *extra, steps=3, engine=None, resume=False, monkeypatch=None):
+    model, tokenizer = tiny_model()
+    config = make_config(
+        tmp_path / name, problem_file, f"trainer.steps={steps}", "trainer.save_rollouts=true", *extra
+    )
+    engine = engine or ScriptedEngine(tokenizer, scripted_policy())
+    trainer = Trainer(config, model=model, tokenizer=tokenizer, engine=engine, resume=resume)
+    trainer.fit()
+    return trainer, tmp_path / name / "run"
+
+
+def _step_rollouts(run_dir, step):
+    path = run_dir / "rollouts" / f"step_{step:05d}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_an_update_mid_episode_splits_its_versions_and_every_token_keeps_its_samplers(
+    tmp_path, problem_file, monkeypatch
+):
+    """Step 2's episodes are played while step 1 trains; their tool call waits for step 1's update,
+    so their first turn is sampled by policy 0 and their second by policy 1 (a partial rollout)."""
+    _, tokenizer = tiny_model()
+    engine = RecordingEngine(tokenizer, scripted_policy())
+    calls = itertools.count(1)
+    step = ToolEnv.step
+
+    def tool_call_waiting_for_an_update(self, action):
+        if "print(" in action and 5 <= next(calls) <= 8:  # step 2's four code calls (step 1 made four)
+            deadline = time.monotonic() + 300
+            while engine.weight_version < 1:
+                assert time.monotonic() < deadline, "no weight update while the episode was in its tool call"
+                time.sleep(0.01)
+        return step(self, action)
+
+    monkeypatch.setattr(ToolEnv, "step", tool_call_waiting_for_an_update)
+    # one wave of four sandboxes: all four episodes of a step are in flight together
+    _, run_dir = _train(
+        tmp_path, problem_file, "async", "trainer.max_staleness=1", "sandbox.pool_size=4", engine=engine
+    )
+
+    records = _records(run_dir)
+    assert [r["async/staleness_max"] for r in records] == [0.0, 1.0, 1.0]
+    assert records[1]["async/staleness_mean"] < 1.0  # turn 1 of step 2 is fresh
+    problems_by_step = {}
+    for s in (1, 2, 3):
+        episodes = _step_rollouts(run_dir, s)
+        for e in episodes:
+            # every turn's label is the version of the engine call that sampled it
+            for (start, _), v in zip(e["turn_spans"], e["turn_versions"], strict=True):
+                assert engine.seen[tuple(e["prompt_ids"] + e["response_ids"][:start])] == {v}
+            assert max(s - 1 - v for v in e["turn_versions"]) <= 1  # the bound
+            if s == 2:
+                assert e["turn_versions"] == [0, 1]  # the update landed between its two turns
+        # groups whole: each group's two episodes in one step, of one problem
+        by_group = defaultdict(list)
+        for e in episodes:
+            by_group[e["group"]].append(e["problem_id"])
+        assert all(len(ids) == 2 and len(set(ids)) == 1 for ids in by_group.values())
+        problems_by_step[s] = {ids[0] for ids in by_group.values()}
+    assert len(set().union(*problems_by_step.values())) == 6  # no group split over two steps
+
+
+def test_synchronous_steps_sample_every_token_from_the_previous_update(tmp_path, problem_file):
+    _, tokenizer = tiny_model()
+    _, run_dir = _train(tmp_path, problem_file, "sync", steps=2)
+    assert [r["async/staleness_max"] for r in _records(run_dir)] == [0.0, 0.0]
+    for s in (1, 2):
+        assert all(e["turn_versions"] == [s - 1, s - 1] for e in _step_rollouts(run_dir, s))
+
+
+COMPARED = ("reward_mean", "loss", "grad_norm", "entropy", "stare/L_plus", "kept_groups")
+
+
+def _same_run(a, b):
+    ra, rb = _records(a), _records(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb]
+    for x, y in zip(ra, rb, strict=True):
+        for key in COMPARED:
+            assert x[key] == y[key], (x["step"], key)
+
+
+def test_asynchronous_rollouts_train_like_synchronous_ones_when_the_sampler_ignores_the_weights(
+    tmp_path, problem_file
+):
+    """Scripted tokens and log-probs do not depend on the weights: with the same correction, a run
+    one step stale trains bit-identically to the synchronous one (same groups, problems, seeds)."""
+    fixed = "algorithm.rollout_correction.mode=token_tis"
+    sync, _ = _train(tmp_path, problem_file, "sync", fixed, steps=3)
+    stale, _ = _train(tmp_path, problem_file, "async", fixed, "trainer.max_staleness=1", steps=3)
+    _same_run(tmp_path / "sync" / "run", tmp_path / "async" / "run")
+    a, b = sync.learner.module.state_dict(), stale.learner.module.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resumed_asynchronous_run_plays_the_in_flight_steps_again(tmp_path, problem_file, monkeypatch):
+    """A run that dies in step 3 (step 3's rollouts and part of step 4's played) resumes from its
+    step-2 checkpoint and ends as the uninterrupted run does: the checkpoint's data position is the
+    last trained step's, so the lost rollouts are played again with the same problems and seeds."""
+    async_ = "trainer.max_staleness=1"
+    _train(tmp_path, problem_file, "whole", async_, steps=4)
+
+    learn = Trainer.learn
+
+    def dies_in_step_3(self, drawn, kept):
+        if self.step == 3:
+            time.sleep(0.5)  # the producer plays on meanwhile
+            raise KeyboardInterrupt("killed")
+        return learn(self, drawn, kept)
+
+    monkeypatch.setattr(Trainer, "learn", dies_in_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path, problem_file, "broken", async_, steps=4)
+    run = tmp_path / "broken" / "run"
+    state = json.loads((run / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
+    assert state["data_position"] == 4  # not the producer's position
+    monkeypatch.setattr(Trainer, "learn", learn)
+    _train(tmp_path, problem_file, "broken", async_, steps=4, resume=True)
+    _same_run(tmp_path / "whole" / "run", run)
+
+
+@pytest.mark.slow  # two-rank and one-process asynchronous runs
+def test_two_ranks_with_asynchronous_rollouts_agree_with_one_process(tmp_path, problem_file):
+    two, one = tmp_path / "two", tmp_path / "one"
+    args = [str(problem_file), "3", "--dump-weights", "trainer.max_staleness=1"]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(SCRIPT),
+        str(two),
+        *args,
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    p = _run(str(one), *args)
+    assert p.wait(timeout=600) == 0, p.stderr.read()[-2000:]
+    w0, w1 = torch.load(two / "weights-rank0.pt"), torch.load(two / "weights-rank1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "ranks diverged"
+    for ra, rb in zip(_records(two), _records(one), strict=True):
+        for key in ("reward_mean", "kept_groups", "gate_on"):
+            assert ra[key] == rb[key], (ra["step"], key)
+        assert ra["async/staleness_max"] <= 1
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4, abs=1e-7)
