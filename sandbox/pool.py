@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from sandbox.backends import resolve_backend
 from sandbox.base import Sandbox
 from sandbox.config import Backend, SandboxConfig
 from sandbox.errors import PoolExhausted, SandboxClosed
@@ -173,8 +174,6 @@ class SandboxPool:
         self.backend: str = "custom"
         """The backend every sandbox of this pool uses (``"custom"`` with a ``factory``)."""
         if factory is None:
-            from sandbox import resolve_backend  # late: sandbox/__init__ re-exports this module
-
             self.backend = resolve_backend(backend, config)
             factory = _backend_factory(self.backend, config)
         self.size = size

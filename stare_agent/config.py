@@ -994,16 +994,6 @@ def resolve_precision(precision: str, device_type: str) -> str:
     return precision
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX); without it bf16 autocast is slow."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
-
-
 DEFAULT_TRAIN_PROBLEMS = "mixed"
 _said: set[tuple[str, str]] = set()
 

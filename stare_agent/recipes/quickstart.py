@@ -18,7 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from stare_agent.config import RunConfig, cpu_has_bf16, load_config
+from stare_agent.config import RunConfig, load_config
+from stare_agent.engines import cpu_has_bf16
 from stare_agent.metrics import json_ready
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"

@@ -1,0 +1,97 @@
+"""Which backend runs a sandbox: ``resolve_backend`` (``"auto"`` resolved once, never a silent
+fallback later), ``docker_available``, and ``make_sandbox`` for one sandbox outside a pool."""
+
+from __future__ import annotations
+
+from sandbox.base import Sandbox
+from sandbox.config import BACKENDS, DEFAULT_IMAGE, Backend, SandboxConfig
+from sandbox.docker import DockerSandbox, docker_client
+from sandbox.local import LocalSandbox
+
+
+def docker_available(image: str = DEFAULT_IMAGE) -> bool:
+    """True when a Docker daemon answers and ``image`` is present."""
+    try:
+        client = docker_client(timeout=5)
+        try:
+            client.images.get(image)
+        finally:
+            client.close()
+    except Exception:  # noqa: BLE001 - any failure means "not usable"
+        return False
+    return True
+
+
+def resolve_backend(backend: str, config: SandboxConfig | None = None, *, build: bool = False) -> Backend:
+    """The concrete backend for ``backend``, one of :data:`BACKENDS`: ``"auto"`` is ``"docker"`` when
+    a daemon answers and the image is present, else ``"local"``; the others are themselves. Resolve
+    once per run (``SandboxPool`` does): a Docker hiccup later on must be an error, never model code
+    started on the host instead.
+
+    Args:
+        backend: A :data:`Backend` (a config's free string is checked here).
+        config: Its ``image`` is the one ``"auto"`` looks for.
+        build: For ``"auto"``, build the image where a daemon answers but lacks it (once, about 2
+            minutes), and say in one printed line why it falls back to ``"local"``.
+
+    Raises:
+        ValueError: unknown ``backend``.
+    """
+    for name in BACKENDS:
+        if backend == name and name != "auto":
+            return name
+    if backend != "auto":
+        raise ValueError(
+            f"unknown sandbox backend {backend!r}: use 'auto', 'docker' or 'local' (or 'ray' for a fleet)"
+        )
+    image = (config or SandboxConfig()).image
+    if docker_available(image):
+        return "docker"
+    if build:
+        if _build_missing_image(image):
+            return "docker"
+        print(
+            "Docker is not usable here (`stare-agent sandbox doctor` says why): using the local backend, "
+            "whose isolation is weaker: run only trusted models with it"
+        )
+    return "local"
+
+
+def _build_missing_image(image: str) -> bool:
+    """Build ``image`` when a daemon answers and lacks it; whether it is there now (a failure is printed)."""
+    from sandbox.build import build_image, image_exists
+
+    try:
+        client = docker_client(timeout=5)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except Exception:  # noqa: BLE001 - any failure means "no daemon here"
+        return False
+    if image_exists(image):
+        return False  # there, yet docker_available said no: not usable, building would not help
+    print(f"building the sandbox image {image} (once, about 2 minutes)")
+    try:
+        build_image(image)
+    except Exception as exc:  # noqa: BLE001 - fall back, loudly
+        print(f"could not build the sandbox image ({exc}); falling back to the local backend")
+        return False
+    return True
+
+
+def make_sandbox(backend: Backend = "auto", config: SandboxConfig | None = None) -> Sandbox:
+    """A started sandbox. ``"auto"`` is Docker when a daemon answers and the image is present,
+    else the local backend (which warns that its isolation is weaker); see ``resolve_backend``.
+
+    Raises:
+        ValueError: unknown ``backend``, or ``"ray"`` (a fleet: ``open_pool``).
+        SandboxUnavailable: ``"docker"`` was asked for and cannot be used (the message says why).
+    """
+    config = config or SandboxConfig()
+    resolved = resolve_backend(backend, config)
+    if resolved == "ray":
+        raise ValueError(
+            "make_sandbox starts one sandbox here: use 'auto', 'docker' or 'local' (ray: open_pool)"
+        )
+    return DockerSandbox(config) if resolved == "docker" else LocalSandbox(config)
