@@ -29,13 +29,21 @@ from stare_agent.train.trainer import Trainer, resolve_rollout_correction
 from tests.stare_agent.train.scripted_training import scripted_policy
 from tests.stare_agent.train.test_trainer import (
     LAUNCHER_VARS,
+    PROBLEMS,
     SCRIPT,
     _free_port,
     _records,
     _run,
     make_config,
-    problem_file,  # noqa: F401  (a fixture)
 )
+
+
+@pytest.fixture
+def problem_file(tmp_path):
+    path = tmp_path / "problems.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
+    return path
+
 
 # ---------------------------------------------------------------------- the engine wrapper
 
@@ -158,12 +166,12 @@ class RecordingEngine(ScriptedEngine):
     def generate(self, prompts, params, stop):
         version = self.weight_version
         out = super().generate(prompts, params, stop)
-        for prompt, gen in zip(prompts, out, strict=True):
+        for prompt in prompts:
             self.seen[tuple(prompt)].add(version)
         return out
 
 
-def _train(tmp_path, problem_file, name, *extra, steps=3, engine=None, resume=False, monkeypatch=None):
+def _train(tmp_path, problem_file, name, *extra, steps=3, engine=None, resume=False):
     model, tokenizer = tiny_model()
     config = make_config(
         tmp_path / name, problem_file, f"trainer.steps={steps}", "trainer.save_rollouts=true", *extra
@@ -226,7 +234,6 @@ def test_an_update_mid_episode_splits_its_versions_and_every_token_keeps_its_sam
 
 
 def test_synchronous_steps_sample_every_token_from_the_previous_update(tmp_path, problem_file):
-    _, tokenizer = tiny_model()
     _, run_dir = _train(tmp_path, problem_file, "sync", steps=2)
     assert [r["async/staleness_max"] for r in _records(run_dir)] == [0.0, 0.0]
     for s in (1, 2):
