@@ -158,6 +158,45 @@ def test_hostile_code_through_the_fleet(fleet: RaySandboxFleet) -> None:
         assert sb.run("6 * 7").stdout == "42\n"  # the host's sandbox came back with a fresh kernel
 
 
+FORK_BOMB = (
+    "import os, time\nn = 0\ntry:\n    for _ in range(10000):\n        if os.fork() == 0:\n"
+    "            time.sleep(60)\n            os._exit(0)\n        n += 1\n"
+    "except OSError as e:\n    print('blocked', type(e).__name__)\nn"
+)
+DISK_FILL = (
+    "n = 0\ntry:\n    with open('/work/fill', 'wb') as f:\n        while True:\n"
+    "            f.write(b'x' * 2**20); f.flush(); n += 1\nexcept OSError as e:\n    print(e.errno, n)"
+)
+CLEAN = "import os\nprint(sum(p.isdigit() for p in os.listdir('/proc')), os.listdir('/work'))"
+
+
+def test_a_fork_bomb_and_a_disk_fill_are_contained_and_the_host_serves_clean_sandboxes(
+    fleet: RaySandboxFleet,
+) -> None:
+    """The pids and tmpfs limits hold on a fleet host: each call returns an ``ExecResult`` (not an
+    infrastructure error), and the next lease on that host is a clean, working sandbox."""
+    _wait(lambda: fleet.stats().leased == 0, 30, "no lease held")
+    with fleet.lease() as sb:
+        node = sb.inner.node_id
+        bomb = sb.run(FORK_BOMB, timeout=20)
+        assert bomb.ok and bomb.stdout.startswith("blocked"), bomb
+        assert int(bomb.stdout.split()[-1]) < LIMITS.pids_limit
+        fill = sb.run(DISK_FILL, timeout=20)
+        assert fill.ok, fill
+        errno_, megabytes = map(int, fill.stdout.split())
+        assert errno_ in (27, 28) and megabytes <= LIMITS.tmpfs_mb  # EFBIG (RLIMIT_FSIZE) or ENOSPC
+    _wait(lambda: fleet.stats().leased == 0, 30, "the lease given back")
+    leases = [fleet.acquire(), fleet.acquire()]  # one on each host: the emptier host takes the next
+    try:
+        (again,) = [lease for lease in leases if lease.inner.node_id == node]
+        # the warden (PID 1) and the kernel, an empty /work; and it works
+        assert again.run(CLEAN).stdout == "2 []\n"
+        assert again.run("open('/work/f', 'w').write('ok')").stdout == "2\n"
+    finally:
+        for lease in leases:
+            lease.close()
+
+
 def test_the_lease_cap_and_the_creation_rate_hold_under_a_burst(fleet: RaySandboxFleet) -> None:
     before = fleet.stats()
     errors: list[BaseException] = []
