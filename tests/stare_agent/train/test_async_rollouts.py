@@ -317,3 +317,35 @@ def test_two_ranks_with_asynchronous_rollouts_agree_with_one_process(tmp_path, p
             assert ra[key] == rb[key], (ra["step"], key)
         assert ra["async/staleness_max"] <= 1
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4, abs=1e-7)
+
+
+def _entropy_on(model, episodes) -> float:
+    """Token mean, over the episodes' model tokens, of the full-vocabulary entropy of ``model``."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for e in episodes:
+            ids = torch.tensor([e["prompt_ids"] + e["response_ids"]])
+            logits = model(ids).logits[0].float()
+            H = -(logits.log_softmax(-1) * logits.softmax(-1)).sum(-1)  # H[j] scores token j + 1
+            P = len(e["prompt_ids"])
+            for i, m in enumerate(e["loss_mask"]):
+                if m:
+                    total, count = total + float(H[P + i - 1]), count + 1
+    return total / count
+
+
+def test_on_stale_rollouts_the_gate_reads_the_proximal_policy_on_the_kept_batch(tmp_path, problem_file):
+    """Step 3 of a one-step-stale run trains on tokens sampled by policies 1 and 2; its gate's Hbar is
+    the entropy of policy 2 (the learner before update 3, the proximal policy) on step 3's kept
+    episodes, not that of policy 1."""
+    from transformers import AutoModelForCausalLM
+
+    _, run_dir = _train(tmp_path, problem_file, "async", "trainer.max_staleness=1", "optim.lr=0.05")
+    kept = [e for e in _step_rollouts(run_dir, 3) if e["trained"]]
+    assert {v for e in kept for v in e["turn_versions"]} <= {1, 2}
+    Hbar = _records(run_dir)[2]["entropy"]
+    ckpt = run_dir / "checkpoints"
+    proximal = _entropy_on(AutoModelForCausalLM.from_pretrained(ckpt / "step-000002" / "hf"), kept)
+    older = _entropy_on(AutoModelForCausalLM.from_pretrained(ckpt / "step-000001" / "hf"), kept)
+    assert Hbar == pytest.approx(proximal, rel=1e-5)
+    assert Hbar != pytest.approx(older, rel=1e-5)  # the two policies are told apart
