@@ -82,8 +82,9 @@ class VersionedEngine:
             self._leave()
         return [dataclasses.replace(g, weight_version=version) for g in generations]
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], *, version: int) -> None:
-        """Load new weights once the calls in flight have returned, and label later calls ``version``."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int | None = None) -> None:
+        """Load new weights once the calls in flight have returned, and label later calls ``version``
+        (None: the next version)."""
         with self._cond:
             while self._updating:
                 self._cond.wait()
@@ -94,7 +95,7 @@ class VersionedEngine:
             self.engine.update_weights(named_tensors)
         finally:
             with self._cond:
-                self.version = version
+                self.version = self.version + 1 if version is None else version
                 self._updating = False
                 self._cond.notify_all()
 
