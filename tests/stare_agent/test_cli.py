@@ -121,6 +121,7 @@ def test_eval_on_aime_2024(tmp_path, model_dir, shared_data):
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 
+@pytest.mark.slow  # 90 s: an interrupted and a resumed `stare-agent eval`, on 2 loaded cores
 def test_eval_stopped_by_ctrl_c_resumes_to_the_uninterrupted_summary(tmp_path, model_dir, shared_data):
     import signal
     import time

@@ -14,6 +14,7 @@ from stare_agent.recipes.study import plan, run_numbers, summarize
 from tests.stare_agent.test_cli import cli
 
 
+@pytest.mark.slow  # 75 s: the study's smoke runs and their resume, on 2 loaded cores
 def test_study_smoke_makes_figure_table_and_data_then_resumes(tmp_path, model_dir):
     root = tmp_path / "study"
     args = [
