@@ -1,0 +1,104 @@
+"""The one-step entropy response of a token subset of an update, exact to first order in a network.
+
+``entropy_effect`` reads each position's OWN entropy change under a tabular logit step. In a network
+the positions share parameters, so a step on one batch moves the entropy of every other sequence.
+This module measures that: the change, to first order, of the mean entropy ``H_bank`` of a fixed
+held-out bank of teacher-forced tokens, caused by the policy-gradient step of any token subset S.
+
+With the on-policy (rho = 1) token-mean GRPO-ds loss ``l = -(1/N) sum_t w_t A_t log p_t`` (N = mask-1
+tokens of the batch), a preconditioned step ``dtheta = -lr * D grad l_S`` (D diagonal, e.g. D = I
+for SGD) changes the bank's entropy by
+
+    dH_S = <grad H_bank, dtheta> = lr * sum_{t in S} I_t,     I_t = w_t A_t d_t / N,
+    d_t  = <D grad H_bank, grad log p_t> = d/de log p_t(theta + e u) at e = 0,   u = D grad H_bank
+
+so one direction u (one backward through the bank) and the directional derivative of every batch
+token's log-prob along it (here: a central difference, two forwards of the batch) give every
+subset's first-order response at once. Sign: dH_S > 0 means the subset's step raises the bank's
+entropy. For a single softmax position with the bank = that position (tabular logits, D = I),
+``d_t = -c_t`` of ``entropy_effect.first_order_entropy_effect`` and ``dH = -lr A c / N``.
+
+Subsets (all over mask-1 tokens; k = ceil(P |T+|) as in STARE): ``L+``/``L-`` of ``stare_weights``,
+``bottom`` (the k least surprising tokens of T+), ``oracle`` (the k tokens of T+ with the largest
+I_t: the exact first-order raisers), and ``random`` (the EXPECTATION over uniformly random k-subsets
+of T+: ``(k / |T+|) * sum_{T+} I_t``, no sampling noise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from stare_agent.algorithms.stare import _top_k, stare_weights, top_k_count
+
+
+@torch.no_grad()
+def directional_derivative(
+    fn: Callable[[], Tensor], params: Sequence[Tensor], direction: Sequence[Tensor], eps: float
+) -> Tensor:
+    """``(fn(theta + eps u) - fn(theta - eps u)) / (2 eps)`` in float64, restoring ``params`` after.
+
+    ``fn`` reads the parameters in place (e.g. a model forward); the error is O(eps^2) plus float
+    rounding over 2 eps, so pick eps so that ``eps * |u|`` is about the size of a real step.
+    """
+    for p, u in zip(params, direction, strict=True):
+        p.add_(u, alpha=eps)
+    try:
+        plus = fn().double()
+        for p, u in zip(params, direction, strict=True):
+            p.add_(u, alpha=-2 * eps)
+        minus = fn().double()
+    finally:
+        for p, u in zip(params, direction, strict=True):
+            p.add_(u, alpha=eps)
+    return (plus - minus) / (2 * eps)
+
+
+def token_influence(
+    advantages: Tensor, d: Tensor, response_mask: Tensor, token_count: float | None = None
+) -> Tensor:
+    """``I_t = A_t d_t / N`` on mask-1 tokens (0 elsewhere), float64: ``dH_S = lr * sum_{t in S} I_t``.
+
+    Args:
+        advantages: [B, T] A_t; d: [B, T] directional derivative of log p_t along u.
+        response_mask: [B, T]; token_count: N (default: the mask-1 count).
+    """
+    mask = response_mask.bool()
+    n = float(mask.sum()) if token_count is None else float(token_count)
+    value = advantages.detach().double() * d.detach().double() / max(n, 1.0)
+    return torch.where(mask, value, torch.zeros((), dtype=torch.float64, device=value.device))
+
+
+def response_subsets(
+    advantages: Tensor, logprobs: Tensor, response_mask: Tensor, influence: Tensor, P: float
+) -> dict[str, Tensor]:
+    """Bool masks [B, T] of ``L+``, ``L-`` (STARE's selection, ``stare_weights`` C2 over the whole
+    batch), ``bottom`` (the k least surprising of T+) and ``oracle`` (the k of T+ with the largest
+    influence), k = ceil(P |T+|); also ``T+``, ``T-`` and ``all`` (every mask-1 token)."""
+    mask = response_mask.bool()
+    A = advantages.detach()
+    _, L_plus, L_minus, _ = stare_weights(A, logprobs.detach(), mask, gate_on=False, variant="C2", P=P)
+    T_plus = mask & (A > 0)
+    keys = torch.arange(mask.shape[0], device=mask.device)
+    bottom = _top_k(logprobs.detach().double(), T_plus, keys, P, None)  # largest log p = smallest s
+    oracle = _top_k(influence.detach().double(), T_plus, keys, P, None)
+    return {
+        "all": mask,
+        "T+": T_plus,
+        "T-": mask & (A < 0),
+        "L+": L_plus,
+        "L-": L_minus,
+        "bottom": bottom,
+        "oracle": oracle,
+    }
+
+
+def subset_responses(influence: Tensor, subsets: dict[str, Tensor], P: float) -> dict[str, float]:
+    """``sum_{t in S} I_t`` of each subset, plus ``random``: its expectation over random k-subsets of T+."""
+    out = {name: float(influence[m].sum()) for name, m in subsets.items()}
+    n_plus = int(subsets["T+"].sum())
+    k = top_k_count(P, n_plus) if n_plus else 0
+    out["random"] = k / n_plus * out["T+"] if n_plus else 0.0
+    return out
