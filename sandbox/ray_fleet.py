@@ -158,6 +158,7 @@ class FleetStats:
             (``time.monotonic`` of the coordinator's process).
         last_failure: Why the last host was dropped ("" when none was).
         coordinator_node: The Ray node the coordinator runs on (see :func:`coordinator_node`).
+        clients: The ``RaySandboxFleet`` clients registered with it, in every process of the run.
     """
 
     hosts: tuple[HostStats, ...]
@@ -169,6 +170,7 @@ class FleetStats:
     creations: tuple[float, ...] = field(default=())
     last_failure: str = ""
     coordinator_node: str = ""
+    clients: int = 0
 
     @property
     def size(self) -> int:
@@ -351,9 +353,27 @@ class FleetCoordinator:
         self._retry_after: dict[str, float] = {}
         self._started = 0
         self._stopped = False
+        self._clients: dict[str, Any] = {}  # client id -> an object its process owns (alive while it is)
         self._refresh_lock = threading.Lock()
         self._thread = threading.Thread(target=self._refresh_loop, name="fleet-refresh", daemon=True)
         self._thread.start()
+
+    # clients
+
+    def register(self, client_id: str, anchor: list[Any]) -> bool:
+        """A client joins: ``anchor`` holds an ``ObjectRef`` its process owns, which fails to resolve
+        once that process is gone. False when the fleet is shutting down (build it again)."""
+        with self._cond:
+            if self._stopped:
+                return False
+            self._clients[client_id] = anchor[0]
+            return True
+
+    def unregister(self, client_id: str) -> int:
+        """A client left (its ``close``); the clients that remain (at 0, the caller ends the fleet)."""
+        with self._cond:
+            self._clients.pop(client_id, None)
+            return len(self._clients)
 
     # leases
 
@@ -454,6 +474,7 @@ class FleetCoordinator:
                 creations=tuple(self._creations),
                 last_failure=self._last_failure,
                 coordinator_node=import_ray().get_runtime_context().get_node_id(),
+                clients=len(self._clients),
             )
 
     def refresh(self) -> None:
@@ -564,10 +585,40 @@ class FleetCoordinator:
             with self._cond:
                 self._drop(host, f"{type(exc).__name__}: {exc}")
 
+    def _check_clients(self, ray: Any) -> None:
+        """Forget clients whose process is gone without ``close``; when none is left, end the fleet
+        (the coordinator is detached: nothing else would end it, its hosts or their containers)."""
+        with self._cond:
+            clients = list(self._clients.items())
+        if not clients:
+            return
+        gone = []
+        for client_id, anchor in clients:
+            try:
+                ray.get(anchor, timeout=5)
+            except ray.exceptions.GetTimeoutError:
+                continue  # a busy node: look again next round
+            except ray.exceptions.RayError as exc:  # OwnerDiedError: its process exited
+                logger.warning("sandbox fleet client %s is gone (%s)", client_id[:8], type(exc).__name__)
+                gone.append(client_id)
+        if not gone:
+            return
+        with self._cond:
+            for client_id in gone:
+                self._clients.pop(client_id, None)
+            last = not self._clients
+        if last:
+            logger.warning("every client of the sandbox fleet is gone: ending it")
+            self.shutdown()
+            with contextlib.suppress(Exception):
+                ray.kill(ray.get_runtime_context().current_actor)
+
     def _refresh_loop(self) -> None:
+        ray = import_ray()
         while not self._stopped:
             try:
                 self.refresh()
+                self._check_clients(ray)
             except Exception as exc:  # noqa: BLE001 - the loop must outlive a failed round
                 logger.warning("sandbox fleet refresh failed: %s", exc)
             time.sleep(self.config.refresh_s)
@@ -702,23 +753,40 @@ class RaySandboxFleet:
         self._lock = threading.Lock()
         self._leases: set[PooledSandbox] = set()
         self._handles: dict[str, Any] = {}
+        self._releases = None  # while close() gives leases back: their calls, to wait for
         self._closed = False
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         # Pinned (Ray's soft affinity was seen placing it elsewhere): see coordinator_node.
         here = NodeAffinitySchedulingStrategy(coordinator_node(ray, self.config.node_resource), soft=False)
-        self._coordinator = (
-            ray.remote(FleetCoordinator)
-            .options(
-                name=COORDINATOR_NAME,
-                namespace=self.config.namespace,
-                get_if_exists=True,
-                num_cpus=0,
-                max_concurrency=256,
-                scheduling_strategy=here,
+        # Detached: no one process owns it (a non-detached actor ends with the process that created
+        # it, under the other processes of the run); its clients do, together (see close()).
+        self.client_id = uuid.uuid4().hex
+        self._anchor = ray.put(None)  # the coordinator sees this process exit by it
+        deadline = time.monotonic() + 30.0
+        while True:
+            self._coordinator = (
+                ray.remote(FleetCoordinator)
+                .options(
+                    name=COORDINATOR_NAME,
+                    namespace=self.config.namespace,
+                    get_if_exists=True,
+                    lifetime="detached",
+                    num_cpus=0,
+                    max_concurrency=256,
+                    scheduling_strategy=here,
+                )
+                .remote(self.config, self.sandbox_config)
             )
-            .remote(self.config, self.sandbox_config)
-        )
+            with contextlib.suppress(SandboxUnavailable):
+                if self._coordinator_call("register", self.client_id, [self._anchor], wait_s=30.0):
+                    break
+            if time.monotonic() > deadline:  # pragma: no cover - a fleet ending for good
+                raise SandboxUnavailable(
+                    f"the sandbox fleet's coordinator in namespace {self.config.namespace!r} kept shutting "
+                    "down while this process joined it: build the fleet again"
+                )
+            time.sleep(0.5)  # it was ending (its last client left): its name frees, then a new one
         self._wait_for_hosts(min_hosts)
 
     @property
@@ -790,22 +858,36 @@ class RaySandboxFleet:
         return self._coordinator_call("stats", wait_s=30.0)
 
     def close(self) -> None:
-        """Give back this client's leases; leave Ray if this fleet joined it (which ends the
-        coordinator and hosts this process created). Idempotent."""
+        """Give back this client's leases and leave the fleet; the last client to leave (in any
+        process of the run) ends it (its coordinator, hosts and containers). Leave Ray if this fleet
+        joined it. Idempotent.
+
+        The coordinator is owned by its clients together, not by the process that created it: a
+        rank that closes (or exits) first leaves it to the others; a client whose process dies
+        without ``close`` is noticed by the coordinator within seconds, and counts as left."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             leases, self._leases = list(self._leases), set()
+        self._releases: list[Any] | None = []
         for lease in leases:
             with contextlib.suppress(Exception):
                 self.release(lease)
-        if self._joined:
+        with contextlib.suppress(Exception):  # sent before this process may leave Ray below
+            self.ray.wait(self._releases, num_returns=len(self._releases), timeout=10)
+        self._releases = None
+        remaining = 1
+        with contextlib.suppress(Exception):  # a coordinator already gone has no one left to end
+            remaining = self._coordinator_call("unregister", self.client_id, wait_s=30.0)
+        if remaining == 0:
             self.shutdown_fleet()
+        if self._joined:
             self.ray.shutdown()
 
     def shutdown_fleet(self) -> None:
-        """Close every host's sandboxes and end the coordinator (for every process that shares it)."""
+        """Close every host's sandboxes and end the coordinator now, for every process that shares
+        it (``close`` of the last client does it; this is for a run that ends them all at once)."""
         with contextlib.suppress(Exception):
             self.ray.get(self._coordinator.shutdown.remote(), timeout=90)
         with contextlib.suppress(Exception):
@@ -837,7 +919,9 @@ class RaySandboxFleet:
             return
         sandbox._closed = True
         with contextlib.suppress(Exception):  # a lost host has nothing to give back (it was dropped)
-            sandbox._host.release.remote(sandbox.lease_id, broken)  # the host tells the coordinator
+            ref = sandbox._host.release.remote(sandbox.lease_id, broken)  # the host tells the coordinator
+            if self._releases is not None:
+                self._releases.append(ref)
 
     def _host_handle(self, name: str) -> Any:
         """The handle of the host actor ``name``, looked up once per host."""

@@ -230,6 +230,67 @@ def test_the_lease_cap_and_the_creation_rate_hold_under_a_burst(fleet: RaySandbo
             assert j - i + 1 <= FLEET.creation_burst + FLEET.creations_per_s * span + 1e-6, (i, j, span)
 
 
+SECOND_PROCESS = """
+import dataclasses, json, sys
+from sandbox.errors import PoolExhausted
+from sandbox.ray_fleet import RaySandboxFleet
+from tests.sandbox.test_ray import FLEET, LIMITS
+
+fleet = RaySandboxFleet(dataclasses.replace(FLEET, address=sys.argv[1]), LIMITS)  # joins Ray itself
+out = {"joined": fleet._joined, "clients": fleet.stats().clients}
+lease = fleet.acquire(timeout=30)
+out["ran"] = lease.run("6 * 7").stdout
+try:
+    fleet.acquire(timeout=1)
+    out["capped"] = False
+except PoolExhausted:
+    out["capped"] = True
+out["leased"] = fleet.stats().leased
+fleet.close()  # gives its lease back and leaves Ray: the fleet stays for the first process
+print(json.dumps(out))
+"""
+
+
+def test_a_second_process_shares_the_fleet_and_its_lease_cap(cluster, fleet: RaySandboxFleet) -> None:
+    """As the ranks of a training run: another process that builds the fleet with the same config
+    finds the same coordinator, the cluster-wide cap holds across both, and its close (it joined
+    Ray itself) leaves the fleet to this one."""
+    import json
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _wait(lambda: fleet.stats().leased == 0, 30, "no lease held")
+    assert fleet.stats().clients == 1
+    leases = [fleet.acquire(), fleet.acquire()]  # 2 of the cap of 3
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", SECOND_PROCESS, cluster.address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=repo,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        assert out == {"joined": True, "clients": 2, "ran": "42\n", "capped": True, "leased": 3}
+        stats = fleet.stats()
+        assert stats.clients == 1 and stats.leased == 2  # its lease came back before it left
+        assert leases[0].run("1 + 1").stdout == "2\n"  # the fleet goes on for this process
+    finally:
+        for lease in leases:
+            lease.close()
+    with fleet.lease() as sb:
+        assert sb.run("2 + 2").stdout == "4\n"
+    # a process that dies without close counts as left, within seconds (the coordinator notices)
+    dies = SECOND_PROCESS.split("out = ")[0] + "import os; os._exit(0)\n"
+    done = subprocess.run(
+        [sys.executable, "-c", dies, cluster.address], capture_output=True, timeout=120, cwd=repo
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    _wait(lambda: fleet.stats().clients == 1, 30, "the dead process's client forgotten")
+
+
 def test_an_actor_killed_mid_call_fails_the_call_and_its_host_comes_back(fleet: RaySandboxFleet) -> None:
     import ray
 
