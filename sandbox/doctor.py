@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -71,3 +72,146 @@ def _check_backend(name: str, make) -> Check:
             f"`1 + 1` gave {result!r}: rebuild the image with `stare-agent sandbox build --force`",
         )
     return Check(name, True, f"runs `1 + 1` in {result.duration_s * 1000:.0f} ms")
+
+
+def diagnose_ray(
+    address: str = "auto",
+    *,
+    namespace: str = "stare-agent",
+    node_resource: str = "stare_sandbox",
+    wait_s: float = 120.0,
+    config: SandboxConfig | None = None,
+) -> list[Check]:
+    """``stare-agent sandbox doctor --backend ray``: the cluster, its sandbox nodes, whether each
+    node's host started (Docker reachable, the image present: what the host found), a ``1 + 1``
+    round trip on each ready host with its latency, and the coordinator's node.
+
+    Joins the fleet of ``namespace`` (a run's fleet when one is up: one sandbox of each host is
+    leased for a moment; else one sandbox per node, ended again when the doctor leaves).
+    """
+    import time
+
+    try:
+        import ray
+    except ImportError:
+        return [Check("ray", False, "Ray is not installed: pip install 'stare-agent[ray]'")]
+    from sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
+
+    joined = not ray.is_initialized()
+    if joined:
+        try:
+            ray.init(address=address, namespace=namespace, logging_level="WARNING")
+        except ConnectionError as exc:
+            why = (str(exc).splitlines() or [type(exc).__name__])[0]
+            return [
+                Check(
+                    "ray cluster",
+                    False,
+                    f"no Ray cluster at {address!r} ({why}): start one (`ray start --head`, and `ray start "
+                    f"--address HEAD_IP:6379 --resources '{{\"{node_resource}\": 1}}'` on the Docker nodes), "
+                    "or pass --address HOST:PORT",
+                )
+            ]
+    try:
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        checks = [Check("ray cluster", True, f"{len(alive)} nodes alive (Ray {ray.__version__})")]
+        nodes = [n for n in alive if n.get("Resources", {}).get(node_resource, 0) > 0]
+        if not nodes:
+            checks.append(
+                Check(
+                    "sandbox nodes",
+                    False,
+                    f"no node has the resource {node_resource!r}: on machines with Docker and the sandbox image, "
+                    f"run `ray start --address HEAD_IP:6379 --resources '{{\"{node_resource}\": 1}}'`",
+                )
+            )
+            return checks
+        where = {n["NodeID"]: f"{n.get('NodeManagerAddress', '?')} {n['NodeID'][:8]}" for n in alive}
+        checks.append(Check("sandbox nodes", True, f"{len(nodes)} with the resource {node_resource!r}"))
+        fleet_config = RayFleetConfig(
+            address=address,
+            namespace=namespace,
+            node_resource=node_resource,
+            sandboxes_per_node=1,
+            start_timeout_s=wait_s,
+            lease_timeout_s=30.0,
+        )
+        try:
+            fleet = RaySandboxFleet(fleet_config, config, min_hosts=0)
+        except SandboxError as exc:
+            checks.append(Check("fleet", False, str(exc)))
+            return checks
+        try:
+            deadline = time.monotonic() + wait_s
+            while True:  # until every node's host is ready or failed
+                stats = fleet.stats()
+                ready = {h.node_id for h in stats.hosts if h.ready}
+                failures = dict(stats.failures)
+                if all(n["NodeID"] in ready | failures.keys() for n in nodes) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            for node in nodes:
+                node_id = node["NodeID"]
+                name = f"host on {where[node_id]}"
+                if node_id in ready:
+                    checks.append(_check_host(fleet, name, node_id))
+                elif node_id in failures:
+                    checks.append(
+                        Check(
+                            name,
+                            False,
+                            f"did not start: {failures[node_id]} (`stare-agent sandbox doctor` on that node "
+                            "says what is missing there)",
+                        )
+                    )
+                else:
+                    checks.append(
+                        Check(
+                            name,
+                            False,
+                            f"not ready after {wait_s:g} s (starting its warm sandbox): look at that node's "
+                            "load and Docker, or wait longer with --timeout",
+                        )
+                    )
+            node = stats.coordinator_node
+            sandbox_node = (
+                " (a sandbox node: every node has the resource)"
+                if node in {n["NodeID"] for n in nodes}
+                else ""
+            )
+            checks.append(
+                Check(
+                    "coordinator",
+                    True,
+                    f"on {where.get(node, node[:8])}{sandbox_node}; {stats.clients - 1} clients besides this doctor",
+                )
+            )
+        finally:
+            fleet.close()  # the last client to leave ends the fleet it started
+        return checks
+    finally:
+        if joined:
+            ray.shutdown()
+
+
+def _check_host(fleet, name: str, node_id: str) -> Check:
+    import time
+
+    try:
+        with contextlib.closing(fleet.acquire(30.0, node_id=node_id)) as sandbox:
+            start = time.perf_counter()
+            result = sandbox.run("1 + 1", timeout=30)
+            took = time.perf_counter() - start
+    except SandboxError as exc:
+        return Check(name, False, f"ready, but a lease or `1 + 1` failed: {exc}")
+    if result.stdout.strip() != "2":
+        return Check(
+            name,
+            False,
+            f"`1 + 1` gave {result!r}: rebuild the image there with `stare-agent sandbox build --force`",
+        )
+    return Check(
+        name,
+        True,
+        f"ready; `1 + 1` round trip {took * 1000:.1f} ms ({result.duration_s * 1000:.1f} ms in the sandbox)",
+    )

@@ -159,6 +159,8 @@ class FleetStats:
         last_failure: Why the last host was dropped ("" when none was).
         coordinator_node: The Ray node the coordinator runs on (see :func:`coordinator_node`).
         clients: The ``RaySandboxFleet`` clients registered with it, in every process of the run.
+        failures: ``(node_id, why)`` of each node whose last host was dropped and that has no ready
+            host since (a host that could not start: Docker unreachable, the image missing).
     """
 
     hosts: tuple[HostStats, ...]
@@ -171,6 +173,7 @@ class FleetStats:
     last_failure: str = ""
     coordinator_node: str = ""
     clients: int = 0
+    failures: tuple[tuple[str, str], ...] = field(default=())
 
     @property
     def size(self) -> int:
@@ -314,6 +317,18 @@ class SandboxHost:
 # --------------------------------------------------------------------------------- coordinator
 
 
+def _one_line(exc: BaseException) -> str:
+    """The line of ``exc`` that says why: a Ray error's last line is its cause's ``Type: message``
+    (a host whose ``__init__`` raised, e.g. ``SandboxUnavailable: sandbox image ... not found: ...``)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) < 2:
+        return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    kind, sep, message = lines[-1].partition(": ")
+    if sep and " " not in kind:  # module.Type: message
+        return f"{kind.rsplit('.', 1)[-1]}: {message}"
+    return lines[-1]
+
+
 @dataclass
 class _Host:
     handle: Any
@@ -354,6 +369,7 @@ class FleetCoordinator:
         self._started = 0
         self._stopped = False
         self._clients: dict[str, Any] = {}  # client id -> an object its process owns (alive while it is)
+        self._failures: dict[str, str] = {}  # node id -> why its last host was dropped, until one is ready
         self._refresh_lock = threading.Lock()
         self._thread = threading.Thread(target=self._refresh_loop, name="fleet-refresh", daemon=True)
         self._thread.start()
@@ -377,9 +393,10 @@ class FleetCoordinator:
 
     # leases
 
-    def grant(self, timeout: float) -> tuple[str, Any]:
-        """A ready host with a free sandbox, booked: ``(node_id, name)`` (the host actor's name: a handle
-        costs more to send than the rest of a lease). Waits up to ``timeout``.
+    def grant(self, timeout: float, node_id: str | None = None) -> tuple[str, Any]:
+        """A ready host with a free sandbox (on ``node_id`` when given), booked: ``(node_id, name)``
+        (the host actor's name: a handle costs more to send than the rest of a lease). Waits up to
+        ``timeout``.
 
         Raises:
             PoolExhausted: none in time (the message says how many are leased and what the cap is).
@@ -387,7 +404,7 @@ class FleetCoordinator:
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
-                host = self._pick()
+                host = self._pick(node_id)
                 if host is not None:
                     host.leased += 1
                     host.last_grant = time.monotonic()
@@ -475,6 +492,7 @@ class FleetCoordinator:
                 last_failure=self._last_failure,
                 coordinator_node=import_ray().get_runtime_context().get_node_id(),
                 clients=len(self._clients),
+                failures=tuple(self._failures.items()),
             )
 
     def refresh(self) -> None:
@@ -520,10 +538,14 @@ class FleetCoordinator:
         capacity = sum(h.capacity for h in self._hosts.values() if h.ready)
         return capacity if self.config.max_leases is None else min(self.config.max_leases, capacity)
 
-    def _pick(self) -> _Host | None:
+    def _pick(self, node_id: str | None = None) -> _Host | None:
         if self._leased >= self._cap():
             return None
-        free = [h for h in self._hosts.values() if h.ready and h.leased < h.capacity]
+        free = [
+            h
+            for h in self._hosts.values()
+            if h.ready and h.leased < h.capacity and node_id in (None, h.node_id)
+        ]
         # the most free sandboxes; among equals the host that was granted a lease longest ago
         return max(free, key=lambda h: (h.capacity - h.leased, -h.last_grant), default=None)
 
@@ -535,6 +557,7 @@ class FleetCoordinator:
         self._leased -= host.leased
         self._lost += 1
         self._last_failure = f"node {host.node_id}: {reason}"
+        self._failures[host.node_id] = reason
         if not host.ready:  # it never started: wait before starting another there
             self._retry_after[host.node_id] = time.monotonic() + self.HOST_RETRY_S
         logger.warning("sandbox host on node %s dropped: %s", host.node_id, reason)
@@ -570,6 +593,7 @@ class FleetCoordinator:
                     _, capacity = ray.get(done[0])
                     with self._cond:
                         host.capacity, host.ready = capacity, True
+                        self._failures.pop(host.node_id, None)
                         self._cond.notify_all()
                 return
             if host.ping_ref is None:
@@ -583,7 +607,7 @@ class FleetCoordinator:
                 raise TimeoutError(f"no answer to a ping in {self.PING_TIMEOUT_S:g} s")
         except Exception as exc:  # noqa: BLE001 - any failure of a host drops it
             with self._cond:
-                self._drop(host, f"{type(exc).__name__}: {exc}")
+                self._drop(host, _one_line(exc))
 
     def _check_clients(self, ray: Any) -> None:
         """Forget clients whose process is gone without ``close``; when none is left, end the fleet
@@ -794,8 +818,9 @@ class RaySandboxFleet:
         """Sandboxes of the ready hosts (the most episodes the fleet plays at once, before the cap)."""
         return self.stats().size
 
-    def acquire(self, timeout: float | None = None) -> PooledSandbox:
-        """Lease a clean, live sandbox on the host with the most free ones.
+    def acquire(self, timeout: float | None = None, *, node_id: str | None = None) -> PooledSandbox:
+        """Lease a clean, live sandbox on the host with the most free ones (on the node ``node_id``
+        when given: ``stare-agent sandbox doctor --backend ray`` tries each host).
 
         Raises:
             PoolExhausted: None free within ``timeout`` (default ``lease_timeout``).
@@ -807,7 +832,7 @@ class RaySandboxFleet:
             if self._closed:
                 raise SandboxClosed("the sandbox fleet is closed: build a new RaySandboxFleet")
             remaining = max(0.001, deadline - time.monotonic())
-            node_id, name = self._coordinator_call("grant", remaining, wait_s=remaining)
+            node, name = self._coordinator_call("grant", remaining, node_id, wait_s=remaining)
             lease_id = uuid.uuid4().hex
             try:
                 host = self._host_handle(name)
@@ -815,22 +840,22 @@ class RaySandboxFleet:
                     host.acquire.remote(lease_id, remaining), timeout=remaining + self.config.call_margin_s
                 )
             except self.ray.exceptions.RayTaskError as exc:
-                self._coordinator.returned.remote(node_id, name)
+                self._coordinator.returned.remote(node, name)
                 if isinstance(exc.cause, PoolExhausted):
                     raise exc.cause from exc
                 raise
             except (self.ray.exceptions.RayError, self.ray.exceptions.GetTimeoutError, ValueError) as exc:
                 # ValueError: no live actor of that name any more
-                self._coordinator.host_failed.remote(node_id, name, type(exc).__name__)
+                self._coordinator.host_failed.remote(node, name, type(exc).__name__)
                 with self._lock:
                     self._handles.pop(name, None)
                 if time.monotonic() >= deadline:
                     raise PoolExhausted(
                         f"no sandbox host answered within {wait_s:g} s (last: {type(exc).__name__} on node "
-                        f"{node_id}): check the sandbox nodes with `ray status`"
+                        f"{node}): check the sandbox nodes with `ray status`"
                     ) from exc
                 continue  # that host is lost: lease again on another
-            lease = PooledSandbox(self, RaySandbox(self, node_id, name, host, lease_id))
+            lease = PooledSandbox(self, RaySandbox(self, node, name, host, lease_id))
             with self._lock:
                 self._leases.add(lease)
             return lease

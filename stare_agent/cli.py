@@ -35,10 +35,16 @@ def _sandbox_build(args: argparse.Namespace) -> int:
 
 
 def _sandbox_doctor(args: argparse.Namespace) -> int:
-    from sandbox.doctor import diagnose
+    from sandbox.doctor import diagnose, diagnose_ray
 
+    if args.backend == "ray":
+        checks = diagnose_ray(
+            args.address, namespace=args.namespace, node_resource=args.resource, wait_s=args.timeout
+        )
+    else:
+        checks = diagnose()
     failed = 0
-    for check in diagnose():
+    for check in checks:
         mark = "ok  " if check.ok else "FAIL"
         print(f"[{mark}] {check.name}: {check.message}")
         failed += not check.ok
@@ -361,6 +367,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild even if the image exists")
     p.set_defaults(func=_sandbox_build)
     p = sandbox_sub.add_parser("doctor", help="check daemon, image and permissions; one line per problem")
+    p.add_argument(
+        "--backend",
+        default="docker",
+        choices=["docker", "ray"],
+        help="docker: this machine; ray: the Ray cluster's sandbox nodes, hosts and coordinator",
+    )
+    p.add_argument("--address", default="auto", help="ray: the cluster (auto, or HOST:PORT)")
+    p.add_argument(
+        "--namespace", default="stare-agent", help="ray: the fleet's namespace (sandbox.ray.namespace)"
+    )
+    p.add_argument("--resource", default="stare_sandbox", help="ray: the sandbox nodes' resource")
+    p.add_argument("--timeout", type=float, default=120.0, help="ray: seconds to wait for the hosts to start")
     p.set_defaults(func=_sandbox_doctor)
     p = sandbox_sub.add_parser("demo", help="run a few cells in a sandbox")
     p.add_argument("--backend", default="auto", choices=[b for b in BACKENDS if b != "ray"])

@@ -50,6 +50,26 @@ def test_no_ray_cluster_is_one_line_with_the_fix(ray_ready, monkeypatch) -> None
     assert "ray start --address ... --resources '{\"stare_sandbox\": 1}'" in message and "\n" not in message
 
 
+def test_the_ray_doctor_without_a_cluster_is_one_line_with_the_fix(ray_ready, monkeypatch, capsys) -> None:
+    import ray
+
+    from stare_agent.cli import main
+
+    def no_cluster(**kwargs):
+        raise ConnectionError(
+            "Could not find any running Ray instance.\nPlease specify the one to connect to."
+        )
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_cluster)
+    assert main(["sandbox", "doctor", "--backend", "ray"]) == 1
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(
+        "[FAIL] ray cluster: no Ray cluster at 'auto' (Could not find any running Ray instance.): start one"
+    )
+    assert "--resources '{\"stare_sandbox\": 1}'" in line and line.endswith("or pass --address HOST:PORT")
+
+
 @pytest.fixture(scope="module")
 def cluster(ray_ready, docker_ready):
     """A head node (no sandboxes) and two sandbox nodes, all on 127.0.0.1, and this process joined."""
@@ -195,6 +215,35 @@ def test_a_fork_bomb_and_a_disk_fill_are_contained_and_the_host_serves_clean_san
     finally:
         for lease in leases:
             lease.close()
+
+
+def test_the_ray_doctor_checks_nodes_hosts_and_the_coordinator(cluster, fleet, capsys) -> None:
+    """``stare-agent sandbox doctor --backend ray`` against the cluster: a line per sandbox node's host
+    with its round trip, the coordinator's node; a host that cannot start is one line with the fix."""
+    from sandbox.doctor import diagnose_ray
+    from stare_agent.cli import main
+
+    args = ["--address", cluster.address, "--namespace", NAMESPACE, "--timeout", "60"]
+    assert main(["sandbox", "doctor", "--backend", "ray", *args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("[ok  ] ray cluster: 3 nodes alive")
+    assert lines[1] == "[ok  ] sandbox nodes: 2 with the resource 'stare_sandbox'"
+    hosts = [line for line in lines if line.startswith("[ok  ] host on ")]
+    assert len(hosts) == 2 and all(": ready; `1 + 1` round trip " in line for line in hosts), lines
+    assert lines[-1].startswith("[ok  ] coordinator: on ") and "sandbox node" not in lines[-1]
+    assert lines[-1].endswith("; 1 clients besides this doctor")
+    assert len(lines) == 5 and fleet.stats().clients == 1  # it left the run's fleet as it found it
+
+    missing = SandboxConfig(image="stare-sandbox:missing")  # a fleet of its own, whose hosts cannot start
+    checks = diagnose_ray(cluster.address, namespace="stare-test-doctor", wait_s=60, config=missing)
+    failed = [c for c in checks if not c.ok]
+    assert [c.name.split()[0] for c in failed] == ["host", "host"], checks
+    for check in failed:
+        assert "\n" not in check.message
+        assert check.message.startswith(
+            "did not start: SandboxUnavailable: sandbox image stare-sandbox:missing not found: "
+            "run `stare-agent sandbox build`"
+        ), check.message
 
 
 def test_the_lease_cap_and_the_creation_rate_hold_under_a_burst(fleet: RaySandboxFleet) -> None:
