@@ -56,36 +56,47 @@ INSTRUCTION = "\nAnswer briefly and give the final answer in \\boxed{}."
 
 
 def sample(model, tok, problems, group: int, max_new: int, seed: int):
-    """Right-padded [N, L] ids, attention mask, score mask [N, L-1] (response tokens), golds, texts."""
-    rows, golds, texts = [], [], []
-    for i, prob in enumerate(problems):
+    """Right-padded [N, L] ids, attention mask, score mask [N, L-1] (response tokens), golds, texts.
+
+    All prompts x ``group`` samples go through ONE left-padded ``generate`` call (a decoding step
+    costs about the same for 4 or 16 rows on a memory-bound CPU)."""
+    prompts = []
+    for prob in problems:
         msgs = [{"role": "user", "content": prob.problem + INSTRUCTION}]
         prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt")
         if not isinstance(prompt, torch.Tensor):
             prompt = prompt["input_ids"]
-        torch.manual_seed(seed * 1000 + i)
-        with torch.no_grad():
-            out = model.generate(
-                prompt.repeat(group, 1),
-                attention_mask=torch.ones(group, prompt.shape[1], dtype=torch.long),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=max_new,
-                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-            )
-        P = prompt.shape[1]
-        for r in range(group):
-            resp = out[r, P:].tolist()
-            if tok.eos_token_id in resp:
-                resp = resp[: resp.index(tok.eos_token_id) + 1]
-            rows.append((prompt[0].tolist(), resp))
-            texts.append(tok.decode(resp, skip_special_tokens=True))
-            golds.append(prob.answer)
+        prompts += [prompt[0].tolist()] * group
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    Lp = max(len(p) for p in prompts)
+    left = torch.full((len(prompts), Lp), pad, dtype=torch.long)
+    left_attn = torch.zeros_like(left)
+    for n, p in enumerate(prompts):
+        left[n, Lp - len(p) :] = torch.tensor(p)
+        left_attn[n, Lp - len(p) :] = 1
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(
+            left,
+            attention_mask=left_attn,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new,
+            pad_token_id=pad,
+        )
+    rows, golds, texts = [], [], []
+    for n, p in enumerate(prompts):
+        resp = out[n, Lp:].tolist()
+        if tok.eos_token_id in resp:
+            resp = resp[: resp.index(tok.eos_token_id) + 1]
+        rows.append((p, resp))
+        texts.append(tok.decode(resp, skip_special_tokens=True))
+        golds.append(problems[n // group].answer)
     L = max(len(p) + len(r) for p, r in rows)
     N = len(rows)
-    ids = torch.full((N, L), tok.pad_token_id or 0, dtype=torch.long)
+    ids = torch.full((N, L), pad, dtype=torch.long)
     attn = torch.zeros(N, L, dtype=torch.long)
     score = torch.zeros(N, L - 1, dtype=torch.bool)
     for n, (p, r) in enumerate(rows):
@@ -152,7 +163,14 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--from-records",
+        action="store_true",
+        help="summarize the batches already in --out/records.json (e.g. of a run stopped early) and exit",
+    )
     args = ap.parse_args()
+    if args.from_records:
+        return summarize_saved(args)
     if args.quick:
         args.batches, args.prompts, args.group, args.max_new = 2, 1, 4, 48
         args.bank_prompts, args.bank_group, args.validate = 1, 4, 1
@@ -275,7 +293,14 @@ def main() -> None:
         del logp, loss
         records.append(rec)
         (args.out / "records.json").write_text(
-            json.dumps({"batches": records, "validation": val_records}, indent=1)
+            json.dumps(
+                {
+                    "batches": records,
+                    "validation": val_records,
+                    "meta": {"lr": lr, "H_bank": H0, "bank_tokens": int(b_score.sum()), "skipped": skipped},
+                },
+                indent=1,
+            )
         )
 
     wall = time.time() - t0
@@ -298,6 +323,36 @@ def main() -> None:
     }
     (args.out / "summary.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
     write_csv(records, args.out / "batches.csv")
+    print_table(summary, args, meta)
+
+
+def summarize_saved(args) -> None:
+    """The table of the batches saved so far; lr and the bank's size come from records.json's meta or
+    else from the run's log (``--out/log.txt``, lines ``bank: ...`` and ``lr ...``)."""
+    import re
+
+    saved = json.loads((args.out / "records.json").read_text())
+    meta = dict(saved.get("meta") or {})
+    log_path = args.out / "log.txt"
+    if not meta and log_path.is_file():
+        text = log_path.read_text()
+        bank = re.search(r"bank: (\d+) tokens, H_bank = ([0-9.]+)", text)
+        lr = re.search(r"lr \(SGD, fixed for the run\) = ([0-9.e+-]+)", text)
+        wall = re.findall(r"\[\s*([0-9.]+)s\]", text)
+        meta = {
+            "bank_tokens": int(bank.group(1)),
+            "H_bank": float(bank.group(2)),
+            "lr": float(lr.group(1)),
+            "skipped": text.count("skipped (GRPO-ds)"),
+            "wall_s": float(wall[-1]) if wall else math.nan,
+        }
+    meta.setdefault("wall_s", math.nan)
+    meta["skipped_batches"] = meta.get("skipped", 0)
+    meta["machine"] = "see the run's log"
+    meta["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    summary = summarize(saved["batches"], saved["validation"], args)
+    (args.out / "summary_partial.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
+    write_csv(saved["batches"], args.out / "batches.csv")
     print_table(summary, args, meta)
 
 
