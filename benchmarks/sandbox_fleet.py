@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sandbox import SandboxConfig, SandboxPool  # noqa: E402
-from sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet  # noqa: E402
+from sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet, pack_result, unpack_result  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sandbox_latency  # noqa: E402
@@ -81,6 +81,59 @@ def ray_round_trip(host: Any, n: int) -> Row:
         if i >= 10:
             row.samples_ms.append((time.perf_counter() - t0) * 1e3)
     return row
+
+
+class Probe:
+    """An actor beside the host (same node, same threading) whose methods take a fleet call's
+    arguments and return a prebuilt result without running anything: where the fleet's added time
+    goes (Ray's floor, the arguments and the result, a call that arrives at a sleeping process)."""
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+    def ping(self) -> bool:
+        return True
+
+    def echo(self, lease_id: str, code: str, timeout: float | None) -> Any:
+        return self.result
+
+    def echo_tuple(self, lease_id: str, code: str, timeout: float | None) -> Any:
+        return pack_result(self.result)
+
+    def echo_after(self, lease_id: str, code: str, timeout: float | None, sleep_s: float) -> Any:
+        time.sleep(sleep_s)  # as a host waits on the kernel: its process sleeps, then wakes to answer
+        return self.result
+
+
+def breakdown(result: Any, resource: str, n: int, sleep_s: float) -> dict[str, Row]:
+    """Round trips of ``Probe`` calls (threaded, on a node with ``resource``), ``n`` each after 10."""
+    import ray
+
+    probe = (
+        ray.remote(Probe).options(num_cpus=0, resources={resource: 0.001}, max_concurrency=24).remote(result)
+    )
+    lease = "0" * 32
+    calls = {
+        "ping()": lambda: ray.get(probe.ping.remote()),
+        "echo, no timeout": lambda: ray.get(probe.echo.remote(lease, STATEMENT, None)),
+        "echo, ray.get timeout": lambda: ray.get(probe.echo.remote(lease, STATEMENT, None), timeout=60),
+        "echo, packed as a tuple": lambda: unpack_result(
+            ray.get(probe.echo_tuple.remote(lease, STATEMENT, None), timeout=60)
+        ),
+        f"echo after {sleep_s * 1e3:g} ms asleep (minus it)": lambda: ray.get(
+            probe.echo_after.remote(lease, STATEMENT, None, sleep_s), timeout=60
+        ),
+    }
+    rows = {name: Row(samples_ms=[]) for name in calls}
+    for i in range(n + 10):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            took = (time.perf_counter() - t0) * 1e3
+            if i >= 10:
+                rows[name].samples_ms.append(took - (sleep_s * 1e3 if "asleep" in name else 0.0))
+    ray.kill(probe)
+    return rows
 
 
 def lease_cost(pools: dict[str, Any], n: int) -> dict[str, Row]:
@@ -195,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
                 with local.lease() as a, one.lease() as b:
                     latency = call_latency({"local pool": a, "ray, 1 node": b}, rounds, per_round)
                     floor = ray_round_trip(b.inner._host, rounds * per_round)
+                    sample = b.run(STATEMENT)
+                    sleep_s = statistics.median(latency["local pool"].samples_ms) / 1e3
+                    parts = breakdown(sample, "one_node", rounds * per_round // 2, sleep_s)
                 cost = lease_cost({"local pool": local, "ray, 1 node": one}, leases_n)
                 for name in latency:
                     results[name].update(
@@ -222,6 +278,9 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
         cluster.shutdown()
     _report(results, n, rounds * per_round, leases_n, seconds)
+    print("\nwhere the added time goes (a probe actor on the sandbox node, no sandbox; p50, p99):")
+    for name, row in parts.items():
+        print(f"- {name}: {row.p50:.2f} ms, {row.p99:.2f} ms")
     print(f"\nload average after: {_load()}; the run took {time.monotonic() - started:.0f} s")
 
 
