@@ -171,6 +171,18 @@ class RecordingEngine(ScriptedEngine):
         return out
 
 
+class SeedRecordingEngine(ScriptedEngine):
+    """A scripted engine that records the sampling seeds of every call."""
+
+    def __init__(self, tokenizer, scripts):
+        super().__init__(tokenizer, scripts)
+        self.seeds: list[tuple[int, ...] | None] = []
+
+    def generate(self, prompts, params, stop):
+        self.seeds.append(params.seeds)
+        return super().generate(prompts, params, stop)
+
+
 def _train(tmp_path, problem_file, name, *extra, steps=3, engine=None, resume=False):
     model, tokenizer = tiny_model()
     config = make_config(
@@ -257,9 +269,14 @@ def test_asynchronous_rollouts_train_like_synchronous_ones_when_the_sampler_igno
     """Scripted tokens and log-probs do not depend on the weights: with the same correction, a run
     one step stale trains bit-identically to the synchronous one (same groups, problems, seeds)."""
     fixed = "algorithm.rollout_correction.mode=token_tis"
-    sync, _ = _train(tmp_path, problem_file, "sync", fixed, steps=3)
-    stale, _ = _train(tmp_path, problem_file, "async", fixed, "trainer.max_staleness=1", steps=3)
+    _, tokenizer = tiny_model()
+    engines = [SeedRecordingEngine(tokenizer, scripted_policy()) for _ in range(2)]
+    sync, _ = _train(tmp_path, problem_file, "sync", fixed, steps=3, engine=engines[0])
+    stale, _ = _train(
+        tmp_path, problem_file, "async", fixed, "trainer.max_staleness=1", steps=3, engine=engines[1]
+    )
     _same_run(tmp_path / "sync" / "run", tmp_path / "async" / "run")
+    assert engines[0].seeds == engines[1].seeds  # each step's sampling streams, whichever thread plays it
     a, b = sync.learner.module.state_dict(), stale.learner.module.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
