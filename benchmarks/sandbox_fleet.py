@@ -325,9 +325,13 @@ def _report(results: dict[str, dict[str, float]], n: int, calls: int, leases: in
         f"| call p50 under that load | {ms(local['tp_call_p50'])} | {ms(ray1['tp_call_p50'])} | "
         f"{ms(ray2['tp_call_p50'])} | {ratio(ray1['tp_call_p50'], local['tp_call_p50'])} |"
     )
-    added = ray1["call_p50"] - local["call_p50"]
+    # judged by the time outside the sandbox's own duration_s: the difference of the two calls' p50
+    # also carries the two sandboxes' own times, which vary by milliseconds on a loaded machine
+    added = ray1["outside_p50"] - local["outside_p50"]
     print(
-        f"\ngoal: under 1 ms added at p50 on the loopback: {'met' if added < 1.0 else 'MISSED'} ({added:+.2f} ms)"
+        f"\ngoal: under 1 ms added at p50 on the loopback: {'met' if added < 1.0 else 'MISSED'} "
+        f"({added:+.2f} ms outside the sandbox; the calls' p50 differ by "
+        f"{ray1['call_p50'] - local['call_p50']:+.2f} ms)"
     )
 
 
