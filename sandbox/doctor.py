@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -100,7 +101,7 @@ def diagnose_ray(
     joined = not ray.is_initialized()
     if joined:
         try:
-            ray.init(address=address, namespace=namespace, logging_level="WARNING")
+            ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
         except ConnectionError as exc:
             why = (str(exc).splitlines() or [type(exc).__name__])[0]
             return [

@@ -799,7 +799,7 @@ class RaySandboxFleet:
         self._lock = threading.Lock()
         self._leases: set[PooledSandbox] = set()
         self._handles: dict[str, Any] = {}
-        self._releases = None  # while close() gives leases back: their calls, to wait for
+        self._releases: list[Any] | None = None  # while close() gives leases back: their calls, to wait for
         self._closed = False
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -917,12 +917,13 @@ class RaySandboxFleet:
                 return
             self._closed = True
             leases, self._leases = list(self._leases), set()
-        self._releases: list[Any] | None = []
+        releases: list[Any] = []
+        self._releases = releases
         for lease in leases:
             with contextlib.suppress(Exception):
                 self.release(lease)
         with contextlib.suppress(Exception):  # sent before this process may leave Ray below
-            self.ray.wait(self._releases, num_returns=len(self._releases), timeout=10)
+            self.ray.wait(releases, num_returns=len(releases), timeout=10)
         self._releases = None
         remaining = 1
         with contextlib.suppress(Exception):  # a coordinator already gone has no one left to end
