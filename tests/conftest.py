@@ -47,13 +47,22 @@ def pytest_configure(config: pytest.Config) -> None:
     required()  # a misspelt STARE_REQUIRE stops the run before any test, not when a test first asks
 
 
+SLOW_TESTS = frozenset(
+    line.strip()
+    for line in (REPO / "tests" / "slow_tests.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+)
+"""Tests measured at 1.5 s or more (tests/slow_tests.txt, written by scripts/slow_tests.py)."""
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that uses one of its module's ``SLOW_FIXTURES`` (a real vLLM started for the module: a minute
-    or more on 2 CPU cores) is marked ``slow``, so that `make test-fast` (``-m "not slow"``) leaves it out."""
+    """Marked ``slow``, so that `make test-fast` (``-m "not docker and not slow"``) leaves them out: a test
+    listed in ``SLOW_TESTS``, and one that uses one of its module's ``SLOW_FIXTURES`` (a real vLLM started
+    for the module: a minute or more on 2 CPU cores)."""
     for item in items:
         slow = getattr(getattr(item, "module", None), "SLOW_FIXTURES", ())
-        if set(slow) & set(getattr(item, "fixturenames", ())):
+        if item.nodeid.split("[")[0] in SLOW_TESTS or set(slow) & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 
