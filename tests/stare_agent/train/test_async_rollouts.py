@@ -199,6 +199,7 @@ def _step_rollouts(run_dir, step):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # scripted training runs, 20-60 s on 2 loaded cores
 def test_an_update_mid_episode_splits_its_versions_and_every_token_keeps_its_samplers(
     tmp_path, problem_file, monkeypatch
 ):
@@ -245,6 +246,7 @@ def test_an_update_mid_episode_splits_its_versions_and_every_token_keeps_its_sam
     assert len(set().union(*problems_by_step.values())) == 6  # no group split over two steps
 
 
+@pytest.mark.slow  # scripted training runs, 20-60 s on 2 loaded cores
 def test_synchronous_steps_sample_every_token_from_the_previous_update(tmp_path, problem_file):
     _, run_dir = _train(tmp_path, problem_file, "sync", steps=2)
     assert [r["async/staleness_max"] for r in _records(run_dir)] == [0.0, 0.0]
@@ -263,6 +265,7 @@ def _same_run(a, b):
             assert x[key] == y[key], (x["step"], key)
 
 
+@pytest.mark.slow  # scripted training runs, 20-60 s on 2 loaded cores
 def test_asynchronous_rollouts_train_like_synchronous_ones_when_the_sampler_ignores_the_weights(
     tmp_path, problem_file
 ):
@@ -281,6 +284,7 @@ def test_asynchronous_rollouts_train_like_synchronous_ones_when_the_sampler_igno
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # scripted training runs, 20-60 s on 2 loaded cores
 def test_a_resumed_asynchronous_run_plays_the_in_flight_steps_again(tmp_path, problem_file, monkeypatch):
     """A run that dies in step 3 (step 3's rollouts and part of step 4's played) resumes from its
     step-2 checkpoint and ends as the uninterrupted run does: the checkpoint's data position is the
@@ -351,6 +355,7 @@ def _entropy_on(model, episodes) -> float:
     return total / count
 
 
+@pytest.mark.slow  # scripted training runs, 20-60 s on 2 loaded cores
 def test_on_stale_rollouts_the_gate_reads_the_proximal_policy_on_the_kept_batch(tmp_path, problem_file):
     """Step 3 of a one-step-stale run trains on tokens sampled by policies 1 and 2; its gate's Hbar is
     the entropy of policy 2 (the learner before update 3, the proximal policy) on step 3's kept
