@@ -340,6 +340,45 @@ def test_a_second_process_shares_the_fleet_and_its_lease_cap(cluster, fleet: Ray
     _wait(lambda: fleet.stats().clients == 1, 30, "the dead process's client forgotten")
 
 
+def test_a_fleet_whose_every_client_died_ends_itself(cluster) -> None:
+    """The coordinator is detached (no process owns it): when the only process that used it dies
+    without ``close``, it ends itself, its hosts and their containers."""
+    import subprocess
+    import sys
+
+    import ray
+
+    from sandbox.ray_fleet import COORDINATOR_NAME
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    dies = SECOND_PROCESS.split("out = ")[0].replace(
+        "dataclasses.replace(FLEET, ", "dataclasses.replace(FLEET, namespace='stare-test-orphan', "
+    )
+    dies += "assert fleet.stats().clients == 1\nimport os; os._exit(0)\n"
+    done = subprocess.run(
+        [sys.executable, "-c", dies, cluster.address], capture_output=True, timeout=120, cwd=repo
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def ended() -> bool:
+        try:
+            ray.get_actor(COORDINATOR_NAME, namespace="stare-test-orphan")
+        except ValueError:
+            return True
+        return False
+
+    _wait(ended, 30, "the orphaned coordinator ended")
+
+    def left() -> list:
+        return [
+            a
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == "stare-test-orphan"
+        ]
+
+    _wait(lambda: not left(), 30, "its hosts ended")
+
+
 def test_an_actor_killed_mid_call_fails_the_call_and_its_host_comes_back(fleet: RaySandboxFleet) -> None:
     import ray
 
