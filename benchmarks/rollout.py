@@ -434,6 +434,7 @@ def bench_draw(args: argparse.Namespace) -> None:
 
     from envs.engine import SamplingParams
     from envs.problems import ProblemStream
+    from envs.registry import make_tool_envs
     from envs.rollout import RolloutRunner
     from stare_agent.config import load_config, train_source
     from stare_agent.engines import start_engine
@@ -455,7 +456,7 @@ def bench_draw(args: argparse.Namespace) -> None:
     paths = {"old: transformers, lockstep": old, "vLLM, lockstep": _Lockstep(vllm), "vLLM, continuous": vllm}
     n = data.prompts_per_step * G
     pool = config.sandbox.make_pool(n)
-    envs = [env.make(pool=pool, tokenizer=tokenizer) for _ in range(n)]
+    envs = make_tool_envs(env.id, n, **env.env_kwargs(), pool=pool, tokenizer=tokenizer)
     stream = ProblemStream(train_source(config), seed=config.trainer.seed, difficulty=data.difficulty)
     results: dict[str, list[tuple[float, int]]] = {name: [] for name in paths}
     same: dict[str, list[int]] = {name: [] for name in paths}

@@ -45,7 +45,7 @@ from transformers import set_seed
 
 from envs.engine import SamplingParams
 from envs.problems import Problem, ProblemStream
-from envs.registry import check_env_id
+from envs.registry import check_env_id, make_tool_envs
 from envs.rollout import RolloutRunner
 from envs.tool_env import ToolEnv
 from envs.trajectory import Trajectory
@@ -692,8 +692,15 @@ class Trainer:
         )
 
     def _get_envs(self, n: int) -> list[ToolEnv]:
-        while len(self._envs) < n:
-            self._envs.append(self.config.env.make(pool=self._sandbox_pool(), tokenizer=self.tokenizer))
+        if len(self._envs) < n:  # the id checked once for the new ones, not once per env
+            env = self.config.env
+            self._envs += make_tool_envs(
+                env.id,
+                n - len(self._envs),
+                **env.env_kwargs(),
+                pool=self._sandbox_pool(),
+                tokenizer=self.tokenizer,
+            )
         return self._envs
 
     def _sandbox_pool(self) -> Any:
