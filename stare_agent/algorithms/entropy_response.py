@@ -22,11 +22,25 @@ Subsets (all over mask-1 tokens; k = ceil(P |T+|) as in STARE): ``L+``/``L-`` of
 ``bottom`` (the k least surprising tokens of T+), ``oracle`` (the k tokens of T+ with the largest
 I_t: the exact first-order raisers), and ``random`` (the EXPECTATION over uniformly random k-subsets
 of T+: ``(k / |T+|) * sum_{T+} I_t``, no sampling noise).
+
+Whole METHODS (issue 31: GRPO-ds, STARE, the entropy bonus, KL-Cov, Clip-Cov, forking tokens) are
+losses ``l(logp, H)`` of the batch's log-probs and full-vocabulary entropies, so one SGD step of lr
+changes the bank's entropy, to first order, by
+
+    dH_l = -lr * sum_t (dl/dlogp_t * d_t + dl/dH_t * e_t),   e_t = d/de H_t(theta + e u) at e = 0
+
+(:func:`loss_response`; the coefficients ``dl/dlogp_t`` are autograd's, of the method's own loss).
+For GRPO-ds on-policy, ``dl/dlogp_t = -A_t / N``, so its logp part is ``sum_t I_t``; a method that
+reweights tokens by ``w_t`` gives ``sum_t w_t I_t``; KL-Cov's penalty ``|logp - logp_old|`` has
+gradient 0 at ``logp = logp_old`` (the first step on a batch), so its coefficients are GRPO-ds's
+exactly; the entropy bonus (``l -= beta * mean_t H_t``) adds ``dl/dH_t = -beta / N``, i.e.
+``lr * beta * (directional derivative of the samples' token-mean entropy along u)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -102,3 +116,36 @@ def subset_responses(influence: Tensor, subsets: dict[str, Tensor], P: float) ->
     k = top_k_count(P, n_plus) if n_plus else 0
     out["random"] = k / n_plus * out["T+"] if n_plus else 0.0
     return out
+
+
+class LossResponse(NamedTuple):
+    """First-order H_bank change per unit lr of one SGD step on a loss, split by the path it takes."""
+
+    logp_part: float  # -sum_t dl/dlogp_t d_t
+    entropy_part: float  # -sum_t dl/dH_t e_t (0 when the loss does not read H)
+    dl_dlogp: Tensor  # [B, T] float64, the loss's per-token coefficients
+
+    @property
+    def total(self) -> float:
+        return self.logp_part + self.entropy_part
+
+
+def loss_response(
+    loss_fn: Callable[[Tensor, Tensor], Tensor], logprobs: Tensor, entropy: Tensor, d: Tensor, e: Tensor
+) -> LossResponse:
+    """``-sum_t (dl/dlogp_t d_t + dl/dH_t e_t)`` for ``l = loss_fn(logp, H)`` (module docstring).
+
+    Args:
+        loss_fn: the method's loss of the batch's [B, T] log-probs and entropies (float64 leaves at the
+            current values, so e.g. ``policy_loss(logp, logp.detach(), ...)`` is on-policy).
+        logprobs, entropy: [B, T] current values (detached here).
+        d, e: [B, T] directional derivatives of logp_t and H_t along u (0 off the mask).
+    """
+    lp = logprobs.detach().double().requires_grad_(True)
+    H = entropy.detach().double().requires_grad_(True)
+    with torch.enable_grad():
+        g_lp, g_H = torch.autograd.grad(loss_fn(lp, H), (lp, H), allow_unused=True)
+    g_lp = torch.zeros_like(lp) if g_lp is None else g_lp
+    logp_part = -float((g_lp * d.detach().double()).sum())
+    entropy_part = 0.0 if g_H is None else -float((g_H * e.detach().double()).sum())
+    return LossResponse(logp_part, entropy_part, g_lp.detach())
