@@ -29,7 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
+import random
+import statistics
 import subprocess
 import sys
 import time
@@ -37,11 +40,17 @@ from pathlib import Path
 
 import torch
 
-from envs.problems import generate_problems
+from envs.problems import generate_problems, load_problems
 from envs.rewards import RewardConfig, compute_reward, extract_boxed
 from stare_agent.algorithms.advantages import broadcast_to_tokens, grpo_advantages
+from stare_agent.algorithms.entropy_control import (
+    clip_cov_weights,
+    forking_token_weights,
+    kl_cov_coefficients,
+)
 from stare_agent.algorithms.entropy_response import (
     directional_derivative,
+    loss_response,
     response_subsets,
     subset_responses,
     token_influence,
@@ -55,8 +64,8 @@ from stare_agent.models import load_policy, tiny_model
 INSTRUCTION = "\nAnswer briefly and give the final answer in \\boxed{}."
 
 
-def sample(model, tok, problems, group: int, max_new: int, seed: int):
-    """Right-padded [N, L] ids, attention mask, score mask [N, L-1] (response tokens), golds, texts.
+def generate_rows(model, tok, problems, group: int, max_new: int, seed: int):
+    """``(prompt ids, response ids)`` of every prompt x ``group`` samples, and the decoded responses.
 
     All prompts x ``group`` samples go through ONE left-padded ``generate`` call (a decoding step
     costs about the same for 4 or 16 rows on a memory-bound CPU)."""
@@ -86,14 +95,20 @@ def sample(model, tok, problems, group: int, max_new: int, seed: int):
             max_new_tokens=max_new,
             pad_token_id=pad,
         )
-    rows, golds, texts = [], [], []
+    rows, texts = [], []
     for n, p in enumerate(prompts):
         resp = out[n, Lp:].tolist()
         if tok.eos_token_id in resp:
             resp = resp[: resp.index(tok.eos_token_id) + 1]
+        elif pad in resp and pad != tok.eos_token_id:
+            resp = resp[: resp.index(pad)]
         rows.append((p, resp))
         texts.append(tok.decode(resp, skip_special_tokens=True))
-        golds.append(problems[n // group].answer)
+    return rows, texts
+
+
+def pad_rows(rows, pad: int):
+    """Right-padded [N, L] ids, attention mask, score mask [N, L-1] (the response tokens)."""
     L = max(len(p) + len(r) for p, r in rows)
     N = len(rows)
     ids = torch.full((N, L), pad, dtype=torch.long)
@@ -103,7 +118,7 @@ def sample(model, tok, problems, group: int, max_new: int, seed: int):
         ids[n, : len(p) + len(r)] = torch.tensor(p + r)
         attn[n, : len(p) + len(r)] = 1
         score[n, len(p) - 1 : len(p) + len(r) - 1] = True
-    return ids, attn, score, golds, texts
+    return ids, attn, score
 
 
 def rewards_of(texts, golds, penalty: float) -> torch.Tensor:
@@ -125,8 +140,9 @@ def bank_entropy(model, ids, attn, score, chunk: int = 256) -> torch.Tensor:
     return total / hidden.shape[0]
 
 
-def batch_logp(model, ids, attn, score) -> torch.Tensor:
-    return causal_lm_logprobs_and_entropy(model, ids, attn, score_mask=score)[0]
+def batch_scores(model, ids, attn, score) -> torch.Tensor:
+    """[2, N, L-1]: every response token's log-prob and full-vocabulary entropy (0 off the mask)."""
+    return torch.stack(causal_lm_logprobs_and_entropy(model, ids, attn, score_mask=score))
 
 
 def flat_grad(params) -> torch.Tensor:
@@ -141,20 +157,103 @@ def unflatten(vec, params):
     return out
 
 
+def problem_pool(args):
+    """(batch problems, bank problems): disjoint; a built-in set is shuffled by ``--seed`` and filtered
+    to ``--levels`` (MATH-500's level, read from its ``source`` field)."""
+    if args.source.startswith("procedural:"):
+        family = args.source.split(":", 1)[1] or "mixed"
+        return (
+            generate_problems(family, 10_000, seed=args.seed),
+            generate_problems(family, args.bank_prompts, seed=10_000 + args.seed),
+        )
+    probs = load_problems(args.source)
+    if args.levels:
+        probs = [p for p in probs if any(f"level {lv})" in p.source for lv in args.levels)]
+    if len(probs) <= args.bank_prompts:
+        raise SystemExit(f"{args.source} levels {args.levels}: only {len(probs)} problems: widen --levels")
+    random.Random(args.seed).shuffle(probs)
+    return probs[args.bank_prompts :], probs[: args.bank_prompts]
+
+
+def draw_batch(model, tok, pool, args, cursor: int, log):
+    """GRPO-ds's dynamic sampling: draw ``--prompts`` problems x ``--group`` samples at a time, keep the
+    groups whose rewards vary, until ``--groups`` are kept. Returns (rows, rewards [G * group], cursor,
+    groups drawn); a drawn problem is never drawn again in this run while the pool lasts (it cycles
+    with new sampling seeds after)."""
+    rows, rewards, drawn = [], [], 0
+    while len(rewards) < args.groups * args.group:
+        probs = [pool[(cursor + i) % len(pool)] for i in range(args.prompts)]
+        new_rows, texts = generate_rows(model, tok, probs, args.group, args.max_new, args.seed + cursor)
+        golds = [p.answer for p in probs for _ in range(args.group)]
+        r = rewards_of(texts, golds, args.penalty)
+        if args.tiny:  # the tiny random model never answers: random rewards exercise the pipeline
+            r = torch.randint(0, 2, r.shape, generator=torch.Generator().manual_seed(cursor)).float()
+        cursor += args.prompts
+        drawn += args.prompts
+        for g in range(args.prompts):
+            rg = r[g * args.group : (g + 1) * args.group]
+            if float(rg.max() - rg.min()) > 0 and len(rewards) < args.groups * args.group:
+                rows += new_rows[g * args.group : (g + 1) * args.group]
+                rewards += rg.tolist()
+        log(f"  drew problems up to {cursor}: correct per group {r.view(args.prompts, -1).sum(1).tolist()}")
+        if drawn > args.max_draw:
+            return None, None, cursor, drawn
+    return rows, torch.tensor(rewards), cursor, drawn
+
+
+def method_losses(A_tok, logp, entropy, mask, args, batch: int):
+    """Each method's loss ``l(logp, H)`` as the learner builds it (config defaults; selections over the
+    whole batch), and the seconds its token selection took (its extra cost over GRPO-ds's step)."""
+    lp0 = logp.detach()
+    A = A_tok.double()
+    out = {}
+
+    def timed(fn):
+        t = time.perf_counter()
+        value = fn()
+        return value, time.perf_counter() - t
+
+    def pg(weights=None, kl_coef=None, beta=0.0):
+        return lambda lp, H: policy_loss(
+            lp, lp.detach(), A, mask, weights, kl_coef=kl_coef, entropy=H, entropy_coef=beta
+        )[0]
+
+    out["grpo_ds"] = (pg(), 0.0)
+    for variant in ("O1", "C2"):
+        (w, *_), sec = timed(
+            lambda v=variant: stare_weights(A_tok, lp0, mask, gate_on=True, variant=v, scope="global")
+        )
+        out[f"stare_{variant}"] = (pg(w.double()), sec)
+    out["entropy_bonus"] = (pg(beta=args.entropy_coef), 0.0)
+    (kl, _), sec = timed(lambda: kl_cov_coefficients(A_tok, lp0, mask, scope="global"))
+    out["kl_cov"] = (pg(kl_coef=kl.double()), sec)
+    gen = torch.Generator().manual_seed(args.seed * 1_000 + batch)
+    (w, m), sec = timed(lambda: clip_cov_weights(A_tok, lp0, mask, generator=gen, scope="global"))
+    out["clip_cov"] = (pg(w.double()), sec)
+    (w, _), sec = timed(lambda: forking_token_weights(entropy.detach(), mask, scope="global"))
+    out["forking_tokens"] = (pg(w.double()), sec)
+    return out, {"clip_cov_candidates": m["clip_cov/frac_candidates"] * int(mask.sum())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 batches, tiny bank, short samples")
     ap.add_argument("--batches", type=int, default=12)
-    ap.add_argument("--prompts", type=int, default=2, help="prompts per batch")
+    ap.add_argument("--model", default=None, help="policy to start from (default: the embedded model)")
+    ap.add_argument("--source", default="math500", help="a built-in set, or procedural:<family>")
+    ap.add_argument("--levels", type=int, nargs="*", default=[1, 2], help="MATH levels kept ([] = all)")
+    ap.add_argument("--prompts", type=int, default=4, help="problems per draw (one generate call)")
+    ap.add_argument("--groups", type=int, default=2, help="groups with reward variance per batch")
+    ap.add_argument("--max-draw", type=int, default=40, help="give up a batch after this many problems")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt")
     ap.add_argument("--max-new", type=int, default=160)
     ap.add_argument("--bank-prompts", type=int, default=4)
     ap.add_argument("--bank-group", type=int, default=4)
-    ap.add_argument("--validate", type=int, default=3, help="batches with real SGD steps at W in --W")
+    ap.add_argument("--validate", type=int, default=1, help="batches with real SGD steps at W in --W")
     ap.add_argument("--W", type=float, nargs="+", default=[1.0, 2.0, 4.0])
     ap.add_argument("--P", type=float, nargs="+", default=[0.05, 0.1, 0.2])
-    ap.add_argument("--family", default="mixed")
-    ap.add_argument("--penalty", type=float, default=0.5, help="format_penalty of the reward")
+    ap.add_argument("--penalty", type=float, default=0.0, help="format_penalty of the reward")
+    ap.add_argument("--entropy-coef", type=float, default=0.001, help="entropy bonus beta (config default)")
     ap.add_argument("--fd-step", type=float, default=1e-2, help="|eps u| of the central difference")
     ap.add_argument("--adam-lr", type=float, default=1e-6, help="sets the SGD step norm (see docstring)")
     ap.add_argument("--seed", type=int, default=0)
@@ -162,6 +261,8 @@ def main() -> None:
         "--tiny", action="store_true", help="pipeline smoke test: tiny random model, random rewards"
     )
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--time-limit", type=float, default=1440.0, help="start no batch after this (s)")
+    ap.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument(
         "--from-records",
@@ -172,29 +273,42 @@ def main() -> None:
     if args.from_records:
         return summarize_saved(args)
     if args.quick:
-        args.batches, args.prompts, args.group, args.max_new = 2, 1, 4, 48
+        args.batches, args.prompts, args.group, args.max_new, args.groups = 2, 2, 4, 48, 1
         args.bank_prompts, args.bank_group, args.validate = 1, 4, 1
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    model, tok = tiny_model() if args.tiny else load_policy(dtype=torch.float32)
+    log = lambda *a: print(f"[{time.time() - t0:7.1f}s]", *a, flush=True)  # noqa: E731
+    if args.tiny:
+        model, tok = tiny_model()
+    else:
+        model, tok = (
+            load_policy(args.model, dtype=torch.float32) if args.model else load_policy(dtype=torch.float32)
+        )
     model.eval()
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
-    log = lambda *a: print(f"[{time.time() - t0:7.1f}s]", *a, flush=True)  # noqa: E731
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pool, bank_probs = problem_pool(args)
 
-    # --- the bank and h = grad H_bank
-    bank_probs = generate_problems(args.family, args.bank_prompts, seed=10_000 + args.seed)
-    b_ids, b_attn, b_score, _, _ = sample(
-        model, tok, bank_probs, args.bank_group, args.max_new, 10_000 + args.seed
-    )
-    model.zero_grad(set_to_none=True)
-    H0 = bank_entropy(model, b_ids, b_attn, b_score)
-    H0.backward()
-    h = flat_grad(params).double()
-    H0 = float(H0.detach())
-    model.zero_grad(set_to_none=True)
+    # --- the bank and h = grad H_bank (saved, so that a resumed run measures against the same one)
+    bank_file = args.out / "bank.pt"
+    saved = json.loads((args.out / "records.json").read_text()) if args.resume else None
+    if args.resume:
+        bank = torch.load(bank_file)
+        b_ids, b_attn, b_score, h = bank["ids"], bank["attn"], bank["score"], bank["h"].double()
+        H0 = saved["meta"]["H_bank"]
+    else:
+        b_rows, _ = generate_rows(model, tok, bank_probs, args.bank_group, args.max_new, 10_000 + args.seed)
+        b_ids, b_attn, b_score = pad_rows(b_rows, pad)
+        model.zero_grad(set_to_none=True)
+        H = bank_entropy(model, b_ids, b_attn, b_score)
+        H.backward()
+        h = flat_grad(params).double()
+        H0 = float(H.detach())
+        model.zero_grad(set_to_none=True)
+        torch.save({"ids": b_ids, "attn": b_attn, "score": b_score, "h": h.float()}, bank_file)
     u = unflatten((h / h.norm()).float(), params)  # unit direction; d_t is rescaled by |h| below
     log(
         f"bank: {int(b_score.sum())} tokens, H_bank = {H0:.4f}, |h| = {float(h.norm()):.4g}, params {n_params}"
@@ -207,74 +321,124 @@ def main() -> None:
     H_check = H_bank_now()
     log(f"H_bank recomputed without grad: {H_check:.6f} (diff {H_check - H0:.2e})")
 
-    records, val_records, lr, skipped = [], [], None, 0
-    problems = generate_problems(args.family, 10 * args.batches * args.prompts, seed=args.seed)
-    cursor = 0
-    while len(records) < args.batches and cursor < len(problems):
-        probs = problems[cursor : cursor + args.prompts]
-        cursor += args.prompts
-        ids, attn, score, golds, texts = sample(
-            model, tok, probs, args.group, args.max_new, args.seed + cursor
-        )
-        r = rewards_of(texts, golds, args.penalty)
-        if args.tiny:  # the tiny random model never answers: random rewards exercise the pipeline
-            r = torch.randint(0, 2, r.shape, generator=torch.Generator().manual_seed(cursor)).float()
+    if saved:
+        records, val_records = saved["batches"], saved["validation"]
+        lr, skipped, cursor = saved["meta"]["lr"], saved["meta"]["skipped"], saved["meta"]["cursor"]
+        drawn_total, wall_before = saved["meta"]["drawn"], saved["meta"]["wall_s"]
+    else:
+        records, val_records, lr, skipped, cursor, drawn_total, wall_before = [], [], None, 0, 0, 0, 0.0
+    last = 0.0
+    while len(records) < args.batches:
+        if time.time() - t0 + last > args.time_limit:
+            log(f"time limit: stopping before batch {len(records)}; continue with --resume")
+            break
+        tb = time.time()
+        rows, r, cursor, drawn = draw_batch(model, tok, pool, args, cursor, log)
+        drawn_total += drawn
+        if rows is None:
+            skipped += 1
+            log(f"no {args.groups} groups with reward variance in {drawn} problems: batch skipped")
+            continue
+        t_sampled = time.time()
+        ids, attn, score = pad_rows(rows, pad)
         A, _ = grpo_advantages(r, group_size=args.group)
         mask = score
         A_tok = broadcast_to_tokens(A, mask)
-        if not bool((A_tok != 0).any()):
-            skipped += 1
-            log(f"batch at problem {cursor}: rewards {r.tolist()} all equal in each group: skipped (GRPO-ds)")
-            continue
         N = int(mask.sum())
         # the full update's gradient (and L+ at P = 0.1's on validation batches), exact
-        logp = batch_logp(model, ids, attn, score)
+        validating = len(val_records) < args.validate
+        tf = time.perf_counter()
+        logp, ent = batch_scores(model, ids, attn, score)
         loss, _ = policy_loss(logp, logp.detach(), A_tok, mask)
         model.zero_grad(set_to_none=True)
-        loss.backward(retain_graph=len(val_records) < args.validate)
+        loss.backward(retain_graph=validating)
         g_all = flat_grad(params).double()
+        step_s = time.perf_counter() - tf  # GRPO-ds's forward + backward: the reference cost
         model.zero_grad(set_to_none=True)
-        validating = len(val_records) < args.validate
-        if validating:  # L+ at P = 0.1's own gradient (before the central difference moves the weights)
+        if validating:
+            # L+ at P = 0.1's own gradient (before the central difference moves the weights)
             w_plus = stare_weights(A_tok, logp.detach(), mask, gate_on=False, P=0.1)[1].to(logp.dtype)
             loss_plus, _ = policy_loss(logp, logp.detach(), A_tok, mask, weights=w_plus, token_count=N)
             loss_plus.backward()
             g_plus = flat_grad(params).double()
             model.zero_grad(set_to_none=True)
+            # the entropy bonus's whole loss, its exact gradient and its cost: a fresh forward + backward
+            # of each loss, GRPO-ds's first, timed alike
+            tf = time.perf_counter()
+            logp_r, _ = batch_scores(model, ids, attn, score)
+            policy_loss(logp_r, logp_r.detach(), A_tok, mask)[0].backward()
+            ref_step_s = time.perf_counter() - tf
+            model.zero_grad(set_to_none=True)
+            del logp_r
+            tf = time.perf_counter()
+            logp_b, ent_b = batch_scores(model, ids, attn, score)
+            loss_b, _ = policy_loss(
+                logp_b, logp_b.detach(), A_tok, mask, entropy=ent_b, entropy_coef=args.entropy_coef
+            )
+            loss_b.backward()
+            g_bonus = flat_grad(params).double()
+            bonus_step_s = time.perf_counter() - tf
+            model.zero_grad(set_to_none=True)
+            del logp_b, ent_b, loss_b
+        logp, ent = logp.detach(), ent.detach()
         if lr is None:
             lr = args.adam_lr * math.sqrt(n_params) / float(g_all.norm())
             log(f"lr (SGD, fixed for the run) = {lr:.4g}")
-        # directional derivatives of every token's log p along u = h / |h|, then d_t = |h| * that
-        eps = args.fd_step
-        d = (
+        # directional derivatives of every token's log p and H along u = h / |h|, then times |h|
+        de = (
             directional_derivative(
-                lambda ids=ids, attn=attn, score=score: batch_logp(model, ids, attn, score), params, u, eps
+                lambda ids=ids, attn=attn, score=score: batch_scores(model, ids, attn, score),
+                params,
+                u,
+                args.fd_step,
             )
             * h.norm()
         )
+        d, e = de[0], de[1]
         infl = token_influence(A_tok, d, mask)
         exact_all = -float(h @ g_all)  # sum_t I_t should equal -<h, g_all>
         rec = {
             "batch": len(records),
             "tokens": N,
             "rewards": r.tolist(),
+            "problems_drawn": drawn,
             "fd_sum_all": float(infl.sum()),
             "exact_all": exact_all,
-            "H_batch": None,
+            "step_s": step_s,
+            "sample_s": t_sampled - tb,
         }
         for P in args.P:
-            subsets = response_subsets(A_tok, logp.detach(), mask, infl, P)
+            subsets = response_subsets(A_tok, logp, mask, infl, P)
             resp = subset_responses(infl, subsets, P)
             for name, value in resp.items():
                 rec[f"P{P}/{name}"] = lr * value
             rec[f"P{P}/k"] = int(subsets["L+"].sum())
+        losses, extra = method_losses(A_tok, logp, ent, mask, args, len(records))
+        rec.update(extra)
+        grpo_coef = None
+        for name, (loss_fn, sec) in losses.items():
+            out = loss_response(loss_fn, logp, ent, d, e)
+            rec[f"m/{name}"] = lr * out.total
+            rec[f"m/{name}/entropy_part"] = lr * out.entropy_part
+            rec[f"m/{name}/select_s"] = sec
+            if name == "grpo_ds":
+                grpo_coef = out.dl_dlogp
+            if name == "kl_cov":  # 0 exactly: its penalty has no gradient at logp = logp_old
+                rec["kl_cov_max_coef_diff"] = float((out.dl_dlogp - grpo_coef).abs().max())
         log(
-            f"batch {len(records)}: N={N}, rewards {r.tolist()}, dH(all)={rec[f'P{args.P[0]}/all']:.3e}, "
-            f"fd/exact={rec['fd_sum_all'] / exact_all if exact_all else float('nan'):.4f}"
+            f"batch {len(records)}: N={N}, rewards {r.tolist()}, dH(GRPO-ds)={rec['m/grpo_ds']:.3e}, "
+            f"fd/exact={rec['fd_sum_all'] / exact_all if exact_all else float('nan'):.4f}, "
+            + ", ".join(
+                f"{k[2:]} {v:+.2e}" for k, v in rec.items() if k.startswith("m/") and k.count("/") == 1
+            )
         )
         if validating:
             v = {"batch": len(records), "fd_L+": lr * float(infl[w_plus.bool()].sum())}
             v["exact_L+"] = -lr * float(h @ g_plus)
+            v["fd_bonus"] = rec["m/entropy_bonus"]
+            v["exact_bonus"] = -lr * float(h @ g_bonus)
+            v["bonus_step_s"], v["step_s"] = bonus_step_s, ref_step_s
+            log(f"  entropy bonus: central difference {v['fd_bonus']:.4e}, exact {v['exact_bonus']:.4e}")
             for W in args.W:
                 step = unflatten((-lr * (g_all + (W - 1) * g_plus)).float(), params)
                 with torch.no_grad():
@@ -292,38 +456,48 @@ def main() -> None:
             val_records.append(v)
         del logp, loss
         records.append(rec)
+        last = time.time() - tb
+        meta = {
+            "lr": lr,
+            "H_bank": H0,
+            "bank_tokens": int(b_score.sum()),
+            "skipped": skipped,
+            "cursor": cursor,
+            "drawn": drawn_total,
+            "wall_s": wall_before + time.time() - t0,
+            "model": args.model or "embedded:smollm2-135m-instruct",
+        }
         (args.out / "records.json").write_text(
-            json.dumps(
-                {
-                    "batches": records,
-                    "validation": val_records,
-                    "meta": {"lr": lr, "H_bank": H0, "bank_tokens": int(b_score.sum()), "skipped": skipped},
-                },
-                indent=1,
-            )
+            json.dumps({"batches": records, "validation": val_records, "meta": meta}, indent=1)
         )
 
-    wall = time.time() - t0
+    wall = wall_before + time.time() - t0
     summary = summarize(records, val_records, args)
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model_name = next(
-        (ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")), "?"
-    )
-    machine = f"{model_name}, {torch.get_num_threads()} torch threads, {platform.platform()}, torch {torch.__version__}"
     meta = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "lr": lr,
         "H_bank": H0,
         "bank_tokens": int(b_score.sum()),
         "skipped_batches": skipped,
+        "drawn": drawn_total,
         "wall_s": wall,
-        "machine": machine,
+        "machine": machine_line(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": " ".join(sys.argv),
     }
     (args.out / "summary.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
     write_csv(records, args.out / "batches.csv")
     print_table(summary, args, meta)
+
+
+def machine_line() -> str:
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    name = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")), "?")
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, load average {load}, "
+        f"{platform.platform()}, torch {torch.__version__}"
+    )
 
 
 def summarize_saved(args) -> None:
@@ -382,6 +556,30 @@ def summarize(records, val_records, args):
         out[f"W{W}/measured"] = ci([v[f"W{W}/measured"] for v in val_records])
         out[f"W{W}/predicted"] = ci([v[f"W{W}/predicted"] for v in val_records])
     out["fd_L+_over_exact_L+"] = ci([v["fd_L+"] / v["exact_L+"] for v in val_records if v["exact_L+"]])
+    bonus = [v["fd_bonus"] / v["exact_bonus"] for v in val_records if v.get("exact_bonus")]
+    out["fd_bonus_over_exact_bonus"] = ci(bonus) if bonus else None
+    out["methods"] = (
+        [k[2:] for k in records[0] if k.startswith("m/") and k.count("/") == 1] if records else []
+    )
+    if not out["methods"]:  # records of a run before the methods were measured
+        return out
+    step = statistics.median(r["step_s"] for r in records)
+    for name in out["methods"]:
+        m = f"m/{name}"
+        diff = [r[m] - r["m/grpo_ds"] for r in records]
+        out[m] = ci([r[m] for r in records])
+        out[f"{m} - grpo_ds"] = ci(diff)
+        out[f"{m} - grpo_ds > 0"] = sum(x > 0 for x in diff)
+        out[f"{m}/select_s"] = statistics.median(r[f"{m}/select_s"] for r in records)
+        out[f"{m}/select_over_step"] = out[f"{m}/select_s"] / step
+    out["step_s"] = step
+    out["kl_cov_max_coef_diff"] = max((r["kl_cov_max_coef_diff"] for r in records), default=math.nan)
+    # the beta at which the bonus's own push cancels the GRPO-ds step's (ratio of batch means)
+    per_beta = statistics.fmean(r["m/entropy_bonus/entropy_part"] for r in records) / args.entropy_coef
+    out["bonus_per_beta"] = per_beta
+    out["beta_to_cancel_grpo"] = -out["m/grpo_ds"]["mean"] / per_beta if per_beta else math.nan
+    bonus_cost = [v["bonus_step_s"] / v["step_s"] for v in val_records if "bonus_step_s" in v]
+    out["bonus_step_over_step"] = statistics.fmean(bonus_cost) if bonus_cost else math.nan
     return out
 
 
@@ -426,7 +624,31 @@ def print_table(summary, args, meta):
             f"real SGD step, W={W}: measured {fmt(summary[f'W{W}/measured'])}, predicted {fmt(summary[f'W{W}/predicted'])}, "
             f"measured/predicted {fmt(summary[f'W{W}/measured_over_predicted'])}"
         )
+    if summary["methods"]:
+        print(f"entropy bonus: central difference / exact: {fmt(summary['fd_bonus_over_exact_bonus'])}")
+        print_methods(summary, meta)
     print(f"\nmachine: {meta['machine']}; wall {meta['wall_s']:.0f} s; {meta['date']}")
+
+
+def print_methods(summary, meta):
+    """The methods' one-step responses, each paired per batch with GRPO-ds's (the baseline row)."""
+    n = summary["m/grpo_ds"]["n"]
+    print(
+        f"\nMethods, one SGD step of each one's loss at lr = {meta['lr']:.4g}, paired with GRPO-ds ({n} batches)"
+    )
+    print("method | dH_bank | minus GRPO-ds (paired) | batches > GRPO-ds | selection s (x GRPO-ds step)")
+    for name in summary["methods"]:
+        m = f"m/{name}"
+        print(
+            f"{name} | {fmt(summary[m])} | {fmt(summary[f'{m} - grpo_ds'])} | {summary[f'{m} - grpo_ds > 0']}/{n} | "
+            f"{summary[f'{m}/select_s']:.2g} ({summary[f'{m}/select_over_step']:.1e})"
+        )
+    print(
+        f"GRPO-ds step (forward + backward, median) {summary['step_s']:.1f} s; with the entropy bonus's "
+        f"entropy gradient: {summary['bonus_step_over_step']:.3f}x; KL-Cov's coefficients minus GRPO-ds's: "
+        f"max |diff| {summary['kl_cov_max_coef_diff']:.1e}; bonus push per unit beta {summary['bonus_per_beta']:+.3e}, "
+        f"beta that cancels the GRPO-ds step's mean {summary['beta_to_cancel_grpo']:.3g}"
+    )
 
 
 if __name__ == "__main__":
