@@ -1,27 +1,36 @@
-"""The paired one-step entropy response of STARE's token subsets on the real model (issue 25, item 3).
+"""The paired one-step entropy response of STARE's token subsets and of issue 31's methods, real model.
 
-From one start (the embedded SmolLM2-135M-Instruct; no SFT checkpoint is used), in float32 on CPU:
+From one start (``--model``, default the embedded SmolLM2-135M-Instruct), in float32 on CPU:
 
-1. A held-out BANK: sequences sampled at temperature 1 on procedural problems (other seeds than the
-   batches'), teacher-forced; ``H_bank`` = the mean full-vocabulary entropy over its response tokens.
-   ``h = grad H_bank`` (one backward).
-2. For each BATCH (prompts x a group of samples at temperature 1, single-turn; reward = the project's
-   ``compute_reward`` of the last ``\\boxed{}`` with ``format_penalty`` so that 1 correct, 0 wrong,
-   -penalty for no boxed answer; GRPO advantages, zero-variance groups contribute nothing as in GRPO-ds):
-   the directional derivative d_t of every token's log-prob along u = h (SGD, D = I) by a central
-   difference, so ``I_t = A_t d_t / N`` and a subset's first-order response is ``dH_S = lr sum_S I_t``
-   (``stare_agent.algorithms.entropy_response``). Subsets: all (the GRPO-ds update), T+, T-, L+ and
-   L- at several P, the bottom-P of T+ by surprisal, a random T+ subset of |L+| (its expectation),
-   the oracle (the |L+| tokens of T+ with the largest I_t).
-3. Validation on the first batches: the exact inner product ``-lr <h, g>`` from a backward, and REAL
-   SGD steps ``theta - lr (g_all + (W - 1) g_L+)`` at W in {1, 2, 4}: H_bank measured after the step.
+1. A held-out BANK: sequences sampled at temperature 1 on problems the batches never draw,
+   teacher-forced; ``H_bank`` = the mean full-vocabulary entropy over its response tokens.
+   ``h = grad H_bank`` (one backward; saved in ``--out/bank.pt`` for ``--resume``).
+2. For each BATCH (single-turn, samples at temperature 1; reward = the project's ``compute_reward``
+   of the last ``\\boxed{}``, by default correctness only: 1 correct, 0 otherwise): GRPO-ds's dynamic
+   sampling draws ``--prompts`` problems x ``--group`` samples at a time (MATH-500 levels 1-2 by
+   default) and keeps the groups whose rewards vary until ``--groups`` are kept, so no forward or
+   backward is spent on a group without signal. GRPO advantages over the kept groups. Then the
+   directional derivatives d_t, e_t of every token's log-prob and entropy along u = h (SGD, D = I) by
+   one central difference (two forwards), so ``I_t = A_t d_t / N`` and a subset's first-order
+   response is ``dH_S = lr sum_S I_t`` (``stare_agent.algorithms.entropy_response``). Subsets: all
+   (the GRPO-ds update), T+, T-, L+ and L- at several P, the bottom-P of T+ by surprisal, a random T+
+   subset of |L+| (its expectation), the oracle (the |L+| tokens of T+ with the largest I_t).
+   METHODS (``loss_response``): one SGD step of each method's own loss (``policy_loss`` with the
+   method's weights, KL-Cov coefficients or entropy bonus at the config defaults), read from the
+   loss's per-token coefficients: GRPO-ds, STARE O1 and C2 with the gate on, the entropy bonus
+   (beta = 0.001), KL-Cov, Clip-Cov, forking tokens; paired per batch with GRPO-ds.
+3. Validation on the first batches: the exact inner product ``-lr <h, g>`` from a backward (GRPO-ds,
+   L+ and the entropy bonus's whole loss), and REAL SGD steps ``theta - lr (g_all + (W - 1) g_L+)``
+   at W in {1, 2, 4}: H_bank measured after the step.
 
-Every subset is evaluated on the same batches; the table gives the mean over batches with a 95 %
-t-interval, and paired differences. ``lr`` is fixed for the run: the SGD step of the first batch's
-full update has the norm of one Adam step of lr 1e-6 on every parameter (1e-6 * sqrt(#params)).
+Every subset and method is evaluated on the same batches; the table gives the mean over batches with
+a 95 % t-interval, and paired differences. ``lr`` is fixed for the run: the SGD step of the first
+batch's full update has the norm of one Adam step of lr 1e-6 on every parameter (1e-6 * sqrt(#params)).
 
     .venv/bin/python benchmarks/entropy_response.py --quick --out /tmp/er_quick
-    .venv/bin/python benchmarks/entropy_response.py --batches 12 --out runs/entropy_response
+    .venv/bin/python benchmarks/entropy_response.py --batches 10 --time-limit 1300 --out /tmp/er_methods
+    .venv/bin/python benchmarks/entropy_response.py --batches 10 --time-limit 1300 --out /tmp/er_methods --resume
+    .venv/bin/python benchmarks/entropy_response.py --from-records --out /tmp/er_methods   # the table
 """
 
 from __future__ import annotations
