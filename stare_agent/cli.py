@@ -240,6 +240,7 @@ def _study(args: argparse.Namespace) -> int:
         ablation_seeds=args.ablation_seeds,
         smoke=args.smoke,
         report_only=args.report,
+        h_tgt_of_start=args.h_tgt_of_start,
     )
     return 0
 
@@ -524,6 +525,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--report", action="store_true", help="train nothing: figure and table of the runs logged so far"
+    )
+    p.add_argument(
+        "--h-tgt-of-start",
+        type=float,
+        default=None,
+        metavar="FACTOR",
+        help="algorithm.H_tgt = FACTOR x the start's entropy measured by the calibration (e.g. 0.7: the closed loop)",
     )
     p.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. trainer.steps=20")
     p.set_defaults(func=_study)

@@ -747,6 +747,12 @@ class TrainerConfig:
             log-probs (decoupled PPO; ``algorithm.rollout_correction.mode=auto`` becomes
             ``token_tis``). Needs an engine that holds its own weights (vLLM, SGLang). 0: the
             synchronous trainer (each step's rollouts after the previous update).
+        entropy_bank: A held-out entropy bank (``stare_agent.entropy_bank``): a JSONL file of episodes
+            sampled once from the starting policy on the held-out problems (``data.eval``,
+            ``data.eval_limit`` x ``data.eval_samples``, at ``env.temperature`` / ``env.top_p``); each
+            held-out evaluation logs ``eval/bank_entropy``, the current policy's teacher-forced mean
+            entropy on the bank's model tokens (float32). A fresh run samples the file when it does not
+            exist; a resumed run, a replay and every run of a study read the same one. "": no bank.
     """
 
     steps: int = 2000
@@ -760,6 +766,7 @@ class TrainerConfig:
     max_infra_error_rate: float = 0.05
     infra_error_window: int = 5
     max_staleness: int = 0
+    entropy_bank: str = ""
 
     def __post_init__(self) -> None:
         _positive("trainer", self, "steps", "log_every", "keep_checkpoints", "infra_error_window")

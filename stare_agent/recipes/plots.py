@@ -210,7 +210,7 @@ def _common_parent(dirs: list[Path]) -> Path:
 
 # (title, y label, metric key or prefix ending in "@"): the study figure's panels.
 STUDY_PANELS = (
-    ("Entropy on sampled rollouts", "nats / token", "entropy"),
+    ("Entropy (solid: sampled rollouts, dotted: held-out bank)", "nats / token", "entropy"),
     ("Reward on RL draws", "mean reward", "reward_mean"),
     ("Held-out accuracy (solid: sampled, dashed: greedy)", "accuracy", "eval/avg@"),
     ("Response length", "tokens", "response_length_mean"),
@@ -240,7 +240,10 @@ def plot_study(
     for ax, (title, ylabel, key) in zip(axes.flat, STUDY_PANELS, strict=True):
         for i, (variant, by_seed) in enumerate(runs.items()):
             color = colors[i % len(colors)]
-            series = [(key, "-")] if not key.endswith("@") else [(key, "-"), ("eval_greedy/avg@", "--")]
+            series = {
+                "entropy": [(key, "-"), ("eval/bank_entropy", ":")],
+                "eval/avg@": [(key, "-"), ("eval_greedy/avg@", "--")],
+            }.get(key, [(key, "-")])
             for k, style in series:
                 steps, table = _by_step(by_seed.values(), k)
                 if not steps:

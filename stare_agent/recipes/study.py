@@ -52,6 +52,16 @@ VARIANTS |= {
     "clip-cov": ("algorithm.name=clip_cov",),
     "forking-tokens": ("algorithm.name=forking_tokens",),
 }
+# The closed loop's best chance by the dynamics lab (docs/lab.md): O1 at W = 3 with the gate read on the
+# whole draw (ours, not the paper's: the paper reads the kept groups).
+VARIANTS |= {
+    "stare-o1-w3-drawn": (
+        "algorithm.name=stare",
+        "algorithm.variant=O1",
+        "algorithm.W=3.0",
+        "algorithm.gate_batch=drawn",
+    ),
+}
 MAIN_VARIANTS = ("grpo-ds", "stare-o1", "stare-c2")
 SMOKE_VARIANTS = ("grpo-ds", "stare-o1")
 # A few steps of tiny batches: checks that the pipeline produces its figure and table.
@@ -72,6 +82,7 @@ SMOKE_OVERRIDES = (
 BAND = (0.3, 0.7)
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "study.yaml"
 CSV_NAME, FIGURE_NAME, TABLE_NAME, START_NAME = "study.csv", "study.png", "study.md", "start_eval.json"
+BANK_NAME = "entropy_bank.jsonl"  # the held-out entropy bank every run of the study reads
 
 
 def plan(variants: Sequence[str], seeds: int, ablation_seeds: int) -> list[tuple[str, int]]:
@@ -104,13 +115,17 @@ def study(
     ablation_seeds: int = 1,
     smoke: bool = False,
     report_only: bool = False,
+    h_tgt_of_start: float | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) the study of ``config_path`` and write its report; return the report's numbers.
 
     ``smoke`` runs ``SMOKE_VARIANTS`` with one seed and ``SMOKE_OVERRIDES`` (before ``overrides``).
     ``report_only`` trains nothing: the report of the runs logged so far (finished or not; the table
     says how many steps each variant has), e.g. while the study runs. The study directory is the
-    config's ``trainer.run_dir``.
+    config's ``trainer.run_dir``. ``h_tgt_of_start``: every run's ``algorithm.H_tgt`` is this multiple
+    of the start's entropy as the calibration measured it (``calibration.json``, kept, so a resumed
+    study sets the same value), e.g. 0.7 puts H_tgt inside the start's entropy range so that the gate
+    can toggle (the closed loop); it replaces an ``algorithm.H_tgt`` in the config or ``overrides``.
     """
     if smoke:
         variants, seeds, ablation_seeds = variants or SMOKE_VARIANTS, 1, 1
@@ -124,6 +139,9 @@ def study(
         calibration_path = root / "calibration.json"
         if not calibration_path.is_file():
             raise ConfigError(f"no study in {root} (no calibration.json): run `stare-agent study` first")
+        if h_tgt_of_start is not None:
+            overrides = relative_h_tgt(overrides, h_tgt_of_start, json.loads(calibration_path.read_text()))
+            base = load_config(config_path, list(overrides))
         logged = [(v, s) for v, s in pairs if (root / "runs" / f"{v}-s{s}" / "metrics.jsonl").is_file()]
         report = write_report(
             root, logged, json.loads(calibration_path.read_text()), h_tgt=base.algorithm.H_tgt
@@ -152,6 +170,14 @@ def study(
         f"{calibration.get('entropy', math.nan):.3f} (H_tgt = {base.algorithm.H_tgt:g})",
         flush=True,
     )
+    if h_tgt_of_start is not None:
+        overrides = relative_h_tgt(overrides, h_tgt_of_start, calibration)
+        base = load_config(config_path, list(overrides))
+        print(
+            f"[calibration] algorithm.H_tgt = {h_tgt_of_start:g} x the start's entropy "
+            f"{calibration['entropy']:.4f} = {base.algorithm.H_tgt:g} for every run",
+            flush=True,
+        )
     start_eval(config_path, overrides, sorted({s for _, s in pairs}), sft_dir, root)
     for variant, seed in pairs:
         train_one(config_path, overrides, variant, seed, sft_dir, root)
@@ -159,6 +185,21 @@ def study(
     report["total_s"] = time.perf_counter() - start
     print(f"\n{(root / TABLE_NAME).read_text()}\nfigure: {root / FIGURE_NAME}\ndata: {root / CSV_NAME}")
     return report
+
+
+def relative_h_tgt(overrides: Sequence[str], factor: float, calibration: dict[str, Any]) -> list[str]:
+    """``overrides`` with ``algorithm.H_tgt`` = ``factor`` x the calibration's entropy (4 significant digits).
+
+    >>> relative_h_tgt(["trainer.steps=2"], 0.7, {"entropy": 0.08712})
+    ['trainer.steps=2', 'algorithm.H_tgt=0.06098']
+    """
+    entropy = calibration.get("entropy")
+    if not factor > 0 or not _finite(entropy) or not entropy > 0:
+        raise ConfigError(
+            f"--h-tgt-of-start {factor} x the start's entropy {entropy}: needs a factor > 0 and a calibration "
+            "with a positive entropy (delete calibration.json to measure it again)"
+        )
+    return [*overrides, f"algorithm.H_tgt={factor * entropy:.4g}"]
 
 
 def cold_start(config: RunConfig, root: Path) -> Path:
@@ -245,7 +286,8 @@ def run_config(
     config_path: str | Path, overrides: Sequence[str], variant: str, seed: int, sft_dir: Path, run_dir: Path
 ) -> RunConfig:
     """The training config of one run: the study's config, ``overrides``, the variant's algorithm, the
-    seed, the run directory and the SFT model; nothing else differs between runs."""
+    seed, the run directory and the SFT model; nothing else differs between runs. Every run reads the
+    study's held-out entropy bank (``STUDY/entropy_bank.jsonl``, ``run_dir``'s grandparent)."""
     from stare_agent.recipes.quickstart import usable_precision
 
     return usable_precision(
@@ -257,6 +299,7 @@ def run_config(
                 f"trainer.seed={seed}",
                 f"trainer.run_dir={run_dir}",
                 f"model.name_or_path={sft_dir}",
+                f"trainer.entropy_bank={run_dir.parent.parent / BANK_NAME}",
             ],
         )
     )
@@ -267,18 +310,24 @@ def start_eval(
 ) -> dict[int, dict[str, float]]:
     """Held-out accuracy of the shared start (the SFT model) on each seed's held-out problems, evaluated
     as that seed's runs evaluate at their steps (the same Trainer code, engine, problems and sampling
-    seeds): the step 0 of the figure. Kept in ``start_eval.json``; a seed evaluated earlier is reused."""
+    seeds): the step 0 of the figure; and the start's entropy on the held-out entropy bank, which the
+    first seed's evaluation samples from the start (``STUDY/entropy_bank.jsonl``,
+    ``stare_agent.entropy_bank``). Kept in ``start_eval.json``; a seed evaluated earlier (with the
+    bank's entropy) is reused."""
+    from stare_agent.entropy_bank import BANK_METRIC
     from stare_agent.train.trainer import Trainer
 
     path = root / START_NAME
     done = _read_starts(root)
-    for seed in [s for s in seeds if s not in done]:
+    for seed in [s for s in seeds if BANK_METRIC not in done.get(s, {})]:
         config = run_config(
             config_path, overrides, MAIN_VARIANTS[0], seed, sft_dir, root / "start" / f"s{seed}"
         )
         trainer = Trainer(config)
         try:
             metrics = {f"eval/{k}": v for k, v in trainer.evaluate().metrics.items()}
+            trainer.load_bank()  # sampled from the start when the study has none yet
+            metrics[BANK_METRIC] = trainer.bank_entropy()
             if config.data.eval_greedy:
                 metrics.update(
                     {f"eval_greedy/{k}": v for k, v in trainer.evaluate(greedy=True).metrics.items()}
@@ -358,7 +407,11 @@ def write_report(
         name: _stats(v)
         for name, v in (
             (name, [float(starts[s][k]) for s in seeds for k in starts[s] if k.startswith(prefix)])
-            for name, prefix in (("heldout_sampled", "eval/avg@"), ("heldout_greedy", "eval_greedy/avg@"))
+            for name, prefix in (
+                ("heldout_sampled", "eval/avg@"),
+                ("heldout_greedy", "eval_greedy/avg@"),
+                ("bank_entropy", BANK_KEY),
+            )
         )
         if v
     }
@@ -427,6 +480,18 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
         values = [h for _, h in H]
         out["entropy_early"], out["entropy_late"] = _mean(values[:EDGE_STEPS]), _mean(values[-EDGE_STEPS:])
         out["entropy_step_std"] = _std(values)
+    bank = [(r["step"], float(r[BANK_KEY])) for r in records if _finite(r.get(BANK_KEY))]
+    if bank:
+        out["bank_entropy_start"] = bank[0][1] if bank[0][0] == 0 else math.nan
+        trained = [h for s, h in bank if s > 0]
+        if trained:
+            out["bank_entropy_late"] = _mean(trained[-BANK_EVALS:])
+    rewards = [float(r["reward_mean"]) for r in records if r["step"] > 0 and _finite(r.get("reward_mean"))]
+    if rewards:
+        out["reward"], out["reward_late"] = _mean(rewards), _mean(rewards[-EDGE_STEPS:])
+    gate = [float(r["gate_on"]) for r in records if r["step"] > 0 and _finite(r.get("gate_on"))]
+    if gate:
+        out["gate_on"] = _mean(gate)
     for key, name in (
         ("frac_reweighted", "reweighted"),
         ("stare/mean_weight", "mean_weight"),
@@ -448,10 +513,13 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
 
 
 EDGE_STEPS = 5  # "early" and "late" entropy: the mean over this many steps at each end of a run
+BANK_KEY, BANK_EVALS = "eval/bank_entropy", 2  # "late" bank entropy: the mean of its last 2 evaluations
 DYNAMICS_COLUMNS = (
     ("entropy_early", f"entropy, first {EDGE_STEPS} steps"),
     ("entropy_late", f"entropy, last {EDGE_STEPS} steps"),
     ("entropy_step_std", "entropy std over steps"),
+    ("bank_entropy_late", f"bank entropy, last {BANK_EVALS} evals"),
+    ("gate_on", "steps gate on"),
     ("L_plus", "L+ tokens per step"),
     ("L_plus_raising", "L+ raising entropy (1st order)"),
     ("mass_weight", "gradient-mass mean weight"),
@@ -462,6 +530,8 @@ COLUMNS = (
     ("entropy_late", f"entropy, last {EDGE_STEPS} steps"),
     ("entropy_auc", "entropy AUC/step"),
     ("entropy_auc_vs_baseline", "AUC - GRPO-ds's, same seed"),
+    ("bank_entropy_late", f"held-out bank entropy, last {BANK_EVALS} evals"),
+    ("reward", "reward on RL draws"),
     ("heldout_sampled_best", "best held-out acc (sampled)"),
     ("heldout_sampled_final", "final held-out acc (sampled)"),
     ("heldout_greedy_best", "best held-out acc (greedy)"),
@@ -492,6 +562,8 @@ def format_table(
         for tag, n in ((tag, (start or {}).get(f"heldout_{tag}")) for tag in ("sampled", "greedy"))
         if n
     )
+    bank = (start or {}).get("bank_entropy")
+    held_out += f", entropy on the held-out bank {bank['mean']:.4f}" if bank else ""
     lines = [
         f"Start (SFT policy, temperature {calibration['temperature']:g}): mean reward "
         f"{calibration['mean_reward']:.3f} on {calibration['problems']} x {calibration['samples_per_problem']} "

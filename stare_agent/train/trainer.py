@@ -27,6 +27,7 @@ all ranks inside the algorithm functions.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import threading
@@ -63,6 +64,14 @@ from stare_agent.algorithms import (
     stare_weights,
 )
 from stare_agent.config import ConfigError, RunConfig, eval_source, train_source
+from stare_agent.entropy_bank import (
+    BANK_METRIC,
+    EntropyBankError,
+    bank_entropy,
+    read_bank,
+    sample_bank,
+    write_bank,
+)
 from stare_agent.metrics import StepLogger, ToolHealth, ToolHealthAlarm, rollout_metrics
 from stare_agent.train import checkpoints
 from stare_agent.train.async_rollouts import RolloutProducer, VersionedEngine, versioned
@@ -157,19 +166,18 @@ class Trainer:
             model.gradient_checkpointing_enable()
         set_seed(config.trainer.seed)  # python, numpy, torch and CUDA generators
         self.tokenizer = tokenizer
-        self.learner = Learner.from_config(model, tokenizer, config)
+        self.max_staleness = config.trainer.max_staleness
+        # With max_staleness > 0 the producer thread encodes and decodes with `tokenizer` (its runner,
+        # envs and engine) while this thread decodes the step before: a fast tokenizer used by two
+        # threads at once raises "Already borrowed", so the learner's side (logged texts, saved
+        # rollouts, checkpoints) decodes with a copy of its own.
+        learner_tokenizer = copy.deepcopy(tokenizer) if self.max_staleness else tokenizer
+        self.learner = Learner.from_config(model, learner_tokenizer, config)
         self.rank, self.world = self.learner.rank, self.learner.world_size
         self._owns_engine = engine is None  # an engine we started (a vLLM worker) is ours to close
-        self._engine: Any = engine if engine is not None else self._make_engine()
+        self._engine: Any = self._own_weights(engine) if engine is not None else self._make_engine()
         self._versioned: VersionedEngine | None = None
         self.policy_version = 0  # the step whose update produced the learner's weights
-        self.max_staleness = config.trainer.max_staleness
-        if self.max_staleness and getattr(self._engine, "model", None) is self.learner.module:
-            raise ConfigError(
-                f"trainer.max_staleness={self.max_staleness} samples while the learner updates, but this engine "
-                "samples from the learner's own module, which the optimizer changes in place: use an engine "
-                "that holds its own weights (env.engine=vllm or sglang), or trainer.max_staleness=0"
-            )
         self._producer: RolloutProducer[Rollouts] | None = None
         self._rollout_lock = threading.Lock()  # one step's rollouts, or an evaluation, at a time
         # the producer's reward/trajectory exchange, apart from the learner's collectives
@@ -193,6 +201,7 @@ class Trainer:
         )
         self._envs: list[ToolEnv] = []
         self._consumed_position = self.stream.position  # after the last trained step's draws
+        self._bank: list[Trajectory] = []  # trainer.entropy_bank, read or sampled by load_bank
 
     # ------------------------------------------------------------------ the loop
 
@@ -205,6 +214,7 @@ class Trainer:
             self._sync_engine()
         if self.rank == 0:
             self.config.save(self.run_dir)
+        self.load_bank()
         logger = None
         if self.rank == 0:
             logger = StepLogger(
@@ -225,6 +235,8 @@ class Trainer:
                         report = self.evaluate()
                     self._save_rollouts(f"eval_{self.step:05d}", report.trajectories)
                     last.update({f"eval/{k}": v for k, v in report.metrics.items()})
+                    if self._bank:
+                        last[BANK_METRIC] = self.bank_entropy()
                     if self.config.data.eval_greedy:
                         with self._rollout_lock:
                             report = self.evaluate(greedy=True)
@@ -730,7 +742,7 @@ class Trainer:
         texts = []
         for t in trajectories:
             ids = [i for i, m in zip(t.response_ids, t.loss_mask, strict=True) if m]
-            texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))
+            texts.append(self.learner.tokenizer.decode(ids, skip_special_tokens=True))
         return texts
 
     def rollout_correction_mode(self) -> str:
@@ -742,7 +754,7 @@ class Trainer:
     def _sync_engine(self) -> None:
         """Hand the policy's weights to the rollout engine (merged ones under LoRA), as version
         ``self.step``. An engine that samples from the learner's own module (the in-process
-        transformers engine) is always in sync."""
+        transformers engine, with max_staleness 0) is always in sync."""
         self.policy_version = self.step
         if getattr(self.engine, "model", None) is self.learner.module:
             self._rollout_engine.set_version(self.step)
@@ -785,7 +797,17 @@ class Trainer:
         if self.rank == 0:
             auto = " (env.engine=auto)" if self.config.env.engine == "auto" else ""
             print(f"rollout engine: {description}{auto}")
-        return engine
+        return self._own_weights(engine)
+
+    def _own_weights(self, engine: Any) -> Any:
+        """``engine``; with ``max_staleness > 0``, an engine that samples from the learner's own module
+        (the in-process transformers engine) is moved to a copy of the weights instead
+        (``TransformersEngine.with_own_weights``): the producer samples while the optimizer changes
+        the module in place, so the copy is synced after each update as any engine's weights are,
+        and no rollout sees a half-updated module."""
+        if not self.max_staleness or getattr(engine, "model", None) is not self.learner.module:
+            return engine
+        return engine.with_own_weights(self.learner.named_weights())
 
     def evaluate(self, *, greedy: bool = False) -> Any:
         """Validation on ``data.eval`` with the current policy (avg@k etc.); ``greedy``: one
@@ -803,6 +825,38 @@ class Trainer:
             keep_trajectories=self.config.trainer.save_rollouts,
         )
 
+    def load_bank(self) -> list[Trajectory]:
+        """Read ``trainer.entropy_bank``, or sample and write it when a run that has not trained yet
+        finds no file (``stare_agent.entropy_bank``); nothing without the setting.
+
+        Raises:
+            EntropyBankError: the file is missing after the run trained (a bank sampled now would not be
+                the starting policy's), or it is empty.
+        """
+        path = self.config.trainer.entropy_bank
+        if not path or self._bank:
+            return self._bank
+        if Path(path).is_file():
+            self._bank = read_bank(path)
+        elif self.step == 0 and self.policy_version == 0:
+            with self._rollout_lock:
+                self._bank = sample_bank(
+                    self.config, engine=self.engine, tokenizer=self.tokenizer, pool=self._sandbox_pool()
+                )
+            if self.rank == 0:
+                write_bank(path, self._bank)
+        else:
+            raise EntropyBankError(
+                f"trainer.entropy_bank={path}: no such file, and this run has trained {self.step} steps, so a "
+                "bank sampled now would not be its starting policy's: restore the file, or set "
+                "trainer.entropy_bank='' (or a new path, whose bank then comes from the current policy in a fresh run)"
+            )
+        return self._bank
+
+    def bank_entropy(self) -> float:
+        """The current policy's teacher-forced mean entropy on the bank (``eval/bank_entropy``)."""
+        return bank_entropy(self.learner.module, self.load_bank(), self.tokenizer.pad_token_id or 0)
+
     def _save_rollouts(
         self, name: str, trajectories: list[Trajectory], fields: list[dict[str, Any]] | None = None
     ) -> None:
@@ -818,7 +872,7 @@ class Trainer:
                     **(fields[n] if fields else {}),
                     "problem_id": t.info.get("problem_id"),
                     "reward": t.reward,
-                    "response": self.tokenizer.decode(t.response_ids),
+                    "response": self.learner.tokenizer.decode(t.response_ids),
                     "response_ids": t.response_ids,
                     "info": t.info,
                     # the rest of the trajectory, so that `stare-agent replay` trains on it token-exactly

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from stare_agent.config import ConfigError
-from stare_agent.recipes.study import plan, run_numbers, summarize
+from stare_agent.recipes.study import plan, relative_h_tgt, run_numbers, summarize
 from tests.stare_agent.test_cli import cli
 
 
@@ -41,7 +41,9 @@ def test_study_smoke_makes_figure_table_and_data_then_resumes(tmp_path, model_di
     # the start is evaluated once per seed, as the runs evaluate, and leads every run as step 0
     assert "[start seed 0] held-out accuracy of the SFT policy: eval/avg@2" in done.stdout
     start = json.loads((root / "start_eval.json").read_text())
-    assert set(start) == {"0"} and {"eval/avg@2", "eval_greedy/avg@1"} <= set(start["0"])
+    assert set(start) == {"0"} and {"eval/avg@2", "eval_greedy/avg@1", "eval/bank_entropy"} <= set(start["0"])
+    # the held-out entropy bank, sampled from the start once, read by every run at its evaluations
+    assert (root / "entropy_bank.jsonl").is_file()
     for name in ("study.png", "study.csv", "study.md", "study.json", "calibration.json"):
         assert (root / name).is_file(), name
     assert (root / "study.png").stat().st_size > 20_000
@@ -57,6 +59,7 @@ def test_study_smoke_makes_figure_table_and_data_then_resumes(tmp_path, model_di
     assert all(float(r["eval/avg@2"]) == start["0"]["eval/avg@2"] for r in rows if r["step"] == "0")
     # both variants ran through the whole step: entropy measured, STARE's weights only for STARE
     assert all(float(r["entropy"]) > 0 for r in rows if r["step"] != "0")
+    assert all(float(r["eval/bank_entropy"]) > 0 for r in rows if r["step"] in ("0", "2"))
     assert {r["variant"] for r in rows if r.get("stare/mean_weight")} == {"stare-o1"}
     table = (root / "study.md").read_text().splitlines()
     assert "held-out accuracy (sampled) " in table[0] and "held-out accuracy (greedy) " in table[0]
@@ -123,6 +126,28 @@ def test_run_numbers_give_the_entropy_at_both_ends_its_step_noise_and_stares_rea
     assert n["entropy_step_std"] == pytest.approx(0.2)
     assert n["L_plus"] == 15.0 and n["L_plus_raising"] == pytest.approx(0.375)
     assert n["mass_weight"] == pytest.approx(1.025)
+
+
+def test_run_numbers_give_the_late_bank_entropy_the_reward_and_the_gates_share_of_steps():
+    records = [
+        {"step": 0, "eval/bank_entropy": 0.09},  # the start
+        {"step": 1, "reward_mean": 0.5, "gate_on": 0},
+        {"step": 2, "reward_mean": 0.25, "gate_on": 1, "eval/bank_entropy": 0.08},
+        {"step": 3, "reward_mean": 0.75, "gate_on": 1},
+        {"step": 4, "reward_mean": 1.0, "gate_on": 0, "eval/bank_entropy": 0.06},
+        {"step": 5, "reward_mean": float("nan"), "gate_on": 0, "eval/bank_entropy": 0.05},
+    ]
+    n = run_numbers(records)
+    assert n["bank_entropy_start"] == 0.09
+    assert n["bank_entropy_late"] == pytest.approx(0.055)  # the last 2 evaluations: (0.06 + 0.05) / 2
+    assert n["reward"] == pytest.approx(0.625)  # (0.5 + 0.25 + 0.75 + 1.0) / 4, the NaN step left out
+    assert n["gate_on"] == pytest.approx(0.4)  # on at 2 of 5 trained steps
+
+
+def test_a_relative_h_tgt_is_a_multiple_of_the_calibrated_entropy():
+    assert relative_h_tgt([], 0.7, {"entropy": 0.1}) == ["algorithm.H_tgt=0.07"]
+    with pytest.raises(ConfigError, match="needs a factor > 0 and a calibration with a positive entropy"):
+        relative_h_tgt([], 0.7, {"entropy": float("nan")})
 
 
 def test_summaries_over_seeds_give_the_sample_sd_and_a_t_interval():
