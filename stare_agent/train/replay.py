@@ -18,8 +18,8 @@ the rewards, and the engine's log-probs (so a variant trains off-policy on the r
 Output, in ``OUT``: ``config.yaml`` (the replayed config), ``replay.json`` (the source run, the
 overrides, the steps) and ``metrics.jsonl`` with a run's metric names (the rollout metrics
 recomputed from the saved episodes, the draw's own counts, :data:`DRAW_METRICS`, copied from the
-run's record; no ``eval/*`` but ``eval/bank_entropy`` after every step where the run had
-``trainer.entropy_bank``, on the run's bank; no rollout times). Deterministic: two replays of the same run and config
+run's record; no ``eval/*`` but ``eval/bank_entropy`` on the run's bank where the run had
+``trainer.entropy_bank``, at the run's evaluation steps and the last step; no rollout times). Deterministic: two replays of the same run and config
 log identical metrics; a replay with the run's own config on the device and world size of the run
 repeats the run's learner metrics.
 
@@ -267,8 +267,9 @@ def replay(
             last.update({k: v for k, v in drawn_metrics.get(step, {}).items() if k.startswith(DRAW_METRICS)})
             last.update(trainer.learn(drawn, kept))
             last["time/step_s"] = time.perf_counter() - t0
-            if config.trainer.entropy_bank:  # the run's bank, after every replayed step
-                last[BANK_METRIC] = trainer.bank_entropy()
+            every = config.trainer.eval_every
+            if config.trainer.entropy_bank and ((every and step % every == 0) or step == files[-1][0]):
+                last[BANK_METRIC] = trainer.bank_entropy()  # the run's bank, at the run's evaluation steps
             if logger is not None:
                 logger.log(step, last)
     finally:

@@ -96,7 +96,7 @@ def test_a_resumed_run_reads_the_same_bank_and_refuses_to_sample_one_after_train
         _fit(_config(tmp_path, problem_file, 3), resume=True)
 
 
-def test_a_replay_logs_the_runs_bank_entropy_after_every_step(tmp_path, problem_file):
+def test_a_replay_logs_the_runs_bank_entropy_at_the_runs_evaluation_steps(tmp_path, problem_file):
     _fit(_config(tmp_path, problem_file, 2))
     ran = _records(tmp_path / "run")
     model, tokenizer = tiny_model()
@@ -107,3 +107,10 @@ def test_a_replay_logs_the_runs_bank_entropy_after_every_step(tmp_path, problem_
     model, tokenizer = tiny_model()
     replay(tmp_path / "run", tmp_path / "w3", ["algorithm.W=3.0"], policy=model, tokenizer=tokenizer)
     assert [r["eval/bank_entropy"] for r in _records(tmp_path / "w3")][-1] != ran[-1]["eval/bank_entropy"]
+
+
+def test_a_replay_reads_the_bank_only_at_the_runs_evaluation_steps_and_the_last(tmp_path, problem_file):
+    _fit(_config(tmp_path, problem_file, 3, "trainer.eval_every=2"))
+    model, tokenizer = tiny_model()
+    replay(tmp_path / "run", tmp_path / "out", policy=model, tokenizer=tokenizer)
+    assert [r["step"] for r in _records(tmp_path / "out") if "eval/bank_entropy" in r] == [2, 3]
