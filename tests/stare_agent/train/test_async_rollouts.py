@@ -143,13 +143,74 @@ def test_auto_rollout_correction_is_token_tis_for_asynchronous_rollouts():
     assert resolve_rollout_correction("seq_mis", scripted, max_staleness=1) == "seq_mis"
 
 
-def test_asynchronous_rollouts_refuse_an_engine_that_samples_from_the_learners_module(tmp_path, problem_file):
-    model, tokenizer = tiny_model()
-    config = make_config(tmp_path, problem_file, "trainer.max_staleness=1")
-    with pytest.raises(ConfigError, match="learner's own module"):
-        Trainer(config, model=model, tokenizer=tokenizer, engine=TransformersEngine(model, tokenizer))
+def test_max_staleness_must_not_be_negative(tmp_path, problem_file):
     with pytest.raises(ConfigError, match="max_staleness=-1 must be >= 0"):
         make_config(tmp_path, problem_file, "trainer.max_staleness=-1")
+
+
+def _sampled(generations):
+    return [(g.token_ids, g.logprobs) for g in generations]
+
+
+def test_synchronously_the_transformers_engine_samples_from_the_learners_own_module(tmp_path, problem_file):
+    model, tokenizer = tiny_model()
+    engine = TransformersEngine(model, tokenizer)
+    trainer = Trainer(make_config(tmp_path, problem_file), model=model, tokenizer=tokenizer, engine=engine)
+    assert trainer.engine is engine and engine.model is trainer.learner.module  # no copy
+    assert trainer.learner.tokenizer is tokenizer
+
+
+def test_asynchronously_the_transformers_engine_samples_from_a_synced_copy(tmp_path, problem_file):
+    """The optimizer changes the learner's module in place while the producer samples: with
+    max_staleness > 0 the in-process engine samples from a copy of the weights, which a sync loads
+    once the engine call in flight has returned; that call reads the old weights to its last token
+    and is labelled with the old version, the next one the new weights and version."""
+    model, tokenizer = tiny_model()
+    config = make_config(tmp_path, problem_file, "trainer.max_staleness=1")
+    trainer = Trainer(config, model=model, tokenizer=tokenizer, engine=TransformersEngine(model, tokenizer))
+    own = trainer.engine
+    assert isinstance(own, TransformersEngine) and own.model is not trainer.learner.module
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seeds=[7])
+    prompt = [[1, 2, 3]]
+    old = _sampled(TransformersEngine(model, tokenizer).generate(prompt, params))
+    assert _sampled(own.generate(prompt, params)) == old  # the copy is the policy, exactly
+    with torch.no_grad():  # an update, in place, as the optimizer makes it
+        noise = torch.Generator().manual_seed(0)
+        for p in trainer.learner.module.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=noise))
+    new = _sampled(TransformersEngine(model, tokenizer).generate(prompt, params))
+    assert new != old
+    assert _sampled(own.generate(prompt, params)) == old  # the update did not reach the copy
+
+    entered, release, forwards = threading.Event(), threading.Event(), itertools.count()
+
+    def pause_at_the_second_token(module, args, output):
+        if next(forwards) == 1:
+            entered.set()
+            assert release.wait(30)
+
+    hook = own.model.register_forward_hook(pause_at_the_second_token)
+    in_flight: list = []
+    engine = trainer._rollout_engine
+    call = threading.Thread(target=lambda: in_flight.extend(engine.generate(prompt, params, [])))
+    call.start()
+    assert entered.wait(30)
+    trainer.step = 1
+    sync = threading.Thread(target=trainer._sync_engine)
+    sync.start()
+    time.sleep(0.3)
+    assert sync.is_alive()  # the sync waits for the call in flight ...
+    copied = dict(own.model.named_parameters())
+    assert any(not torch.equal(copied[n], p) for n, p in trainer.learner.module.named_parameters())
+    release.set()
+    call.join(30)
+    sync.join(30)
+    hook.remove()
+    # ... that read the old weights to its last token
+    assert _sampled(in_flight) == old and [g.weight_version for g in in_flight] == [0]
+    assert all(torch.equal(copied[n], p) for n, p in trainer.learner.module.named_parameters())
+    later = trainer._rollout_engine.generate(prompt, params, [])
+    assert _sampled(later) == new and [g.weight_version for g in later] == [1]
 
 
 # ---------------------------------------------------------------------- scripted runs
@@ -338,6 +399,46 @@ def test_two_ranks_with_asynchronous_rollouts_agree_with_one_process(tmp_path, p
             assert ra[key] == rb[key], (ra["step"], key)
         assert ra["async/staleness_max"] <= 1
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.slow  # a scripted training run, 20-60 s on 2 loaded cores
+def test_the_producer_and_the_learner_never_use_one_tokenizer_at_once(tmp_path, problem_file, monkeypatch):
+    """A fast tokenizer raises "Already borrowed" when one thread changes its Rust state (truncation,
+    padding) while another thread is inside it. In an asynchronous run the learner's thread (the
+    main one: logged texts, saved rollouts, checkpoints) must never be inside a tokenizer that the
+    producer's threads are inside: every call is checked, each held a little so that calls that
+    would overlap do. (The rollout side's own threads, the runner's env workers, share one tokenizer
+    in the synchronous trainer too, for calls that only read it.)"""
+    tokenizer_class = type(tiny_model()[1])
+    main = threading.get_ident()
+    guard = threading.Lock()
+    inside: dict[int, defaultdict[int, int]] = defaultdict(lambda: defaultdict(int))  # id -> thread -> depth
+    clashes: list[str] = []
+
+    def checked(name):
+        method = getattr(tokenizer_class, name)
+
+        def call(self, *args, **kwargs):
+            me = threading.get_ident()
+            with guard:
+                others = {thread for thread, depth in inside[id(self)].items() if depth and thread != me}
+                if others and main in others | {me}:
+                    clashes.append(name)
+                inside[id(self)][me] += 1
+            try:
+                time.sleep(0.002)
+                return method(self, *args, **kwargs)
+            finally:
+                with guard:
+                    inside[id(self)][me] -= 1
+
+        return call
+
+    for name in ("encode", "decode", "apply_chat_template", "save_pretrained"):
+        monkeypatch.setattr(tokenizer_class, name, checked(name))
+    _train(tmp_path, problem_file, "async", "trainer.max_staleness=1", "sandbox.pool_size=4")
+    assert not clashes
+    assert len(inside) == 2  # the producer's tokenizer and the learner's copy
 
 
 def _entropy_on(model, episodes) -> float:
