@@ -579,6 +579,7 @@ def summarize(records, val_records, args):
         out[m] = ci([r[m] for r in records])
         out[f"{m} - grpo_ds"] = ci(diff)
         out[f"{m} - grpo_ds > 0"] = sum(x > 0 for x in diff)
+        out[f"{m} > 0"] = sum(r[m] > 0 for r in records)
         out[f"{m}/select_s"] = statistics.median(r[f"{m}/select_s"] for r in records)
         out[f"{m}/select_over_step"] = out[f"{m}/select_s"] / step
     out["step_s"] = step
@@ -645,11 +646,13 @@ def print_methods(summary, meta):
     print(
         f"\nMethods, one SGD step of each one's loss at lr = {meta['lr']:.4g}, paired with GRPO-ds ({n} batches)"
     )
-    print("method | dH_bank | minus GRPO-ds (paired) | batches > GRPO-ds | selection s (x GRPO-ds step)")
+    print(
+        "method | dH_bank | batches > 0 | minus GRPO-ds (paired) | batches > GRPO-ds | selection s (x GRPO-ds step)"
+    )
     for name in summary["methods"]:
         m = f"m/{name}"
         print(
-            f"{name} | {fmt(summary[m])} | {fmt(summary[f'{m} - grpo_ds'])} | {summary[f'{m} - grpo_ds > 0']}/{n} | "
+            f"{name} | {fmt(summary[m])} | {summary[f'{m} > 0']}/{n} | {fmt(summary[f'{m} - grpo_ds'])} | {summary[f'{m} - grpo_ds > 0']}/{n} | "
             f"{summary[f'{m}/select_s']:.2g} ({summary[f'{m}/select_over_step']:.1e})"
         )
     print(
