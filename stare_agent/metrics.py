@@ -202,8 +202,10 @@ def policy_entropy(
     with torch.no_grad():
         for start in range(0, len(trajectories), batch_size):
             batch = collate(list(trajectories[start : start + batch_size]), pad_id, device)
-            _, entropy = causal_lm_logprobs_and_entropy(model, batch["input_ids"], batch["attention_mask"])
             mask = batch["response_mask"]
+            _, entropy = causal_lm_logprobs_and_entropy(
+                model, batch["input_ids"], batch["attention_mask"], score_mask=mask.bool()
+            )  # the LM head and softmax on model tokens only
             total += float((entropy.float() * mask).sum())
             count += float(mask.sum())
     return total / count if count else float("nan")
