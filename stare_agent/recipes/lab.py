@@ -1,18 +1,20 @@
 """A dynamics lab: STARE and GRPO-ds on a seeded synthetic task, thousands of steps in minutes on a CPU.
 
-``python -m stare_agent.recipes.lab`` (docs/lab.md). The policy is a table of logits, one next-token
-distribution per (context, position): ``theta [C, T, V]`` (64 contexts x 12 positions x 16 tokens),
-initialised N(0, ``init_scale``^2). A prompt is a context c; a response is T tokens sampled
-position by position; the reward is ``1[sum(tokens) = c mod 7]`` (binary, verifiable). Each step
-runs the project's own functions, in the paper's order:
+``python -m stare_agent.recipes.lab`` (docs/lab.md). The policy (``lab_policy``, ``--policy``) is a
+table of logits, one next-token distribution per (context, position): ``theta [C, T, V]`` (64
+contexts x 12 positions x 16 tokens), initialised N(0, ``init_scale``^2); or a tiny causal
+transformer whose weights every position shares. A prompt is a context c; a response is T tokens
+sampled position by position; the reward is ``1[sum(tokens) = c mod 7]`` (binary, verifiable). Each
+step runs the project's own functions, in the paper's order:
 
     draw         32 contexts x 8 samples (``draw_batch``), again until dynamic sampling
                  (``algorithms.dynamic_sampling``, cap 10 batches) keeps 32 groups with reward variance
     advantages   ``algorithms.grpo_advantages``, broadcast to the T tokens
-    log-probs    ``algorithms.logprobs_and_entropy_from_logits(..., with_moments=True)`` on theta[c]
+    log-probs    ``algorithms.logprobs_and_entropy_from_logits(..., with_moments=True)`` on the
+                 policy's logits [B, T, V] for the kept responses
     gate         ``algorithms.entropy_gate`` on the kept batch (the paper) or on the whole draw (ours)
     weights      ``algorithms.stare_weights`` (global scope: one selection over the batch)
-    loss         ``algorithms.policy_loss`` (token-mean, on-policy), one Adam step on theta
+    loss         ``algorithms.policy_loss`` (token-mean, on-policy), one Adam step on the policy
 
 Tasks: ``mod7`` (the reward saturates: once a context is solved its groups are dropped) and
 ``drift`` (the reward does not saturate: each context keeps a running accuracy over its groups,
@@ -22,7 +24,7 @@ keep finding the next answer, which a collapsed one samples rarely). Variants: s
 size of L+ (same W, same gate), so it separates "which tokens" from "how many".
 
 Logged per step: the policy's entropy (mean over all contexts and positions of theta's
-distributions), the batch entropy of the kept groups and of the whole draw, the gate, the reward of
+distributions; for the transformer, estimated along responses sampled from every context), the batch entropy of the kept groups and of the whole draw, the gate, the reward of
 the first drawn batch (fresh prompts), and the first-order diagnostics of ``entropy_effect``.
 """
 
@@ -57,6 +59,7 @@ from stare_agent.algorithms.entropy_control import (
 )
 from stare_agent.config import AlgorithmConfig
 from stare_agent.intervals import format_ci, mean_sd_ci
+from stare_agent.recipes.lab_policy import TablePolicy, TransformerPolicy
 
 DRIFT_EMA = 0.1  # drift task: weight of a context's latest group in its running accuracy
 
@@ -72,9 +75,12 @@ class LabConfig:
     many optimizer steps (verl's ``ppo_mini_batch``), each against the pre-update log-probs, so that
     the PPO clip (``eps_high``) and KL-Cov's ``|logp - logp_old|`` act; 1 is the paper's one step.
     The algorithm's fields default to ``AlgorithmConfig``'s (see there); ``entropy_coef`` is the
-    lab's own."""
+    lab's own. ``policy``: ``table`` or ``transformer`` (``d_model``, ``layers``, ``heads``; its
+    initial logits have about ``init_scale`` standard deviation, as the table's); ``lr`` None: the
+    policy's own (``LR``)."""
 
     task: str = "mod7"
+    policy: str = "table"
     algorithm: str = _ALG.name
     variant: str = _ALG.variant
     W: float = _ALG.W
@@ -91,7 +97,10 @@ class LabConfig:
     prompts: int = 32
     samples: int = 8
     max_batches: int = 10
-    lr: float = 0.03
+    lr: float | None = None
+    d_model: int = 32
+    layers: int = 2
+    heads: int = 2
     init_scale: float = 3.4
     steps: int = 2000
     seed: int = 0
@@ -136,35 +145,46 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+LR = {"table": 0.03, "transformer": 0.001}  # Adam's learning rate per policy (LabConfig.lr None)
+
+Policy = TablePolicy | TransformerPolicy
+
+
 @dataclass
 class Group:
-    """One prompt's G responses: context index, tokens [G, T], rewards."""
+    """One prompt's G responses: context index, tokens [G, T], rewards, and the entropy of the
+    distributions the tokens were drawn from ([G, T]; [1, T] for the table, whose G share them)."""
 
     context: int
     tokens: torch.Tensor
     rewards: list[float] = field(default_factory=list)
+    entropy: torch.Tensor | None = None
 
 
-def table_entropy(theta: torch.Tensor) -> torch.Tensor:
-    """Entropy of every (context, position) distribution of the table: [C, T]."""
-    log_p = theta.log_softmax(-1)
-    return -(log_p.exp() * log_p).sum(-1)
+def make_policy(cfg: LabConfig, gen: torch.Generator) -> Policy:
+    """The run's policy, its initial weights drawn from ``gen``."""
+    shape = (cfg.contexts, cfg.positions, cfg.vocab, cfg.init_scale, gen)
+    if cfg.policy == "table":
+        return TablePolicy(*shape)
+    if cfg.policy == "transformer":
+        return TransformerPolicy(
+            *shape, d_model=cfg.d_model, layers=cfg.layers, heads=cfg.heads, entropy_seed=20_000 + cfg.seed
+        )
+    raise ValueError(f"LabConfig.policy is {cfg.policy!r}: choose 'table' or 'transformer'")
 
 
 def run(cfg: LabConfig, *, log_every: int = 1) -> list[dict[str, float]]:
     """Train one lab run; the per-step records (every ``log_every`` steps)."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    theta = (
-        cfg.init_scale * torch.randn(cfg.contexts, cfg.positions, cfg.vocab, generator=gen)
-    ).requires_grad_()
-    opt = torch.optim.Adam([theta], lr=cfg.lr)
+    policy = make_policy(cfg, gen)
+    opt = torch.optim.Adam(policy.parameters(), lr=LR[cfg.policy] if cfg.lr is None else cfg.lr)
     target = torch.arange(cfg.contexts) % cfg.modulus
     accuracy = torch.zeros(cfg.contexts, dtype=torch.float64)  # drift task: each context's running accuracy
     control = torch.Generator().manual_seed(10_000 + cfg.seed)
     records: list[dict[str, float]] = []
     for step in range(1, cfg.steps + 1):
         drawn: list[Group] = []
-        draw_batch = partial(_draw, cfg, theta, target, gen, drawn)
+        draw_batch = partial(_draw, cfg, policy, target, gen, drawn)
         kept, ds = dynamic_sampling(draw_batch, target_groups=cfg.prompts, max_batches=cfg.max_batches)
         first = drawn[: cfg.prompts]
         rec: dict[str, float] = {
@@ -173,40 +193,37 @@ def run(cfg: LabConfig, *, log_every: int = 1) -> list[dict[str, float]]:
             "kept_groups": ds["ds/groups_kept"],
             "batches_drawn": ds["ds/batches_drawn"],
         }
-        with torch.no_grad():
-            H_table = table_entropy(theta)
-            rec["policy_entropy"] = float(H_table.mean())
-            rec["drawn_entropy"] = float(H_table[[g.context for g in drawn]].mean())
+        logged = step % log_every == 0 or step == cfg.steps
+        if logged:  # before the update, as the batch entropies
+            rec["policy_entropy"] = policy.entropy()
+        rec["drawn_entropy"] = float(torch.cat([g.entropy for g in drawn]).mean())
         if kept:
-            rec.update(_update(cfg, theta, opt, kept, rec["drawn_entropy"], control))
+            rec.update(_update(cfg, policy, opt, kept, rec["drawn_entropy"], control))
         if cfg.task == "drift":  # a context that is solved half the time gets the next target
             for g in drawn:
                 accuracy[g.context] += DRIFT_EMA * (sum(g.rewards) / len(g.rewards) - accuracy[g.context])
                 if accuracy[g.context] >= 0.5:
                     target[g.context], accuracy[g.context] = (target[g.context] + 1) % cfg.modulus, 0.0
-        if step % log_every == 0 or step == cfg.steps:
+        if logged:
             records.append(rec)
     return records
 
 
 def _draw(
-    cfg: LabConfig, theta: torch.Tensor, target: torch.Tensor, gen: torch.Generator, drawn: list[Group]
+    cfg: LabConfig, policy: Policy, target: torch.Tensor, gen: torch.Generator, drawn: list[Group]
 ) -> list[Group]:
     """One prompt batch: ``cfg.prompts`` contexts x ``cfg.samples`` responses, scored; appended to ``drawn``."""
-    with torch.no_grad():
-        c = torch.randint(cfg.contexts, (cfg.prompts,), generator=gen)
-        probs = theta[c].softmax(-1).reshape(-1, cfg.vocab)  # [n * T, V]
-        tok = torch.multinomial(probs, cfg.samples, replacement=True, generator=gen)
-        tok = tok.view(cfg.prompts, cfg.positions, cfg.samples).transpose(1, 2)  # [n, G, T]
-        r = (tok.sum(-1) % cfg.modulus == target[c][:, None]).float()
-    groups = [Group(int(c[i]), tok[i], r[i].tolist()) for i in range(cfg.prompts)]
+    c = torch.randint(cfg.contexts, (cfg.prompts,), generator=gen)
+    tok, H = policy.sample(c, cfg.samples, gen)  # [n, G, T], [n, G or 1, T]
+    r = (tok.sum(-1) % cfg.modulus == target[c][:, None]).float()
+    groups = [Group(int(c[i]), tok[i], r[i].tolist(), H[i]) for i in range(cfg.prompts)]
     drawn.extend(groups)
     return groups
 
 
 def _update(
     cfg: LabConfig,
-    theta: torch.Tensor,
+    policy: Policy,
     opt: torch.optim.Optimizer,
     kept: Sequence[Group],
     drawn_entropy: float,
@@ -219,7 +236,8 @@ def _update(
     contexts = torch.tensor([g.context for g in kept]).repeat_interleave(G)  # [B]
     tokens = torch.cat([g.tokens for g in kept])  # [B, T]
     mask = torch.ones(len(tokens), T, dtype=torch.bool)
-    logp, entropy, moments = logprobs_and_entropy_from_logits(theta[contexts], tokens, with_moments=True)
+    logits = policy.logits(contexts, tokens)  # [B, T, V]
+    logp, entropy, moments = logprobs_and_entropy_from_logits(logits, tokens, with_moments=True)
     A_tok = broadcast_to_tokens(A, mask)
     gate_on, Hbar, _ = entropy_gate(entropy, mask, cfg.H_tgt)
     out = {"kept_entropy": Hbar}
@@ -276,14 +294,14 @@ def _update(
         loss.backward()
         opt.step()
     else:
-        _minibatch_steps(cfg, theta, opt, contexts, tokens, logp.detach(), A_tok, mask, weights, kl_coef)
+        _minibatch_steps(cfg, policy, opt, contexts, tokens, logp.detach(), A_tok, mask, weights, kl_coef)
     out["gate_on"] = float(gate_on)
     return out
 
 
 def _minibatch_steps(
     cfg: LabConfig,
-    theta: torch.Tensor,
+    policy: Policy,
     opt: torch.optim.Optimizer,
     contexts: torch.Tensor,
     tokens: torch.Tensor,
@@ -297,7 +315,7 @@ def _minibatch_steps(
     token-mean over its block against the pre-update ``logp_old`` (the entropy bonus with the
     gradient of each position's full entropy)."""
     for rows in torch.arange(len(tokens)).chunk(cfg.minibatches):
-        log_p = theta[contexts[rows]].log_softmax(-1)  # [b, T, V]
+        log_p = policy.logits(contexts[rows], tokens[rows]).log_softmax(-1)  # [b, T, V]
         logp = log_p.gather(-1, tokens[rows, :, None]).squeeze(-1)
         entropy = -(log_p.exp() * log_p).sum(-1) if cfg.algorithm == "entropy_bonus" else None
         loss, _ = policy_loss(
@@ -368,19 +386,21 @@ def lab(
     out_dir: Path,
     log_every: int = 10,
     minibatches: int = 1,
+    policy: str = "table",
 ) -> dict[str, Any]:
-    """Run every variant x seed, write ``lab_<task>.json`` and return the summaries."""
+    """Run every variant x seed, write ``lab_<task>.json`` (again after each variant, so a stopped run
+    keeps the variants it finished) and return the summaries."""
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)
     curves: dict[str, list[list[dict[str, float]]]] = {}
     summary: dict[str, dict[str, dict[str, float]]] = {}
     t0 = time.perf_counter()
+    base = LabConfig(task=task, steps=steps, minibatches=minibatches, policy=policy)
+    result: dict[str, Any] = {}
     for name in variants:
         per_seed: dict[str, list[float]] = {}
         for seed in range(seeds):
-            cfg = replace(
-                LabConfig(task=task, steps=steps, seed=seed, minibatches=minibatches), **VARIANTS[name]
-            )
+            cfg = replace(base, seed=seed, **VARIANTS[name])
             t_run = time.perf_counter()
             records = run(cfg, log_every=log_every)
             per_seed.setdefault("step_ms", []).append(1000 * (time.perf_counter() - t_run) / steps)
@@ -389,14 +409,27 @@ def lab(
                 per_seed.setdefault(key, []).append(value)
         summary[name] = {key: mean_sd_ci(values) for key, values in per_seed.items()}
         print(
-            f"[lab {task}] {name}: {format_table_row(name, summary[name])}  ({time.perf_counter() - t0:.0f} s)"
+            f"[lab {policy} {task}] {name}: {format_table_row(name, summary[name])}  ({time.perf_counter() - t0:.0f} s)"
         )
-    result = {
-        "task": task,
-        "steps": steps,
+        result = _result(base, seeds, summary, curves, time.perf_counter() - t0)
+        (out_dir / f"lab_{task}.json").write_text(json.dumps(result))
+    return result
+
+
+def _result(
+    base: LabConfig,
+    seeds: int,
+    summary: dict[str, dict[str, dict[str, float]]],
+    curves: dict[str, list[list[dict[str, float]]]],
+    wall_s: float,
+) -> dict[str, Any]:
+    return {
+        "task": base.task,
+        "policy": base.policy,
+        "steps": base.steps,
         "seeds": seeds,
-        "config": asdict(LabConfig(task=task, steps=steps, minibatches=minibatches)),
-        "variants": {name: VARIANTS[name] for name in variants},
+        "config": asdict(base),
+        "variants": {name: VARIANTS[name] for name in summary},
         "summary": summary,
         "curves": {
             name: [
@@ -412,10 +445,8 @@ def lab(
             ]
             for name, runs in curves.items()
         },
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": wall_s,
     }
-    (out_dir / f"lab_{task}.json").write_text(json.dumps(result))
-    return result
 
 
 def format_table_row(name: str, numbers: dict[str, dict[str, float]]) -> str:
@@ -470,7 +501,8 @@ def plot(results: Sequence[dict[str, Any]], path: Path, shown: Sequence[str]) ->
         ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_ylabel("policy entropy (nats)")
-        ax.set_title(f"task {result['task']}: {result['seeds']} seeds, mean and min-max")
+        policy = result.get("policy", "table")
+        ax.set_title(f"{policy} policy, task {result['task']}: {result['seeds']} seeds, mean and min-max")
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -485,8 +517,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     parser.add_argument("--tasks", default="mod7,drift")
+    parser.add_argument("--policy", default="table", choices=("table", "transformer"))
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--log-every", type=int, default=10, help="steps between records (the tail's mean)")
     parser.add_argument("--out", type=Path, default=Path("runs/lab"))
     parser.add_argument(
         "--minibatches", type=int, default=1, help="optimizer steps per kept batch (1: the paper's)"
@@ -515,12 +549,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     results = []
     for task in tasks:
         result = lab(
-            variants, args.seeds, task=task, steps=args.steps, out_dir=args.out, minibatches=args.minibatches
+            variants,
+            args.seeds,
+            task=task,
+            steps=args.steps,
+            out_dir=args.out,
+            minibatches=args.minibatches,
+            policy=args.policy,
+            log_every=args.log_every,
         )
         results.append(result)
         table = format_table(result)
         (args.out / f"lab_{task}.md").write_text(table)
-        print(f"\ntask {task}, {args.seeds} seeds x {args.steps} steps, {result['wall_s']:.0f} s\n{table}")
+        print(
+            f"\n{args.policy} policy, task {task}, {args.seeds} seeds x {args.steps} steps, {result['wall_s']:.0f} s\n{table}"
+        )
     plot(results, args.out / "lab.png", shown=[v for v in FIGURE_VARIANTS if v in variants])
 
 

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
+import torch
 
-from stare_agent.recipes.lab import VARIANTS, LabConfig, format_table, lab, main, run, run_summary
+from stare_agent.algorithms import logprobs_and_entropy_from_logits
+from stare_agent.recipes.lab import (
+    VARIANTS,
+    LabConfig,
+    format_table,
+    lab,
+    main,
+    make_policy,
+    run,
+    run_summary,
+)
 
 SMALL = LabConfig(contexts=8, positions=4, vocab=5, prompts=4, samples=4, steps=6)
+SMALL_TF = replace(SMALL, policy="transformer", d_model=8, heads=2)
 
 
 def test_a_run_is_reproducible_from_its_seed():
@@ -97,3 +110,54 @@ def test_lab_writes_a_table_with_intervals_and_a_figure(tmp_path, capsys):
 def test_format_table_of_one_seed_gives_the_mean_alone(tmp_path):
     result = lab(["grpo-ds"], 1, steps=2, out_dir=tmp_path)
     assert " ± " not in format_table(result)
+
+
+def test_a_transformer_run_is_reproducible_from_its_seed():
+    assert run(SMALL_TF) == run(SMALL_TF)
+    assert run(SMALL_TF) != run(replace(SMALL_TF, seed=1))
+    records = run(replace(SMALL_TF, **VARIANTS["o1-W3-drawgate"]))
+    assert all("kept_entropy" in r and "mass_weight" in r for r in records if r["kept_groups"])
+
+
+def test_the_transformer_samples_from_the_logits_the_loss_scores():
+    # the cached token-by-token sampler and the teacher-forced pass the loss uses see the same
+    # distributions: a token that saw a later one (no causal mask) or a shifted position would differ
+    policy = make_policy(SMALL_TF, torch.Generator().manual_seed(0))
+    contexts = torch.arange(8)
+    tokens, H = policy.sample(contexts, 4, torch.Generator().manual_seed(1))  # [8, 4, 4] each
+    with torch.no_grad():
+        logits = policy.logits(contexts.repeat_interleave(4), tokens.view(32, 4))
+    _, entropy = logprobs_and_entropy_from_logits(logits, tokens.view(32, 4))
+    torch.testing.assert_close(entropy.view(8, 4, 4), H, rtol=0, atol=1e-5)
+    # and the first position depends on the context alone: equal for the 4 samples of a context
+    assert torch.equal(H[:, :, 0], H[:, :1, 0].expand(8, 4))
+
+
+@pytest.mark.parametrize(("policy", "shared"), [("table", False), ("transformer", True)])
+def test_only_the_transformer_moves_other_contexts_distributions(policy, shared):
+    # one gradient step on one token of context 0: the table changes context 0's row alone
+    pol = make_policy(replace(SMALL_TF, policy=policy), torch.Generator().manual_seed(0))
+    tokens = torch.zeros(2, 4, dtype=torch.long)
+    before = pol.logits(torch.tensor([0, 1]), tokens).detach()
+    pol.logits(torch.tensor([0]), tokens[:1])[0, 0, 2].backward()
+    with torch.no_grad():
+        for p in pol.parameters():
+            p -= 0.1 * p.grad
+    after = pol.logits(torch.tensor([0, 1]), tokens).detach()
+    assert not torch.equal(after[0], before[0])
+    assert torch.equal(after[1], before[1]) is not shared
+
+
+def test_an_unknown_policy_names_the_choices():
+    with pytest.raises(ValueError, match="LabConfig.policy is 'mlp': choose 'table' or 'transformer'"):
+        run(replace(SMALL, policy="mlp"))
+
+
+def test_the_lab_runs_the_transformer_policy_and_saves_each_variant(tmp_path):
+    main(
+        ["--policy", "transformer", "--variants", "grpo-ds,o1", "--tasks", "drift", "--seeds", "1"]
+        + ["--steps", "2", "--log-every", "1", "--out", str(tmp_path)]
+    )
+    saved = json.loads((tmp_path / "lab_drift.json").read_text())
+    assert saved["policy"] == "transformer" and list(saved["summary"]) == ["grpo-ds", "o1"]
+    assert saved["config"]["policy"] == "transformer" and len(saved["curves"]["o1"][0]) == 2
