@@ -745,7 +745,8 @@ class TrainerConfig:
             many policy updates behind the policy it is trained from (docs/training.md,
             "Asynchronous rollouts"). The loss corrects for the older sampler with the engine's
             log-probs (decoupled PPO; ``algorithm.rollout_correction.mode=auto`` becomes
-            ``token_tis``). Needs an engine that holds its own weights (vLLM, SGLang). 0: the
+            ``token_tis``). The in-process transformers engine then samples from a copy of the
+            weights (one more copy in memory; vLLM and SGLang hold theirs anyway). 0: the
             synchronous trainer (each step's rollouts after the previous update).
         entropy_bank: A held-out entropy bank (``stare_agent.entropy_bank``): a JSONL file of episodes
             sampled once from the starting policy on the held-out problems (``data.eval``,
