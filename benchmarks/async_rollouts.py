@@ -22,7 +22,17 @@ and the mean staleness of the trained tokens (async/staleness_mean, in updates).
 compares the asynchronous step with the bounds the synchronous run gives: rollout + train (no
 overlap) and max(rollout, train) (perfect overlap).
 
-Run: ``.venv/bin/python benchmarks/async_rollouts.py [--steps 8] [--call-ms 50] [--decode-ms 8]``.
+``--quickstart``: the same two modes on the real engine instead: ``configs/quickstart.yaml`` (the
+embedded SmolLM2-135M-Instruct, the vLLM worker of ``.venv-vllm``, the sandbox its ``auto`` backend
+picks), from the embedded model (no SFT), with ``data.dynamic_sampling=false``: the model before SFT
+solves almost none of its draws, so dynamic sampling would skip most steps; without it every step
+trains its 4 groups x 4 samples (zero advantages included: the same forward, backward and weight
+sync), and its draw of 8 prompts x 4 samples is played in full either way. No evaluations or
+checkpoints. Here the engine, the sandboxes and the learner share the machine's cores: the overlap
+buys only what the hardware lets run at once.
+
+Run: ``.venv/bin/python benchmarks/async_rollouts.py [--steps 8] [--call-ms 50] [--decode-ms 8]``;
+``flock /tmp/stare-heavy.lock .venv/bin/python benchmarks/async_rollouts.py --quickstart [--steps 6]``.
 """
 
 from __future__ import annotations
@@ -31,7 +41,6 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -41,6 +50,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.learner_speed import load_note, machine  # noqa: E402
 
 PROBLEMS = [
     {"id": f"add-{a}-{b}", "problem": f"What is {a} + {b}?", "answer": str(a + b)}
@@ -79,6 +90,7 @@ def latency_engine(tokenizer: Any, call_ms: float, decode_ms: float) -> Any:
 
 
 def run_mode(max_staleness: int, steps: int, call_ms: float, decode_ms: float, work: Path) -> list[dict]:
+    """One scripted run of ``steps`` steps; its metrics.jsonl rows."""
     from stare_agent.config import load_config
     from stare_agent.models import tiny_model
     from stare_agent.train.trainer import Trainer
@@ -113,8 +125,41 @@ def run_mode(max_staleness: int, steps: int, call_ms: float, decode_ms: float, w
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
 
 
+QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+
+
+def run_quickstart(max_staleness: int, steps: int, work: Path) -> list[dict]:
+    """One run of the quickstart config's RL (real model, vLLM, sandboxes); its metrics.jsonl rows."""
+    from stare_agent.config import load_config
+    from stare_agent.train.trainer import Trainer
+
+    run_dir = work / f"quickstart-staleness-{max_staleness}"
+    config = load_config(
+        QUICKSTART,
+        [
+            "env.engine=vllm",
+            "data.dynamic_sampling=false",  # the model before SFT: see the module docstring
+            f"trainer.steps={steps}",
+            "trainer.checkpoint_every=0",
+            "trainer.eval_every=0",
+            f"trainer.run_dir={run_dir}",
+            f"trainer.max_staleness={max_staleness}",
+            "logger.backends=[]",
+        ],
+    )
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    Trainer(config).fit()
+    print(
+        f"[max_staleness={max_staleness}] {time.perf_counter() - t0:.0f} s with setup, load average "
+        f"{load0:.1f} -> {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+
+
 def summarize(rows: list[dict]) -> dict[str, float]:
     rows = rows[1:] if len(rows) > 1 else rows
+    rows = [r for r in rows if "time/step_s" in r]  # a step that trained nothing has no timings
     train = [r["time/logprob_s"] + r["time/update_s"] for r in rows]
     return {
         "step": statistics.median(r["time/step_s"] for r in rows),
@@ -131,14 +176,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--call-ms", type=float, default=50.0)
     parser.add_argument("--decode-ms", type=float, default=8.0)
+    parser.add_argument(
+        "--quickstart", action="store_true", help="the quickstart config on the real vLLM engine (heavy)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="async-rollouts-") as tmp:
         work = Path(tmp)
         (work / "problems.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
-        results = {k: summarize(run_mode(k, args.steps, args.call_ms, args.decode_ms, work)) for k in (0, 1)}
+        if args.quickstart:
+            results = {k: summarize(run_quickstart(k, args.steps, work)) for k in (0, 1)}
+        else:
+            results = {
+                k: summarize(run_mode(k, args.steps, args.call_ms, args.decode_ms, work)) for k in (0, 1)
+            }
+    setting = (
+        "configs/quickstart.yaml from the embedded model, vLLM, data.dynamic_sampling=false"
+        if args.quickstart
+        else f"call {args.call_ms:g} ms + {args.decode_ms:g} ms/token"
+    )
     print(
-        f"\n{args.steps} steps per mode (medians over steps 2..{args.steps}), call {args.call_ms:g} ms + "
-        f"{args.decode_ms:g} ms/token, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs\n"
+        f"\n{args.steps} steps per mode (medians over steps 2..{args.steps}), {setting}; {machine()}; "
+        f"{load_note()} at the end\n"
     )
     print("| max_staleness | step s | rollout s | train s | learner idle | engine idle | staleness |")
     print("|---|---|---|---|---|---|---|")
