@@ -188,6 +188,21 @@ def test_update_weights_copies_in_place_and_changes_outputs(prompts):
         engine.update_weights({"model.norm.weight": torch.zeros(3)})
 
 
+def test_with_own_weights_samples_from_a_copy_that_the_original_model_does_not_share(prompts):
+    model, tokenizer = tiny_model(seed=0)
+    other, _ = tiny_model(tokenizer, seed=1)
+    engine = TransformersEngine(model, tokenizer, eos_token_ids=[], max_batch_size=2)
+    own = engine.with_own_weights(other.named_parameters())
+    assert own.model is not model and (own.eos_token_ids, own.max_batch_size) == (frozenset(), 2)
+    reference = TransformersEngine(other, tokenizer, eos_token_ids=[]).generate(prompts[:1], GREEDY)[0]
+    assert own.generate(prompts[:1], GREEDY)[0] == reference
+    with torch.no_grad():
+        other.get_input_embeddings().weight.zero_()  # the source changes: the copy does not
+    assert own.generate(prompts[:1], GREEDY)[0] == reference
+    with pytest.raises(ValueError, match="were not given, e.g. 'model.norm.weight'"):
+        engine.with_own_weights((n, p) for n, p in model.named_parameters() if n != "model.norm.weight")
+
+
 def test_sample_next_tokens_top_p_keeps_smallest_prefix_reaching_p():
     # probabilities 0.5, 0.3, 0.15, 0.05: top_p 0.8 keeps {0, 1}; renormalised 0.625 / 0.375.
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
