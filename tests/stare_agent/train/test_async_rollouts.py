@@ -327,18 +327,22 @@ def _same_run(a, b):
 
 
 @pytest.mark.slow  # scripted training runs, 20-60 s on 2 loaded cores
+@pytest.mark.parametrize("draw", [[], ["data.prompts_per_draw=3"]], ids=["draw-per-step", "draw-of-3"])
 def test_asynchronous_rollouts_train_like_synchronous_ones_when_the_sampler_ignores_the_weights(
-    tmp_path, problem_file
+    tmp_path, problem_file, draw
 ):
     """Scripted tokens and log-probs do not depend on the weights: with the same correction, a run
-    one step stale trains bit-identically to the synchronous one (same groups, problems, seeds)."""
+    one step stale trains bit-identically to the synchronous one (same groups, problems, seeds),
+    also when a step draws more prompts than it trains (data.prompts_per_draw)."""
     fixed = "algorithm.rollout_correction.mode=token_tis"
     _, tokenizer = tiny_model()
     engines = [SeedRecordingEngine(tokenizer, scripted_policy()) for _ in range(2)]
-    sync, _ = _train(tmp_path, problem_file, "sync", fixed, steps=3, engine=engines[0])
-    stale, _ = _train(
-        tmp_path, problem_file, "async", fixed, "trainer.max_staleness=1", steps=3, engine=engines[1]
+    sync, _ = _train(tmp_path, problem_file, "sync", fixed, *draw, steps=3, engine=engines[0])
+    stale, run_dir = _train(
+        tmp_path, problem_file, "async", fixed, "trainer.max_staleness=1", *draw, steps=3, engine=engines[1]
     )
+    groups = [{(e["group"], e["trained"]) for e in _step_rollouts(run_dir, s)} for s in (1, 2, 3)]
+    assert all(g == {(0, True), (1, True)} | ({(2, False)} if draw else set()) for g in groups)
     _same_run(tmp_path / "sync" / "run", tmp_path / "async" / "run")
     assert engines[0].seeds == engines[1].seeds  # each step's sampling streams, whichever thread plays it
     a, b = sync.learner.module.state_dict(), stale.learner.module.state_dict()
