@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -232,13 +232,6 @@ class TransformersEngine:
             )
         model.generation_config = copy.deepcopy(base.generation_config)
         model.requires_grad_(False).eval()
-        items = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        missing = [name for name, _ in model.named_parameters() if name not in items]
-        if missing:
-            raise ValueError(
-                f"{len(missing)} parameters of the model were not given, e.g. {missing[0]!r}: pass every "
-                "parameter of the policy (Learner.named_weights)"
-            )
         engine = TransformersEngine(
             model,
             self.tokenizer,
@@ -247,7 +240,21 @@ class TransformersEngine:
             max_batch_size=self.max_batch_size,
             autocast_dtype=self.autocast_dtype,
         )
-        engine.update_weights(items)
+        given: set[str] = set()
+
+        def loaded() -> Iterator[tuple[str, torch.Tensor]]:  # one tensor at a time (ZeRO-3 gathers each)
+            items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+            for name, tensor in items:
+                given.add(name)
+                yield name, tensor
+
+        engine.update_weights(loaded())
+        missing = [name for name, _ in model.named_parameters() if name not in given]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} parameters of the model were not given, e.g. {missing[0]!r}: pass every "
+                "parameter of the policy (Learner.named_weights)"
+            )
         return engine
 
     def update_weights(
