@@ -6,6 +6,8 @@ without sandboxes and two sandbox nodes, one CPU each), and measures with real D
 - the added latency of a call on a leased fleet sandbox over the same call on a local pool's
   sandbox (``x = 1``; p50 and p99, interleaved rounds so that the machine's other load falls on
   both alike; goal: under 1 ms added at p50 on the loopback);
+- the floor of that path: a no-op request on the lease's connection, beside a no-op call of the
+  host actor through Ray (the path every call took before the calls left Ray);
 - the cost of a lease (``acquire`` then ``release``; both reset the sandbox in the background);
 - executions per second of N sandboxes with 8 callers, each leasing a sandbox per episode of 3
   short statements: a local ``SandboxPool`` of N, the fleet on one node (N sandboxes) and on two
@@ -31,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sandbox import SandboxConfig, SandboxPool  # noqa: E402
-from sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet, pack_result, unpack_result  # noqa: E402
+from sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sandbox_latency  # noqa: E402
@@ -70,69 +72,24 @@ def call_latency(leases: dict[str, Any], rounds: int, per_round: int) -> dict[st
     return rows
 
 
-def ray_round_trip(host: Any, n: int) -> Row:
-    """A no-op call on a host actor: the floor of any call through Ray on this machine."""
+def floors(sandbox: Any, n: int) -> dict[str, Row]:
+    """No-op round trips, interleaved, ``n`` each after 10: a request on the lease's own connection
+    that touches no sandbox (the data path's floor), and a no-op call of its host actor through
+    Ray (what every call cost before the calls left Ray)."""
     import ray
 
-    row = Row(samples_ms=[])
-    for i in range(n + 10):
-        t0 = time.perf_counter()
-        ray.get(host.ping.remote())
-        if i >= 10:
-            row.samples_ms.append((time.perf_counter() - t0) * 1e3)
-    return row
-
-
-class Probe:
-    """An actor beside the host (same node, same threading) whose methods take a fleet call's
-    arguments and return a prebuilt result without running anything: where the fleet's added time
-    goes (Ray's floor, the arguments and the result, a call that arrives at a sleeping process)."""
-
-    def __init__(self, result: Any) -> None:
-        self.result = result
-
-    def ping(self) -> bool:
-        return True
-
-    def echo(self, lease_id: str, code: str, timeout: float | None) -> Any:
-        return self.result
-
-    def echo_tuple(self, lease_id: str, code: str, timeout: float | None) -> Any:
-        return pack_result(self.result)
-
-    def echo_after(self, lease_id: str, code: str, timeout: float | None, sleep_s: float) -> Any:
-        time.sleep(sleep_s)  # as a host waits on the kernel: its process sleeps, then wakes to answer
-        return self.result
-
-
-def breakdown(result: Any, resource: str, n: int, sleep_s: float) -> dict[str, Row]:
-    """Round trips of ``Probe`` calls (threaded, on a node with ``resource``), ``n`` each after 10."""
-    import ray
-
-    probe = (
-        ray.remote(Probe).options(num_cpus=0, resources={resource: 0.001}, max_concurrency=24).remote(result)
-    )
-    lease = "0" * 32
+    inner = sandbox.inner
     calls = {
-        "ping()": lambda: ray.get(probe.ping.remote()),
-        "echo, no timeout": lambda: ray.get(probe.echo.remote(lease, STATEMENT, None)),
-        "echo, ray.get timeout": lambda: ray.get(probe.echo.remote(lease, STATEMENT, None), timeout=60),
-        "echo, packed as a tuple": lambda: unpack_result(
-            ray.get(probe.echo_tuple.remote(lease, STATEMENT, None), timeout=60)
-        ),
-        f"echo after {sleep_s * 1e3:g} ms asleep (minus it)": lambda: ray.get(
-            probe.echo_after.remote(lease, STATEMENT, None, sleep_s), timeout=60
-        ),
+        "lease connection": lambda: inner._connection.call(["ping"], 60.0),
+        "ray actor": lambda: ray.get(inner._host.ping.remote(), timeout=60),
     }
     rows = {name: Row(samples_ms=[]) for name in calls}
     for i in range(n + 10):
         for name, call in calls.items():
             t0 = time.perf_counter()
             call()
-            took = (time.perf_counter() - t0) * 1e3
             if i >= 10:
-                rows[name].samples_ms.append(took - (sleep_s * 1e3 if "asleep" in name else 0.0))
-    ray.kill(probe)
+                rows[name].samples_ms.append((time.perf_counter() - t0) * 1e3)
     return rows
 
 
@@ -247,10 +204,7 @@ def main(argv: list[str] | None = None) -> None:
                 # latency and lease cost: local pool and the fleet on one node, interleaved
                 with local.lease() as a, one.lease() as b:
                     latency = call_latency({"local pool": a, "ray, 1 node": b}, rounds, per_round)
-                    floor = ray_round_trip(b.inner._host, rounds * per_round)
-                    sample = b.run(STATEMENT)
-                    sleep_s = statistics.median(latency["local pool"].samples_ms) / 1e3
-                    parts = breakdown(sample, "one_node", rounds * per_round // 2, sleep_s)
+                    floor = floors(b, rounds * per_round)
                 cost = lease_cost({"local pool": local, "ray, 1 node": one}, leases_n)
                 for name in latency:
                     results[name].update(
@@ -260,7 +214,12 @@ def main(argv: list[str] | None = None) -> None:
                         lease_p50=cost[name].p50,
                         lease_p99=cost[name].p99,
                     )
-                results["ray, 1 node"]["ping_p50"] = floor.p50
+                results["ray, 1 node"].update(
+                    wire_p50=floor["lease connection"].p50,
+                    wire_p99=floor["lease connection"].p99,
+                    ray_p50=floor["ray actor"].p50,
+                    ray_p99=floor["ray actor"].p99,
+                )
                 for name, pool in (("local pool", local), ("ray, 1 node", one)):
                     rate, row = throughput(pool, seconds)
                     results[name].update(rate=rate, tp_call_p50=row.p50)
@@ -278,9 +237,6 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
         cluster.shutdown()
     _report(results, n, rounds * per_round, leases_n, seconds)
-    print("\nwhere the added time goes (a probe actor on the sandbox node, no sandbox; p50, p99):")
-    for name, row in parts.items():
-        print(f"- {name}: {row.p50:.2f} ms, {row.p99:.2f} ms")
     print(f"\nload average after: {_load()}; the run took {time.monotonic() - started:.0f} s")
 
 
@@ -307,7 +263,14 @@ def _report(results: dict[str, dict[str, float]], n: int, calls: int, leases: in
         f"| of it outside the sandbox's own `duration_s`, p50 | {ms(local['outside_p50'])} | "
         f"{ms(ray1['outside_p50'])} | | +{ray1['outside_p50'] - local['outside_p50']:.2f} ms |"
     )
-    print(f"| a no-op call of a Ray actor (the floor), p50 | | {ms(ray1['ping_p50'])} | | |")
+    print(
+        f"| a no-op request on the lease's connection (the data path's floor), p50 / p99 | | "
+        f"{ms(ray1['wire_p50'])} / {ms(ray1['wire_p99'])} | | |"
+    )
+    print(
+        f"| a no-op call of the host actor through Ray (for comparison), p50 / p99 | | "
+        f"{ms(ray1['ray_p50'])} / {ms(ray1['ray_p99'])} | | |"
+    )
     print(
         f"| lease (acquire + release), p50 ({leases}) | {ms(local['lease_p50'])} | {ms(ray1['lease_p50'])} | | "
         f"{ratio(ray1['lease_p50'], local['lease_p50'])} |"

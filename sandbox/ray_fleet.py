@@ -17,9 +17,13 @@ around a :class:`RaySandbox`, which implements :class:`~sandbox.base.Sandbox`: a
 uses it as it uses a local pool's sandbox (``run`` returns the host's ``ExecResult`` as is, with
 the same limits and hardening, since the same backend runs it, and the host's pool resets or
 replaces it between episodes). The lease is held for the episode and given back at its end.
+Ray carries the leases, never a lease's calls: those go on a TCP connection of the lease's own
+to its host, opened with a token the host issued for that lease (``sandbox.fleet_wire``), which
+costs a fraction of a Ray actor call.
 
-Faults: a host lost mid-call (its actor killed, its node gone) or a call that does not come back
-within its timeout plus ``call_margin_s`` raises :class:`SandboxLost`, a ``SandboxError``: the
+Faults: a host lost mid-call (its actor killed, its node gone: its connection is closed, reset,
+or silent past TCP keepalive) or a call that does not come back within its timeout plus
+``call_margin_s`` raises :class:`SandboxLost`, a ``SandboxError``: the
 env ends the episode with ``EpisodeInfrastructureError`` and the rollout plays it again, on a
 healthy host (the coordinator drops the lost host; a node that is still alive gets a new one).
 A node that joins the cluster later gets a host within ``refresh_s`` and takes new leases.
@@ -39,13 +43,16 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sandbox.base import Sandbox
 from sandbox.config import SandboxConfig
 from sandbox.errors import PoolExhausted, SandboxClosed, SandboxError, SandboxUnavailable
 from sandbox.pool import PooledSandbox, SandboxPool
 from sandbox.result import ExecError, ExecResult
+
+if TYPE_CHECKING:
+    from sandbox.fleet_wire import LeaseConnection
 
 logger = logging.getLogger(__name__)
 
@@ -198,8 +205,8 @@ _RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(ExecResult))
 
 
 def pack_result(result: ExecResult) -> tuple[Any, ...]:
-    """``result`` as a tuple of plain values, the form a host returns it in: Ray sends plain values
-    with msgpack, a dataclass with cloudpickle (4x the bytes, and slower each way)."""
+    """``result`` as a tuple of plain values, the form a host sends it in (msgpack, on the lease's
+    connection: ``sandbox.fleet_wire``)."""
     values = [getattr(result, name) for name in _RESULT_FIELDS]
     error = result.error
     values[_RESULT_FIELDS.index("error")] = (
@@ -216,11 +223,31 @@ def unpack_result(values: tuple[Any, ...]) -> ExecResult:
     return ExecResult(**fields)
 
 
+_ERRORS: dict[str, type[SandboxError]] = {
+    cls.__name__: cls for cls in (SandboxError, SandboxUnavailable, SandboxClosed, PoolExhausted)
+}
+
+
+def _raised(exc: SandboxError | OSError) -> tuple[str, str, str]:
+    """The answer that carries a host's sandbox's failure: its nearest class in ``_ERRORS``, or
+    ``OSError``, and its message."""
+    name = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in _ERRORS), "OSError")
+    return ("raised", name, str(exc))
+
+
+def raised_error(type_name: str, message: str) -> Exception:
+    """The exception that :func:`_raised` sent, as a local pool would raise it."""
+    return _ERRORS[type_name](message) if type_name in _ERRORS else OSError(message)
+
+
 class SandboxHost:
     """The actor on one node: a warm ``SandboxPool`` of the node's daemon, leased by id.
 
-    Run as a threaded Ray actor (calls on different leases run at once). Every container start
-    takes a token of the coordinator's creation-rate limit first. A lease without a call for
+    Run as a threaded Ray actor; Ray carries its leases (``acquire``, ``release``) and its health
+    (``ready``, ``ping``). A lease's calls come on a TCP connection of their own
+    (``sandbox.fleet_wire``: ``acquire`` returns the address and the lease's token), served by a
+    thread per connection, so calls on different leases run at once. Every container start takes a
+    token of the coordinator's creation-rate limit first. A lease without a call for
     ``lease_idle_s`` is taken back (its holder is taken for gone) and its sandbox replaced.
     """
 
@@ -248,6 +275,9 @@ class SandboxHost:
         self._pool = SandboxPool(
             config.sandboxes_per_node, factory=make, lease_timeout=config.lease_timeout_s
         )
+        from sandbox.fleet_wire import LeaseServer
+
+        self._server = LeaseServer(ray.util.get_node_ip_address(), self._answer)
         threading.Thread(target=self._reclaim_loop, name="lease-reclaim", daemon=True).start()
 
     def ready(self) -> tuple[str, int]:
@@ -257,11 +287,13 @@ class SandboxHost:
     def ping(self) -> bool:
         return True
 
-    def acquire(self, lease_id: str, timeout: float) -> None:
+    def acquire(self, lease_id: str, timeout: float) -> tuple[str, int, bytes]:
+        """Lease a sandbox as ``lease_id``: the address its calls go to and the lease's token."""
         lease = self._pool.acquire(timeout)
         with self._lock:
             self._leases[lease_id] = lease
             self._last_use[lease_id] = time.monotonic()
+        return (*self._server.address, self._server.admit(lease_id))
 
     def run(self, lease_id: str, code: str, timeout: float | None) -> tuple[Any, ...]:
         """``ExecResult`` packed (:func:`pack_result`)."""
@@ -285,6 +317,7 @@ class SandboxHost:
         with self._lock:
             lease = self._leases.pop(lease_id, None)
             self._last_use.pop(lease_id, None)
+        self._server.revoke(lease_id)
         if lease is not None:
             self._pool.release(lease, broken=broken)
             with contextlib.suppress(Exception):
@@ -295,7 +328,27 @@ class SandboxHost:
 
     def close(self) -> None:
         self._closed = True
+        self._server.close()
         self._pool.close()
+
+    def _answer(self, lease_id: str, request: list[Any]) -> tuple[Any, ...]:
+        """The answer to a request on ``lease_id``'s connection (``sandbox.fleet_wire``)."""
+        try:
+            method, *args = request
+            if method == "run":
+                return ("ok", self.run(lease_id, *args))
+            if method == "reset":
+                self.reset(lease_id)
+                return ("ok", None)
+            if method == "is_alive":
+                return ("ok", self.is_alive(lease_id))
+            if method == "ping":  # no sandbox touched: the data path's own round trip
+                return ("ok", True)
+            return ("failed", f"unknown request {method!r}")
+        except (SandboxError, OSError) as exc:  # the sandbox failed: as a local pool raises it
+            return _raised(exc)
+        except Exception as exc:  # noqa: BLE001 - the host failed: the client drops it
+            return ("failed", f"{type(exc).__name__}: {exc}")
 
     @contextlib.contextmanager
     def _using(self, lease_id: str) -> Iterator[PooledSandbox]:
@@ -674,20 +727,28 @@ class FleetCoordinator:
 
 
 class RaySandbox(Sandbox):
-    """One leased sandbox on a host actor: ``Sandbox``'s verbs as calls to that host.
+    """One leased sandbox on a host actor: ``Sandbox``'s verbs as requests on the lease's own
+    connection to that host (``sandbox.fleet_wire``), one at a time.
 
     Made by ``RaySandboxFleet.acquire`` (wrapped in a ``PooledSandbox``); ``close()`` gives the
-    lease back. A host that is lost or does not answer in time raises :class:`SandboxLost`.
+    lease back. A host that is lost (its connection closed or reset: its actor or node died) or
+    does not answer in time raises :class:`SandboxLost`, and so does every later call.
     """
 
     backend = "ray"
 
     def __init__(
-        self, fleet: RaySandboxFleet, node_id: str, host_name: str, host: Any, lease_id: str
+        self,
+        fleet: RaySandboxFleet,
+        node_id: str,
+        host_name: str,
+        host: Any,
+        lease_id: str,
+        connection: LeaseConnection,
     ) -> None:
         super().__init__(fleet.sandbox_config)
         self.node_id, self.host_name, self.lease_id = node_id, host_name, lease_id
-        self._fleet, self._host = fleet, host
+        self._fleet, self._host, self._connection = fleet, host, connection
         self._closed = False
 
     def run(self, code: str, timeout: float | None = None) -> ExecResult:
@@ -712,27 +773,38 @@ class RaySandbox(Sandbox):
     def _call(self, method: str, *args: Any, wait_s: float) -> Any:
         if self._closed:
             raise SandboxClosed("this sandbox's lease was given back: lease a new one from the fleet")
-        ray = self._fleet.ray
         wait_s += self._fleet.config.call_margin_s
+        if self._connection.broken:
+            raise SandboxLost(
+                f"this lease's connection to the sandbox host on node {self.node_id} broke during an "
+                "earlier call: the episode must be played again on a new lease"
+            )
         try:
-            return ray.get(getattr(self._host, method).remote(self.lease_id, *args), timeout=wait_s)
-        except ray.exceptions.GetTimeoutError as exc:
+            answer = self._connection.call([method, *args], wait_s)
+        except TimeoutError as exc:
             self._fleet._host_failed(self, f"no answer to {method} in {wait_s:g} s")
             raise SandboxLost(
                 f"the sandbox host on node {self.node_id} did not answer {method} in {wait_s:g} s: it is "
                 "dropped and the episode must be played again; if this repeats, look at that node's "
                 "load and raise sandbox.ray.call_margin_s"
             ) from exc
-        except ray.exceptions.RayError as exc:
-            cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else None
-            if isinstance(cause, SandboxError | OSError):
-                raise cause from exc  # the host's own sandbox failed: as a local pool would raise it
-            self._fleet._host_failed(self, f"{type(exc).__name__}")
+        except (OSError, ValueError) as exc:  # closed or reset (its process died), or garbled
+            self._fleet._host_failed(self, f"its connection failed: {type(exc).__name__}")
             raise SandboxLost(
-                f"the sandbox host on node {self.node_id} was lost during {method} ({type(exc).__name__}): "
-                "the episode must be played again on another host; if nodes keep leaving, check them "
-                "with `ray status`"
+                f"the sandbox host on node {self.node_id} was lost during {method} ({type(exc).__name__}: "
+                f"{exc}): the episode must be played again on another host; if nodes keep leaving, "
+                "check them with `ray status`"
             ) from exc
+        if answer[0] == "ok":
+            return answer[1]
+        if answer[0] == "raised":  # the host's own sandbox failed: as a local pool would raise it
+            raise raised_error(answer[1], answer[2])
+        self._connection.close()
+        self._fleet._host_failed(self, f"{method} failed on it: {answer[1]}")
+        raise SandboxLost(
+            f"the sandbox host on node {self.node_id} failed during {method} ({answer[1]}): it is "
+            "dropped and the episode must be played again on another host"
+        )
 
     def __repr__(self) -> str:
         return f"RaySandbox(node={self.node_id[:12]}, lease={self.lease_id[:8]})"
@@ -856,11 +928,10 @@ class RaySandboxFleet:
             remaining = max(0.001, deadline - time.monotonic())
             node, name = self._coordinator_call("grant", remaining, node_id, wait_s=remaining)
             lease_id = uuid.uuid4().hex
+            call_s = remaining + self.config.call_margin_s
             try:
                 host = self._host_handle(name)
-                self.ray.get(
-                    host.acquire.remote(lease_id, remaining), timeout=remaining + self.config.call_margin_s
-                )
+                ip, port, token = self.ray.get(host.acquire.remote(lease_id, remaining), timeout=call_s)
             except self.ray.exceptions.RayTaskError as exc:
                 self._coordinator.returned.remote(node, name)
                 if isinstance(exc.cause, PoolExhausted):
@@ -877,7 +948,25 @@ class RaySandboxFleet:
                         f"{node}): check the sandbox nodes with `ray status`"
                     ) from exc
                 continue  # that host is lost: lease again on another
-            lease = PooledSandbox(self, RaySandbox(self, node, name, host, lease_id))
+            from sandbox.fleet_wire import LeaseConnection
+
+            try:
+                connection = LeaseConnection((ip, port), token, min(call_s, 30.0))
+            except PermissionError as exc:  # not ours to hold (taken back already): give it back
+                host.release.remote(lease_id, False)
+                raise SandboxClosed(f"{exc}: lease again") from exc
+            except OSError as exc:  # its actor is up but cannot be reached: as a lost host
+                host.release.remote(lease_id, False)
+                self._coordinator.host_failed.remote(node, name, f"its lease port {ip}:{port}: {exc}")
+                with self._lock:
+                    self._handles.pop(name, None)
+                if time.monotonic() >= deadline:
+                    raise PoolExhausted(
+                        f"no sandbox host could be reached within {wait_s:g} s (last: {exc} at {ip}:{port} "
+                        f"on node {node}): the nodes of the Ray cluster must reach each other's ports"
+                    ) from exc
+                continue
+            lease = PooledSandbox(self, RaySandbox(self, node, name, host, lease_id, connection))
             with self._lock:
                 self._leases.add(lease)
             return lease
@@ -970,6 +1059,7 @@ class RaySandboxFleet:
             ref = sandbox._host.release.remote(sandbox.lease_id, broken)  # the host tells the coordinator
             if self._releases is not None:
                 self._releases.append(ref)
+        sandbox._connection.close()
 
     def _host_handle(self, name: str) -> Any:
         """The handle of the host actor ``name``, looked up once per host."""

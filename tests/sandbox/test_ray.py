@@ -411,6 +411,84 @@ def test_an_actor_killed_mid_call_fails_the_call_and_its_host_comes_back(fleet: 
     assert fleet.stats().hosts_lost >= 1
 
 
+def test_a_lease_connection_needs_the_token_its_host_issued(fleet: RaySandboxFleet) -> None:
+    """A lease's calls go on a connection of its own to its host, opened with the token the host
+    issued for that lease: another token, or the same token a second time, is refused, and the
+    refusal leaves the lease's own connection working."""
+    import socket
+
+    import ray
+
+    from sandbox.fleet_wire import TOKEN_BYTES, LeaseConnection, recv_frame
+
+    with fleet.lease() as sb:
+        host = sb.inner._host
+        ip, port, token = ray.get(host.acquire.remote("test-token-lease", 30.0), timeout=60)
+        try:
+            assert len(token) == TOKEN_BYTES
+            wrong = bytes([token[0] ^ 1]) + token[1:]
+            with socket.create_connection((ip, port), timeout=10) as raw:
+                raw.sendall(wrong)
+                assert recv_frame(raw)[0] == "refused"
+                assert raw.recv(1) == b""  # and the host closed the connection
+            right = LeaseConnection((ip, port), token, 10.0)
+            try:
+                assert right.call(["run", "6 * 7", None], 30.0)[1][0] == "42\n"  # ExecResult packed
+            finally:
+                right.close()
+            with pytest.raises(PermissionError, match="refused the lease's token"):
+                LeaseConnection((ip, port), token, 10.0)  # a token is good for one connection
+            assert sb.run("1 + 1").stdout == "2\n"
+        finally:
+            ray.get(host.release.remote("test-token-lease", False), timeout=60)
+
+
+def test_a_host_process_killed_mid_call_ends_the_episode_not_hangs_it(fleet: RaySandboxFleet) -> None:
+    """The host's process dies (SIGKILL, no goodbye) while a call runs on its connection: the step
+    raises ``EpisodeInfrastructureError`` (its cause ``SandboxLost``) at once, and the next episode
+    is played on a live host."""
+    import signal
+
+    import ray
+
+    from envs.tool_env import EpisodeInfrastructureError, ToolEnv
+
+    _wait(lambda: len(_ready_hosts(fleet)) >= 2, 120, "two ready hosts")
+    env = ToolEnv("modpow", format="hermes", pool=fleet, max_turns=4)
+    try:
+        env.reset(seed=0)
+        env.step('<tool_call>{"name": "code_interpreter", "arguments": {"code": "z = 1"}}</tool_call>')
+        host, node = env._sandbox.inner._host, env._sandbox.inner.node_id
+        pid = ray.get(host.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        failure: list[BaseException] = []
+
+        def step() -> None:
+            call = '<tool_call>{"name": "code_interpreter", "arguments": {"code": "import time; time.sleep(30)"}}</tool_call>'
+            try:
+                env.step(call)
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                failure.append(exc)
+
+        thread = threading.Thread(target=step)
+        thread.start()
+        time.sleep(1.0)
+        start = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        thread.join(30)
+        assert not thread.is_alive(), "the step hung after its host's process was killed"
+        assert len(failure) == 1 and isinstance(failure[0], EpisodeInfrastructureError), failure
+        assert isinstance(failure[0].__cause__, SandboxLost) and time.monotonic() - start < 10
+        assert "was lost during run" in str(failure[0].__cause__)
+        env.reset(seed=1)  # played again, on a live host
+        obs, *_ = env.step(
+            '<tool_call>{"name": "code_interpreter", "arguments": {"code": "print(2 + 3)"}}</tool_call>'
+        )
+        assert "5" in obs
+    finally:
+        env.close()
+    _wait(lambda: node in _ready_hosts(fleet), 120, "a new host on the node of the killed one")
+
+
 def test_a_node_killed_mid_episode_fails_the_episode_and_a_new_node_takes_leases(cluster, fleet) -> None:
     from envs.tool_env import EpisodeInfrastructureError, ToolEnv
 
