@@ -35,7 +35,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -157,8 +157,8 @@ class Group:
 
     context: int
     tokens: torch.Tensor
-    rewards: list[float] = field(default_factory=list)
-    entropy: torch.Tensor | None = None
+    rewards: list[float]
+    entropy: torch.Tensor
 
 
 def make_policy(cfg: LabConfig, gen: torch.Generator) -> Policy:
@@ -511,6 +511,23 @@ def plot(results: Sequence[dict[str, Any]], path: Path, shown: Sequence[str]) ->
 FIGURE_VARIANTS = ("grpo-ds", "o1", "random", "open-W1.1", "o1-W3", "o1-W10", "o1-drawgate", "o1-W3-drawgate")
 
 
+def load_result(out: Path, task: str, merge: Sequence[Path] = ()) -> dict[str, Any]:
+    """``out/lab_<task>.json``, with the variants of each ``merge/lab_<task>.json`` added: runs of one
+    study (the same policy, steps, seeds and config but the variant's) split over processes."""
+    result = json.loads((out / f"lab_{task}.json").read_text())
+    for other_dir in merge:
+        other = json.loads((other_dir / f"lab_{task}.json").read_text())
+        for key in ("policy", "steps", "seeds", "config"):
+            if other.get(key) != result.get(key):
+                raise SystemExit(
+                    f"--merge {other_dir}: its {key} differs from {out}'s; merge only runs of the same study"
+                )
+        for key in ("variants", "summary", "curves"):
+            result[key].update(other[key])
+        result["wall_s"] += other["wall_s"]
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m stare_agent.recipes.lab", description=__doc__.split("\n")[0]
@@ -529,17 +546,28 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--figure-only", action="store_true", help="draw lab.png from the tasks' saved lab_<task>.json"
     )
     parser.add_argument(
-        "--table-only", action="store_true", help="print one table over the tasks' saved lab_<task>.json"
+        "--table-only",
+        action="store_true",
+        help="print one table over the tasks' saved lab_<task>.json, then each task's whole table",
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="with --figure-only / --table-only: add the variants saved in DIR (a study split over processes)",
     )
     args = parser.parse_args(argv)
     tasks = args.tasks.split(",")
+    if args.table_only or args.figure_only:
+        saved = [load_result(args.out, task, args.merge) for task in tasks]
     if args.table_only:
-        print(
-            format_paired_table([json.loads((args.out / f"lab_{task}.json").read_text()) for task in tasks])
-        )
+        print(format_paired_table(saved))
+        for result in saved:
+            print(f"{result['policy']} policy, task {result['task']}\n{format_table(result)}")
         return
     if args.figure_only:
-        saved = [json.loads((args.out / f"lab_{task}.json").read_text()) for task in tasks]
         plot(saved, args.out / "lab.png", shown=[v for v in FIGURE_VARIANTS if v in saved[0]["curves"]])
         return
     variants = [v for v in args.variants.split(",") if v]

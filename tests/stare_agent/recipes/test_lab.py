@@ -153,7 +153,7 @@ def test_an_unknown_policy_names_the_choices():
         run(replace(SMALL, policy="mlp"))
 
 
-def test_the_lab_runs_the_transformer_policy_and_saves_each_variant(tmp_path):
+def test_the_lab_runs_the_transformer_policy_and_saves_each_variant(tmp_path, capsys):
     main(
         ["--policy", "transformer", "--variants", "grpo-ds,o1", "--tasks", "drift", "--seeds", "1"]
         + ["--steps", "2", "--log-every", "1", "--out", str(tmp_path)]
@@ -161,3 +161,27 @@ def test_the_lab_runs_the_transformer_policy_and_saves_each_variant(tmp_path):
     saved = json.loads((tmp_path / "lab_drift.json").read_text())
     assert saved["policy"] == "transformer" and list(saved["summary"]) == ["grpo-ds", "o1"]
     assert saved["config"]["policy"] == "transformer" and len(saved["curves"]["o1"][0]) == 2
+    # a study split over two processes: the second's variants are merged into the first's table
+    common = [
+        "--policy",
+        "transformer",
+        "--tasks",
+        "drift",
+        "--seeds",
+        "1",
+        "--steps",
+        "2",
+        "--log-every",
+        "1",
+    ]
+    main(common + ["--variants", "random", "--out", str(tmp_path / "b")])
+    capsys.readouterr()
+    main(["--tasks", "drift", "--table-only", "--out", str(tmp_path), "--merge", str(tmp_path / "b")])
+    table = capsys.readouterr().out
+    assert "| random | " in table and "| grpo-ds | " in table and "transformer policy, task drift" in table
+    main(
+        ["--policy", "transformer", "--tasks", "drift", "--seeds", "1", "--steps", "3"]
+        + ["--variants", "c2", "--out", str(tmp_path / "c")]
+    )
+    with pytest.raises(SystemExit, match="its steps differs"):
+        main(["--tasks", "drift", "--table-only", "--out", str(tmp_path), "--merge", str(tmp_path / "c")])
