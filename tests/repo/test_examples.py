@@ -39,7 +39,7 @@ def test_evaluate_aime_example(tmp_path, shared_data):
     assert json.loads((tmp_path / "summary.json").read_text())["avg@2"] == report.metrics["avg@2"]
 
 
-@pytest.mark.slow  # a real training run of the example: 2 min on 2 loaded cores
+@pytest.mark.slow  # a real training run of the example
 def test_train_python_api_example(tmp_path):
     run_dir = tmp_path / "run"
     summary = _load("train_python_api").main(
@@ -53,6 +53,7 @@ def test_train_python_api_example(tmp_path):
             "data.samples_per_prompt=2",
             "data.max_sampling_batches=1",
             "sandbox.pool_size=2",
+            "env.engine=transformers",  # auto would start a vLLM worker (its trainer path: test_vllm_engine.py)
         ]
     )
     assert summary["steps"] == 2
