@@ -27,7 +27,8 @@ embedded SmolLM2-135M-Instruct, the vLLM worker of ``.venv-vllm``, the sandbox i
 picks), from the embedded model (no SFT), with ``data.dynamic_sampling=false``: the model before SFT
 solves almost none of its draws, so dynamic sampling would skip most steps; without it every step
 trains its 4 groups x 4 samples (zero advantages included: the same forward, backward and weight
-sync), and its draw of 8 prompts x 4 samples is played in full either way. No evaluations or
+sync), and its draw of 8 prompts x 4 samples is played in full either way, in one wave of 32
+sandboxes (``sandbox.pool_size=32``; the config's 40 is its evaluation's size). No evaluations or
 checkpoints. Here the engine, the sandboxes and the learner share the machine's cores: the overlap
 buys only what the hardware lets run at once.
 
@@ -139,6 +140,7 @@ def run_quickstart(max_staleness: int, steps: int, work: Path) -> list[dict]:
         [
             "env.engine=vllm",
             "data.dynamic_sampling=false",  # the model before SFT: see the module docstring
+            "sandbox.pool_size=32",  # the draw's 32 episodes in one wave, as with 40 (the eval's size)
             f"trainer.steps={steps}",
             "trainer.checkpoint_every=0",
             "trainer.eval_every=0",
