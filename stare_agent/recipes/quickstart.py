@@ -39,11 +39,10 @@ def quickstart(
     config_path: str | Path = CONFIG, overrides: tuple[str, ...] | list[str] = ()
 ) -> dict[str, Any]:
     """Run the main job (see the module docstring); returns the before/after numbers and paths."""
-    from transformers import set_seed
-
     from sandbox import resolve_backend
     from stare_agent.engines import start_engine
     from stare_agent.models import load_policy
+    from stare_agent.train.checkpoints import seed_all
 
     start = time.perf_counter()
     times: dict[str, float] = {}
@@ -65,7 +64,7 @@ def quickstart(
 
     # 2. model
     t0 = time.perf_counter()
-    set_seed(config.trainer.seed)
+    seed_all(config.trainer.seed)
     model, tokenizer = load_policy(config.model.name_or_path)
     autocast = config.deepspeed.precision == "bf16-autocast"
     engine_name, engine = start_engine(config, model, tokenizer, autocast=autocast)

@@ -88,6 +88,14 @@ def _truncate_metrics(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
+def seed_all(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators (every device's), as ``transformers.set_seed``
+    does, without importing ``transformers.trainer_utils`` (it imports peft: seconds for each process)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # CUDA's generators too
+
+
 def _rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():

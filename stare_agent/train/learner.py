@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.optim.lr_scheduler import LambdaLR
 
 from envs.trajectory import Trajectory
 from stare_agent.algorithms.logprobs import (
@@ -76,40 +77,48 @@ CHECKPOINT_TAG = "learner"
 ADAPTER_DIRNAME = "adapter"
 
 
-def lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int) -> Any:
-    """The learning-rate schedule of ``optim`` from ``transformers.get_scheduler`` (a ``LambdaLR``).
+def lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int) -> LambdaLR:
+    """The learning-rate schedule of ``optim``: a ``LambdaLR`` whose multiplier at optimizer step s is,
+    with ``W = optim.warmup_steps``, ``T = total_steps`` and ``r = optim.min_lr_ratio``:
 
-    ``optim.schedule`` maps to transformers' schedules, with ``W = optim.warmup_steps``,
-    ``T = total_steps``, ``r = optim.min_lr_ratio`` and s the optimizer steps taken so far:
+    - ``constant``: ``s / W`` during warmup, then 1.
+    - ``linear``: ``s / W`` during warmup, then ``r + (1 - r) * (1 - (s - W) / (T - W))``, and r from
+      step T on.
+    - ``cosine``: ``s / W`` during warmup, then ``r + (1 - r) * (1 + cos(pi * (s - W) / (T - W))) / 2``
+      up to step T.
 
-    - ``constant`` -> ``constant_with_warmup``: ``s / W`` during warmup, then 1.
-    - ``linear`` -> ``polynomial`` with power 1 and ``lr_end = r * lr``: ``s / W`` during warmup,
-      then ``r + (1 - r) * (1 - (s - W) / (T - W))``, and r from step T on.
-    - ``cosine`` -> ``cosine_with_min_lr`` with ``min_lr_rate = r``: ``s / W`` during warmup, then
-      ``r + (1 - r) * (1 + cos(pi * (s - W) / (T - W))) / 2`` up to step T.
-
-    ``r = 1`` (no decay) is ``constant_with_warmup`` for every schedule.
+    ``r = 1`` (no decay) is ``constant`` for every schedule. These are transformers' schedules
+    ``constant_with_warmup``, ``polynomial`` (power 1, ``lr_end = r * lr``) and ``cosine_with_min_lr``,
+    written in their exact arithmetic (a test compares every step): importing
+    ``transformers.optimization`` costs a process about 2-5 s (it imports peft), paid by every launch.
     """
-    from transformers import get_scheduler
-
     warmup = optim.warmup_steps
-    if optim.schedule == "constant" or optim.min_lr_ratio == 1.0:
-        return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
-    if optim.schedule == "linear":
-        return get_scheduler(
-            "polynomial",
-            optimizer,
-            num_warmup_steps=warmup,
-            num_training_steps=max(total_steps, warmup + 1),  # its decay divides by T - W
-            scheduler_specific_kwargs={"lr_end": optim.lr * optim.min_lr_ratio, "power": 1.0},
-        )
-    return get_scheduler(
-        "cosine_with_min_lr",
-        optimizer,
-        num_warmup_steps=warmup,
-        num_training_steps=total_steps,
-        scheduler_specific_kwargs={"min_lr_rate": optim.min_lr_ratio},
-    )
+    r = optim.min_lr_ratio
+
+    def constant(s: int) -> float:
+        return float(s) / float(max(1.0, warmup)) if s < warmup else 1.0
+
+    def linear(s: int) -> float:
+        if s < warmup:
+            return float(s) / float(max(1, warmup))
+        lr_init = optimizer.defaults["lr"]
+        lr_end = optim.lr * r
+        end = max(total_steps, warmup + 1)  # the decay divides by T - W
+        if s > end:
+            return lr_end / lr_init
+        decay = (lr_init - lr_end) * (1 - (s - warmup) / (end - warmup)) + lr_end
+        return decay / lr_init
+
+    def cosine(s: int) -> float:
+        if s < warmup:
+            return float(s) / float(max(1, warmup))
+        progress = float(s - warmup) / float(max(1, total_steps - warmup))
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))  # pi * 0.5 * 2.0 is pi exactly
+        return max(0, factor * (1 - r) + r)
+
+    if optim.schedule == "constant" or r == 1.0:
+        return LambdaLR(optimizer, constant)
+    return LambdaLR(optimizer, linear if optim.schedule == "linear" else cosine)
 
 
 class Learner:

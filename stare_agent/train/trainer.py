@@ -42,7 +42,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
-from transformers import set_seed
 
 from envs.engine import SamplingParams
 from envs.problems import Problem, ProblemStream
@@ -164,7 +163,7 @@ class Trainer:
             model, tokenizer = load_training_policy(config)  # partitioned at load under ZeRO-3
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        set_seed(config.trainer.seed)  # python, numpy, torch and CUDA generators
+        checkpoints.seed_all(config.trainer.seed)  # python, numpy, torch (every device)
         self.tokenizer = tokenizer
         self.max_staleness = config.trainer.max_staleness
         # With max_staleness > 0 the producer thread encodes and decodes with `tokenizer` (its runner,

@@ -540,3 +540,59 @@ def test_entropy_bonus_is_minus_beta_times_the_token_mean_entropy(batch):
         delta = _params(learner)[name] - start[name]
         scale = float(p.grad.abs().max()) + 1e-12
         torch.testing.assert_close(-delta, p.grad, atol=2e-3 * scale + 2.4e-7, rtol=2e-3)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize(
+    ("lr", "warmup", "total", "min_ratio"), [(1e-6, 0, 20, 0.1), (3e-4, 3, 7, 0.0), (1e-5, 5, 5, 0.5)]
+)
+def test_lr_schedule_equals_transformers_get_scheduler_at_every_step(schedule, lr, warmup, total, min_ratio):
+    """lr_scheduler writes transformers' schedules itself (importing them costs a process seconds):
+    the same learning rate, bit for bit, at every step, past T too."""
+    from transformers import get_scheduler
+
+    def lrs(make) -> list[float]:
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        scheduler = make(opt)
+        out = []
+        for _ in range(total + 4):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            scheduler.step()
+        return out
+
+    optim = OptimConfig(lr=lr, warmup_steps=warmup, schedule=schedule, min_lr_ratio=min_ratio)
+    if schedule == "constant":
+        theirs = lambda opt: get_scheduler("constant_with_warmup", opt, num_warmup_steps=warmup)  # noqa: E731
+    elif schedule == "linear":
+        kwargs = {"lr_end": lr * min_ratio, "power": 1.0}
+        theirs = lambda opt: get_scheduler(  # noqa: E731
+            "polynomial", opt, num_warmup_steps=warmup, num_training_steps=max(total, warmup + 1),
+            scheduler_specific_kwargs=kwargs,
+        )  # fmt: skip
+    else:
+        theirs = lambda opt: get_scheduler(  # noqa: E731
+            "cosine_with_min_lr", opt, num_warmup_steps=warmup, num_training_steps=total,
+            scheduler_specific_kwargs={"min_lr_rate": min_ratio},
+        )  # fmt: skip
+    assert lrs(lambda opt: lr_scheduler(opt, optim, total)) == lrs(theirs)
+
+
+def test_a_training_process_does_not_import_peft_or_transformers_trainer_utils():
+    """They cost every `stare-agent train` launch seconds (peft is only for LoRA, imported then)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from stare_agent.train.trainer import Trainer\n"
+        "from stare_agent.train.learner import lr_scheduler\n"
+        "from stare_agent.config import OptimConfig\n"
+        "from stare_agent.train.checkpoints import seed_all\n"
+        "seed_all(0)\n"
+        "lr_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), OptimConfig(), 10)\n"
+        "print(sorted(m for m in ('peft', 'transformers.trainer_utils', 'transformers.optimization') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
