@@ -512,10 +512,12 @@ FIGURE_VARIANTS = ("grpo-ds", "o1", "random", "open-W1.1", "o1-W3", "o1-W10", "o
 
 
 def load_result(out: Path, task: str, merge: Sequence[Path] = ()) -> dict[str, Any]:
-    """``out/lab_<task>.json``, with the variants of each ``merge/lab_<task>.json`` added: runs of one
-    study (the same policy, steps, seeds and config but the variant's) split over processes."""
+    """``out/lab_<task>.json``, with the variants of each ``merge/lab_<task>.json`` (where there is one)
+    added: runs of one study (the same policy, steps, seeds and config but the variant's) split over processes."""
     result = json.loads((out / f"lab_{task}.json").read_text())
     for other_dir in merge:
+        if not (other_dir / f"lab_{task}.json").is_file():
+            continue  # that process ran other tasks
         other = json.loads((other_dir / f"lab_{task}.json").read_text())
         for key in ("policy", "steps", "seeds", "config"):
             if other.get(key) != result.get(key):

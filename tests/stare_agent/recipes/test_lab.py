@@ -179,6 +179,11 @@ def test_the_lab_runs_the_transformer_policy_and_saves_each_variant(tmp_path, ca
     main(["--tasks", "drift", "--table-only", "--out", str(tmp_path), "--merge", str(tmp_path / "b")])
     table = capsys.readouterr().out
     assert "| random | " in table and "| grpo-ds | " in table and "transformer policy, task drift" in table
+    (tmp_path / "other-task").mkdir()  # a process that ran another task: nothing of drift to add
+    main(
+        ["--tasks", "drift", "--table-only", "--out", str(tmp_path), "--merge", str(tmp_path / "other-task")]
+    )
+    assert "| random | " not in capsys.readouterr().out
     main(
         ["--policy", "transformer", "--tasks", "drift", "--seeds", "1", "--steps", "3"]
         + ["--variants", "c2", "--out", str(tmp_path / "c")]
