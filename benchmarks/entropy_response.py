@@ -184,10 +184,11 @@ def problem_pool(args):
     return probs[args.bank_prompts :], probs[: args.bank_prompts]
 
 
-def draw_batch(model, tok, pool, args, cursor: int, log):
+def draw_batch(model, tok, pool, args, cursor: int, log, deadline: float = math.inf):
     """GRPO-ds's dynamic sampling: draw ``--prompts`` problems x ``--group`` samples at a time, keep the
     groups whose rewards vary, until ``--groups`` are kept. Returns (rows, rewards [G * group], cursor,
-    groups drawn); a drawn problem is never drawn again in this run while the pool lasts (it cycles
+    groups drawn; rows None when ``--max-draw`` problems or the ``deadline`` (time.time()) passed first);
+    a drawn problem is never drawn again in this run while the pool lasts (it cycles
     with new sampling seeds after)."""
     rows, rewards, drawn = [], [], 0
     while len(rewards) < args.groups * args.group:
@@ -205,7 +206,7 @@ def draw_batch(model, tok, pool, args, cursor: int, log):
                 rows += new_rows[g * args.group : (g + 1) * args.group]
                 rewards += rg.tolist()
         log(f"  drew problems up to {cursor}: correct per group {r.view(args.prompts, -1).sum(1).tolist()}")
-        if drawn > args.max_draw:
+        if drawn > args.max_draw or time.time() > deadline:
             return None, None, cursor, drawn
     return rows, torch.tensor(rewards), cursor, drawn
 
@@ -339,14 +340,34 @@ def main() -> None:
         drawn_total, wall_before = saved["meta"]["drawn"], saved["meta"]["wall_s"]
     else:
         records, val_records, lr, skipped, cursor, drawn_total, wall_before = [], [], None, 0, 0, 0, 0.0
+
+    def save() -> None:
+        """The state a --resume continues from (also when a chunk stopped while drawing)."""
+        meta = {
+            "lr": lr,
+            "H_bank": H0,
+            "bank_tokens": int(b_score.sum()),
+            "skipped": skipped,
+            "cursor": cursor,
+            "drawn": drawn_total,
+            "wall_s": wall_before + time.time() - t0,
+            "model": args.model or "embedded:smollm2-135m-instruct",
+        }
+        (args.out / "records.json").write_text(
+            json.dumps({"batches": records, "validation": val_records, "meta": meta}, indent=1)
+        )
+
     last = 0.0
     while len(records) < args.batches:
         if time.time() - t0 + last > args.time_limit:
             log(f"time limit: stopping before batch {len(records)}; continue with --resume")
             break
         tb = time.time()
-        rows, r, cursor, drawn = draw_batch(model, tok, pool, args, cursor, log)
+        rows, r, cursor, drawn = draw_batch(model, tok, pool, args, cursor, log, t0 + args.time_limit)
         drawn_total += drawn
+        if rows is None and time.time() > t0 + args.time_limit:
+            log(f"time limit while drawing ({drawn} problems, no batch); continue with --resume")
+            break
         if rows is None:
             skipped += 1
             log(f"no {args.groups} groups with reward variance in {drawn} problems: batch skipped")
@@ -475,22 +496,13 @@ def main() -> None:
             val_records.append(v)
         del logp, g_all
         records.append(rec)
+        save()
         last = time.time() - tb
-        meta = {
-            "lr": lr,
-            "H_bank": H0,
-            "bank_tokens": int(b_score.sum()),
-            "skipped": skipped,
-            "cursor": cursor,
-            "drawn": drawn_total,
-            "wall_s": wall_before + time.time() - t0,
-            "model": args.model or "embedded:smollm2-135m-instruct",
-        }
-        (args.out / "records.json").write_text(
-            json.dumps({"batches": records, "validation": val_records, "meta": meta}, indent=1)
-        )
 
+    save()
     wall = wall_before + time.time() - t0
+    if not records:
+        return log(f"no batch with reward variance yet ({drawn_total} problems drawn, {wall:.0f} s)")
     summary = summarize(records, val_records, args)
     meta = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
