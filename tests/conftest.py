@@ -9,12 +9,21 @@ CI (.ci/run) requires everything it installs, so nothing CI needs can skip there
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+# The tests and every process they start see this venv's tools first, as an activated venv does (the
+# README's `deepspeed` and `torchrun` lines need them). One `ninja` for all of them: DeepSpeed JIT-builds
+# its CPU shared-memory op into one cache folder, and a second ninja version on PATH (the system's 1.11
+# beside the venv's 1.13, which hash commands differently) rebuilt it at every switch, 1-4 min each.
+_VENV_BIN = str(Path(sys.executable).parent)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
+    os.environ["PATH"] = os.pathsep.join([_VENV_BIN, os.environ.get("PATH", "")])
 
 # What STARE_REQUIRE may name; `all` names every one.
 NEEDS = ("docker", "vllm", "ray", "integrations", "shared", "gpu")
