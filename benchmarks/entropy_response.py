@@ -28,9 +28,9 @@ a 95 % t-interval, and paired differences. ``lr`` is fixed for the run: the SGD 
 batch's full update has the norm of one Adam step of lr 1e-6 on every parameter (1e-6 * sqrt(#params)).
 
     .venv/bin/python benchmarks/entropy_response.py --quick --out /tmp/er_quick
-    .venv/bin/python benchmarks/entropy_response.py --batches 10 --time-limit 1300 --out /tmp/er_methods
-    .venv/bin/python benchmarks/entropy_response.py --batches 10 --time-limit 1300 --out /tmp/er_methods --resume
-    .venv/bin/python benchmarks/entropy_response.py --from-records --out /tmp/er_methods   # the table
+    .venv/bin/python benchmarks/entropy_response.py --batches 10 --time-limit 1300 --out runs/entropy_response
+    .venv/bin/python benchmarks/entropy_response.py --batches 10 --time-limit 1300 --out runs/entropy_response --resume
+    .venv/bin/python benchmarks/entropy_response.py --from-records --out runs/entropy_response   # the table
 """
 
 from __future__ import annotations
