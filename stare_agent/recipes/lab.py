@@ -508,7 +508,17 @@ def plot(results: Sequence[dict[str, Any]], path: Path, shown: Sequence[str]) ->
     fig.savefig(path, dpi=110)
 
 
-FIGURE_VARIANTS = ("grpo-ds", "o1", "random", "open-W1.1", "o1-W3", "o1-W10", "o1-drawgate", "o1-W3-drawgate")
+FIGURE_VARIANTS = (
+    "grpo-ds",
+    "o1",
+    "random",
+    "open-W1.1",
+    "o1-W3",
+    "o1-W5",
+    "o1-W10",
+    "o1-drawgate",
+    "o1-W3-drawgate",
+)
 
 
 def load_result(out: Path, task: str, merge: Sequence[Path] = ()) -> dict[str, Any]:
@@ -570,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{result['policy']} policy, task {result['task']}\n{format_table(result)}")
         return
     if args.figure_only:
-        plot(saved, args.out / "lab.png", shown=[v for v in FIGURE_VARIANTS if v in saved[0]["curves"]])
+        plot(saved, args.out / "lab.png", shown=FIGURE_VARIANTS)  # each panel: the variants its task ran
         return
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
