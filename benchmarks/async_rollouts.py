@@ -33,7 +33,7 @@ checkpoints. Here the engine, the sandboxes and the learner share the machine's 
 buys only what the hardware lets run at once.
 
 Run: ``.venv/bin/python benchmarks/async_rollouts.py [--steps 8] [--call-ms 50] [--decode-ms 8]``;
-``flock /tmp/stare-heavy.lock .venv/bin/python benchmarks/async_rollouts.py --quickstart [--steps 6]``.
+``.venv/bin/python benchmarks/async_rollouts.py --quickstart [--steps 6]``.
 """
 
 from __future__ import annotations
