@@ -194,7 +194,7 @@ def relative_h_tgt(overrides: Sequence[str], factor: float, calibration: dict[st
     ['trainer.steps=2', 'algorithm.H_tgt=0.06098']
     """
     entropy = calibration.get("entropy")
-    if not factor > 0 or not _finite(entropy) or not entropy > 0:
+    if not factor > 0 or not isinstance(entropy, (int, float)) or not _finite(entropy) or not entropy > 0:
         raise ConfigError(
             f"--h-tgt-of-start {factor} x the start's entropy {entropy}: needs a factor > 0 and a calibration "
             "with a positive entropy (delete calibration.json to measure it again)"
