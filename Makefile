@@ -17,7 +17,7 @@ quickstart: docker
 	.venv/bin/stare-agent quickstart
 
 test: docker
-	.venv/bin/python -m pytest -q tests
+	.venv/bin/python -m pytest -q --durations=40 tests
 
 # What needs neither Docker nor the `slow` mark (a real vLLM, whole training runs, mypy, wheel builds):
 # the local sandbox backend, tiny models, every error message. Measured by benchmarks/house.py.

@@ -54,6 +54,7 @@ def test_train_python_api_example(tmp_path):
             "data.prompts_per_step=2",
             "data.samples_per_prompt=2",
             "data.max_sampling_batches=1",
+            "data.prompts_per_draw=2",  # the quickstart's draw of 8 prompts would play 16 episodes on 2 sandboxes
             "sandbox.pool_size=2",
             "env.engine=transformers",  # auto would start a vLLM worker (its trainer path: test_vllm_engine.py)
         ]
