@@ -87,13 +87,18 @@ def table(run: Path, out_root: Path, methods: list[str], steps: int) -> str:
     ran = run_numbers(read_metrics(run)[:steps])
     rows = [
         "| method | steps | sampled-token entropy, first 5 | sampled-token entropy, last 5 | "
-        f"bank entropy, last {BANK_EVALS} evals | bank entropy, each eval | gate on | s/step (median) |",
-        "|---|---:|---:|---:|---:|---|---:|---:|",
+        f"bank entropy, last {BANK_EVALS} evals | - GRPO-ds's replay | bank entropy, each eval | gate on | "
+        "s/step (median) |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
+    baseline = out_root / "grpo-ds" / "metrics.jsonl"
+    base_bank = (
+        run_numbers(read_metrics(baseline.parent)).get("bank_entropy_late") if baseline.is_file() else None
+    )
     for method in methods:
         out = out_root / method
         if not (out / "metrics.jsonl").is_file():
-            rows.append(f"| {method} | - | not run | | | | | |")
+            rows.append(f"| {method} | - | not run | | | | | | |")
             continue
         records = read_metrics(out)
         n = run_numbers(records)
@@ -104,9 +109,11 @@ def table(run: Path, out_root: Path, methods: list[str], steps: int) -> str:
         def cell(key: str, digits: int = 4, n=n) -> str:
             return f"{n[key]:.{digits}f}" if key in n else "-"
 
+        late = n.get("bank_entropy_late")
+        diff = "-" if late is None or base_bank is None or method == "grpo-ds" else f"{late - base_bank:+.4f}"
         rows.append(
             f"| {method} | {records[-1]['step']} | {cell('entropy_early')} | {cell('entropy_late')} | "
-            f"{cell('bank_entropy_late')} | {bank} | {cell('gate_on', 2)} | {cell('seconds_per_step', 1)} |"
+            f"{cell('bank_entropy_late')} | {diff} | {bank} | {cell('gate_on', 2)} | {cell('seconds_per_step', 1)} |"
         )
     starts = run.parent.parent / "start_eval.json"
     start = json.loads(starts.read_text()).get("0", {}).get("eval/bank_entropy") if starts.is_file() else None
