@@ -912,6 +912,17 @@ class RaySandboxFleet:
         """Sandboxes of the ready hosts (the most episodes the fleet plays at once, before the cap)."""
         return self.stats().size
 
+    def _lost_while_leasing(
+        self, node: str, name: str, reason: str, deadline: float, exc: BaseException, exhausted: str
+    ) -> None:
+        """A host failed while being leased: report it, forget its handle, and raise ``PoolExhausted``
+        (``exhausted``) once the lease's ``deadline`` has passed; else the caller leases again."""
+        self._coordinator.host_failed.remote(node, name, reason)
+        with self._lock:
+            self._handles.pop(name, None)
+        if time.monotonic() >= deadline:
+            raise PoolExhausted(exhausted) from exc
+
     def acquire(self, timeout: float | None = None, *, node_id: str | None = None) -> PooledSandbox:
         """Lease a clean, live sandbox on the host with the most free ones (on the node ``node_id``
         when given: ``stare-agent sandbox doctor --backend ray`` tries each host).
@@ -939,14 +950,11 @@ class RaySandboxFleet:
                 raise
             except (self.ray.exceptions.RayError, self.ray.exceptions.GetTimeoutError, ValueError) as exc:
                 # ValueError: no live actor of that name any more
-                self._coordinator.host_failed.remote(node, name, type(exc).__name__)
-                with self._lock:
-                    self._handles.pop(name, None)
-                if time.monotonic() >= deadline:
-                    raise PoolExhausted(
-                        f"no sandbox host answered within {wait_s:g} s (last: {type(exc).__name__} on node "
-                        f"{node}): check the sandbox nodes with `ray status`"
-                    ) from exc
+                self._lost_while_leasing(
+                    node, name, type(exc).__name__, deadline, exc,
+                    f"no sandbox host answered within {wait_s:g} s (last: {type(exc).__name__} on node "
+                    f"{node}): check the sandbox nodes with `ray status`",
+                )  # fmt: skip
                 continue  # that host is lost: lease again on another
             from sandbox.fleet_wire import LeaseConnection
 
@@ -957,14 +965,11 @@ class RaySandboxFleet:
                 raise SandboxClosed(f"{exc}: lease again") from exc
             except OSError as exc:  # its actor is up but cannot be reached: as a lost host
                 host.release.remote(lease_id, False)
-                self._coordinator.host_failed.remote(node, name, f"its lease port {ip}:{port}: {exc}")
-                with self._lock:
-                    self._handles.pop(name, None)
-                if time.monotonic() >= deadline:
-                    raise PoolExhausted(
-                        f"no sandbox host could be reached within {wait_s:g} s (last: {exc} at {ip}:{port} "
-                        f"on node {node}): the nodes of the Ray cluster must reach each other's ports"
-                    ) from exc
+                self._lost_while_leasing(
+                    node, name, f"its lease port {ip}:{port}: {exc}", deadline, exc,
+                    f"no sandbox host could be reached within {wait_s:g} s (last: {exc} at {ip}:{port} "
+                    f"on node {node}): the nodes of the Ray cluster must reach each other's ports",
+                )  # fmt: skip
                 continue
             lease = PooledSandbox(self, RaySandbox(self, node, name, host, lease_id, connection))
             with self._lock:

@@ -443,6 +443,23 @@ def test_a_lease_connection_needs_the_token_its_host_issued(fleet: RaySandboxFle
             ray.get(host.release.remote("test-token-lease", False), timeout=60)
 
 
+def _sleeping_step(env) -> tuple[threading.Thread, list[BaseException]]:
+    """A step whose code sleeps 30 s, running on a thread (started 1 s ago); ``failure`` gets what it raised."""
+    failure: list[BaseException] = []
+
+    def step() -> None:
+        call = '<tool_call>{"name": "code_interpreter", "arguments": {"code": "import time; time.sleep(30)"}}</tool_call>'
+        try:
+            env.step(call)
+        except BaseException as exc:  # noqa: BLE001 - asserted by the caller
+            failure.append(exc)
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    time.sleep(1.0)
+    return thread, failure
+
+
 def test_a_host_process_killed_mid_call_ends_the_episode_not_hangs_it(fleet: RaySandboxFleet) -> None:
     """The host's process dies (SIGKILL, no goodbye) while a call runs on its connection: the step
     raises ``EpisodeInfrastructureError`` (its cause ``SandboxLost``) at once, and the next episode
@@ -460,18 +477,7 @@ def test_a_host_process_killed_mid_call_ends_the_episode_not_hangs_it(fleet: Ray
         env.step('<tool_call>{"name": "code_interpreter", "arguments": {"code": "z = 1"}}</tool_call>')
         host, node = env._sandbox.inner._host, env._sandbox.inner.node_id
         pid = ray.get(host.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
-        failure: list[BaseException] = []
-
-        def step() -> None:
-            call = '<tool_call>{"name": "code_interpreter", "arguments": {"code": "import time; time.sleep(30)"}}</tool_call>'
-            try:
-                env.step(call)
-            except BaseException as exc:  # noqa: BLE001 - asserted below
-                failure.append(exc)
-
-        thread = threading.Thread(target=step)
-        thread.start()
-        time.sleep(1.0)
+        thread, failure = _sleeping_step(env)
         start = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         thread.join(30)
@@ -505,18 +511,7 @@ def test_a_node_killed_mid_episode_fails_the_episode_and_a_new_node_takes_leases
         env.reset(seed=0)
         env.step('<tool_call>{"name": "code_interpreter", "arguments": {"code": "z = 1"}}</tool_call>')
         assert env._sandbox.inner.node_id == new  # among equally free hosts, the one leased least recently
-        failure: list[BaseException] = []
-
-        def step() -> None:
-            call = '<tool_call>{"name": "code_interpreter", "arguments": {"code": "import time; time.sleep(30)"}}</tool_call>'
-            try:
-                env.step(call)
-            except BaseException as exc:  # noqa: BLE001 - asserted below
-                failure.append(exc)
-
-        thread = threading.Thread(target=step)
-        thread.start()
-        time.sleep(1.0)
+        thread, failure = _sleeping_step(env)
         start = time.monotonic()
         cluster.remove_node(node, allow_graceful=False)
         thread.join(60)
