@@ -91,9 +91,11 @@ def table(run: Path, out_root: Path, methods: list[str], steps: int) -> str:
         "s/step (median) |",
         "|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
-    baseline = out_root / "grpo-ds" / "metrics.jsonl"
+    baseline = out_root / "grpo-ds"
     base_bank = (
-        run_numbers(read_metrics(baseline.parent)).get("bank_entropy_late") if baseline.is_file() else None
+        run_numbers(read_metrics(baseline)).get("bank_entropy_late")
+        if (baseline / "metrics.jsonl").is_file()
+        else None
     )
     for method in methods:
         out = out_root / method

@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from stare_agent.config import ConfigError, RunConfig, load_config
 from stare_agent.intervals import format_ci, mean_sd_ci
@@ -194,7 +194,7 @@ def relative_h_tgt(overrides: Sequence[str], factor: float, calibration: dict[st
     ['trainer.steps=2', 'algorithm.H_tgt=0.06098']
     """
     entropy = calibration.get("entropy")
-    if not factor > 0 or not isinstance(entropy, (int, float)) or not _finite(entropy) or not entropy > 0:
+    if not factor > 0 or not _finite(entropy) or not entropy > 0:
         raise ConfigError(
             f"--h-tgt-of-start {factor} x the start's entropy {entropy}: needs a factor > 0 and a calibration "
             "with a positive entropy (delete calibration.json to measure it again)"
@@ -604,7 +604,7 @@ def _stats(xs: list[float]) -> dict[str, float]:
     return mean_sd_ci(xs)
 
 
-def _finite(x: Any) -> bool:
+def _finite(x: Any) -> TypeGuard[int | float]:
     return isinstance(x, int | float) and math.isfinite(x)
 
 

@@ -42,9 +42,8 @@ def test_evaluate_aime_example(tmp_path, shared_data):
 @pytest.mark.slow  # a real training run of the example
 def test_train_python_api_example(tmp_path):
     run_dir = tmp_path / "run"
-    summary = _load(
-        "train_python_api"
-    ).main(
+    example = _load("train_python_api")
+    summary = example.main(
         [
             "--tiny",
             "--run-dir",
