@@ -23,6 +23,13 @@ From one start (``--model``, default the embedded SmolLM2-135M-Instruct), in flo
    L+ and the entropy bonus's whole loss), and REAL SGD steps ``theta - lr (g_all + (W - 1) g_L+)``
    at W in {1, 2, 4}: H_bank measured after the step.
 
+``--from-run RUN`` replaces 1 and 2's sampling with a run's own saved data (``trainer.save_rollouts``):
+the bank is the run's held-out entropy bank (``trainer.entropy_bank``: multi-turn tool episodes, its
+model-written tokens scored, tool output as context), the batches are the groups the run's dynamic
+sampling kept at each step, with the run's rewards, and the start is the run's ``model.name_or_path``.
+The batches are on-policy for the start only where the run's weights did not move (e.g. a run at
+``optim.lr=1e-30``, whose Adam steps are below float32 resolution: docs/study.md).
+
 Every subset and method is evaluated on the same batches; the table gives the mean over batches with
 a 95 % t-interval, and paired differences. ``lr`` is fixed for the run: the SGD step of the first
 batch's full update has the norm of one Adam step of lr 1e-6 on every parameter (1e-6 * sqrt(#params)).
@@ -30,6 +37,8 @@ batch's full update has the norm of one Adam step of lr 1e-6 on every parameter 
     .venv/bin/python benchmarks/entropy_response.py --quick --out /tmp/er_quick
     .venv/bin/python benchmarks/entropy_response.py --batches 10 --time-limit 1300 --out runs/entropy_response
     .venv/bin/python benchmarks/entropy_response.py --batches 10 --time-limit 1300 --out runs/entropy_response --resume
+    .venv/bin/python benchmarks/entropy_response.py --from-run runs/closed_loop/runs/draws --adam-lr 1e-5 \\
+        --validate 1 --check 2 --out runs/entropy_response_closed_loop
     .venv/bin/python benchmarks/entropy_response.py --from-records --out runs/entropy_response   # the table
 """
 
@@ -130,6 +139,39 @@ def pad_rows(rows, pad: int):
     return ids, attn, score
 
 
+def episode_rows(episodes, pad: int):
+    """Right-padded ids, attention mask and score mask of saved episodes (``Trajectory``): the score
+    mask marks the positions that predict a MODEL-written response token (loss mask 1), so tool output
+    and template glue are context, never scored, as in the learner."""
+    ids, attn, score = pad_rows([(t.prompt_ids, t.response_ids) for t in episodes], pad)
+    for n, t in enumerate(episodes):
+        start = len(t.prompt_ids) - 1
+        score[n, start : start + len(t.response_ids)] = torch.tensor(t.loss_mask, dtype=torch.bool)
+    return ids, attn, score
+
+
+def saved_batches(run_dir: Path):
+    """``(step, episodes, rewards, group sizes)`` of every saved step of a run whose dynamic sampling kept
+    a group (``stare_agent.train.replay.load_step``: the groups the run trained on, in draw order)."""
+    from stare_agent.train.replay import load_step, step_files
+
+    for step, path in step_files(run_dir):
+        _, kept = load_step(path)
+        if kept:
+            episodes = [t for g in kept for t in g.trajectories]
+            rewards = torch.tensor([r for g in kept for r in g.rewards], dtype=torch.float32)
+            yield step, episodes, rewards, [len(g.trajectories) for g in kept]
+
+
+def group_advantages(rewards: torch.Tensor, sizes) -> torch.Tensor:
+    """GRPO advantages group by group (a group that lost an episode to the sandbox is smaller)."""
+    out, lo = [], 0
+    for n in sizes:
+        out.append(grpo_advantages(rewards[lo : lo + n], group_size=n)[0])
+        lo += n
+    return torch.cat(out)
+
+
 def rewards_of(texts, golds, penalty: float) -> torch.Tensor:
     cfg = RewardConfig(format_penalty=penalty)
     return torch.tensor(
@@ -147,6 +189,25 @@ def bank_entropy(model, ids, attn, score, chunk: int = 256) -> torch.Tensor:
         logp = torch.log_softmax(z, dim=-1)
         total = total + (-(logp.exp() * logp).sum(-1)).double().sum()
     return total / hidden.shape[0]
+
+
+def bank_entropy_by_rows(model, ids, attn, score, rows: int = 4, grad: bool = False) -> float:
+    """``H_bank`` (the mean over ALL score positions) computed ``rows`` sequences at a time, each slice cut
+    to its longest sequence; with ``grad``, ``grad H_bank`` is accumulated in the parameters' ``.grad``
+    (a 32-episode bank in one fp32 forward with grad holds ~18 GB of activations)."""
+    total, H = int(score.sum()), 0.0
+    for lo in range(0, ids.shape[0], rows):
+        length = int(attn[lo : lo + rows].sum(1).max())
+        sl = (slice(lo, lo + rows), slice(0, length))
+        part_score = score[lo : lo + rows, : length - 1]
+        if not part_score.any():
+            continue
+        with torch.set_grad_enabled(grad):
+            part = bank_entropy(model, ids[sl], attn[sl], part_score) * (int(part_score.sum()) / total)
+            if grad:
+                part.backward()
+        H += float(part.detach())
+    return H
 
 
 def batch_scores(model, ids, attn, score) -> torch.Tensor:
@@ -276,6 +337,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--time-limit", type=float, default=1440.0, help="start no batch after this (s)")
     ap.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    ap.add_argument(
+        "--from-run",
+        type=Path,
+        default=None,
+        help="batches = the kept groups a run saved (trainer.save_rollouts), multi-turn with tool output "
+        "masked; bank = its trainer.entropy_bank; start = its model.name_or_path (unless --model)",
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument(
         "--from-records",
@@ -291,6 +359,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
+    run_config = None
+    if args.from_run:
+        from stare_agent.config import CONFIG_FILENAME, load_config
+
+        run_config = load_config(args.from_run / CONFIG_FILENAME)
+        args.model = args.model or run_config.model.name_or_path
+        if not run_config.trainer.entropy_bank:
+            raise SystemExit(f"{args.from_run}: the run has no trainer.entropy_bank to measure on")
     t0 = time.time()
     log = lambda *a: print(f"[{time.time() - t0:7.1f}s]", *a, flush=True)  # noqa: E731
     if args.tiny:
@@ -303,7 +379,13 @@ def main() -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    pool, bank_probs = problem_pool(args)
+    if args.from_run:
+        from stare_agent.entropy_bank import read_bank
+
+        saved_steps = list(saved_batches(args.from_run))
+        bank_episodes = read_bank(run_config.trainer.entropy_bank)
+    else:
+        pool, bank_probs = problem_pool(args)
 
     # --- the bank and h = grad H_bank (saved, so that a resumed run measures against the same one)
     bank_file = args.out / "bank.pt"
@@ -313,13 +395,16 @@ def main() -> None:
         b_ids, b_attn, b_score, h = bank["ids"], bank["attn"], bank["score"], bank["h"].double()
         H0 = saved["meta"]["H_bank"]
     else:
-        b_rows, _ = generate_rows(model, tok, bank_probs, args.bank_group, args.max_new, 10_000 + args.seed)
-        b_ids, b_attn, b_score = pad_rows(b_rows, pad)
+        if args.from_run:
+            b_ids, b_attn, b_score = episode_rows(bank_episodes, pad)
+        else:
+            b_rows, _ = generate_rows(
+                model, tok, bank_probs, args.bank_group, args.max_new, 10_000 + args.seed
+            )
+            b_ids, b_attn, b_score = pad_rows(b_rows, pad)
         model.zero_grad(set_to_none=True)
-        H = bank_entropy(model, b_ids, b_attn, b_score)
-        H.backward()
+        H0 = bank_entropy_by_rows(model, b_ids, b_attn, b_score, grad=True)
         h = flat_grad(params).double()
-        H0 = float(H.detach())
         model.zero_grad(set_to_none=True)
         torch.save({"ids": b_ids, "attn": b_attn, "score": b_score, "h": h.float()}, bank_file)
     u = unflatten((h / h.norm()).float(), params)  # unit direction; d_t is rescaled by |h| below
@@ -329,7 +414,7 @@ def main() -> None:
 
     def H_bank_now() -> float:
         with torch.no_grad():
-            return float(bank_entropy(model, b_ids, b_attn, b_score))
+            return bank_entropy_by_rows(model, b_ids, b_attn, b_score)
 
     H_check = H_bank_now()
     log(f"H_bank recomputed without grad: {H_check:.6f} (diff {H_check - H0:.2e})")
@@ -352,6 +437,7 @@ def main() -> None:
             "drawn": drawn_total,
             "wall_s": wall_before + time.time() - t0,
             "model": args.model or "embedded:smollm2-135m-instruct",
+            "from_run": str(args.from_run) if args.from_run else None,
         }
         (args.out / "records.json").write_text(
             json.dumps({"batches": records, "validation": val_records, "meta": meta}, indent=1)
@@ -363,7 +449,21 @@ def main() -> None:
             log(f"time limit: stopping before batch {len(records)}; continue with --resume")
             break
         tb = time.time()
-        rows, r, cursor, drawn = draw_batch(model, tok, pool, args, cursor, log, t0 + args.time_limit)
+        if args.from_run:
+            if cursor >= len(saved_steps):
+                log(f"{args.from_run}: all {len(saved_steps)} saved steps with a kept group measured")
+                break
+            step_no, episodes, r, sizes = saved_steps[cursor]
+            cursor += 1
+            ids, attn, score = episode_rows(episodes, pad)
+            A, drawn = group_advantages(r, sizes), len(sizes)
+            rows = episodes
+        else:
+            rows, r, cursor, drawn = draw_batch(model, tok, pool, args, cursor, log, t0 + args.time_limit)
+            if rows is not None:
+                ids, attn, score = pad_rows(rows, pad)
+                A, _ = grpo_advantages(r, group_size=args.group)
+            step_no = None
         drawn_total += drawn
         if rows is None and time.time() > t0 + args.time_limit:
             log(f"time limit while drawing ({drawn} problems, no batch); continue with --resume")
@@ -373,8 +473,6 @@ def main() -> None:
             log(f"no {args.groups} groups with reward variance in {drawn} problems: batch skipped")
             continue
         t_sampled = time.time()
-        ids, attn, score = pad_rows(rows, pad)
-        A, _ = grpo_advantages(r, group_size=args.group)
         mask = score
         A_tok = broadcast_to_tokens(A, mask)
         N = int(mask.sum())
@@ -439,6 +537,7 @@ def main() -> None:
         exact_all = -float(h @ g_all) if checking else None  # sum_t I_t should equal -<h, g_all>
         rec = {
             "batch": len(records),
+            "step": step_no,
             "tokens": N,
             "rewards": r.tolist(),
             "problems_drawn": drawn,
@@ -562,6 +661,9 @@ def summarize_saved(args) -> None:
 
 
 def ci(xs):
+    """Mean, 95 % t half-width and n of ``xs``; None when there is none (e.g. ``--validate 0``)."""
+    if not xs:
+        return None
     s = mean_sd_ci(xs)
     return {"mean": s["mean"], "ci95": s["ci95"], "n": s["n"]}
 
