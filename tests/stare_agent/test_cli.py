@@ -132,8 +132,15 @@ def test_eval_stopped_by_ctrl_c_resumes_to_the_uninterrupted_summary(tmp_path, m
     assert cli(*args, "--out", str(straight)).returncode == 0
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     command = [sys.executable, "-m", "stare_agent.cli", *args, "--out", str(cut)]
+
+    # A user's Ctrl-C reaches a process whose SIGINT is the default; pytest started as a background
+    # job (`make test &`, no job control) or under an xdist worker hands SIGINT down ignored, and
+    # Python then installs no KeyboardInterrupt handler: restore the default for the child.
+    def default_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=default_sigint
     ) as process:
         deadline = time.monotonic() + 300
         while not (cut / "results.jsonl").is_file() or not (cut / "results.jsonl").read_text():
