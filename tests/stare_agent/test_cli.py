@@ -134,8 +134,8 @@ def test_eval_stopped_by_ctrl_c_resumes_to_the_uninterrupted_summary(tmp_path, m
     command = [sys.executable, "-m", "stare_agent.cli", *args, "--out", str(cut)]
 
     # A user's Ctrl-C reaches a process whose SIGINT is the default; pytest started as a background
-    # job (`make test &`, no job control) or under an xdist worker hands SIGINT down ignored, and
-    # Python then installs no KeyboardInterrupt handler: restore the default for the child.
+    # job (`make test &`, no job control) hands SIGINT down ignored, and Python then installs no
+    # KeyboardInterrupt handler: restore the default for the child.
     def default_sigint() -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
