@@ -513,6 +513,7 @@ FIGURE_VARIANTS = (
     "o1",
     "random",
     "open-W1.1",
+    "o1-W2",
     "o1-W3",
     "o1-W5",
     "o1-W10",
