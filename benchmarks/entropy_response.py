@@ -151,7 +151,7 @@ def episode_rows(episodes, pad: int):
 
 
 def saved_batches(run_dir: Path):
-    """``(step, episodes, rewards, group sizes)`` of every saved step of a run whose dynamic sampling kept
+    """``(step, episodes, rewards, group index)`` of every saved step of a run whose dynamic sampling kept
     a group (``stare_agent.train.replay.load_step``: the groups the run trained on, in draw order)."""
     from stare_agent.train.replay import load_step, step_files
 
@@ -160,16 +160,9 @@ def saved_batches(run_dir: Path):
         if kept:
             episodes = [t for g in kept for t in g.trajectories]
             rewards = torch.tensor([r for g in kept for r in g.rewards], dtype=torch.float32)
-            yield step, episodes, rewards, [len(g.trajectories) for g in kept]
-
-
-def group_advantages(rewards: torch.Tensor, sizes) -> torch.Tensor:
-    """GRPO advantages group by group (a group that lost an episode to the sandbox is smaller)."""
-    out, lo = [], 0
-    for n in sizes:
-        out.append(grpo_advantages(rewards[lo : lo + n], group_size=n)[0])
-        lo += n
-    return torch.cat(out)
+            # as the trainer: a group that lost an episode to the sandbox is smaller
+            group_index = torch.tensor([i for i, g in enumerate(kept) for _ in g.rewards])
+            yield step, episodes, rewards, group_index
 
 
 def rewards_of(texts, golds, penalty: float) -> torch.Tensor:
@@ -356,6 +349,8 @@ def main() -> None:
     if args.quick:
         args.batches, args.prompts, args.group, args.max_new, args.groups = 2, 2, 4, 48, 1
         args.bank_prompts, args.bank_group, args.validate = 1, 4, 1
+    if args.check < 1 and args.validate < 1 and not args.resume:
+        ap.error("--check 0 --validate 0: the first batch's full gradient sets the run's lr; use --check 1")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -453,10 +448,11 @@ def main() -> None:
             if cursor >= len(saved_steps):
                 log(f"{args.from_run}: all {len(saved_steps)} saved steps with a kept group measured")
                 break
-            step_no, episodes, r, sizes = saved_steps[cursor]
+            step_no, episodes, r, group_index = saved_steps[cursor]
             cursor += 1
             ids, attn, score = episode_rows(episodes, pad)
-            A, drawn = group_advantages(r, sizes), len(sizes)
+            A, _ = grpo_advantages(r, group_index=group_index)
+            drawn = int(group_index.max()) + 1
             rows = episodes
         else:
             rows, r, cursor, drawn = draw_batch(model, tok, pool, args, cursor, log, t0 + args.time_limit)
