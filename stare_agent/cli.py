@@ -230,8 +230,11 @@ def _quickstart(args: argparse.Namespace) -> int:
 
 
 def _study(args: argparse.Namespace) -> int:
-    from stare_agent.recipes.study import CONFIG, study
+    from stare_agent.recipes.study import CONFIG, study, tables_from_csv
 
+    if args.tables_of is not None:
+        print(tables_from_csv(args.tables_of), end="")
+        return 0
     study(
         args.config or CONFIG,
         args.overrides,
@@ -525,6 +528,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--report", action="store_true", help="train nothing: figure and table of the runs logged so far"
+    )
+    p.add_argument(
+        "--tables-of",
+        default=None,
+        metavar="CSV",
+        help="train nothing: print the tables of a study.csv (e.g. docs/study.csv) as a study computes them now",
     )
     p.add_argument(
         "--h-tgt-of-start",

@@ -31,6 +31,7 @@ from typing import Any, TypeGuard
 
 from stare_agent.config import ConfigError, RunConfig, load_config
 from stare_agent.intervals import format_ci, mean_sd_ci
+from stare_agent.recipes.quickstart import gate_fraction
 
 # name -> algorithm overrides. The last three are the paper's open-loop ablations: the gate forced
 # on (no off state) at W = 1.01, at the default W = 1.1, and at W = 2 (reported to diverge).
@@ -398,15 +399,34 @@ def write_report(
         writer.writeheader()
         writer.writerows(rows)
     plot_study(runs, root / FIGURE_NAME, h_tgt=h_tgt)
+    summary, start_numbers = summarize_runs(runs, {s: starts[s] for _, s in pairs if s in starts})
+    (root / TABLE_NAME).write_text(format_table(summary, calibration, h_tgt, start_numbers))
+    report = {"calibration": calibration, "start": start_numbers, "variants": summary}
+    (root / "study.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def summarize_runs(
+    runs: dict[str, dict[int, list[dict[str, Any]]]], starts: dict[int, dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+    """Each variant's :func:`summarize` (paired with GRPO-ds's runs on the same seed), and the start's
+    held-out accuracy and bank entropy over the seeds of ``starts`` (seed -> the start's metrics)."""
     baseline = runs.get(MAIN_VARIANTS[0])
     summary = {
         v: summarize(by_seed, baseline if v != MAIN_VARIANTS[0] else None) for v, by_seed in runs.items()
     }
-    seeds = sorted({s for _, s in pairs} & set(starts))
     start_numbers = {
         name: _stats(v)
         for name, v in (
-            (name, [float(starts[s][k]) for s in seeds for k in starts[s] if k.startswith(prefix)])
+            (
+                name,
+                [
+                    float(start[k])
+                    for _, start in sorted(starts.items())
+                    for k in start
+                    if k.startswith(prefix)
+                ],
+            )
             for name, prefix in (
                 ("heldout_sampled", "eval/avg@"),
                 ("heldout_greedy", "eval_greedy/avg@"),
@@ -415,10 +435,34 @@ def write_report(
         )
         if v
     }
-    (root / TABLE_NAME).write_text(format_table(summary, calibration, h_tgt, start_numbers))
-    report = {"calibration": calibration, "start": start_numbers, "variants": summary}
-    (root / "study.json").write_text(json.dumps(report, indent=2))
-    return report
+    return summary, start_numbers
+
+
+def tables_from_csv(path: str | Path) -> str:
+    """The tables of a study from its ``study.csv`` alone (e.g. the copy a document ships), computed as
+    ``study.md`` is today: a CSV written by an older version gets the current columns and intervals.
+    Step 0 rows are the start's evaluation. The calibration is not in the CSV, so the first line gives
+    only the start's held-out numbers.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no study CSV at {path}: pass the study.csv a study wrote (`stare-agent study`)")
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    starts: dict[int, dict[str, Any]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            try:
+                variant, seed, step = row.pop("variant"), int(row.pop("seed")), int(row.pop("step"))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ConfigError(
+                    f"{path} is not a study CSV (needs variant, seed, step columns): {e}"
+                ) from e
+            record: dict[str, Any] = {"step": step, **{k: _number(v) for k, v in row.items() if v != ""}}
+            runs.setdefault(variant, {}).setdefault(seed, []).append(record)
+            if step == 0:
+                starts.setdefault(seed, record)
+    summary, start_numbers = summarize_runs(runs, starts)
+    return format_table(summary, None, None, start_numbers)
 
 
 def summarize(
@@ -489,9 +533,9 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     rewards = [float(r["reward_mean"]) for r in records if r["step"] > 0 and _finite(r.get("reward_mean"))]
     if rewards:
         out["reward"], out["reward_late"] = _mean(rewards), _mean(rewards[-EDGE_STEPS:])
-    gate = [float(r["gate_on"]) for r in records if r["step"] > 0 and _finite(r.get("gate_on"))]
-    if gate:
-        out["gate_on"] = _mean(gate)
+    gate, _ = gate_fraction([r for r in records if r["step"] > 0 and _finite(r.get("gate_on"))])
+    if gate is not None:
+        out["gate_on"] = gate
     for key, name in (
         ("frac_reweighted", "reweighted"),
         ("stare/mean_weight", "mean_weight"),
@@ -545,13 +589,14 @@ COLUMNS = (
 
 def format_table(
     summary: dict[str, dict[str, Any]],
-    calibration: dict[str, Any],
-    h_tgt: float,
+    calibration: dict[str, Any] | None,
+    h_tgt: float | None,
     start: dict[str, dict[str, float]] | None = None,
 ) -> str:
     """The markdown tables, mean +- 95 % t interval (sample SD) over seeds per variant, after a line on the start (the
     calibration, and ``start``: its held-out accuracy over the seeds' held-out sets): the main one
-    (``COLUMNS``), then the entropy's dynamics and STARE's reach (``DYNAMICS_COLUMNS``)."""
+    (``COLUMNS``), then the entropy's dynamics and STARE's reach (``DYNAMICS_COLUMNS``). Without
+    ``calibration`` (a table redone from a CSV) the line gives the start's held-out numbers alone."""
     held_out = "".join(
         f", held-out accuracy ({tag}) {n['mean']:.3f}"
         + (
@@ -568,7 +613,9 @@ def format_table(
         f"Start (SFT policy, temperature {calibration['temperature']:g}): mean reward "
         f"{calibration['mean_reward']:.3f} on {calibration['problems']} x {calibration['samples_per_problem']} "
         f"RL draws, entropy on those sampled tokens {calibration.get('entropy', math.nan):.3f}{held_out}; "
-        f"H_tgt = {h_tgt:g}.",
+        f"H_tgt = {h_tgt:g}."
+        if calibration is not None
+        else f"Start (the study's step 0){held_out or ': no evaluation logged'}."
     ]
     for columns in (COLUMNS, DYNAMICS_COLUMNS):
         lines += [
@@ -604,6 +651,13 @@ def _stats(xs: list[float]) -> dict[str, float]:
     return mean_sd_ci(xs)
 
 
+def _number(text: str) -> Any:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _finite(x: Any) -> TypeGuard[int | float]:
     return isinstance(x, int | float) and math.isfinite(x)
 
@@ -625,5 +679,7 @@ __all__ = [
     "run_numbers",
     "start_eval",
     "study",
+    "summarize_runs",
+    "tables_from_csv",
     "write_report",
 ]

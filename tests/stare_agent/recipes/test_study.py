@@ -10,7 +10,7 @@ import json
 import pytest
 
 from stare_agent.config import ConfigError
-from stare_agent.recipes.study import plan, relative_h_tgt, run_numbers, summarize
+from stare_agent.recipes.study import plan, relative_h_tgt, run_numbers, summarize, tables_from_csv
 from tests.stare_agent.test_cli import cli
 
 
@@ -136,12 +136,14 @@ def test_run_numbers_give_the_late_bank_entropy_the_reward_and_the_gates_share_o
         {"step": 3, "reward_mean": 0.75, "gate_on": 1},
         {"step": 4, "reward_mean": 1.0, "gate_on": 0, "eval/bank_entropy": 0.06},
         {"step": 5, "reward_mean": float("nan"), "gate_on": 0, "eval/bank_entropy": 0.05},
+        # every group solved: nothing trained, and the trainer logs gate_on 0 without reading the gate
+        {"step": 6, "reward_mean": 1.0, "gate_on": 0, "skipped": 1, "skip_reason": "no variance"},
     ]
     n = run_numbers(records)
     assert n["bank_entropy_start"] == 0.09
     assert n["bank_entropy_late"] == pytest.approx(0.055)  # the last 2 evaluations: (0.06 + 0.05) / 2
-    assert n["reward"] == pytest.approx(0.625)  # (0.5 + 0.25 + 0.75 + 1.0) / 4, the NaN step left out
-    assert n["gate_on"] == pytest.approx(0.4)  # on at 2 of 5 trained steps
+    assert n["reward"] == pytest.approx(0.7)  # (0.5 + 0.25 + 0.75 + 1.0 + 1.0) / 5, the NaN step left out
+    assert n["gate_on"] == pytest.approx(0.4)  # on at 2 of 5 trained steps; the skipped step is not "off"
 
 
 def test_a_relative_h_tgt_is_a_multiple_of_the_calibrated_entropy():
@@ -224,3 +226,35 @@ def test_the_other_entropy_controls_are_arms_named_on_demand():
     assert others <= set(VARIANTS) and not others & set(PAPER_VARIANTS)
     for name in others:
         assert load_config(None, list(VARIANTS[name])).algorithm.name == name.replace("-", "_")
+
+
+def test_the_tables_of_a_study_csv_are_redone_with_todays_intervals(tmp_path):
+    # Two seeds of two variants, each led by its seed's start (step 0). Entropy AUC/step of two steps is
+    # their mean: GRPO-ds 0.3 and 0.4, STARE-O1 0.4 and 0.5, so the paired difference is 0.1 on both seeds.
+    rows = [
+        ("grpo-ds", 0, 0, "", "0.5"), ("grpo-ds", 0, 1, "0.2", ""), ("grpo-ds", 0, 2, "0.4", ""),
+        ("grpo-ds", 1, 0, "", "0.75"), ("grpo-ds", 1, 1, "0.4", ""), ("grpo-ds", 1, 2, "0.4", ""),
+        ("stare-o1", 0, 0, "", "0.5"), ("stare-o1", 0, 1, "0.3", ""), ("stare-o1", 0, 2, "0.5", ""),
+        ("stare-o1", 1, 0, "", "0.75"), ("stare-o1", 1, 1, "0.5", ""), ("stare-o1", 1, 2, "0.5", ""),
+    ]  # fmt: skip
+    path = tmp_path / "study.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["variant", "seed", "step", "entropy", "eval/avg@2"])
+        writer.writerows(rows)
+    table = tables_from_csv(path)
+    # start: mean 0.625, SD sqrt(2 x 0.125^2) = 0.177, half-width t(1) 12.706 x 0.177 / sqrt(2) = 1.588
+    assert table.startswith(
+        "Start (the study's step 0), held-out accuracy (sampled) 0.625 ± 1.588 (95 % t interval, SD 0.177)"
+        " over 2 seeds."
+    )
+    # Late entropy (both steps) and AUC: GRPO-ds 0.3, 0.4 -> mean 0.35, SD 0.071, half-width
+    # 12.706 x 0.0707 / sqrt(2) = 0.635; STARE-O1 0.45 with the same spread; paired: 0.1 on both seeds
+    ci = "± 0.635 (SD 0.071)"
+    assert f"| grpo-ds | 2 | 2 | 0.350 {ci} | 0.350 {ci} | - |" in table
+    assert f"| stare-o1 | 2 | 2 | 0.450 {ci} | 0.450 {ci} | 0.100 ± 0.000 (SD 0.000) |" in table
+    with pytest.raises(ConfigError, match="no study CSV at .*: pass the study.csv a study wrote"):
+        tables_from_csv(tmp_path / "none.csv")
+    (tmp_path / "bad.csv").write_text("name,value\nx,1\n")
+    with pytest.raises(ConfigError, match="is not a study CSV \\(needs variant, seed, step columns\\)"):
+        tables_from_csv(tmp_path / "bad.csv")
