@@ -6,7 +6,8 @@ through ``stare-agent replay`` (``stare_agent.train.replay.replay``: the trainer
 baseline is the replay of the run with its own config (GRPO-ds, which repeats the run's learner), in the
 same table. Methods (``stare_agent.recipes.study.VARIANTS``, at their defaults; H_tgt is the run's):
 grpo-ds, entropy-bonus, kl-cov, clip-cov, forking-tokens, stare-o1 (W 1.1, the paper's gate on the
-kept groups), stare-o1-w3-drawn (W 3, the gate on the whole draw: ours).
+kept groups), stare-o1-w3-drawn (W 3, the gate on the whole draw: ours), and both with L+ restricted to
+the tokens whose reinforcement raises their position's entropy (ours, ``algorithm.L_plus_rule=top_k_raising``).
 
 What a replay can show: how each learner moves the policy's entropy given the same data, on the
 run's sampled tokens (``entropy``: the replayed policy teacher-forced on the run's kept episodes,
@@ -47,6 +48,8 @@ METHODS = (
     "forking-tokens",
     "stare-o1",
     "stare-o1-w3-drawn",
+    "stare-o1-raising",
+    "stare-o1-w3-drawn-raising",
 )
 
 

@@ -63,6 +63,16 @@ VARIANTS |= {
         "algorithm.gate_batch=drawn",
     ),
 }
+# L+ restricted to the tokens whose reinforcement raises their position's entropy at first order (ours):
+# at the paper's W and gate, and with the closed loop's best-chance W and gate above.
+VARIANTS |= {
+    "stare-o1-raising": (
+        "algorithm.name=stare",
+        "algorithm.variant=O1",
+        "algorithm.L_plus_rule=top_k_raising",
+    ),
+    "stare-o1-w3-drawn-raising": (*VARIANTS["stare-o1-w3-drawn"], "algorithm.L_plus_rule=top_k_raising"),
+}
 MAIN_VARIANTS = ("grpo-ds", "stare-o1", "stare-c2")
 SMOKE_VARIANTS = ("grpo-ds", "stare-o1")
 # A few steps of tiny batches: checks that the pipeline produces its figure and table.

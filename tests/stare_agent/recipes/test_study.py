@@ -228,6 +228,17 @@ def test_the_other_entropy_controls_are_arms_named_on_demand():
         assert load_config(None, list(VARIANTS[name])).algorithm.name == name.replace("-", "_")
 
 
+def test_the_raising_l_plus_arms_differ_from_their_base_in_the_rule_alone():
+    from stare_agent.config import load_config
+    from stare_agent.recipes.study import PAPER_VARIANTS, VARIANTS
+
+    for arm, base in (("stare-o1-raising", "stare-o1"), ("stare-o1-w3-drawn-raising", "stare-o1-w3-drawn")):
+        assert arm not in PAPER_VARIANTS
+        a, b = (load_config(None, list(VARIANTS[v])).algorithm for v in (arm, base))
+        assert (a.L_plus_rule, b.L_plus_rule) == ("top_k_raising", "top_k")
+        assert a.W == b.W and a.gate_batch == b.gate_batch and a.variant == b.variant == "O1"
+
+
 def test_the_tables_of_a_study_csv_are_redone_with_todays_intervals(tmp_path):
     # Two seeds of two variants, each led by its seed's start (step 0). Entropy AUC/step of two steps is
     # their mean: GRPO-ds 0.3 and 0.4, STARE-O1 0.4 and 0.5, so the paired difference is 0.1 on both seeds.
