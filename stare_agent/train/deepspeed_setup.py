@@ -15,6 +15,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,7 +52,43 @@ def init_distributed(backend: str = "auto") -> None:
         )
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    clear_stale_build_locks()
     deepspeed.init_distributed(dist_backend=backend)
+
+
+STALE_LOCK_S = 600.0  # building DeepSpeed's CPU shared-memory op takes about a minute on 2 cores
+
+
+def clear_stale_build_locks(
+    root: str | Path | None = None, *, older_than_s: float = STALE_LOCK_S
+) -> list[Path]:
+    """Remove the torch-extension build locks older than ``older_than_s`` seconds; return the removed.
+
+    On a CPU, DeepSpeed builds its shared-memory all-reduce op (``deepspeed_shm_comm``) at the first
+    ``init_distributed`` under a ``lock`` file that torch's builder waits on with no timeout: a process
+    killed while building leaves the lock behind, and every later start then hangs. A lock this old
+    belongs to no live build. ``root``: the extensions root (default: ``TORCH_EXTENSIONS_DIR``, else
+    torch's default root, with its ``py311_cpu``-style subfolders).
+    """
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    now, removed = time.time(), []
+    for lock in [*Path(root).glob("*/lock"), *Path(root).glob("*/*/lock")]:
+        try:
+            if now - lock.stat().st_mtime > older_than_s:
+                lock.unlink()
+                removed.append(lock)
+        except FileNotFoundError:  # another process removed it (its build finished) meanwhile
+            continue
+    for lock in removed:
+        warnings.warn(
+            f"removed a stale torch-extension build lock {lock} (older than {older_than_s:.0f} s, left by a "
+            "process killed while building); without this every DeepSpeed start would wait on it forever",
+            stacklevel=2,
+        )
+    return removed
 
 
 def load_training_policy(config: RunConfig) -> tuple[Any, Any]:

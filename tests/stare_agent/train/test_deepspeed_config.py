@@ -143,3 +143,26 @@ def test_bad_files_and_stage_disagreement_fail_at_load(tmp_path):
     assert deepspeed_config(load_config(None).deepspeed, load_config(None).optim, "fp32", 1)[
         "zero_optimization"
     ] == {"stage": 0}
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path):
+    import os
+    import time
+
+    from stare_agent.train.deepspeed_setup import STALE_LOCK_S, clear_stale_build_locks
+
+    stale = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"  # torch's default layout
+    live = tmp_path / "py311_cpu" / "other_op" / "lock"
+    flat = tmp_path / "deepspeed_shm_comm" / "lock"  # the layout under TORCH_EXTENSIONS_DIR
+    for lock in (stale, live, flat):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(stale, (old, old))
+    os.utime(flat, (old, old))
+    with pytest.warns(
+        UserWarning, match="removed a stale torch-extension build lock .*deepspeed_shm_comm/lock"
+    ):
+        removed = clear_stale_build_locks(tmp_path)
+    assert sorted(removed) == sorted([stale, flat])
+    assert not stale.exists() and not flat.exists() and live.exists()
