@@ -77,12 +77,12 @@ def clear_stale_build_locks(
     now, removed = time.time(), []
     for lock in [*Path(root).glob("*/lock"), *Path(root).glob("*/*/lock")]:
         try:
-            if now - lock.stat().st_mtime > older_than_s:
-                lock.unlink()
-                removed.append(lock)
+            if now - lock.stat().st_mtime <= older_than_s:
+                continue
+            lock.unlink()
         except FileNotFoundError:  # another process removed it (its build finished) meanwhile
             continue
-    for lock in removed:
+        removed.append(lock)
         warnings.warn(
             f"removed a stale torch-extension build lock {lock} (older than {older_than_s:.0f} s, left by a "
             "process killed while building); without this every DeepSpeed start would wait on it forever",
