@@ -335,6 +335,17 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def gate_fraction(steps: list[dict[str, Any]]) -> tuple[float | None, int]:
+    """The fraction of trained RL steps with the STARE gate on, and the number of steps that trained
+    nothing (``skipped``: no group with reward variance, or a non-finite loss): such a step has no gate
+    (the trainer logs gate_on 0 there), so it counts neither as on nor as off. ``None`` when no step
+    trained."""
+    trained = [r for r in steps if not r.get("skipped")]
+    if not trained:
+        return None, len(steps)
+    return sum(float(r.get("gate_on", 0)) for r in trained) / len(trained), len(steps) - len(trained)
+
+
 def _plain(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()

@@ -20,7 +20,7 @@ from typing import Any
 
 from stare_agent.config import RunConfig, load_config
 from stare_agent.engines import cpu_has_bf16
-from stare_agent.metrics import json_ready
+from stare_agent.metrics import gate_fraction, json_ready
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 
@@ -223,17 +223,6 @@ def save_result(result: dict[str, Any], run_dir: Path) -> Path:
     return path
 
 
-def gate_fraction(steps: list[dict[str, Any]]) -> tuple[float | None, int]:
-    """The fraction of trained RL steps with the STARE gate on, and the number of steps that trained
-    nothing (``skipped``: no group with reward variance, or a non-finite loss): such a step has no gate
-    (the trainer logs gate_on 0 there), so it counts neither as on nor as off. ``None`` when no step
-    trained."""
-    trained = [r for r in steps if not r.get("skipped")]
-    if not trained:
-        return None, len(steps)
-    return sum(float(r.get("gate_on", 0)) for r in trained) / len(trained), len(steps) - len(trained)
-
-
 def format_table(result: dict[str, Any]) -> str:
     """The before/after table and the paths, as plain text."""
     k = result["samples"]
@@ -297,7 +286,6 @@ def _rl_entropy_line(result: dict[str, Any]) -> str:
 __all__ = [
     "format_table",
     "fp32_eval_engine",
-    "gate_fraction",
     "quickstart",
     "usable_precision",
 ]

@@ -31,7 +31,7 @@ from typing import Any, TypeGuard
 
 from stare_agent.config import ConfigError, RunConfig, load_config
 from stare_agent.intervals import format_ci, mean_sd_ci
-from stare_agent.recipes.quickstart import gate_fraction
+from stare_agent.metrics import gate_fraction
 
 # name -> algorithm overrides. The last three are the paper's open-loop ablations: the gate forced
 # on (no off state) at W = 1.01, at the default W = 1.1, and at W = 2 (reported to diverge).

@@ -15,6 +15,7 @@ from stare_agent.metrics import (
     ToolHealth,
     ToolHealthAlarm,
     ToolHealthError,
+    gate_fraction,
     policy_entropy,
     read_metrics,
     reflection_counts,
@@ -334,3 +335,11 @@ def test_the_tool_health_alarm_stops_above_the_rate_over_its_window():
     for step in (3, 4):  # the failing step left the window of 2
         rolling.observe(step, ToolHealth(calls=100))
     ToolHealthAlarm(1.0, 5).observe(1, ToolHealth(calls=0, infra_failures=50))  # 1.0: never stops
+
+
+def test_gate_fraction_counts_trained_steps_only():
+    trained, skipped = {"gate_on": 1, "entropy": 0.01}, {"gate_on": 0, "entropy": math.nan, "skipped": 1}
+    # a step that trained nothing has no gate: neither on nor off
+    assert gate_fraction([trained, skipped, trained]) == (1.0, 1)
+    assert gate_fraction([trained, {"gate_on": 0, "entropy": 0.4, "skipped": 0}]) == (0.5, 0)
+    assert gate_fraction([skipped, skipped]) == (None, 2)

@@ -1,9 +1,8 @@
 """The quickstart's before/after table names its two entropies apart."""
 
 import json
-import math
 
-from stare_agent.recipes.quickstart import format_table, gate_fraction, save_result
+from stare_agent.recipes.quickstart import format_table, save_result
 
 
 def _result(rl_entropy):
@@ -37,14 +36,6 @@ def test_table_reports_greedy_and_sampled_entropy_under_distinct_names():
         in table
     )
     assert "dashboard: runs/quickstart/plots/dashboard.png" in table
-
-
-def test_gate_fraction_counts_trained_steps_only():
-    trained, skipped = {"gate_on": 1, "entropy": 0.01}, {"gate_on": 0, "entropy": math.nan, "skipped": 1}
-    # a step that trained nothing has no gate: neither on nor off
-    assert gate_fraction([trained, skipped, trained]) == (1.0, 1)
-    assert gate_fraction([trained, {"gate_on": 0, "entropy": 0.4, "skipped": 0}]) == (0.5, 0)
-    assert gate_fraction([skipped, skipped]) == (None, 2)
 
 
 def test_table_counts_the_gate_over_trained_steps_and_says_how_many_were_skipped():
