@@ -775,9 +775,13 @@ def print_methods(summary, meta):
             f"{name} | {fmt(summary[m])} | {summary[f'{m} > 0']}/{n} | {fmt(summary[f'{m} - grpo_ds'])} | {summary[f'{m} - grpo_ds > 0']}/{n} | "
             f"{summary[f'{m}/select_s']:.2g} ({summary[f'{m}/select_over_step']:.1e})"
         )
+    bonus_cost = summary["bonus_step_over_step"]
+    bonus_cost = (
+        "not timed" if math.isnan(bonus_cost) else f"{bonus_cost:.3f}x"
+    )  # timed in --validate batches
     print(
         f"GRPO-ds step (forward + backward, median) {summary['step_s']:.1f} s; with the entropy bonus's "
-        f"entropy gradient: {summary['bonus_step_over_step']:.3f}x; KL-Cov's coefficients minus GRPO-ds's: "
+        f"entropy gradient: {bonus_cost}; KL-Cov's coefficients minus GRPO-ds's: "
         f"max |diff| {summary['kl_cov_max_coef_diff']:.1e}; bonus push per unit beta {summary['bonus_per_beta']:+.3e}, "
         f"beta that cancels the GRPO-ds step's mean {summary['beta_to_cancel_grpo']:.3g}"
     )
