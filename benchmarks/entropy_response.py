@@ -775,10 +775,8 @@ def print_methods(summary, meta):
             f"{name} | {fmt(summary[m])} | {summary[f'{m} > 0']}/{n} | {fmt(summary[f'{m} - grpo_ds'])} | {summary[f'{m} - grpo_ds > 0']}/{n} | "
             f"{summary[f'{m}/select_s']:.2g} ({summary[f'{m}/select_over_step']:.1e})"
         )
-    bonus_cost = summary["bonus_step_over_step"]
-    bonus_cost = (
-        "not timed" if math.isnan(bonus_cost) else f"{bonus_cost:.3f}x"
-    )  # timed in --validate batches
+    bonus_cost = summary["bonus_step_over_step"]  # timed only in --validate batches
+    bonus_cost = "not timed" if math.isnan(bonus_cost) else f"{bonus_cost:.3f}x"
     print(
         f"GRPO-ds step (forward + backward, median) {summary['step_s']:.1f} s; with the entropy bonus's "
         f"entropy gradient: {bonus_cost}; KL-Cov's coefficients minus GRPO-ds's: "
