@@ -58,8 +58,6 @@ from pathlib import Path
 
 import torch
 
-from envs.problems import generate_problems, load_problems
-from envs.rewards import RewardConfig, compute_reward, extract_boxed
 from stare_agent.algorithms.advantages import broadcast_to_tokens, grpo_advantages
 from stare_agent.algorithms.entropy_control import (
     clip_cov_weights,
@@ -78,6 +76,8 @@ from stare_agent.algorithms.losses import policy_loss
 from stare_agent.algorithms.stare import stare_weights
 from stare_agent.intervals import mean_sd_ci
 from stare_agent.models import load_policy, tiny_model
+from stare_envs.problems import generate_problems, load_problems
+from stare_envs.rewards import RewardConfig, compute_reward, extract_boxed
 
 INSTRUCTION = "\nAnswer briefly and give the final answer in \\boxed{}."
 

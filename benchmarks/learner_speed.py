@@ -37,10 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from envs.trajectory import Trajectory, TrajectoryBuilder  # noqa: E402
 from stare_agent.config import load_config  # noqa: E402
 from stare_agent.models import load_policy  # noqa: E402
 from stare_agent.train.learner import Learner  # noqa: E402
+from stare_envs.trajectory import Trajectory, TrajectoryBuilder  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 OLD = {"score_response_only": False, "bucket_by_length": False, "share_prompts": False}

@@ -51,9 +51,6 @@ from typing import Any
 import torch
 from transformers import set_seed
 
-from envs.engine import SamplingParams
-from envs.problems import eval_problems
-from sandbox import SandboxPool
 from stare_agent import cold_start
 from stare_agent.config import RunConfig, load_config
 from stare_agent.engines.transformers_engine import TransformersEngine
@@ -61,6 +58,9 @@ from stare_agent.evaluation import evaluate
 from stare_agent.metrics import policy_entropy
 from stare_agent.models import load_policy
 from stare_agent.recipes.quickstart import usable_precision
+from stare_envs.engine import SamplingParams
+from stare_envs.problems import eval_problems
+from stare_sandbox import SandboxPool
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 

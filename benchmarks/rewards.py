@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from envs.rewards import AnswerChecker
+from stare_envs.rewards import AnswerChecker
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 POWER_TOWER = "9^{9^{9^{9}}}"

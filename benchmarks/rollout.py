@@ -164,9 +164,9 @@ def bench_engine_throughput(args: argparse.Namespace) -> None:
     """Tokens/s of the rollout engines vs ``model.generate`` on the embedded model."""
     import torch
 
-    from envs.engine import SamplingParams
     from stare_agent.engines import TransformersEngine
     from stare_agent.models import embedded_model_path, load_policy
+    from stare_envs.engine import SamplingParams
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     model, tokenizer = load_policy(device=args.device)
@@ -313,7 +313,7 @@ _OVERHEAD_SCRIPTS = [
 
 
 def _overhead_problems():
-    from envs.problems import Problem
+    from stare_envs.problems import Problem
 
     return [
         Problem(id="mul", problem="What is 6 * 7?", answer="42"),
@@ -324,9 +324,9 @@ def _overhead_problems():
 
 def _runner_rows(name: str, make_engine, tokenizer, pool, args: argparse.Namespace, budget: int) -> list[str]:
     """Median timings of ``args.repeats`` runs of one batch of ``args.episodes`` episodes."""
-    from envs.code_interpreter import CodeInterpreterEnv
-    from envs.engine import SamplingParams
-    from envs.rollout import RolloutRunner
+    from stare_envs.code_interpreter import CodeInterpreterEnv
+    from stare_envs.engine import SamplingParams
+    from stare_envs.rollout import RolloutRunner
 
     n = args.episodes
     envs = [
@@ -369,9 +369,9 @@ def bench_runner_overhead(args: argparse.Namespace) -> None:
     transformers engine with the real SmolLM2 tokenizer (its turns rarely call a tool, so most
     episodes are one long turn). Target: runner overhead <= 5 % of rollout time.
     """
-    from sandbox.pool import SandboxPool
     from stare_agent.engines.scripted import ScriptedEngine
     from stare_agent.models import load_tokenizer
+    from stare_sandbox.pool import SandboxPool
 
     tokenizer = load_tokenizer()
     scripts = [_OVERHEAD_SCRIPTS[i % 3] for i in range(args.episodes)]
@@ -432,14 +432,14 @@ def bench_draw(args: argparse.Namespace) -> None:
     """One RL draw of the quickstart configuration: old path vs vLLM lockstep vs vLLM continuous."""
     import zlib
 
-    from envs.engine import SamplingParams
-    from envs.problems import ProblemStream
-    from envs.registry import make_tool_envs
-    from envs.rollout import RolloutRunner
     from stare_agent.config import load_config, train_source
     from stare_agent.engines import start_engine
     from stare_agent.models import load_policy
     from stare_agent.recipes.quickstart import usable_precision
+    from stare_envs.engine import SamplingParams
+    from stare_envs.problems import ProblemStream
+    from stare_envs.registry import make_tool_envs
+    from stare_envs.rollout import RolloutRunner
 
     if not Path(args.model, "config.json").is_file():
         sys.exit(

@@ -32,8 +32,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sandbox import SandboxConfig, SandboxPool  # noqa: E402
-from sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet  # noqa: E402
+from stare_sandbox import SandboxConfig, SandboxPool  # noqa: E402
+from stare_sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sandbox_latency  # noqa: E402

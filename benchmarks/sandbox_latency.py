@@ -40,9 +40,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sandbox import Sandbox, make_sandbox, resolve_backend  # noqa: E402
-from sandbox.config import DEFAULT_IMAGE, PRELOAD_MATH, Backend  # noqa: E402
-from sandbox.pool import PoolStats, SandboxPool  # noqa: E402
+from stare_sandbox import Sandbox, make_sandbox, resolve_backend  # noqa: E402
+from stare_sandbox.config import DEFAULT_IMAGE, PRELOAD_MATH, Backend  # noqa: E402
+from stare_sandbox.pool import PoolStats, SandboxPool  # noqa: E402
 
 STATEMENT = "x = 1"
 
@@ -125,7 +125,7 @@ def exec_container() -> Iterator[Callable[[], None]]:
 def reset_costs(n: int) -> list[tuple[str, Row, float]]:
     """(name, wall time per reset, container CPU ms per reset) of the default reset and of a
     container restart, on one Docker sandbox; each reset follows an episode of one call."""
-    from sandbox import DockerSandbox
+    from stare_sandbox import DockerSandbox
 
     rows = []
     with DockerSandbox() as sb:
@@ -168,8 +168,8 @@ def preload_costs(n: int) -> list[tuple[str, Row, Row, float, float, float]]:
     """(name, first call wall ms, reset wall ms, first call container CPU ms, container memory MB
     after start, cold start ms) with numpy and sympy preloaded and with none, one Docker sandbox each,
     in alternating episodes (reset, then ``PRELOAD_CALL``)."""
-    from sandbox import DockerSandbox, SandboxConfig
-    from sandbox.usage import cgroup_dir
+    from stare_sandbox import DockerSandbox, SandboxConfig
+    from stare_sandbox.usage import cgroup_dir
 
     def memory_mb(sb: DockerSandbox) -> float:
         folder = cgroup_dir(sb._host.init_pid, "memory") if sb._host is not None else None
@@ -227,7 +227,7 @@ def pool_throughput(
 ) -> Throughput:
     """``callers`` threads share a pool of ``size``; each leases a sandbox per episode of
     ``episode_len`` short statements, for ``seconds``; with no preload (the default) or numpy and sympy."""
-    from sandbox import SandboxConfig
+    from stare_sandbox import SandboxConfig
 
     config = SandboxConfig(preload=list(PRELOAD_MATH) if preload else [])
     with SandboxPool(size, backend=backend, config=config) as pool:

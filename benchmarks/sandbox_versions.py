@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MEASURE = r"""
 import json, statistics, sys, threading, time
 sys.path.insert(0, ROOT)
-from sandbox import DockerSandbox, SandboxPool
+from stare_sandbox import DockerSandbox, SandboxPool
 
 out = {}
 with DockerSandbox() as sb:

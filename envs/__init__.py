@@ -1,12 +1,12 @@
 """Gymnasium environments for tool-using LLM agents: formats, tools, problems, rewards, rollouts.
 
-Importing ``envs`` registers the built-in Gymnasium ids (``stare/CodeInterpreter-v0``, one per
+Importing ``stare_envs`` registers the built-in Gymnasium ids (``stare/CodeInterpreter-v0``, one per
 problem family, ``stare/AIME2024-v0``, ...) and loads third-party tools and environments declared
 as entry points (groups ``stare_agent.tools`` and ``stare_agent.envs``). No torch here.
 """
 
-from envs.code_interpreter import CodeInterpreterEnv
-from envs.formats import (
+from stare_envs.code_interpreter import CodeInterpreterEnv
+from stare_envs.formats import (
     FORMATS,
     HermesFormat,
     ParsedTurn,
@@ -17,9 +17,9 @@ from envs.formats import (
     register_format,
     unregister_format,
 )
-from envs.registry import load_plugins, make_benchmark_env, register_builtin_envs, register_tool_env
-from envs.tool_env import EnvStateError, EpisodeInfrastructureError, ToolEnv
-from envs.tools import (
+from stare_envs.registry import load_plugins, make_benchmark_env, register_builtin_envs, register_tool_env
+from stare_envs.tool_env import EnvStateError, EpisodeInfrastructureError, ToolEnv
+from stare_envs.tools import (
     ToolInputError,
     ToolRegistryError,
     ToolResult,

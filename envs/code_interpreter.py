@@ -1,7 +1,7 @@
 """``CodeInterpreterEnv``: solve a math problem with a stateful Python interpreter (ReTool format).
 
 Example:
-    >>> from envs.code_interpreter import CodeInterpreterEnv
+    >>> from stare_envs.code_interpreter import CodeInterpreterEnv
     >>> env = CodeInterpreterEnv("multiplication", sandbox_backend="local")  # doctest: +SKIP
     >>> prompt, info = env.reset(seed=0)  # doctest: +SKIP
     >>> obs, reward, terminated, truncated, info = env.step(
@@ -16,9 +16,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from envs.formats import ToolFormat
-from envs.problems import Problem
-from envs.tool_env import ToolEnv
+from stare_envs.formats import ToolFormat
+from stare_envs.problems import Problem
+from stare_envs.tool_env import ToolEnv
 
 
 class CodeInterpreterEnv(ToolEnv):

@@ -3,7 +3,7 @@
 As Gymnasium's ``core.py`` holds ``Env``, this module holds :class:`Engine` (batch turns),
 :class:`ContinuousEngine` (vLLM's continuous batching), :class:`SamplingParams`, :class:`Generation`,
 the per-episode seed streams (:func:`stream_seed`) and the :class:`Tokenizer` slice the runner uses.
-The runner (``envs.rollout``) and every engine (``stare_agent.engines``) import it; it imports no torch.
+The runner (``stare_envs.rollout``) and every engine (``stare_agent.engines``) import it; it imports no torch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from envs.errors import EnvError
+from stare_envs.errors import EnvError
 
 FinishReason = Literal["stop", "length", "eos"]
 

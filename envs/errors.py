@@ -1,4 +1,4 @@
-"""The root of the ``envs`` package's errors: ``except EnvError`` catches every one of them.
+"""The root of the ``stare_envs`` package's errors: ``except EnvError`` catches every one of them.
 
 Each subclass keeps the built-in base callers may already catch (``ValueError`` for bad input,
 ``RuntimeError`` for a failed run, ``LookupError`` for an unknown name) as its second base, and its
@@ -6,7 +6,7 @@ message names the cause and the fix in one line. Failures of the model's own cod
 observations for the model, not errors (``ToolInputError`` is caught by the environment).
 
 Example:
-    >>> from envs.problems import ProblemSourceError
+    >>> from stare_envs.problems import ProblemSourceError
     >>> issubclass(ProblemSourceError, EnvError) and issubclass(ProblemSourceError, ValueError)
     True
 """
@@ -17,4 +17,4 @@ __all__ = ["EnvError"]
 
 
 class EnvError(Exception):
-    """Base class of the errors raised by ``envs``. Messages name the cause and the fix."""
+    """Base class of the errors raised by ``stare_envs``. Messages name the cause and the fix."""

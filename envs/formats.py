@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
-from envs.errors import EnvError
-from envs.rewards import extract_boxed
+from stare_envs.errors import EnvError
+from stare_envs.rewards import extract_boxed
 
 CODE_TOOL = "code_interpreter"
 
@@ -380,7 +380,7 @@ def register_format(cls: type[ToolFormat]) -> type[ToolFormat]:
     """Register a :class:`ToolFormat` subclass under its ``name`` (usable as a class decorator).
 
     A third-party package can also declare it as an entry point in the group
-    ``stare_agent.formats`` (loaded at ``import envs``), which makes ``env.format=<name>`` valid.
+    ``stare_agent.formats`` (loaded at ``import stare_envs``), which makes ``env.format=<name>`` valid.
 
     Example:
         >>> @register_format

@@ -1,19 +1,19 @@
 """Gymnasium ids of the built-in environments, ``register_tool_env`` for new ones, and discovery
 of third-party tools and environments through Python entry points.
 
-Built-in ids (registered when ``envs`` is imported):
+Built-in ids (registered when ``stare_envs`` is imported):
 
 - ``stare/CodeInterpreter-v0``: generated exact-computation problems of every family.
 - ``stare/CodeInterpreter-<Family>-v0``: one generator family, e.g. ``stare/CodeInterpreter-Multiplication-v0``.
 - ``stare/AIME2024-v0``, ``stare/AIME2025-v0``, ``stare/AMC23-v0``, ``stare/MATH500-v0``: the
-  evaluation sets shipped with this package (``envs.problems.BUILTIN_SETS``), or your own copy:
+  evaluation sets shipped with this package (``stare_envs.problems.BUILTIN_SETS``), or your own copy:
   ``data_path`` (a file or the folder holding ``aime2024.jsonl`` etc.) or ``$STARE_DATA_DIR``.
 
 Third-party packages declare entry points in the groups ``stare_agent.tools`` (the object is loaded,
 which runs its ``@register_tool``; a ``ToolSpec`` is registered), ``stare_agent.envs`` (a callable
 is called with no arguments to register its environments) and ``stare_agent.formats`` (a
 ``ToolFormat`` subclass, registered under its ``name``). They are loaded once, at import of
-``envs``; a plugin that fails to load is reported with a warning and skipped.
+``stare_envs``; a plugin that fails to load is reported with a warning and skipped.
 
 Example:
     >>> import gymnasium, envs
@@ -33,19 +33,19 @@ from typing import Any
 
 import gymnasium
 
-from envs.code_interpreter import CodeInterpreterEnv
-from envs.errors import EnvError
-from envs.formats import register_format
-from envs.problems import PROBLEM_FAMILIES, builtin_set_path, load_problems
-from envs.tool_env import ToolEnv
-from envs.tools import ToolSpec, add_tool, get_tool
+from stare_envs.code_interpreter import CodeInterpreterEnv
+from stare_envs.errors import EnvError
+from stare_envs.formats import register_format
+from stare_envs.problems import PROBLEM_FAMILIES, builtin_set_path, load_problems
+from stare_envs.tool_env import ToolEnv
+from stare_envs.tools import ToolSpec, add_tool, get_tool
 
 TOOL_GROUP = "stare_agent.tools"
 ENV_GROUP = "stare_agent.envs"
 FORMAT_GROUP = "stare_agent.formats"
 DATA_DIR_VAR = "STARE_DATA_DIR"
 BENCHMARKS = {"AIME2024": "aime2024", "AIME2025": "aime2025", "AMC23": "amc23", "MATH500": "math500"}
-"""Benchmark environment name -> built-in set (``envs.problems.BUILTIN_SETS``)."""
+"""Benchmark environment name -> built-in set (``stare_envs.problems.BUILTIN_SETS``)."""
 
 
 class EnvRegistrationError(EnvError, ValueError):
@@ -121,12 +121,18 @@ def register_builtin_envs() -> None:
     builtins: dict[str, tuple[Any, dict[str, Any]]] = {
         # No problems named: the env's own default (mixed) serves any that are not given to reset(),
         # and training and evaluation take theirs from data.train (default mixed) / data.eval.
-        "stare/CodeInterpreter-v0": ("envs.code_interpreter:CodeInterpreterEnv", {})
+        "stare/CodeInterpreter-v0": ("stare_envs.code_interpreter:CodeInterpreterEnv", {})
     }
     for family in PROBLEM_FAMILIES:
-        builtins[family_env_id(family)] = ("envs.code_interpreter:CodeInterpreterEnv", {"problems": family})
+        builtins[family_env_id(family)] = (
+            "stare_envs.code_interpreter:CodeInterpreterEnv",
+            {"problems": family},
+        )
     for benchmark in BENCHMARKS:
-        builtins[f"stare/{benchmark}-v0"] = ("envs.registry:make_benchmark_env", {"benchmark": benchmark})
+        builtins[f"stare/{benchmark}-v0"] = (
+            "stare_envs.registry:make_benchmark_env",
+            {"benchmark": benchmark},
+        )
     for env_id, (entry_point, kwargs) in builtins.items():
         if env_id not in gymnasium.registry:
             gymnasium.register(id=env_id, entry_point=entry_point, kwargs=kwargs)
@@ -161,7 +167,7 @@ def load_plugins(*, reload: bool = False) -> list[str]:
                         register_format(target)
                     elif group == ENV_GROUP and callable(target):
                         target()
-                except Exception as exc:  # noqa: BLE001 - one broken plugin must not break `import envs`
+                except Exception as exc:  # noqa: BLE001 - one broken plugin must not break `import stare_envs`
                     warnings.warn(
                         f"plugin {entry_point.name!r} ({entry_point.value}, group {group}) failed to load: "
                         f"{type(exc).__name__}: {exc}; fix or uninstall the package that provides it",
@@ -182,7 +188,7 @@ def make_tool_env(env_id: str, **kwargs: Any) -> Any:
     so Gymnasium's checker and order-enforcing wrappers are left out.
 
     Raises:
-        EnvRegistrationError: the id is not registered, its env is not an ``envs.ToolEnv``, or it is registered
+        EnvRegistrationError: the id is not registered, its env is not an ``stare_envs.ToolEnv``, or it is registered
             with ``max_episode_steps`` (a wrapper's limit, which the unwrapped env would lose silently).
     """
     return make_tool_envs(env_id, 1, **kwargs)[0]
@@ -205,7 +211,7 @@ def make_tool_envs(env_id: str, count: int, **kwargs: Any) -> list[Any]:
             if not isinstance(env, ToolEnv):
                 env.close()
                 raise EnvRegistrationError(
-                    f"env.id={env_id!r} makes a {type(env).__name__}, not an envs.ToolEnv: register a ToolEnv "
+                    f"env.id={env_id!r} makes a {type(env).__name__}, not an stare_envs.ToolEnv: register a ToolEnv "
                     "(or subclass) to train or evaluate it"
                 )
             made.append(env)
@@ -222,7 +228,7 @@ def check_env_id(env_id: str) -> None:
     Raises:
         EnvRegistrationError: naming the id and the three ways to register one.
     """
-    # The built-in ids and the entry-point plugins are registered: importing envs.registry ran envs/__init__.
+    # The built-in ids and the entry-point plugins are registered: importing stare_envs.registry ran envs/__init__.
     module, _, name = env_id.rpartition(":")
     if module:
         import_env_module(module, env_id)
@@ -231,7 +237,7 @@ def check_env_id(env_id: str) -> None:
     except gymnasium.error.Error as exc:
         raise EnvRegistrationError(
             f"env.id={env_id!r} is not a registered Gymnasium id ({str(exc).splitlines()[0]}): register "
-            "it first (envs.register_tool_env, or a package's stare_agent.envs entry point), write "
+            "it first (stare_envs.register_tool_env, or a package's stare_agent.envs entry point), write "
             "module:id to import the module that registers it, or use stare/CodeInterpreter-v0"
         ) from None
 

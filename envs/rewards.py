@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
-from envs.errors import EnvError
+from stare_envs.errors import EnvError
 
 __all__ = [
     "AnswerChecker",
@@ -228,7 +228,7 @@ def _mp_context() -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["envs.rewards", "math_verify", "sympy"])
+    context.set_forkserver_preload(["stare_envs.rewards", "math_verify", "sympy"])
     return context
 
 

@@ -17,7 +17,7 @@ The runner speaks tokens to the engine and text to the environments:
    alone. For ``tool``-role observations (hermes) it is the chat-template glue too: the end of the
    assistant turn, the tool message, and the start of the next assistant turn, computed as a token
    difference of two renderings of a conversation (as verl's tool agent loop does). The observation
-   is tokenized as text (:func:`envs.text_tokens.encode_as_text`): a special-token string that the
+   is tokenized as text (:func:`stare_envs.text_tokens.encode_as_text`): a special-token string that the
    model's code printed (``<|im_end|>``, EOS, ``</tool_response>``) never becomes that token's id; only
    the template glue around a tool message has real special tokens. Observations without such strings
    get the ids a plain ``encode`` gives.
@@ -31,7 +31,7 @@ The runner speaks tokens to the engine and text to the environments:
    scored on its final answer, if any), as verl does: continuing after it would put EOS in the middle
    of one assistant message and train it as a mid-response token.
 6. Infrastructure failures. When an env call of one episode raises
-   :class:`~envs.tool_env.EpisodeInfrastructureError` (its container died or was removed, a Docker
+   :class:`~stare_envs.tool_env.EpisodeInfrastructureError` (its container died or was removed, a Docker
    API error, the pool had nothing to lease), that episode alone starts over from ``reset`` on a
    fresh sandbox, with the same sampling stream, up to ``max_episode_retries`` times; after that it
    ends as ``finish_reason == "failed"`` (prompt only, no response tokens, ``info["failed"]`` holds the
@@ -39,7 +39,7 @@ The runner speaks tokens to the engine and text to the environments:
    ``retried_episodes`` and ``failed_episodes``.
 
 This module needs no torch: engines live in ``stare_agent.engines`` and implement
-:class:`envs.engine.Engine`.
+:class:`stare_envs.engine.Engine`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from envs.engine import (
+from stare_envs.engine import (
     ContinuousEngine,
     Engine,
     Generation,
@@ -60,13 +60,13 @@ from envs.engine import (
     Tokenizer,
     stream_seed,
 )
-from envs.text_tokens import control_text_pattern, encode_as_text
-from envs.tool_env import EpisodeInfrastructureError
-from envs.trajectory import Trajectory, TrajectoryBuilder
+from stare_envs.text_tokens import control_text_pattern, encode_as_text
+from stare_envs.tool_env import EpisodeInfrastructureError
+from stare_envs.trajectory import Trajectory, TrajectoryBuilder
 
 if TYPE_CHECKING:
-    from envs.formats import ToolFormat
-    from envs.tool_env import ToolEnv
+    from stare_envs.formats import ToolFormat
+    from stare_envs.tool_env import ToolEnv
 
 EpisodeEnd = Literal["terminated", "truncated", "budget", "failed"]
 
@@ -116,7 +116,7 @@ class ToolTurnGlue:
 
     The tool message's content is text: when it holds a special-token string of the tokenizer (tool
     output that prints ``<|im_end|>``), the template's text before and after the content is tokenized as
-    usual and the content with :func:`~envs.text_tokens.encode_as_text`; otherwise the rendered
+    usual and the content with :func:`~stare_envs.text_tokens.encode_as_text`; otherwise the rendered
     conversation is tokenized whole, as it always was.
     """
 
@@ -278,7 +278,7 @@ class _Episode:
 
 
 class RolloutRunner:
-    """Plays batches of :class:`~envs.tool_env.ToolEnv` episodes with one engine into trajectories.
+    """Plays batches of :class:`~stare_envs.tool_env.ToolEnv` episodes with one engine into trajectories.
 
     Args:
         tokenizer: A Hugging Face tokenizer (chat template, ``encode``, ``decode``, ``eos_token_id``).

@@ -33,9 +33,16 @@ import gymnasium
 from gymnasium.spaces import Text
 from gymnasium.spaces.space import Space
 
-from envs.errors import EnvError
-from envs.formats import ToolCall, ToolFormat, clean_model_text, get_format, observation_charset, printable
-from envs.problems import (
+from stare_envs.errors import EnvError
+from stare_envs.formats import (
+    ToolCall,
+    ToolFormat,
+    clean_model_text,
+    get_format,
+    observation_charset,
+    printable,
+)
+from stare_envs.problems import (
     DIFFICULTIES,
     PROBLEM_FAMILIES,
     Problem,
@@ -43,13 +50,13 @@ from envs.problems import (
     load_problems,
     procedural_family,
 )
-from envs.rewards import AnswerChecker, RewardConfig, compute_reward
-from envs.text_tokens import encode_as_text
-from envs.tools import BoundTool, ToolResult, ToolSpec, get_tool
-from sandbox.config import Backend, SandboxConfig
-from sandbox.errors import SandboxError
-from sandbox.pool import PooledSandbox, SandboxPool
-from sandbox.result import truncate_text
+from stare_envs.rewards import AnswerChecker, RewardConfig, compute_reward
+from stare_envs.text_tokens import encode_as_text
+from stare_envs.tools import BoundTool, ToolResult, ToolSpec, get_tool
+from stare_sandbox.config import Backend, SandboxConfig
+from stare_sandbox.errors import SandboxError
+from stare_sandbox.pool import PooledSandbox, SandboxPool
+from stare_sandbox.result import truncate_text
 
 MAX_ACTION_CHARS = 1 << 18
 """``action_space.max_length``: a turn of ~64k tokens. Longer turns are still handled."""
@@ -119,7 +126,7 @@ def resolve_problems(problems: Sequence[Problem] | str | os.PathLike[str]) -> li
         loaded = list(problems)
     if not loaded or not all(isinstance(p, Problem) for p in loaded):
         raise ValueError(
-            f"problems must be a non-empty list of envs.problems.Problem, a file, or a family in "
+            f"problems must be a non-empty list of stare_envs.problems.Problem, a file, or a family in "
             f"{sorted(PROBLEM_FAMILIES) + ['mixed']}; got {type(problems).__name__} with {len(loaded)} items"
         )
     return loaded
@@ -182,7 +189,7 @@ class ToolEnv(gymnasium.Env[str, str]):
         tool_options: Per-tool keyword options for class tools, e.g. ``{"code_interpreter":
             {"timeout_s": 5}}``.
         reward: Reward mode and shaping.
-        checker: Answer checker (``envs.rewards.default_checker()`` when None).
+        checker: Answer checker (``stare_envs.rewards.default_checker()`` when None).
         system_prompt: None for the format's instructions, "" for no system message, or a text.
         prompt_template: The user message; ``{problem}`` is replaced by the problem text.
         difficulty: Difficulty of generated problems.

@@ -27,9 +27,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from envs.errors import EnvError
-from sandbox.base import Sandbox
-from sandbox.result import ExecResult
+from stare_envs.errors import EnvError
+from stare_sandbox.base import Sandbox
+from stare_sandbox.result import ExecResult
 
 
 class ToolRegistryError(EnvError, LookupError):
@@ -84,7 +84,7 @@ _JSON_CHECKS: dict[str, Callable[[Any], bool]] = {
 def schema_from_signature(fn: Callable[..., Any]) -> dict[str, Any]:
     """JSON schema of ``fn``'s keyword arguments (``sandbox`` and ``self`` excluded).
 
-    Not ``transformers.utils.get_json_schema``: ``envs`` installs without transformers (the slim
+    Not ``transformers.utils.get_json_schema``: ``stare_envs`` installs without transformers (the slim
     install), and that function refuses any tool whose docstring does not describe every argument.
 
     >>> schema_from_signature(lambda expression, digits=10: None)["required"]

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.errors import EnvError
+from stare_envs.errors import EnvError
 
 
 class TrajectoryError(EnvError, ValueError):

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 
-from sandbox import SandboxPool
 from stare_agent import evaluate
 from stare_agent.engines import TransformersEngine
 from stare_agent.models import load_policy, tiny_model
+from stare_sandbox import SandboxPool
 
 
 def main(argv: list[str] | None = None):

@@ -5,7 +5,7 @@ import re
 import gymnasium
 import sympy
 
-from envs import ToolInputError, register_tool, register_tool_env
+from stare_envs import ToolInputError, register_tool, register_tool_env
 
 ALLOWED = {"sqrt", "factorial", "binomial", "gcd", "lcm", "Mod", "log", "exp", "pi", "E", "isprime"}
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sandbox.backends import docker_available, make_sandbox, resolve_backend
-from sandbox.base import Sandbox
-from sandbox.config import BACKENDS, DEFAULT_IMAGE, Backend, SandboxConfig
-from sandbox.docker import DockerSandbox
-from sandbox.errors import SandboxClosed, SandboxError, SandboxUnavailable
-from sandbox.local import LocalSandbox
-from sandbox.pool import SandboxPool
-from sandbox.result import ExecError, ExecResult
+from stare_sandbox.backends import docker_available, make_sandbox, resolve_backend
+from stare_sandbox.base import Sandbox
+from stare_sandbox.config import BACKENDS, DEFAULT_IMAGE, Backend, SandboxConfig
+from stare_sandbox.docker import DockerSandbox
+from stare_sandbox.errors import SandboxClosed, SandboxError, SandboxUnavailable
+from stare_sandbox.local import LocalSandbox
+from stare_sandbox.pool import SandboxPool
+from stare_sandbox.result import ExecError, ExecResult
 
 if TYPE_CHECKING:
-    from sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
+    from stare_sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
 
 __all__ = [
     "BACKENDS",
@@ -47,7 +47,7 @@ def open_pool(
 ) -> SandboxPool | RaySandboxFleet:
     """What episodes lease their sandboxes from: a ``SandboxPool`` of ``size`` warm sandboxes on
     this machine, or, for ``"ray"``, the client of the sandbox fleet of a Ray cluster
-    (``sandbox.ray_fleet``; ``size`` is then what the caller leases at once, and ``fleet`` where
+    (``stare_sandbox.ray_fleet``; ``size`` is then what the caller leases at once, and ``fleet`` where
     and how many the cluster runs). Both have the verbs ``acquire``, ``release``, ``lease``,
     ``stats`` and ``close``.
 
@@ -56,7 +56,7 @@ def open_pool(
         SandboxUnavailable: the backend cannot be used here (the message says why and the fix).
     """
     if backend == "ray":
-        from sandbox.ray_fleet import RaySandboxFleet
+        from stare_sandbox.ray_fleet import RaySandboxFleet
 
         return RaySandboxFleet(fleet, config)
     return SandboxPool(size, backend=backend, config=config)

@@ -3,10 +3,10 @@ fallback later), ``docker_available``, and ``make_sandbox`` for one sandbox outs
 
 from __future__ import annotations
 
-from sandbox.base import Sandbox
-from sandbox.config import BACKENDS, DEFAULT_IMAGE, Backend, SandboxConfig
-from sandbox.docker import DockerSandbox, docker_client
-from sandbox.local import LocalSandbox
+from stare_sandbox.base import Sandbox
+from stare_sandbox.config import BACKENDS, DEFAULT_IMAGE, Backend, SandboxConfig
+from stare_sandbox.docker import DockerSandbox, docker_client
+from stare_sandbox.local import LocalSandbox
 
 
 def docker_available(image: str = DEFAULT_IMAGE) -> bool:
@@ -59,7 +59,7 @@ def resolve_backend(backend: str, config: SandboxConfig | None = None, *, build:
 
 def _build_missing_image(image: str) -> bool:
     """Build ``image`` when a daemon answers and lacks it; whether it is there now (a failure is printed)."""
-    from sandbox.build import build_image, image_exists
+    from stare_sandbox.build import build_image, image_exists
 
     try:
         client = docker_client(timeout=5)

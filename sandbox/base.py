@@ -5,8 +5,8 @@ from __future__ import annotations
 import abc
 from types import TracebackType
 
-from sandbox.config import SandboxConfig
-from sandbox.result import ExecResult
+from stare_sandbox.config import SandboxConfig
+from stare_sandbox.result import ExecResult
 
 
 class Sandbox(abc.ABC):

@@ -7,9 +7,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from sandbox.config import DEFAULT_IMAGE
-from sandbox.docker import docker_client
-from sandbox.errors import SandboxError, SandboxUnavailable
+from stare_sandbox.config import DEFAULT_IMAGE
+from stare_sandbox.docker import docker_client
+from stare_sandbox.errors import SandboxError, SandboxUnavailable
 
 BUILD_SCRIPT = Path(__file__).with_name("image") / "build.sh"
 

@@ -11,7 +11,7 @@ DEFAULT_IMAGE = "stare-sandbox:0.3"
 Backend = Literal["auto", "docker", "local", "ray"]
 """Where sandboxes run: ``docker`` (a hardened container), ``local`` (a kernel process on this host:
 weaker isolation), ``auto`` (Docker when a daemon answers and the image is present, else local;
-``sandbox.resolve_backend``), or ``ray`` (the Docker nodes of a Ray cluster; ``sandbox.open_pool``)."""
+``stare_sandbox.resolve_backend``), or ``ray`` (the Docker nodes of a Ray cluster; ``stare_sandbox.open_pool``)."""
 
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
 """Every :data:`Backend`, in its declared order."""

@@ -55,20 +55,20 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sandbox.config import HASH_SEED, SANDBOX_UID, SandboxConfig
-from sandbox.errors import SandboxError, SandboxUnavailable
-from sandbox.kernel import KERNEL_ARGS, KERNEL_BOOT, KernelDriver, KernelSandbox
-from sandbox.owner import owner_gone, owner_id, remove_sandbox_dir
-from sandbox.seccomp import security_opt
-from sandbox.shutdown import exit_on_sigterm
-from sandbox.usage import CgroupUsage, cgroup_dir
+from stare_sandbox.config import HASH_SEED, SANDBOX_UID, SandboxConfig
+from stare_sandbox.errors import SandboxError, SandboxUnavailable
+from stare_sandbox.kernel import KERNEL_ARGS, KERNEL_BOOT, KernelDriver, KernelSandbox
+from stare_sandbox.owner import owner_gone, owner_id, remove_sandbox_dir
+from stare_sandbox.seccomp import security_opt
+from stare_sandbox.shutdown import exit_on_sigterm
+from stare_sandbox.usage import CgroupUsage, cgroup_dir
 
 logger = logging.getLogger(__name__)
 
 LABEL = "org.stare-agent.sandbox"
 """Label on every sandbox container (value "1"): ``docker ps -f label=org.stare-agent.sandbox``."""
 OWNER_LABEL = "org.stare-agent.owner"
-"""Owner id (``sandbox.owner.owner_id``) of the process that made the container, so orphans can be
+"""Owner id (``stare_sandbox.owner.owner_id``) of the process that made the container, so orphans can be
 found and removed."""
 
 CONN_DIR = "/conn"
@@ -224,7 +224,7 @@ def create_container(client: Any, image: str, options: dict[str, Any]) -> Any:
 
 def reap_orphans(client: Any = None) -> int:
     """Remove sandbox containers (and their connection dirs) whose owner process is certainly gone
-    (``sandbox.owner.owner_gone``), e.g. after the owner was killed with SIGKILL and could not
+    (``stare_sandbox.owner.owner_gone``), e.g. after the owner was killed with SIGKILL and could not
     clean up. Returns how many."""
     client = client or docker_client()
     removed = 0

@@ -8,8 +8,8 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from sandbox.config import SANDBOX_UID, SandboxConfig
-from sandbox.errors import SandboxError
+from stare_sandbox.config import SANDBOX_UID, SandboxConfig
+from stare_sandbox.errors import SandboxError
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,8 @@ def _check_ipc_dir() -> Check:
 
 def diagnose(config: SandboxConfig | None = None) -> list[Check]:
     """Run the checks in order; later Docker checks are skipped when an earlier one fails."""
-    from sandbox.docker import DockerSandbox, docker_client
-    from sandbox.local import LocalSandbox
+    from stare_sandbox.docker import DockerSandbox, docker_client
+    from stare_sandbox.local import LocalSandbox
 
     config = config or SandboxConfig()
     checks = [_check_ipc_dir()]
@@ -96,7 +96,7 @@ def diagnose_ray(
         import ray
     except ImportError:
         return [Check("ray", False, "Ray is not installed: pip install 'stare-agent[ray]'")]
-    from sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
+    from stare_sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
 
     joined = not ray.is_initialized()
     if joined:

@@ -1,7 +1,7 @@
 """The data path of a leased fleet sandbox: one TCP connection between the client and its host.
 
 Ray places the leases, caps them, rate-limits container starts and notices lost nodes
-(``sandbox.ray_fleet``); a lease's calls (``run``, ``reset``, ``is_alive``) and their results do
+(``stare_sandbox.ray_fleet``); a lease's calls (``run``, ``reset``, ``is_alive``) and their results do
 not go through Ray. A Ray actor call costs two processes' hops through Ray's core worker and
 raylet machinery (about 0.8 ms for a no-op on the loopback, before any argument); a request on a
 connection already open costs one write and one read in each process.

@@ -22,7 +22,7 @@ Nothing the kernel sends can make ``execute`` raise: every message is checked be
 (``ExecResult.skipped_messages``); past ``MAX_SKIPPED_MESSAGES`` in one call the kernel is restarted.
 Host memory per kernel stays bounded while reading: both channels the host reads, the output
 channel (iopub) and the request channel (shell), are read frame by frame
-(``sandbox.zmtp.BoundedSocket``), keeping one message of at most ``MAX_MESSAGE_BYTES`` and dropping
+(``stare_sandbox.zmtp.BoundedSocket``), keeping one message of at most ``MAX_MESSAGE_BYTES`` and dropping
 bigger ones, or ones of too many frames, as they stream by (zmq would hold a message of any number
 of frames whole, since its ``MAXMSGSIZE`` bounds each frame); and the kernel sends its output in
 chunks that fit (``BOUNDED_OUTPUT``). If a dropped message took the kernel's "idle" with it, the call ends once the
@@ -32,7 +32,7 @@ The code a kernel runs for the host, outside the user namespace (its boot: ``KER
 backend's soft reset: ``reset_code``), lives in ``sandbox/cells/``: real modules, linted and
 type-checked, whose source is sent to the kernel as a housekeeping cell.
 
-CPU seconds and peak memory are read on the host (``sandbox.usage``: the container's cgroup, or
+CPU seconds and peak memory are read on the host (``stare_sandbox.usage``: the container's cgroup, or
 ``/proc`` of the local kernel), never by asking the kernel, so an execution costs one request and
 the messages it sends back.
 """
@@ -55,11 +55,11 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.session import DELIM
 
-from sandbox.base import Sandbox
-from sandbox.config import RANDOM_SEED
-from sandbox.errors import SandboxClosed, SandboxError
-from sandbox.result import ExecError, ExecResult
-from sandbox.zmtp import BoundedSocket, DroppedMessage
+from stare_sandbox.base import Sandbox
+from stare_sandbox.config import RANDOM_SEED
+from stare_sandbox.errors import SandboxClosed, SandboxError
+from stare_sandbox.result import ExecError, ExecResult
+from stare_sandbox.zmtp import BoundedSocket, DroppedMessage
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ KERNEL_STOPPED = "the kernel stopped answering; it was restarted and all state i
 
 
 class UsageMeter(Protocol):
-    """Host-side readings of a kernel's resource use (``sandbox.usage``); None when unknown."""
+    """Host-side readings of a kernel's resource use (``stare_sandbox.usage``); None when unknown."""
 
     def cpu_seconds(self) -> float | None:
         """CPU seconds used so far (a counter; only differences are meaningful)."""
@@ -209,7 +209,7 @@ class KernelDriver:
         self._context = zmq.Context()  # jupyter-client's; no zmq socket of it reaches the kernel
         self.client = BlockingKernelClient(context=self._context)
         self.client.load_connection_info(cast(KernelConnectionInfo, connection_info))
-        # Both channels read frame by frame (sandbox.zmtp): zmq would hold a message of any number
+        # Both channels read frame by frame (stare_sandbox.zmtp): zmq would hold a message of any number
         # of frames whole. jupyter-client sends its requests on the shell socket we give it.
         self._shell_path = f"{connection_info['ip']}-{connection_info['shell_port']}"
         self._iopub_path = f"{connection_info['ip']}-{connection_info['iopub_port']}"
@@ -245,7 +245,7 @@ class KernelDriver:
                 preload_code(self.preload), max(10.0, deadline - time.monotonic())
             ):
                 raise SandboxError(
-                    f"the kernel could not import sandbox.preload {list(self.preload)} (missing from its "
+                    f"the kernel could not import stare_sandbox.preload {list(self.preload)} (missing from its "
                     "Python?): install them there, or list fewer in sandbox.limits.preload"
                 )
             self.run_quiet(KERNEL_BOOT, max(1.0, deadline - time.monotonic()))
@@ -738,7 +738,7 @@ def _well_formed(kind: str, content: dict[str, Any]) -> bool:
 
 @functools.cache
 def _cell_source(module: str) -> str:
-    return resources.files("sandbox.cells").joinpath(f"{module}.py").read_text()
+    return resources.files("stare_sandbox.cells").joinpath(f"{module}.py").read_text()
 
 
 def _cell(module: str, call: str) -> str:

@@ -60,11 +60,11 @@ import psutil
 from jupyter_client.connect import write_connection_file
 from jupyter_client.launcher import launch_kernel
 
-from sandbox.config import HASH_SEED, SandboxConfig
-from sandbox.errors import SandboxError
-from sandbox.kernel import KERNEL_ARGS, KernelDriver, KernelSandbox, reset_code
-from sandbox.owner import OWNER_FILE, TEMP_PREFIX, TEMP_ROOT, owner_id, reap_local_dirs
-from sandbox.usage import ProcessUsage, cgroup_dir
+from stare_sandbox.config import HASH_SEED, SandboxConfig
+from stare_sandbox.errors import SandboxError
+from stare_sandbox.kernel import KERNEL_ARGS, KernelDriver, KernelSandbox, reset_code
+from stare_sandbox.owner import OWNER_FILE, TEMP_PREFIX, TEMP_ROOT, owner_id, reap_local_dirs
+from stare_sandbox.usage import ProcessUsage, cgroup_dir
 
 logger = logging.getLogger(__name__)
 
@@ -612,7 +612,7 @@ class LocalSandbox(KernelSandbox):
 
     def reset(self, *, hard: bool = False) -> None:
         """Forget all state. Soft (default, milliseconds): clear the namespace, env, work dir and
-        child processes in place (see ``sandbox.kernel.reset_code``). Hard, or when the soft reset
+        child processes in place (see ``stare_sandbox.kernel.reset_code``). Hard, or when the soft reset
         fails: a fresh kernel process."""
         driver = self._live_driver()
         if not hard and driver.ready and self._kernel is not None and self._kernel.is_alive():

@@ -12,7 +12,7 @@ local backend resets inside the kernel's own interpreter, which code can subvert
 warning). The backend is resolved once, at construction: ``"auto"`` never turns into a local
 sandbox later because Docker failed once.
 
->>> from sandbox.pool import SandboxPool
+>>> from stare_sandbox.pool import SandboxPool
 >>> with SandboxPool(2, backend="local") as pool:  # doctest: +SKIP
 ...     with pool.lease() as sb:
 ...         sb.run("x = 1").ok
@@ -32,12 +32,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from sandbox.backends import resolve_backend
-from sandbox.base import Sandbox
-from sandbox.config import Backend, SandboxConfig
-from sandbox.errors import PoolExhausted, SandboxClosed
-from sandbox.result import ExecResult
-from sandbox.shutdown import exit_on_sigterm
+from stare_sandbox.backends import resolve_backend
+from stare_sandbox.base import Sandbox
+from stare_sandbox.config import Backend, SandboxConfig
+from stare_sandbox.errors import PoolExhausted, SandboxClosed
+from stare_sandbox.result import ExecResult
+from stare_sandbox.shutdown import exit_on_sigterm
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class PoolStats:
 
 class Lessor(Protocol):
     """What a ``PooledSandbox`` gives itself back to: a ``SandboxPool``, or a fleet of sandboxes on
-    other machines (``sandbox.ray_fleet.RaySandboxFleet``)."""
+    other machines (``stare_sandbox.ray_fleet.RaySandboxFleet``)."""
 
     def release(self, sandbox: PooledSandbox, *, broken: bool = False) -> None: ...
 
@@ -146,7 +146,7 @@ class SandboxPool:
     Args:
         size: Number of sandboxes to keep warm (>= 1).
         backend: ``"auto"``, ``"docker"`` or ``"local"``. ``"auto"`` is resolved once, here
-            (``sandbox.resolve_backend``): every sandbox of the pool, replacements included, uses
+            (``stare_sandbox.resolve_backend``): every sandbox of the pool, replacements included, uses
             that backend, and a later failure to start one is an error (with cause and fix),
             never a fallback to another backend.
         config: Limits for every sandbox of the pool.
@@ -163,7 +163,7 @@ class SandboxPool:
         factory: Callable[[], Sandbox] | None = None,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT_S,
     ) -> None:
-        if backend not in ("auto", "docker", "local"):  # "ray" is a fleet: sandbox.open_pool
+        if backend not in ("auto", "docker", "local"):  # "ray" is a fleet: stare_sandbox.open_pool
             raise ValueError(f"unknown sandbox backend {backend!r}: use 'auto', 'docker' or 'local'")
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"pool size must be an int >= 1, got {size!r}")
@@ -444,8 +444,8 @@ def _backend_factory(backend: str, config: SandboxConfig | None) -> Callable[[],
     """Starts sandboxes of one concrete backend, never another (no silent fallback)."""
 
     def make() -> Sandbox:
-        from sandbox.docker import DockerSandbox  # late: the docker SDK only when a pool starts one
-        from sandbox.local import LocalSandbox
+        from stare_sandbox.docker import DockerSandbox  # late: the docker SDK only when a pool starts one
+        from stare_sandbox.local import LocalSandbox
 
         return DockerSandbox(config) if backend == "docker" else LocalSandbox(config)
 

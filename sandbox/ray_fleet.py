@@ -4,7 +4,7 @@ A process that plays episodes (a trainer rank, a rollout worker, an evaluation, 
 verl, TRL or verifiers) may run on a node without Docker. The fleet runs the sandboxes where
 Docker is: one **host** actor on each node of the cluster that has the custom resource
 ``RayFleetConfig.node_resource`` (e.g. CPU nodes started with ``ray start --address ...
---resources '{"stare_sandbox": 1}'``), each keeping a warm :class:`~sandbox.pool.SandboxPool` of
+--resources '{"stare_sandbox": 1}'``), each keeping a warm :class:`~stare_sandbox.pool.SandboxPool` of
 that node's Docker daemon, so the kernels' unix sockets never leave their node. One named
 **coordinator** actor places leases on the host with the most free sandboxes, holds the
 cluster-wide cap on live leases, and hands out the tokens of the creation-rate limit that every
@@ -12,13 +12,13 @@ host takes before it starts a container (a token bucket, as verl's rate limiter)
 episodes cannot flood a daemon with container starts.
 
 ``RaySandboxFleet`` is the client: it has the pool's verbs (``acquire``, ``release``, ``lease``,
-``stats``, ``close``), and what ``acquire`` returns is a :class:`~sandbox.pool.PooledSandbox`
-around a :class:`RaySandbox`, which implements :class:`~sandbox.base.Sandbox`: an environment
+``stats``, ``close``), and what ``acquire`` returns is a :class:`~stare_sandbox.pool.PooledSandbox`
+around a :class:`RaySandbox`, which implements :class:`~stare_sandbox.base.Sandbox`: an environment
 uses it as it uses a local pool's sandbox (``run`` returns the host's ``ExecResult`` as is, with
 the same limits and hardening, since the same backend runs it, and the host's pool resets or
 replaces it between episodes). The lease is held for the episode and given back at its end.
 Ray carries the leases, never a lease's calls: those go on a TCP connection of the lease's own
-to its host, opened with a token the host issued for that lease (``sandbox.fleet_wire``), which
+to its host, opened with a token the host issued for that lease (``stare_sandbox.fleet_wire``), which
 costs a fraction of a Ray actor call.
 
 Faults: a host lost mid-call (its actor killed, its node gone: its connection is closed, reset,
@@ -29,7 +29,7 @@ healthy host (the coordinator drops the lost host; a node that is still alive ge
 A node that joins the cluster later gets a host within ``refresh_s`` and takes new leases.
 
 Ray is optional (``pip install 'stare-agent[ray]'``); this module imports it only when a fleet
-is built, so ``import sandbox`` never needs it.
+is built, so ``import stare_sandbox`` never needs it.
 """
 
 from __future__ import annotations
@@ -45,14 +45,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sandbox.base import Sandbox
-from sandbox.config import SandboxConfig
-from sandbox.errors import PoolExhausted, SandboxClosed, SandboxError, SandboxUnavailable
-from sandbox.pool import PooledSandbox, SandboxPool
-from sandbox.result import ExecError, ExecResult
+from stare_sandbox.base import Sandbox
+from stare_sandbox.config import SandboxConfig
+from stare_sandbox.errors import PoolExhausted, SandboxClosed, SandboxError, SandboxUnavailable
+from stare_sandbox.pool import PooledSandbox, SandboxPool
+from stare_sandbox.result import ExecError, ExecResult
 
 if TYPE_CHECKING:
-    from sandbox.fleet_wire import LeaseConnection
+    from stare_sandbox.fleet_wire import LeaseConnection
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ _RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(ExecResult))
 
 def pack_result(result: ExecResult) -> tuple[Any, ...]:
     """``result`` as a tuple of plain values, the form a host sends it in (msgpack, on the lease's
-    connection: ``sandbox.fleet_wire``)."""
+    connection: ``stare_sandbox.fleet_wire``)."""
     values = [getattr(result, name) for name in _RESULT_FIELDS]
     error = result.error
     values[_RESULT_FIELDS.index("error")] = (
@@ -245,7 +245,7 @@ class SandboxHost:
 
     Run as a threaded Ray actor; Ray carries its leases (``acquire``, ``release``) and its health
     (``ready``, ``ping``). A lease's calls come on a TCP connection of their own
-    (``sandbox.fleet_wire``: ``acquire`` returns the address and the lease's token), served by a
+    (``stare_sandbox.fleet_wire``: ``acquire`` returns the address and the lease's token), served by a
     thread per connection, so calls on different leases run at once. Every container start takes a
     token of the coordinator's creation-rate limit first. A lease without a call for
     ``lease_idle_s`` is taken back (its holder is taken for gone) and its sandbox replaced.
@@ -267,15 +267,15 @@ class SandboxHost:
 
         def make() -> Sandbox:
             ray.get(coordinator.take_creation_token.remote(config.lease_timeout_s))
-            from sandbox.docker import DockerSandbox
-            from sandbox.local import LocalSandbox
+            from stare_sandbox.docker import DockerSandbox
+            from stare_sandbox.local import LocalSandbox
 
             return DockerSandbox(sandbox_config) if backend == "docker" else LocalSandbox(sandbox_config)
 
         self._pool = SandboxPool(
             config.sandboxes_per_node, factory=make, lease_timeout=config.lease_timeout_s
         )
-        from sandbox.fleet_wire import LeaseServer
+        from stare_sandbox.fleet_wire import LeaseServer
 
         self._server = LeaseServer(ray.util.get_node_ip_address(), self._answer)
         threading.Thread(target=self._reclaim_loop, name="lease-reclaim", daemon=True).start()
@@ -332,7 +332,7 @@ class SandboxHost:
         self._pool.close()
 
     def _answer(self, lease_id: str, request: list[Any]) -> tuple[Any, ...]:
-        """The answer to a request on ``lease_id``'s connection (``sandbox.fleet_wire``)."""
+        """The answer to a request on ``lease_id``'s connection (``stare_sandbox.fleet_wire``)."""
         try:
             method, *args = request
             if method == "run":
@@ -728,7 +728,7 @@ class FleetCoordinator:
 
 class RaySandbox(Sandbox):
     """One leased sandbox on a host actor: ``Sandbox``'s verbs as requests on the lease's own
-    connection to that host (``sandbox.fleet_wire``), one at a time.
+    connection to that host (``stare_sandbox.fleet_wire``), one at a time.
 
     Made by ``RaySandboxFleet.acquire`` (wrapped in a ``PooledSandbox``); ``close()`` gives the
     lease back. A host that is lost (its connection closed or reset: its actor or node died) or
@@ -956,7 +956,7 @@ class RaySandboxFleet:
                     f"{node}): check the sandbox nodes with `ray status`",
                 )  # fmt: skip
                 continue  # that host is lost: lease again on another
-            from sandbox.fleet_wire import LeaseConnection
+            from stare_sandbox.fleet_wire import LeaseConnection
 
             try:
                 connection = LeaseConnection((ip, port), token, min(call_s, 30.0))

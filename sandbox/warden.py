@@ -337,7 +337,7 @@ def prepare_kernel(kernel_args, boot):
 
 
 def run_boot(boot):
-    """Run the host's boot code (``sandbox.kernel.KERNEL_BOOT``: bounded output messages, the
+    """Run the host's boot code (``stare_sandbox.kernel.KERNEL_BOOT``: bounded output messages, the
     snapshot a soft reset restores) in the new kernel before it serves, so the host need not send
     it as a first request. A failure is logged: the host's own bounds still hold."""
     if not boot:

@@ -15,7 +15,7 @@ for every ``DROP_REPORT_BYTES`` or ``DROP_REPORT_FRAMES`` of a message that does
 reader that counts them can give up on the kernel. The host holds at most one message, one read
 of ``READ_BYTES`` and a frame header, whatever the kernel sends.
 
-It offers the part of a zmq socket's interface that ``sandbox.kernel`` and jupyter-client's
+It offers the part of a zmq socket's interface that ``stare_sandbox.kernel`` and jupyter-client's
 ``Session.send`` use: ``poll``, ``recv_multipart``, ``send_multipart`` (DEALER) and ``close``. When
 the kernel goes away (a reset, a restart) the connection is made again at the next ``poll`` or
 send, as zmq reconnects; a send that finds no connection within ``SEND_TIMEOUT_S`` raises

@@ -18,9 +18,9 @@ IMAGE_REFERENCE = re.compile(
 
 
 def _sandbox_build(args: argparse.Namespace) -> int:
-    from sandbox.build import build_image, image_exists
-    from sandbox.config import DEFAULT_IMAGE
     from stare_agent.config import ConfigError
+    from stare_sandbox.build import build_image, image_exists
+    from stare_sandbox.config import DEFAULT_IMAGE
 
     if not IMAGE_REFERENCE.fullmatch(args.tag):
         raise ConfigError(
@@ -35,7 +35,7 @@ def _sandbox_build(args: argparse.Namespace) -> int:
 
 
 def _sandbox_doctor(args: argparse.Namespace) -> int:
-    from sandbox.doctor import diagnose, diagnose_ray
+    from stare_sandbox.doctor import diagnose, diagnose_ray
 
     if args.backend == "ray":
         checks = diagnose_ray(
@@ -52,7 +52,7 @@ def _sandbox_doctor(args: argparse.Namespace) -> int:
 
 
 def _sandbox_demo(args: argparse.Namespace) -> int:
-    from sandbox import make_sandbox
+    from stare_sandbox import make_sandbox
 
     cells = [
         "import sympy as sp\nn = 2**127 - 1\nsp.isprime(n)",
@@ -89,10 +89,10 @@ EVAL_FLAGS = {
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from envs.problems import eval_problems
     from stare_agent.config import eval_source, load_config
     from stare_agent.evaluation import evaluate_config
     from stare_agent.provenance import model_settings
+    from stare_envs.problems import eval_problems
 
     _check_eval_flags(args)
     flags = [
@@ -352,8 +352,8 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sandbox.config import BACKENDS
     from stare_agent.engines import ENGINE_NAMES
+    from stare_sandbox.config import BACKENDS
 
     parser = _Parser(prog="stare-agent", description="Train and evaluate tool-using LLM agents with STARE.")
     parser.add_argument("--version", action="version", version=f"stare-agent {_version()}")
@@ -364,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sandbox = sub.add_parser("sandbox", help="build, check or try the code sandbox")
     sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", required=True, parser_class=_Parser)
-    from sandbox.config import DEFAULT_IMAGE
+    from stare_sandbox.config import DEFAULT_IMAGE
 
     p = sandbox_sub.add_parser("build", help="build the sandbox image from Debian packages")
     p.add_argument("--tag", default=DEFAULT_IMAGE)
@@ -550,9 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Failures whose message already names the cause and the fix, shown as one line: the error root
     of each package (none of them needs torch, so a broken torch install cannot hide the error)."""
-    from envs.errors import EnvError
-    from sandbox.errors import SandboxError
     from stare_agent.errors import StareError
+    from stare_envs.errors import EnvError
+    from stare_sandbox.errors import SandboxError
 
     return (SandboxError, EnvError, StareError, FileNotFoundError)
 

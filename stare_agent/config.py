@@ -32,18 +32,18 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from envs.problems import Problem
-from envs.problems.selection import source_name
-from envs.registry import make_tool_env, registered_problems
-from envs.tool_env import LIMITS, broken_limit
-from sandbox import SandboxPool, open_pool
-from sandbox.config import BACKENDS, Backend, SandboxConfig
-from sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
 from stare_agent.algorithms.losses import check_loss_options
 from stare_agent.algorithms.rollout_correction import check_rollout_correction
 from stare_agent.algorithms.stare import L_PLUS_RULES, check_adaptive_options, check_stare_options
 from stare_agent.engines import ENGINE_NAMES
 from stare_agent.errors import StareError
+from stare_envs.problems import Problem
+from stare_envs.problems.selection import source_name
+from stare_envs.registry import make_tool_env, registered_problems
+from stare_envs.tool_env import LIMITS, broken_limit
+from stare_sandbox import SandboxPool, open_pool
+from stare_sandbox.config import BACKENDS, Backend, SandboxConfig
+from stare_sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
 
 CONFIG_FILENAME = "config.yaml"
 ALGORITHMS = ("grpo", "grpo_ds", "stare", "kl_cov", "clip_cov", "entropy_bonus", "forking_tokens")
@@ -149,9 +149,9 @@ class SandboxSection:
             'stare-agent[ray]'``; docs/deployment.md).
         pool_size: Sandboxes kept warm; one is leased per live episode. With ``ray``: the episodes this
             process plays at once (the fleet's size is ``sandbox.ray.sandboxes_per_node`` per node).
-        limits: Per-sandbox limits (memory, CPU, time per call, output size, image); see ``sandbox.config``.
+        limits: Per-sandbox limits (memory, CPU, time per call, output size, image); see ``stare_sandbox.config``.
         ray: The Ray fleet (``backend: ray``): cluster address, node resource, sandboxes per node, the
-            cluster-wide lease cap and container-creation rate; see ``sandbox.ray_fleet.RayFleetConfig``.
+            cluster-wide lease cap and container-creation rate; see ``stare_sandbox.ray_fleet.RayFleetConfig``.
     """
 
     backend: Backend = "auto"
@@ -164,7 +164,7 @@ class SandboxSection:
         _positive("sandbox", self, "pool_size")
 
     def make_pool(self, size: int | None = None) -> SandboxPool | RaySandboxFleet:
-        """What this section's episodes lease sandboxes from (``sandbox.open_pool``): ``size`` (default
+        """What this section's episodes lease sandboxes from (``stare_sandbox.open_pool``): ``size`` (default
         ``pool_size``) warm sandboxes of ``backend`` with ``limits``, or the client of the Ray fleet
         ``ray`` describes. The one way the trainer, ``stare-agent eval``, the quickstart and the study
         build theirs; close it when done."""
@@ -221,7 +221,7 @@ class EnvConfig:
     """The environment and the rollout: one set of env kwargs for training and evaluation.
 
     ``id`` is any Gymnasium id: a built-in (``stare/CodeInterpreter-v0``, ...), one registered in
-    Python (``envs.register_tool_env``) before the run, or one a package registers through the
+    Python (``stare_envs.register_tool_env``) before the run, or one a package registers through the
     ``stare_agent.envs`` entry point. The env is built with ``gymnasium.make(id, **kwargs)``, where
     ``kwargs`` = :meth:`env_kwargs`: the fields below that are set (a field left null keeps the value
     the id was registered with), plus ``kwargs``. Training, in-training evaluation,
@@ -229,7 +229,7 @@ class EnvConfig:
     differs from training only by ``eval_kwargs``.
 
     Attributes:
-        id: Gymnasium id of a ``ToolEnv`` (the env must be a ``envs.ToolEnv``, wrappers are not used:
+        id: Gymnasium id of a ``ToolEnv`` (the env must be a ``stare_envs.ToolEnv``, wrappers are not used:
             the rollout runner drives it and it enforces its own turn and tool-call limits).
         format: Tool-call format, ``retool`` (``<code>``/``<interpreter>``, the paper's) or ``hermes``;
             null: the registered env's own (``retool`` for the built-in code-interpreter ids).
@@ -282,7 +282,7 @@ class EnvConfig:
 
     def __post_init__(self) -> None:
         if self.format is not None:
-            from envs.formats import FORMATS  # the registry: third-party formats count too
+            from stare_envs.formats import FORMATS  # the registry: third-party formats count too
 
             _one_of("env", "format", self.format, sorted(FORMATS))
         _one_of("env", "engine", self.engine, ENGINES)
@@ -498,7 +498,7 @@ class DataConfig:
 
     Attributes:
         train: Training problems: a JSONL/JSON/Parquet file, a Hugging Face dataset name, or a
-            procedural family (``mixed``, ``multiplication``, ...; see ``envs.problems``); null: the
+            procedural family (``mixed``, ``multiplication``, ...; see ``stare_envs.problems``); null: the
             problems ``env.id`` was registered with (``register_tool_env(..., problems=...)``), else
             ``mixed``. Set both, this one wins and the run says so in one line. The paper trains on
             DAPO-Math-17k.
@@ -540,7 +540,7 @@ class DataConfig:
         dedupe: Drop repeated problem texts of ``train`` (a file or hub dataset) at load time, keeping
             the first; the hub copy of DAPO-Math-17k repeats each problem 100 times. Known
             answer-format instructions (DAPO's "Answer: $Answer") are always removed, so the
-            environment's own prompt is the only instruction (``envs.problems.plain_problems``).
+            environment's own prompt is the only instruction (``stare_envs.problems.plain_problems``).
     """
 
     train: str | None = None

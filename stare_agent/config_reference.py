@@ -157,7 +157,7 @@ def yaml_value(value: Any) -> str:
 
 
 _RST_LITERAL = re.compile(r"(?<!`)``([^`]+)``(?!`)")
-_RST_ROLE = re.compile(r":\w+:`~?([^`]+)`")  # :class:`LoRAConfig`, :func:`~envs.problems.load_problems`
+_RST_ROLE = re.compile(r":\w+:`~?([^`]+)`")  # :class:`LoRAConfig`, :func:`~stare_envs.problems.load_problems`
 
 
 def _markdown(text: str) -> str:

@@ -24,8 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from envs.trajectory import Trajectory
 from stare_agent.errors import StareError
+from stare_envs.trajectory import Trajectory
 
 BANK_METRIC = "eval/bank_entropy"
 """The logged name of the bank's mean entropy under the current policy."""

@@ -10,7 +10,7 @@ An episode lost to an infrastructure failure after its retries (``finish_reason 
 left out and counted in ``failed_episodes``: its problem is scored on the samples it has (pass@k
 over the problems with at least k of them).
 
-Answers vote by equivalence, decided as the reward decides correctness (``envs.rewards.answers_equivalent``:
+Answers vote by equivalence, decided as the reward decides correctness (``stare_envs.rewards.answers_equivalent``:
 "070" and "70", ``\\frac12`` and "0.5" are one answer). Every episode samples from its own random
 stream, named by (problem id, sample index) and turn (``RolloutRunner.run(episode_keys=...)``), so
 the results of a seeded evaluation do not depend on ``batch_size``.
@@ -34,14 +34,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from envs.engine import Engine, SamplingParams, Tokenizer
-from envs.problems import Problem, load_problems
-from envs.rewards import answers_equivalent
-from envs.rollout import RolloutRunner
-from envs.trajectory import Trajectory
 from stare_agent.errors import StareError
 from stare_agent.intervals import BOOTSTRAP_DRAWS, bootstrap_interval, wilson_interval
 from stare_agent.metrics import ToolHealth, json_ready
+from stare_envs.engine import Engine, SamplingParams, Tokenizer
+from stare_envs.problems import Problem, load_problems
+from stare_envs.rewards import answers_equivalent
+from stare_envs.rollout import RolloutRunner
+from stare_envs.trajectory import Trajectory
 
 
 class EvaluationError(StareError, ValueError):
@@ -70,7 +70,7 @@ def majority_correct(
     """Whether the most frequent non-empty answer is correct (ties go to the answer seen first).
 
     Answers are grouped by ``same(answer, first answer of a group)``; default
-    :func:`envs.rewards.answers_equivalent`, the reward's own check. A group is as correct as its
+    :func:`stare_envs.rewards.answers_equivalent`, the reward's own check. A group is as correct as its
     first answer.
 
     >>> majority_correct(["3", "5", "5", None], [True, False, False, False])
@@ -313,8 +313,8 @@ def evaluate_config(
     ``resume``, ``save_episodes``, ``progress``, ``keep_trajectories``; ``settings``, e.g. the model's
     identity, join the data source and sandbox limits the config gives).
     """
-    from envs.problems import eval_problems
     from stare_agent.config import eval_source
+    from stare_envs.problems import eval_problems
 
     data, env, seed = config.data, config.env, config.trainer.seed
     source = eval_source(config)  # data.eval, else the problems env.id was registered with
@@ -385,8 +385,8 @@ def evaluate(
     problem order.
 
     Args:
-        problems: Problems, or a source for ``envs.problems.load_problems`` (JSONL/Parquet path or hub name).
-        engine: Any ``envs.engine.Engine`` (transformers, SGLang, scripted).
+        problems: Problems, or a source for ``stare_envs.problems.load_problems`` (JSONL/Parquet path or hub name).
+        engine: Any ``stare_envs.engine.Engine`` (transformers, SGLang, scripted).
         tokenizer: The policy's Hugging Face tokenizer (its chat template renders the prompts).
         samples: k, the number of sampled episodes per problem.
         sampling: Sampling parameters; default temperature 1.0, top-p 0.7 (the paper's validation setting).
@@ -396,13 +396,13 @@ def evaluate(
         max_response_tokens: Response budget per episode (model turns and tool output).
         batch_size: Episodes advanced together (one engine call per turn for all of them).
         continuous_batching: Submit each episode's turn on its own to an engine that batches
-            continuously (``envs.rollout.RolloutRunner``'s ``continuous``).
+            continuously (``stare_envs.rollout.RolloutRunner``'s ``continuous``).
         limit: Evaluate only the first ``limit`` problems.
         env_id: Gymnasium id of the ``ToolEnv`` to play (built-in, registered in Python or by an entry
-            point; ``module:id`` imports ``module`` first), made by ``envs.registry.make_tool_env``
+            point; ``module:id`` imports ``module`` first), made by ``stare_envs.registry.make_tool_env``
             as in training (``evaluate_config`` plays a run config's).
         env_kwargs: Keyword arguments of the env (format, pool, max_turns, ...), over those it was
-            registered with. Without a ``pool`` (shared by all the envs: ``sandbox.open_pool``), each
+            registered with. Without a ``pool`` (shared by all the envs: ``stare_sandbox.open_pool``), each
             env leases from a private pool of one of its ``sandbox_backend`` (``auto`` resolved here,
             once) and ``sandbox_config``.
         out_dir: When given, per-problem ``results.jsonl`` and ``summary.json`` are written there.
@@ -430,7 +430,7 @@ def evaluate(
         sampling = replace(sampling, seed=0)
     kwargs = dict(env_kwargs or {})
     if kwargs.get("pool") is None:  # resolved once: the settings name the backend the pool then uses
-        from sandbox import resolve_backend
+        from stare_sandbox import resolve_backend
 
         kwargs["sandbox_backend"] = resolve_backend(
             kwargs.get("sandbox_backend", "auto"), kwargs.get("sandbox_config")
@@ -499,7 +499,7 @@ def _play(
 ) -> None:
     """Play ``jobs`` (problem, sample index) ``batch_size`` at a time into ``results``; hand each problem
     to ``files`` when its last sample is in."""
-    from envs.registry import make_tool_envs
+    from stare_envs.registry import make_tool_envs
 
     runner = RolloutRunner(
         tokenizer,
@@ -615,8 +615,8 @@ def _settings(
     engine: Engine,
 ) -> dict[str, Any]:
     """The resolved settings of an evaluation, with ``given`` (a caller's) merged in section by section."""
-    from sandbox.config import SandboxConfig
     from stare_agent.provenance import engine_settings, package_versions, problems_sha256
+    from stare_sandbox.config import SandboxConfig
 
     pool = kwargs.get("pool")
     limits = kwargs.get("sandbox_config") or (SandboxConfig() if pool is None else None)

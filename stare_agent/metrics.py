@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from envs.trajectory import Trajectory
 from stare_agent.errors import StareError
+from stare_envs.trajectory import Trajectory
 
 # Words whose frequency tracks "reflective" reasoning in RLVR papers (counted case-insensitively,
 # as whole words, in the model-written text of each response).

@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from envs.problems import Problem
+from stare_envs.problems import Problem
 
 # Above this many bytes of model files, the model hash covers file names and sizes only (a full read
 # of a 70B checkpoint would take minutes); the settings say which.

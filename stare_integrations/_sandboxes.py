@@ -1,4 +1,4 @@
-"""The sandbox side of the verl and verifiers adapters: one :class:`~sandbox.SandboxPool`, started
+"""The sandbox side of the verl and verifiers adapters: one :class:`~stare_sandbox.SandboxPool`, started
 at the first call (trainers build their tools in every worker when they read the config), and per
 session (a verl trajectory, a verifiers rollout) one sandbox leased at the session's first call,
 with our ``code_interpreter`` bound to it, kept until the session ends."""
@@ -9,11 +9,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.tools import BoundTool, get_tool
-from sandbox import resolve_backend
-from sandbox.config import SandboxConfig
-from sandbox.pool import PooledSandbox, SandboxPool
-from sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
+from stare_envs.tools import BoundTool, get_tool
+from stare_sandbox import resolve_backend
+from stare_sandbox.config import SandboxConfig
+from stare_sandbox.pool import PooledSandbox, SandboxPool
+from stare_sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
 
 
 @dataclass

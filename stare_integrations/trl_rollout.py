@@ -1,8 +1,8 @@
 """TRL: train on our environments with TRL's ``GRPOTrainer``, through its ``rollout_func``.
 
 :class:`EnvRollout` is a ``rollout_func``: for the prompts of a batch it plays one episode per prompt in
-our :class:`~envs.tool_env.ToolEnv` (multi-turn, with real sandboxes) through
-:class:`~envs.rollout.RolloutRunner`, with the trainer's own model (a
+our :class:`~stare_envs.tool_env.ToolEnv` (multi-turn, with real sandboxes) through
+:class:`~stare_envs.rollout.RolloutRunner`, with the trainer's own model (a
 :class:`~stare_agent.engines.transformers_engine.TransformersEngine` on it, so rollouts always use the
 current weights). The episodes come back to TRL token-exactly: the prompt ids, the response ids (model
 turns, tool output, template glue), the sampling log-probs, and ``env_mask`` (1 for sampled tokens, 0 for
@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from envs.engine import Engine, SamplingParams
-from envs.problems import Problem
-from envs.rollout import RolloutRunner
-from envs.tool_env import ToolEnv
+from stare_envs.engine import Engine, SamplingParams
+from stare_envs.problems import Problem
+from stare_envs.rollout import RolloutRunner
+from stare_envs.tool_env import ToolEnv
 
 if TYPE_CHECKING:
     import datasets
@@ -46,9 +46,9 @@ class EnvRollout:
         max_response_tokens: Token budget of one episode (model turns, tool output and glue); default
             the trainer's ``max_completion_length``.
         engine: ``trainer -> Engine``; default a ``TransformersEngine`` on the trainer's (unwrapped) model.
-        template_tools: See :class:`~envs.rollout.RolloutRunner`.
+        template_tools: See :class:`~stare_envs.rollout.RolloutRunner`.
         max_episode_retries: How often an episode lost to a sandbox failure is started over before it
-            is given up (see :class:`~envs.rollout.RolloutRunner`).
+            is given up (see :class:`~stare_envs.rollout.RolloutRunner`).
 
     Sampling follows the trainer's config (``temperature``, ``top_p``, ``top_k``). An episode lost to a
     sandbox failure (after the runner's retries) comes back as one masked EOS token with reward None,
@@ -71,7 +71,7 @@ class EnvRollout:
             if isinstance(self.envs[0].problems, str):
                 raise ValueError(
                     f"the env generates its problems ({self.envs[0].problems!r}): pass problems= "
-                    "(e.g. envs.problems.generate_problems(family, n, seed=0))"
+                    "(e.g. stare_envs.problems.generate_problems(family, n, seed=0))"
                 )
             problems = self.envs[0].problems
         self.problems = list(problems)

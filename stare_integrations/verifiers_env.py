@@ -4,9 +4,9 @@
 (the classic environment API, ``import verifiers as vf``, which verifiers 0.3 serves from
 ``verifiers.legacy``): the model gets our ``code_interpreter`` tool as an OpenAI function (native
 tool calling, so any served model with a tool-call parser works), each rollout leases one Docker
-sandbox from a :class:`~sandbox.SandboxPool` at its first call and keeps its variables until the
+sandbox from a :class:`~stare_sandbox.SandboxPool` at its first call and keeps its variables until the
 rollout ends (a verifiers ``@cleanup`` handler gives it back), and the rubric scores the final
-answer with our checker (:func:`envs.rewards.compute_reward`).
+answer with our checker (:func:`stare_envs.rewards.compute_reward`).
 
 Run it with verifiers' own tooling, e.g. against any OpenAI-compatible server::
 
@@ -14,7 +14,7 @@ Run it with verifiers' own tooling, e.g. against any OpenAI-compatible server::
 
 Tool output goes back to verifiers as the verbatim content of a ``tool`` message; the served model's
 chat template turns the conversation into tokens on the server, with special tokens parsed. So, unlike in
-our own runner (:func:`envs.text_tokens.encode_as_text`), a special-token string printed by the model's
+our own runner (:func:`stare_envs.text_tokens.encode_as_text`), a special-token string printed by the model's
 code (``<|im_end|>``) can reach the model as that token there. It is left to the server on purpose:
 escaping the text here would change what the model reads, and the token ids are the server's to build.
 
@@ -32,14 +32,14 @@ from typing import Any
 import verifiers as vf
 from datasets import Dataset
 
-from envs.formats import find_answer
-from envs.problems import generate_problems, load_problems, procedural_family
-from envs.rewards import RewardConfig, compute_reward
-from sandbox.config import SandboxConfig
-from sandbox.pool import SandboxPool
-from sandbox.ray_fleet import RayFleetConfig
-from sandbox.result import truncate_text
+from stare_envs.formats import find_answer
+from stare_envs.problems import generate_problems, load_problems, procedural_family
+from stare_envs.rewards import RewardConfig, compute_reward
 from stare_integrations._sandboxes import LeasedTools, ToolSession
+from stare_sandbox.config import SandboxConfig
+from stare_sandbox.pool import SandboxPool
+from stare_sandbox.ray_fleet import RayFleetConfig
+from stare_sandbox.result import truncate_text
 
 __all__ = ["StareCodeInterpreterEnv", "correct_answer", "load_environment"]
 
@@ -182,9 +182,9 @@ def load_environment(
 
     Args:
         data: A built-in set (``aime2024``, ``aime2025``, ``amc23``, ``math500``), a problem file
-            (JSONL/Parquet, as ``envs.problems.load_problems`` reads), or a generator family
+            (JSONL/Parquet, as ``stare_envs.problems.load_problems`` reads), or a generator family
             (``procedural:<family>``, a bare family name, ``mixed``) for ``limit`` (default 100)
-            generated problems (``envs.problems.procedural_family`` decides which).
+            generated problems (``stare_envs.problems.procedural_family`` decides which).
         limit: At most this many problems.
         seed: Seed of generated problems.
         **kwargs: :class:`StareCodeInterpreterEnv`'s options (``pool_size``, ``backend``, ``timeout_s``,

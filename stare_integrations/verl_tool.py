@@ -1,7 +1,7 @@
 """verl: the stateful Docker code interpreter as a verl tool, and the answer checker as ``compute_score``.
 
 - :class:`CodeInterpreterTool` is a verl ``BaseTool`` (``create`` / ``execute`` / ``calc_reward`` /
-  ``release``). A trajectory leases one sandbox from a :class:`~sandbox.SandboxPool` on its first call
+  ``release``). A trajectory leases one sandbox from a :class:`~stare_sandbox.SandboxPool` on its first call
   (so trajectories that call no tool hold none); the sandbox keeps variables and imports for the rest of
   the trajectory and goes back to the pool (which resets it) when the trajectory ends.
 
@@ -14,11 +14,11 @@
   the instance and goes back at ``release``.
 - :func:`compute_score` is a verl custom reward function (``custom_reward_function.path`` /
   ``.name``): the final answer of the response (``<answer>`` or the last ``\\boxed{}``) checked against
-  the ground truth by :func:`envs.rewards.compute_reward`, the same checker our environments use.
+  the ground truth by :func:`stare_envs.rewards.compute_reward`, the same checker our environments use.
 
 Tool output is returned verbatim as ``ToolResponse.text``, and verl's agent loop tokenizes the tool
 message itself (chat template rendered, special tokens parsed). So, unlike in our own runner (which
-tokenizes tool output with :func:`envs.text_tokens.encode_as_text`), a special-token string printed by
+tokenizes tool output with :func:`stare_envs.text_tokens.encode_as_text`), a special-token string printed by
 the model's code (``<|im_end|>``) reaches the model as that token under verl. It is left to verl on
 purpose: escaping the text here would change what the model reads, and the token ids are verl's to build.
 
@@ -39,15 +39,15 @@ from uuid import uuid4
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
-from envs.formats import _strip_fence, find_answer  # the ReTool format's own fence rule
-from envs.rewards import RewardConfig, compute_reward
-from envs.tool_env import EpisodeInfrastructureError, is_infrastructure_error
-from envs.tools import get_tool
-from sandbox.config import SandboxConfig
-from sandbox.pool import SandboxPool
-from sandbox.ray_fleet import RayFleetConfig
-from sandbox.result import truncate_text
+from stare_envs.formats import _strip_fence, find_answer  # the ReTool format's own fence rule
+from stare_envs.rewards import RewardConfig, compute_reward
+from stare_envs.tool_env import EpisodeInfrastructureError, is_infrastructure_error
+from stare_envs.tools import get_tool
 from stare_integrations._sandboxes import LeasedTools, ToolSession
+from stare_sandbox.config import SandboxConfig
+from stare_sandbox.pool import SandboxPool
+from stare_sandbox.ray_fleet import RayFleetConfig
+from stare_sandbox.result import truncate_text
 
 __all__ = ["CodeInterpreterTool", "compute_score"]
 
@@ -79,10 +79,10 @@ class CodeInterpreterTool(BaseTool):
             that many trajectories run code at once, the others wait up to ``lease_timeout_s``; default 8),
             ``backend`` (``auto``, ``docker``, ``local``, or ``ray``: the sandbox fleet of the Ray cluster
             verl runs on, docs/deployment.md, set by ``ray``: fields of
-            :class:`sandbox.ray_fleet.RayFleetConfig`; default ``docker``), ``timeout_s`` (per call;
+            :class:`stare_sandbox.ray_fleet.RayFleetConfig`; default ``docker``), ``timeout_s`` (per call;
             default the sandbox config's), ``max_output_chars`` (tool output beyond it is cut, head and
             tail kept; default 4096), ``lease_timeout_s`` (default 60), ``sandbox`` (fields of
-            :class:`sandbox.SandboxConfig`, e.g. ``{memory_mb: 2048}``).
+            :class:`stare_sandbox.SandboxConfig`, e.g. ``{memory_mb: 2048}``).
         tool_schema: The OpenAI function schema; None for our ``code_interpreter`` schema.
 
     The pool starts on the first call, not here: verl builds its tools in every worker when it reads
@@ -117,7 +117,7 @@ class CodeInterpreterTool(BaseTool):
         bad = sorted(set(ray_options) - {f.name for f in dataclasses.fields(RayFleetConfig)})
         if bad:
             raise ValueError(
-                f"unknown ray option(s) {bad} in the tool config: use fields of sandbox.ray_fleet.RayFleetConfig"
+                f"unknown ray option(s) {bad} in the tool config: use fields of stare_sandbox.ray_fleet.RayFleetConfig"
             )
         fleet = RayFleetConfig(**{"lease_timeout_s": self.lease_timeout_s, **ray_options})
         if self.pool_size < 1:
@@ -241,9 +241,9 @@ def compute_score(
     """A verl reward function: the response's final answer checked against ``ground_truth``.
 
     The answer is the content of the last ``<answer>`` tag (its ``\\boxed{}`` when it has one), else of
-    the last ``\\boxed{}``; :func:`envs.rewards.compute_reward` scores it (integers by value, the rest
+    the last ``\\boxed{}``; :func:`stare_envs.rewards.compute_reward` scores it (integers by value, the rest
     by math-verify in worker processes with a hard deadline). ``mode`` and ``format_penalty`` are
-    :class:`envs.rewards.RewardConfig`'s, set with verl's ``custom_reward_function.reward_kwargs``
+    :class:`stare_envs.rewards.RewardConfig`'s, set with verl's ``custom_reward_function.reward_kwargs``
     (ReTool: ``mode=plus_minus``).
 
     Returns:

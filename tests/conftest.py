@@ -89,7 +89,7 @@ def _docker_problem() -> str | None:
         import docker
     except ImportError:
         return "the docker SDK is not installed: pip install docker"
-    from sandbox.config import DEFAULT_IMAGE
+    from stare_sandbox.config import DEFAULT_IMAGE
 
     try:
         client = docker.from_env(timeout=5)

@@ -10,7 +10,7 @@ Example:
     ['modpow-d2-s3-000000', 'modpow-d2-s3-000001']
 """
 
-from envs.problems.generators import (
+from stare_envs.problems.generators import (
     DIFFICULTIES,
     PROBLEM_FAMILIES,
     PROCEDURAL_PREFIX,
@@ -18,14 +18,14 @@ from envs.problems.generators import (
     procedural_family,
     register_family,
 )
-from envs.problems.selection import (
+from stare_envs.problems.selection import (
     ANSWER_FORMAT_WRAPPERS,
     ProblemStream,
     eval_problems,
     plain_problems,
     source_name,
 )
-from envs.problems.sources import (
+from stare_envs.problems.sources import (
     BUILTIN_SETS,
     Problem,
     ProblemSourceError,

@@ -15,7 +15,7 @@ import os
 import random
 from collections.abc import Callable
 
-from envs.problems.sources import Problem, ProblemSourceError
+from stare_envs.problems.sources import Problem, ProblemSourceError
 
 # --------------------------------------------------------------------------------------------------
 # Generated problems

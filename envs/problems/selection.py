@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from envs.problems.generators import generate_problems, procedural_family
-from envs.problems.sources import Problem, ProblemSourceError, load_problems
+from stare_envs.problems.generators import generate_problems, procedural_family
+from stare_envs.problems.sources import Problem, ProblemSourceError, load_problems
 
 ANSWER_FORMAT_WRAPPERS = (
     (

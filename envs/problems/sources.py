@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from envs.errors import EnvError
+from stare_envs.errors import EnvError
 
 
 class ProblemSourceError(EnvError, ValueError):

@@ -1,5 +1,5 @@
 """Code that runs inside a kernel, not in this process: each module here is a cell's source, read
-as text by ``sandbox.kernel`` and sent to the kernel (or to the Docker warden, which runs the boot
+as text by ``stare_sandbox.kernel`` and sent to the kernel (or to the Docker warden, which runs the boot
 cells in each kernel before it serves), where it runs in a namespace of its own (``exec(source, {})``)
 followed by one call of its function.
 

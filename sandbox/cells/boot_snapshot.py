@@ -1,5 +1,5 @@
 """Run once after each kernel start (outside the user namespace): record what the soft reset
-(``soft_reset.reset``) restores, and forget the error of ``sandbox.kernel.WARM_TRACEBACKS``
+(``soft_reset.reset``) restores, and forget the error of ``stare_sandbox.kernel.WARM_TRACEBACKS``
 (``sys.last_*``)."""
 
 import os

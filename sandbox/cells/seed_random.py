@@ -1,6 +1,6 @@
 """Run after each kernel start and at each soft reset: ``random``, and ``numpy.random``'s global
 generator where numpy is imported (``SandboxConfig.preload``; numpy 2 imports ``numpy.random`` on
-first use, here), start from ``seed`` (``sandbox.config.RANDOM_SEED``). Code that broke
+first use, here), start from ``seed`` (``stare_sandbox.config.RANDOM_SEED``). Code that broke
 ``numpy.random.seed`` in a local kernel keeps its break after a soft reset, like any monkey-patch."""
 
 import random

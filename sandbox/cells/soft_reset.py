@@ -1,4 +1,4 @@
-"""A soft reset, run outside the user namespace (``sandbox.kernel.reset_code``, the local backend's
+"""A soft reset, run outside the user namespace (``stare_sandbox.kernel.reset_code``, the local backend's
 ``reset()``): the kernel's interpreter stays, its state goes.
 
 ``reset`` clears the user namespace and output cache (like ``%reset -f``), restores ``os.environ``

@@ -1,4 +1,4 @@
-"""Rollout engines implementing :class:`envs.engine.Engine`.
+"""Rollout engines implementing :class:`stare_envs.engine.Engine`.
 
 - :class:`TransformersEngine`: any transformers causal LM, CPU or GPU, in process.
 - :class:`VLLMEngine`: ``vllm.LLM`` in a worker process of a Python with vLLM (``.venv-vllm``), CPU or GPU.

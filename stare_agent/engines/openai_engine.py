@@ -8,7 +8,7 @@ OpenAI ones (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``l
 - ``return_tokens_as_token_ids``: ``logprobs.tokens`` read ``"token_id:<id>"`` (older vLLM);
 - ``include_stop_str_in_output`` and ``skip_special_tokens = false``: the text and ids run up to and
   including the token that completed a stop string, and an EOS token is returned, as the
-  :class:`~envs.engine.Engine` protocol asks;
+  :class:`~stare_envs.engine.Engine` protocol asks;
 - ``top_k`` when set.
 
 Token-exactness: the ids returned are the ids the server sampled (from ``token_ids``, else from
@@ -28,7 +28,7 @@ Seeds: prompt ``i`` is sent with ``seed = params.seeds[i]`` (the runner's stream
 turn) or ``stream_seed(params.seed, i)``; vLLM samples each seeded request from its own generator, so
 an episode's tokens do not depend on its batch companions.
 
-No torch or transformers import here: the engine runs in the slim install (``sandbox`` + ``envs``).
+No torch or transformers import here: the engine runs in the slim install (``stare_sandbox`` + ``stare_envs``).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from envs.engine import FinishReason, Generation, RolloutError, SamplingParams, Tokenizer, stream_seed
 from stare_agent.errors import StareError
+from stare_envs.engine import FinishReason, Generation, RolloutError, SamplingParams, Tokenizer, stream_seed
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class OpenAIEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Sequence[str] = ()
     ) -> list[Generation]:
-        """Sample one continuation per prompt (see :class:`envs.engine.Engine`), one request each.
+        """Sample one continuation per prompt (see :class:`stare_envs.engine.Engine`), one request each.
 
         Raises:
             OpenAIEngineError: a request failed after its retries, or the server returned no token ids

@@ -1,6 +1,6 @@
 """A scripted engine: replays given turn texts token-exactly, for tests and benchmarks without a model.
 
-It implements :class:`envs.engine.Engine` the way a real engine behaves at the token level: each
+It implements :class:`stare_envs.engine.Engine` the way a real engine behaves at the token level: each
 scripted turn is tokenized, then generation stops at the first stop string (the returned tokens run up
 to and including the token that completes it, which may reach past the stop string), at an EOS token
 written in the text, or at ``max_new_tokens``. A turn that contains no stop string ends with the EOS
@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from envs.engine import FinishReason, Generation, SamplingParams, Tokenizer
 from stare_agent.errors import StareError
+from stare_envs.engine import FinishReason, Generation, SamplingParams, Tokenizer
 
 Script = Sequence[str] | Callable[[str, int], str]
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from envs.engine import FinishReason, Generation, RolloutError, SamplingParams, stream_seed
 from stare_agent.errors import StareError
+from stare_envs.engine import FinishReason, Generation, RolloutError, SamplingParams, stream_seed
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
@@ -90,7 +90,7 @@ class SGLangEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Sequence[str] = ()
     ) -> list[Generation]:
-        """Sample one continuation per prompt (see :class:`envs.engine.Engine`).
+        """Sample one continuation per prompt (see :class:`stare_envs.engine.Engine`).
 
         Seeds: prompt ``i`` gets SGLang's ``sampling_seed`` from :func:`request_sampling_params`
         (``params.seeds[i]`` from the rollout runner: one stream per episode and turn); SGLang

@@ -1,6 +1,6 @@
 """A rollout engine on a plain transformers model: batched sampling with a KV cache, CPU or GPU.
 
-The engine implements the ``Engine`` protocol of :mod:`envs.rollout`: token-id prompts in, sampled
+The engine implements the ``Engine`` protocol of :mod:`stare_envs.rollout`: token-id prompts in, sampled
 token ids, their log-probs and a finish reason out. It runs its own decoding loop over
 ``model(input_ids, attention_mask, position_ids, cache)`` with left padding, so it knows
 exactly which distribution every token was drawn from.
@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from envs.engine import FinishReason, Generation, SamplingParams
+from stare_envs.engine import FinishReason, Generation, SamplingParams
 
 # Extra tokens decoded beyond the longest stop string, for tokens that decode to no full character.
 _STOP_WINDOW_MARGIN = 8

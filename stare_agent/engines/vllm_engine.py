@@ -7,7 +7,7 @@ OpenMP pool. The worker (:mod:`stare_agent.engines.vllm_worker`, a standalone sc
 ``vllm.LLM`` in process (the ``uni`` executor, no API server: it starts in seconds rather than a
 minute) and talks to us over ``multiprocessing.connection`` on a Unix socket with a random authkey.
 
-The engine implements the ``Engine`` protocol of :mod:`envs.rollout` as
+The engine implements the ``Engine`` protocol of :mod:`stare_envs.rollout` as
 :class:`~stare_agent.engines.transformers_engine.TransformersEngine` does:
 
 - token-id prompts in (``TokensPrompt``), the sampled token ids out, never re-tokenized;
@@ -59,8 +59,8 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from envs.engine import FinishReason, Generation, RolloutError, SamplingParams, stream_seed
 from stare_agent.errors import StareError
+from stare_envs.engine import FinishReason, Generation, RolloutError, SamplingParams, stream_seed
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 VLLM_VENV_PYTHON = Path(".venv-vllm") / "bin" / "python"
@@ -524,7 +524,7 @@ class VLLMEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Sequence[str] = ()
     ) -> list[Generation]:
-        """Sample one continuation per prompt (see :class:`envs.engine.Engine` and the module docstring).
+        """Sample one continuation per prompt (see :class:`stare_envs.engine.Engine` and the module docstring).
 
         Raises:
             ValueError: an empty prompt, ``params.seeds`` of the wrong length, or a prompt that leaves
@@ -538,7 +538,7 @@ class VLLMEngine:
         self, prompt: Sequence[int], params: SamplingParams, stop: Sequence[str] = ()
     ) -> Future[Generation]:
         """Start one continuation now, in the batch of the requests in flight (see
-        :class:`envs.engine.ContinuousEngine`); ``params.seeds``, when set, holds its one seed.
+        :class:`stare_envs.engine.ContinuousEngine`); ``params.seeds``, when set, holds its one seed.
 
         Raises:
             ValueError: as :meth:`generate`, at once; the future holds a VLLMEngineError when the worker

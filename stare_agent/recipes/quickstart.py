@@ -39,10 +39,10 @@ def quickstart(
     config_path: str | Path = CONFIG, overrides: tuple[str, ...] | list[str] = ()
 ) -> dict[str, Any]:
     """Run the main job (see the module docstring); returns the before/after numbers and paths."""
-    from sandbox import resolve_backend
     from stare_agent.engines import start_engine
     from stare_agent.models import load_policy
     from stare_agent.train.checkpoints import seed_all
+    from stare_sandbox import resolve_backend
 
     start = time.perf_counter()
     times: dict[str, float] = {}
@@ -123,7 +123,6 @@ def _run(
     numbers."""
     import torch
 
-    from envs.problems import eval_problems
     from stare_agent.evaluation import evaluate_config
     from stare_agent.metrics import policy_entropy, read_metrics
     from stare_agent.provenance import model_settings
@@ -131,6 +130,7 @@ def _run(
     from stare_agent.train.checkpoints import latest_checkpoint
     from stare_agent.train.sft import sft
     from stare_agent.train.trainer import Trainer
+    from stare_envs.problems import eval_problems
 
     data = config.data
     autocast = torch.bfloat16 if config.deepspeed.precision == "bf16-autocast" else None

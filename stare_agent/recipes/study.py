@@ -241,14 +241,14 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     import torch
 
-    from envs.engine import SamplingParams
-    from envs.problems import ProblemStream
     from stare_agent.config import train_source
     from stare_agent.engines import TransformersEngine
     from stare_agent.evaluation import evaluate
     from stare_agent.metrics import policy_entropy
     from stare_agent.models import load_policy
     from stare_agent.recipes.quickstart import usable_precision
+    from stare_envs.engine import SamplingParams
+    from stare_envs.problems import ProblemStream
 
     config = usable_precision(config)
     data, env = config.data, config.env

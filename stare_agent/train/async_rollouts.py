@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
-from envs.engine import ContinuousEngine, Generation, SamplingParams
+from stare_envs.engine import ContinuousEngine, Generation, SamplingParams
 
 T = TypeVar("T")
 

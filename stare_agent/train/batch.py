@@ -12,7 +12,7 @@ lines up without any slicing. ``response_mask[:, t]`` is the trajectory's loss m
 (0 for prompt tokens, tool output, template glue and padding).
 
 Example:
-    >>> from envs.trajectory import TrajectoryBuilder
+    >>> from stare_envs.trajectory import TrajectoryBuilder
     >>> b = TrajectoryBuilder([7, 8]); b.append([9], 1, [-0.5]); b.append([4], 0)
     >>> batch = collate([b.build(reward=1.0)], pad_id=0)
     >>> batch["targets"].tolist(), batch["response_mask"].tolist(), batch["old_logprobs"].tolist()
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from envs.trajectory import Trajectory
+from stare_envs.trajectory import Trajectory
 
 
 def _full_sequence(t: Trajectory) -> tuple[list[int], list[float], list[float]]:
@@ -212,7 +212,7 @@ def bucket_by_length(trajectories: Sequence[Trajectory], max_tokens: int) -> lis
         ValueError: one trajectory alone exceeds ``max_tokens``.
 
     Example:
-        >>> from envs.trajectory import TrajectoryBuilder
+        >>> from stare_envs.trajectory import TrajectoryBuilder
         >>> def traj(n):
         ...     b = TrajectoryBuilder([1] * n); b.append([2], 1, [0.0]); return b.build(reward=0.0)
         >>> batch = [traj(2), traj(9), traj(3), traj(8)]

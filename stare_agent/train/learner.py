@@ -51,7 +51,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from envs.trajectory import Trajectory
 from stare_agent.algorithms.logprobs import (
     causal_lm_logprobs_and_entropy,
     logprobs_and_entropy_from_logits,
@@ -70,6 +69,7 @@ from stare_agent.config import (
 )
 from stare_agent.train.batch import bucket_by_length, collate, split_by_token_budget
 from stare_agent.train.deepspeed_setup import deepspeed_config, init_distributed
+from stare_envs.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 

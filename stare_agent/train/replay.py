@@ -42,9 +42,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from envs.trajectory import Trajectory
 from stare_agent.config import CONFIG_FILENAME, RunConfig, load_config
 from stare_agent.errors import StareError
+from stare_envs.trajectory import Trajectory
 
 LEARNER_SECTIONS = ("algorithm", "optim", "deepspeed", "model", "logger")
 """Config sections a replay may change: the rest decided how episodes were drawn, and they are frozen."""

@@ -25,8 +25,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from envs.problems import procedural_family
-from envs.trajectory import Trajectory
 from stare_agent.config import RunConfig
 from stare_agent.metrics import StepLogger
 from stare_agent.train.deepspeed_setup import load_training_policy
@@ -39,6 +37,8 @@ from stare_agent.train.sft_data import (
     trace_to_trajectory,
 )
 from stare_agent.train.trainer import check_run_dir
+from stare_envs.problems import procedural_family
+from stare_envs.trajectory import Trajectory
 
 LOG_FILENAME = "sft_log.jsonl"
 
@@ -53,7 +53,7 @@ def load_sft_traces(config: RunConfig) -> tuple[list[Trace], dict[str, int]]:
     family = procedural_family(sft.data)
     if family is None:
         return read_traces(sft.data, format=sft.format, limit=sft.limit), {"rejected": 0}
-    from sandbox import make_sandbox
+    from stare_sandbox import make_sandbox
 
     n = sft.procedural_rows if sft.limit is None else min(sft.procedural_rows, sft.limit)
     box = config.sandbox

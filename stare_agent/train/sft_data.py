@@ -15,13 +15,13 @@ traces:
   ReTool format (code wrapped in ``<code>``, the output block becomes ``<interpreter>``), because the
   RL environment speaks ReTool: a model cold-started on ToRA's own fences would write code the
   environment never runs. The final ``\\boxed{}`` stays where it is (the format accepts a bare box).
-- **Procedural traces** (:func:`procedural_traces`): problems from ``envs.problems`` whose solution
+- **Procedural traces** (:func:`procedural_traces`): problems from ``stare_envs.problems`` whose solution
   code is REALLY run in a sandbox; the genuine output fills the ``<interpreter>`` block, and only
   traces whose output equals the gold answer are kept.
 
 :func:`trace_to_trajectory` renders the prompt exactly as the RL environment does (the format's
 system prompt and ``prompt_template``, the chat template with the generation prompt) and appends the
-steps with :class:`envs.trajectory.TrajectoryBuilder`: model text mask 1, tool output and chat
+steps with :class:`stare_envs.trajectory.TrajectoryBuilder`: model text mask 1, tool output and chat
 template glue mask 0, the end-of-turn token mask 1 (the model must learn to stop). So SFT trains
 exactly the tokens RL would train, with the same machinery.
 """
@@ -35,16 +35,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from envs.formats import CODE_TOOL, ReToolFormat, ToolCall, get_format
-from envs.problems import Problem, ProblemSourceError, generate_problems, read_rows
-from envs.rollout import ToolTurnGlue
-from envs.rollout import render_prompt as rollout_prompt
-from envs.text_tokens import encode_as_text
-from envs.tool_env import initial_messages
-from envs.tools import get_tool, render_exec_result
-from envs.trajectory import Trajectory, TrajectoryBuilder
-from sandbox.base import Sandbox
 from stare_agent.errors import StareError
+from stare_envs.formats import CODE_TOOL, ReToolFormat, ToolCall, get_format
+from stare_envs.problems import Problem, ProblemSourceError, generate_problems, read_rows
+from stare_envs.rollout import ToolTurnGlue
+from stare_envs.rollout import render_prompt as rollout_prompt
+from stare_envs.text_tokens import encode_as_text
+from stare_envs.tool_env import initial_messages
+from stare_envs.tools import get_tool, render_exec_result
+from stare_envs.trajectory import Trajectory, TrajectoryBuilder
+from stare_sandbox.base import Sandbox
 
 StepKind = Literal["model", "tool"]
 TraceFormat = Literal["retool", "openai", "tora"]
@@ -288,7 +288,7 @@ def read_traces(source: str | Path, *, format: str = "auto", limit: int | None =
 
 
 def _rows(source: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
-    """The rows of ``source`` through the one reader of files and hub datasets (:func:`envs.problems.read_rows`)."""
+    """The rows of ``source`` through the one reader of files and hub datasets (:func:`stare_envs.problems.read_rows`)."""
     try:
         for where, _index, row in read_rows(source):
             yield where, row

@@ -2,7 +2,7 @@
 
 One step, in the paper's order (docs/algorithm.md, "One training step, in the paper's order"):
 
-    1. rollout      G episodes per prompt, multi-turn and token-exact (envs.rollout)
+    1. rollout      G episodes per prompt, multi-turn and token-exact (stare_envs.rollout)
     2. reward       binary accuracy of the final answer (scored by the environment)
     3. dynamic      drop groups whose G rewards are all equal; draw more prompt batches (capped)
        sampling     until ``data.prompts_per_step`` groups remain; truncate to exactly that
@@ -43,12 +43,6 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from envs.engine import SamplingParams
-from envs.problems import Problem, ProblemStream
-from envs.registry import check_env_id, make_tool_envs
-from envs.rollout import RolloutRunner
-from envs.tool_env import ToolEnv
-from envs.trajectory import Trajectory
 from stare_agent.algorithms import (
     AdaptiveController,
     broadcast_to_tokens,
@@ -77,6 +71,12 @@ from stare_agent.train.async_rollouts import RolloutProducer, VersionedEngine, v
 from stare_agent.train.batch import collate
 from stare_agent.train.deepspeed_setup import load_training_policy
 from stare_agent.train.learner import Learner
+from stare_envs.engine import SamplingParams
+from stare_envs.problems import Problem, ProblemStream
+from stare_envs.registry import check_env_id, make_tool_envs
+from stare_envs.rollout import RolloutRunner
+from stare_envs.tool_env import ToolEnv
+from stare_envs.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from stare_agent.algorithms.stare import LPlusRule, Scope, Variant

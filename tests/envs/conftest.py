@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from sandbox.base import Sandbox
-from sandbox.pool import SandboxPool
-from sandbox.result import ExecError, ExecResult
+from stare_sandbox.base import Sandbox
+from stare_sandbox.pool import SandboxPool
+from stare_sandbox.result import ExecError, ExecResult
 
 
 class InProcessSandbox(Sandbox):
@@ -74,8 +74,10 @@ def settled():
 @pytest.fixture(scope="module")
 def local_pool() -> Iterator[SandboxPool]:
     """Two local Jupyter kernels (the weaker, Docker-free backend) with a short timeout."""
-    pytest.importorskip("sandbox.local", reason="sandbox.local (local kernel backend) not available")
-    from sandbox.config import SandboxConfig
+    pytest.importorskip(
+        "stare_sandbox.local", reason="stare_sandbox.local (local kernel backend) not available"
+    )
+    from stare_sandbox.config import SandboxConfig
 
     config = SandboxConfig(timeout_s=3.0)
     with SandboxPool(2, backend="local", config=config) as pool:
@@ -85,7 +87,7 @@ def local_pool() -> Iterator[SandboxPool]:
 @pytest.fixture(scope="module")
 def docker_pool(docker_ready) -> Iterator[SandboxPool]:
     """Two Docker sandboxes with a short timeout."""
-    from sandbox.config import SandboxConfig
+    from stare_sandbox.config import SandboxConfig
 
     with SandboxPool(2, backend="docker", config=SandboxConfig(timeout_s=3.0)) as pool:
         yield pool

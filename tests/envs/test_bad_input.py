@@ -1,5 +1,5 @@
 """Malformed model turns: each gives an observation saying what went wrong, nothing raises, and the
-episode goes on (a tool call was attempted) or ends (the model stopped), as documented in envs.tool_env."""
+episode goes on (a tool call was attempted) or ends (the model stopped), as documented in stare_envs.tool_env."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from envs import CodeInterpreterEnv
-from envs.problems import Problem
+from stare_envs import CodeInterpreterEnv
+from stare_envs.problems import Problem
 
 PROBLEM = Problem("p1", "What is 6 * 7?", "42")
 

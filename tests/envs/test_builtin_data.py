@@ -1,4 +1,4 @@
-"""The evaluation sets shipped inside ``envs`` (package data): the same bytes as ../shared/data, loadable by
+"""The evaluation sets shipped inside ``stare_envs`` (package data): the same bytes as ../shared/data, loadable by
 short name, behind the ``stare/<BENCHMARK>-v0`` ids without any path, with their provenance and licences."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from pathlib import Path
 import gymnasium
 import pytest
 
-import envs
-from envs.problems import BUILTIN_SETS, ProblemSourceError, builtin_set_path, load_problems
-from envs.registry import BENCHMARKS, benchmark_path
+import stare_envs
+from stare_envs.problems import BUILTIN_SETS, ProblemSourceError, builtin_set_path, load_problems
+from stare_envs.registry import BENCHMARKS, benchmark_path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGE_DATA = Path(envs.__file__).resolve().parent / "data"
+PACKAGE_DATA = Path(stare_envs.__file__).resolve().parent / "data"
 SIZES = {"aime2024": 30, "aime2025": 30, "amc23": 40, "math500": 500}
 
 
@@ -101,9 +101,9 @@ def test_provenance_names_every_shipped_file_its_source_and_licence():
 def test_module_doctests():
     import doctest
 
-    import envs.problems
-    import envs.registry
+    import stare_envs.problems
+    import stare_envs.registry
 
-    for module in (envs.problems, envs.registry):
+    for module in (stare_envs.problems, stare_envs.registry):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__

@@ -7,10 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from envs import CodeInterpreterEnv
-from envs.problems import Problem
-from sandbox.config import SandboxConfig
-from sandbox.pool import SandboxPool
+from stare_envs import CodeInterpreterEnv
+from stare_envs.problems import Problem
+from stare_sandbox.config import SandboxConfig
+from stare_sandbox.pool import SandboxPool
 
 EPISODES = 32
 
@@ -44,7 +44,7 @@ def run_concurrently(pool: SandboxPool, settled) -> None:
 
 
 def test_32_concurrent_episodes_on_local_kernels(settled):
-    pytest.importorskip("sandbox.local")
+    pytest.importorskip("stare_sandbox.local")
     with SandboxPool(4, backend="local", config=SandboxConfig(timeout_s=10.0)) as pool:
         run_concurrently(pool, settled)
 

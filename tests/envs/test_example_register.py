@@ -10,7 +10,7 @@ from pathlib import Path
 import gymnasium
 import pytest
 
-from envs.tools import unregister_tool
+from stare_envs.tools import unregister_tool
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "register_tool_env.py"
 

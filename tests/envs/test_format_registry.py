@@ -7,9 +7,9 @@ import importlib.metadata
 
 import pytest
 
-import envs.registry
-from envs.code_interpreter import CodeInterpreterEnv
-from envs.formats import (
+import stare_envs.registry
+from stare_envs.code_interpreter import CodeInterpreterEnv
+from stare_envs.formats import (
     FORMATS,
     FormatRegistryError,
     ReToolFormat,
@@ -17,7 +17,7 @@ from envs.formats import (
     register_format,
     unregister_format,
 )
-from envs.problems import Problem
+from stare_envs.problems import Problem
 
 
 class DemoFormat(ReToolFormat):
@@ -32,16 +32,16 @@ class DemoFormat(ReToolFormat):
 @pytest.fixture
 def demo_from_entry_point(monkeypatch):
     point = importlib.metadata.EntryPoint(
-        name="demo", value=f"{__name__}:DemoFormat", group=envs.registry.FORMAT_GROUP
+        name="demo", value=f"{__name__}:DemoFormat", group=stare_envs.registry.FORMAT_GROUP
     )
     original = importlib.metadata.entry_points
 
     def entry_points(*, group):
-        return [point] if group == envs.registry.FORMAT_GROUP else []
+        return [point] if group == stare_envs.registry.FORMAT_GROUP else []
 
     monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
     try:
-        assert envs.registry.load_plugins(reload=True) == [f"{envs.registry.FORMAT_GROUP}:demo"]
+        assert stare_envs.registry.load_plugins(reload=True) == [f"{stare_envs.registry.FORMAT_GROUP}:demo"]
     finally:
         monkeypatch.setattr(importlib.metadata, "entry_points", original)
     yield

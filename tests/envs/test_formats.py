@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from envs.formats import (
+from stare_envs.formats import (
     CODE_TOOL,
     HermesFormat,
     ReToolFormat,
@@ -14,8 +14,8 @@ from envs.formats import (
     observation_charset,
     printable,
 )
-from envs.tools import render_exec_result
-from sandbox.result import ExecError, ExecResult
+from stare_envs.tools import render_exec_result
+from stare_sandbox.result import ExecError, ExecResult
 
 retool = ReToolFormat()
 hermes = HermesFormat()

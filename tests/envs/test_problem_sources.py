@@ -7,8 +7,14 @@ import json
 
 import pytest
 
-from envs.problems import ProblemSourceError, ProblemStream, eval_problems, generate_problems, load_problems
 from stare_agent.train.sft_data import SFTDataError, read_traces
+from stare_envs.problems import (
+    ProblemSourceError,
+    ProblemStream,
+    eval_problems,
+    generate_problems,
+    load_problems,
+)
 
 
 def test_trainer_and_eval_parse_procedural_sources_like_the_env():

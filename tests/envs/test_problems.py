@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from envs.problems import (
+from stare_envs.problems import (
     DIFFICULTIES,
     PROBLEM_FAMILIES,
     Problem,
@@ -21,7 +21,7 @@ from envs.problems import (
     procedural_family,
     register_family,
 )
-from envs.tool_env import resolve_problems
+from stare_envs.tool_env import resolve_problems
 
 # -- files ------------------------------------------------------------------------------------------
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from envs.code_interpreter import CodeInterpreterEnv
-from envs.problems import Problem
-from envs.rollout import RolloutRunner
 from stare_agent.engines.scripted import ScriptedEngine
 from stare_agent.train.sft_data import Trace, trace_to_trajectory
+from stare_envs.code_interpreter import CodeInterpreterEnv
+from stare_envs.problems import Problem
+from stare_envs.rollout import RolloutRunner
 from tests.helpers_tokenizers import TOKENIZERS
 
 # Corner cases: an escape sequence and a zero-width space (not printable: the env escapes them), LaTeX.

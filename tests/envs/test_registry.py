@@ -10,10 +10,16 @@ import gymnasium
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-import envs
-from envs.problems import PROBLEM_FAMILIES
-from envs.registry import BENCHMARKS, EnvRegistrationError, family_env_id, load_plugins, register_tool_env
-from envs.tools import ToolRegistryError, get_tool, list_tools, register_tool, unregister_tool
+import stare_envs
+from stare_envs.problems import PROBLEM_FAMILIES
+from stare_envs.registry import (
+    BENCHMARKS,
+    EnvRegistrationError,
+    family_env_id,
+    load_plugins,
+    register_tool_env,
+)
+from stare_envs.tools import ToolRegistryError, get_tool, list_tools, register_tool, unregister_tool
 
 BUILTIN_IDS = (
     ["stare/CodeInterpreter-v0"]
@@ -36,7 +42,7 @@ def test_check_env_passes(env_id, shared_data):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # check_env reports problems as warnings too
         check_env(env.unwrapped)
-    assert isinstance(env.unwrapped, envs.CodeInterpreterEnv)
+    assert isinstance(env.unwrapped, stare_envs.CodeInterpreterEnv)
     env.close()
 
 
@@ -73,7 +79,7 @@ def test_register_tool_env_refuses_taken_ids_and_unknown_tools():
 
 def test_tool_registry_refuses_duplicates_and_lists_names_on_lookup():
     with pytest.raises(
-        ToolRegistryError, match=r"tool 'code_interpreter' is already registered \(by envs.tools"
+        ToolRegistryError, match=r"tool 'code_interpreter' is already registered \(by stare_envs.tools"
     ):
         register_tool("code_interpreter", lambda code: code)
     with pytest.raises(
@@ -119,8 +125,8 @@ def test_class_tool_with_sandbox_and_inferred_schema(fake_pool):
 
 
 PLUGIN = '''
-from envs.tools import register_tool
-from envs.registry import register_tool_env
+from stare_envs.tools import register_tool
+from stare_envs.registry import register_tool_env
 
 @register_tool("shout_plugin_demo")
 def shout(text: str) -> str:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from envs.rewards import (
+from stare_envs.rewards import (
     AnswerChecker,
     AnswerCheckerError,
     RewardConfig,

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from envs.code_interpreter import CodeInterpreterEnv
-from envs.problems import Problem
-from envs.rewards import RewardConfig
-from envs.rollout import RolloutRunner
-from sandbox.pool import SandboxPool
 from stare_agent.engines.scripted import ScriptedEngine
+from stare_envs.code_interpreter import CodeInterpreterEnv
+from stare_envs.problems import Problem
+from stare_envs.rewards import RewardConfig
+from stare_envs.rollout import RolloutRunner
+from stare_sandbox.pool import SandboxPool
 from tests.helpers_tokenizers import smollm2_tokenizer
 
 PROBLEM = Problem(id="mul", problem="What is 6 * 7?", answer="42")

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from envs.code_interpreter import CodeInterpreterEnv
-from envs.engine import ContinuousEngine, Engine, Generation, RolloutError, SamplingParams
-from envs.problems import Problem
-from envs.rollout import RolloutRunner, render_chat
-from envs.trajectory import Trajectory
 from stare_agent.engines.scripted import ScriptedEngine, ScriptError
+from stare_envs.code_interpreter import CodeInterpreterEnv
+from stare_envs.engine import ContinuousEngine, Engine, Generation, RolloutError, SamplingParams
+from stare_envs.problems import Problem
+from stare_envs.rollout import RolloutRunner, render_chat
+from stare_envs.trajectory import Trajectory
 from tests.helpers_tokenizers import TOKENIZERS
 
 PROBLEMS = [
@@ -111,7 +111,7 @@ class ContinuousRecordingEngine(RecordingEngine):
 @pytest.fixture(scope="module")
 def pool():
     """Three local-kernel sandboxes shared by the module's tests (exactness needs no container)."""
-    from sandbox.pool import SandboxPool
+    from stare_sandbox.pool import SandboxPool
 
     with SandboxPool(3, backend="local") as pool:
         yield pool
@@ -371,7 +371,7 @@ def test_continuous_engine_plays_lockstep_turns_unless_the_runner_is_asked(make_
 
 
 def test_continuous_engine_gets_one_seed_per_turn_as_the_batch_path_derives_it(make_envs):
-    from envs.engine import stream_seed
+    from stare_envs.engine import stream_seed
 
     tokenizer = TOKENIZERS["smollm2"]()
     seen: list[tuple[int | None, tuple[int, ...] | None, int]] = []

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from envs import CodeInterpreterEnv, EnvStateError, ToolEnv
-from envs.problems import Problem, load_problems
-from envs.tools import register_tool, unregister_tool
+from stare_envs import CodeInterpreterEnv, EnvStateError, ToolEnv
+from stare_envs.problems import Problem, load_problems
+from stare_envs.tools import register_tool, unregister_tool
 
 PROBLEM = Problem("p1", "What is 6 * 7?", "42")
 
@@ -109,7 +109,7 @@ def test_a_turn_with_neither_a_tool_call_nor_an_answer_is_a_void_turn(make_env, 
 
 
 def test_wrong_answer_and_no_answer_score_zero_or_minus_one(make_env, fake_pool):
-    from envs.rewards import RewardConfig
+    from stare_envs.rewards import RewardConfig
 
     env = make_env(CodeInterpreterEnv, [PROBLEM], pool=fake_pool)
     env.reset(seed=0)
@@ -336,7 +336,7 @@ def test_infrastructure_failure_raises_and_replaces_the_sandbox(make_env, fake_p
 
 
 def test_private_pool_is_started_on_demand_and_closed_with_the_env(make_env):
-    pytest.importorskip("sandbox.local")
+    pytest.importorskip("stare_sandbox.local")
     env = make_env(CodeInterpreterEnv, [PROBLEM], sandbox_backend="local", render_mode="ansi")
     env.reset(seed=0)
     assert env.pool is None  # reset never starts or leases a sandbox

@@ -6,7 +6,7 @@ tool-output span holds only text ids (the chat-template glue around a ``tool`` m
 ones), and decodes back to what was printed. Tool output without such strings keeps exactly the ids it
 had before (the project's runs reproduce bit for bit).
 
-Episodes are played through :class:`~envs.rollout.RolloutRunner` with a scripted engine, on in-process
+Episodes are played through :class:`~stare_envs.rollout.RolloutRunner` with a scripted engine, on in-process
 sandboxes, with SmolLM2's real tokenizer and chat template, the Qwen2.5-style template on the same
 vocabulary, and that one with Qwen2.5's non-special added tokens (``<tool_call>``, ``<tool_response>``, ...).
 """
@@ -19,11 +19,11 @@ from functools import lru_cache
 
 import pytest
 
-from envs.code_interpreter import CodeInterpreterEnv
-from envs.problems import Problem
-from envs.rollout import RolloutRunner, ToolTurnGlue, render_chat
-from envs.text_tokens import encode_as_text
-from envs.trajectory import Trajectory
+from stare_envs.code_interpreter import CodeInterpreterEnv
+from stare_envs.problems import Problem
+from stare_envs.rollout import RolloutRunner, ToolTurnGlue, render_chat
+from stare_envs.text_tokens import encode_as_text
+from stare_envs.trajectory import Trajectory
 from tests.helpers_tokenizers import TOKENIZERS
 
 scripted = pytest.importorskip("stare_agent.engines.scripted")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from envs.trajectory import Trajectory, TrajectoryBuilder, TrajectoryError
+from stare_envs.trajectory import Trajectory, TrajectoryBuilder, TrajectoryError
 
 
 def _example() -> Trajectory:

@@ -1,5 +1,5 @@
 """Where the adapters sit: ``stare_integrations`` imports the layers below it, and nothing below imports
-it; the verl and verifiers adapters use only ``envs`` and ``sandbox`` (no torch or ``stare_agent`` of
+it; the verl and verifiers adapters use only ``stare_envs`` and ``stare_sandbox`` (no torch or ``stare_agent`` of
 ours), so a verl or verifiers user needs neither our trainer nor its packages."""
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from envs import CodeInterpreterEnv
-from envs.problems import Problem
-from sandbox.pool import SandboxPool
+from stare_envs import CodeInterpreterEnv
+from stare_envs.problems import Problem
+from stare_sandbox.pool import SandboxPool
 from tests.envs.conftest import InProcessSandbox
 from tests.envs.test_tool_output_is_text import FORGED, call, control_ids, decode, printing
 from tests.helpers_tokenizers import TOKENIZERS

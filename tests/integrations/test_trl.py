@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from envs import CodeInterpreterEnv
-from envs.problems import Problem
+from stare_envs import CodeInterpreterEnv
+from stare_envs.problems import Problem
 from tests.integrations.helpers import readme_block, require
 
 pytestmark = pytest.mark.docker
@@ -70,10 +70,10 @@ def test_one_grpo_step_trains_on_env_episodes_with_tool_output_masked(docker_rea
     The env's rewards (1, 0) reach TRL, its advantages are nonzero, the step changes the weights, and
     the sandbox's output is in the completion with env_mask 0."""
     require("trl")
-    from sandbox import SandboxPool
     from stare_agent.engines.scripted import ScriptedEngine
     from stare_agent.models import tiny_model
     from stare_integrations.trl_rollout import EnvRollout
+    from stare_sandbox import SandboxPool
 
     model, tokenizer = tiny_model()
     scripts = [[CODE_TURN, "<answer>\\boxed{204}</answer>"], ["<answer>\\boxed{7}</answer>"]]
@@ -118,10 +118,10 @@ def test_an_episode_lost_to_the_sandbox_is_left_out_of_the_step(docker_ready, tm
     require("trl")
     import docker
 
-    from sandbox import SandboxPool
     from stare_agent.engines.scripted import ScriptedEngine
     from stare_agent.models import tiny_model
     from stare_integrations.trl_rollout import EnvRollout
+    from stare_sandbox import SandboxPool
 
     model, tokenizer = tiny_model()
 

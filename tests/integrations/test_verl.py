@@ -250,7 +250,7 @@ def test_a_removed_container_raises_and_the_trajectory_goes_on_in_a_fresh_sandbo
     require("verl")
     import docker
 
-    from envs.tool_env import EpisodeInfrastructureError, is_infrastructure_error
+    from stare_envs.tool_env import EpisodeInfrastructureError, is_infrastructure_error
     from stare_integrations.verl_tool import CodeInterpreterTool
 
     tool = CodeInterpreterTool({"type": "native", "pool_size": 1, "backend": "docker"})

@@ -13,7 +13,7 @@ IMPORT_NAMES = {"jupyter-client": "jupyter_client", "math-verify": "math_verify"
 # Needed without an import of ours: the library we call imports them.
 INDIRECT = {
     "ipykernel": "the sandbox kernel's process runs ipykernel (started with -m, not imported)",
-    "sympy": "math_verify checks answers with it; envs.rewards preloads it in the checker's forkserver",
+    "sympy": "math_verify checks answers with it; stare_envs.rewards preloads it in the checker's forkserver",
     "accelerate": "transformers needs it to load models with low_cpu_mem_usage / device_map",
     "gguf": "transformers reads the embedded GGUF model with it",
     "safetensors": "transformers' save_pretrained/from_pretrained format",

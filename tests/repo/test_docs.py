@@ -83,8 +83,8 @@ def test_attribute_docs_reads_google_style_attributes():
 def test_table_cells_are_markdown():
     from stare_agent.config_reference import _cell
 
-    assert _cell("see :class:`LoRAConfig`, ``r = 0`` or :func:`~envs.problems.load_problems`") == (
-        "see `LoRAConfig`, `r = 0` or `envs.problems.load_problems`"
+    assert _cell("see :class:`LoRAConfig`, ``r = 0`` or :func:`~stare_envs.problems.load_problems`") == (
+        "see `LoRAConfig`, `r = 0` or `stare_envs.problems.load_problems`"
     )
     assert (
         _cell("``str | None``, fenced ```` ```output ```` blocks")

@@ -4,13 +4,13 @@ outside the repository.
 - The wheel ships the four evaluation sets with their provenance, and keeps torch, transformers and
   deepspeed behind the ``train`` extra.
 - The slim install (the wheel with its base dependencies, resolved by pip) has no torch; in it
-  ``import envs, sandbox`` works and a built-in environment plays a whole episode through the rollout
+  ``import stare_envs, stare_sandbox`` works and a built-in environment plays a whole episode through the rollout
   runner, with the (torch-free) ``ScriptedEngine`` and a pure-Python tokenizer.
 - The full install runs ``gymnasium.make("stare/AIME2024-v0")`` and ``stare-agent eval --data aime2024``
   from a directory with no ../shared. Its heavy packages (torch, transformers, deepspeed) are borrowed from
   the repository's .venv through a ``.pth`` path entry, which adds that folder to ``sys.path`` after the
   new venv's own site-packages without running its ``.pth`` files (so the editable install of this
-  checkout stays inactive); the test asserts that ``stare_agent``, ``envs`` and ``sandbox`` are the wheel's.
+  checkout stays inactive); the test asserts that ``stare_agent``, ``stare_envs`` and ``stare_sandbox`` are the wheel's.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from envs.problems import BUILTIN_SETS
+from stare_envs.problems import BUILTIN_SETS
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "deepspeed")
@@ -89,10 +89,14 @@ def test_wheel_ships_the_eval_sets_and_keeps_the_trainer_behind_an_extra(wheel):
             for line in archive.read(metadata).decode().splitlines()
             if line.startswith("Requires-Dist: ")
         ]
-    shipped = {f"envs/data/{name}.jsonl" for name in BUILTIN_SETS}
-    shipped |= {"envs/data/SOURCES.md", "envs/data/LICENSES/Apache-2.0.txt", "envs/data/LICENSES/MIT.txt"}
+    shipped = {f"stare_envs/data/{name}.jsonl" for name in BUILTIN_SETS}
+    shipped |= {
+        "stare_envs/data/SOURCES.md",
+        "stare_envs/data/LICENSES/Apache-2.0.txt",
+        "stare_envs/data/LICENSES/MIT.txt",
+    }
     assert shipped <= names
-    assert {"envs/registry.py", "sandbox/image/build.sh", "stare_agent/cli.py"} <= names
+    assert {"stare_envs/registry.py", "stare_sandbox/image/build.sh", "stare_agent/cli.py"} <= names
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/"))]
     for package in HEAVY:
         [requirement] = [r for r in requirements if r.startswith(package)]
@@ -111,11 +115,11 @@ SLIM_EPISODE = textwrap.dedent(
         assert importlib.util.find_spec(heavy) is None, f"{heavy} is installed"
     import gymnasium
 
-    import envs, sandbox, stare_agent
-    from envs.rollout import RolloutRunner
+    import stare_agent, stare_envs, stare_sandbox
+    from stare_envs.rollout import RolloutRunner
     from stare_agent.engines.scripted import ScriptedEngine  # needs no torch
 
-    for module in (envs, sandbox, stare_agent):
+    for module in (stare_envs, stare_sandbox, stare_agent):
         assert Path(module.__file__).is_relative_to(sys.prefix), module.__file__
 
     EOS = 0x110000  # one past the last code point
@@ -190,14 +194,18 @@ def test_installed_wheel_evaluates_aime_2024_outside_the_repository(wheel, model
     )
     (site_packages / "zz_repo_venv_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     work = tmp_path / "work"
-    work.mkdir()
+    for name in ("envs", "sandbox"):  # a user project's own packages of these names
+        (work / name).mkdir(parents=True)
+        (work / name / "__init__.py").write_text('OWNER = "user"\n')
     check = textwrap.dedent(
         """
         import sys
         from pathlib import Path
-        import gymnasium, envs, sandbox, stare_agent, stare_agent.cli
-        for module in (envs, sandbox, stare_agent, stare_agent.cli):
+        import gymnasium, stare_agent, stare_agent.cli, stare_envs, stare_sandbox
+        for module in (stare_envs, stare_sandbox, stare_agent, stare_agent.cli):
             assert Path(module.__file__).is_relative_to(sys.prefix), module.__file__
+        import envs, sandbox  # the user's own, beside ours
+        assert (envs.OWNER, sandbox.OWNER) == ("user", "user")
         for name in ("AIME2024", "AIME2025", "AMC23", "MATH500"):
             env = gymnasium.make(f"stare/{name}-v0", sandbox_backend="local")
             print(name, len(env.unwrapped.problems), env.reset(seed=0)[1]["problem_id"] != "")
@@ -218,8 +226,8 @@ def test_installed_wheel_evaluates_aime_2024_outside_the_repository(wheel, model
 
 @pytest.mark.parametrize("name", ["stare_o1", "stare_c2", "grpo_ds"])
 def test_paper_configs_validate_on_the_shipped_aime_set_offline(name, monkeypatch):
-    from envs.problems import eval_problems
     from stare_agent.config import load_config
+    from stare_envs.problems import eval_problems
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     config = load_config(REPO / "configs" / f"{name}_retool_qwen2.5_7b.yaml")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sandbox import ExecResult, SandboxPool
+from stare_sandbox import ExecResult, SandboxPool
 
 
 def next_episode(pool: SandboxPool, plant: str, probe: str) -> ExecResult:

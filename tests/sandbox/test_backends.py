@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from sandbox import DockerSandbox, LocalSandbox, SandboxConfig
-from sandbox.config import PRELOAD_MATH
-from sandbox.kernel import KernelSandbox
+from stare_sandbox import DockerSandbox, LocalSandbox, SandboxConfig
+from stare_sandbox.config import PRELOAD_MATH
+from stare_sandbox.kernel import KernelSandbox
 
 BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker)]
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import docker
 import pytest
 
-from sandbox import DockerSandbox, SandboxClosed, SandboxConfig, SandboxError, make_sandbox
-from sandbox.config import PRELOAD_MATH, SANDBOX_UID
-from sandbox.docker import LABEL
+from stare_sandbox import DockerSandbox, SandboxClosed, SandboxConfig, SandboxError, make_sandbox
+from stare_sandbox.config import PRELOAD_MATH, SANDBOX_UID
+from stare_sandbox.docker import LABEL
 
 pytestmark = pytest.mark.docker
 
@@ -107,7 +107,7 @@ def test_container_is_hardened(sb: DockerSandbox) -> None:
     assert sb.container.attrs["Config"]["User"] == f"{SANDBOX_UID}:{SANDBOX_UID}"
     mounts = [m["Source"] for m in sb.container.attrs["Mounts"]]
     assert mounts == [str(sb.dir)] and not any("docker.sock" in m for m in mounts)
-    assert any(option.startswith("seccomp=") for option in host["SecurityOpt"])  # sandbox.seccomp's
+    assert any(option.startswith("seccomp=") for option in host["SecurityOpt"])  # stare_sandbox.seccomp's
     assert "/proc/sys/kernel/random/boot_id" in host["MaskedPaths"]
     # PID 1 is the warden (no init of the image's), and the kernel its child
     result = sb.run("import os\nopen('/proc/1/cmdline').read().split('\\0')[:2], os.getppid(), os.getuid()")
@@ -129,7 +129,7 @@ def test_close_leaves_no_container_or_temp_dir(docker_ready) -> None:
 
 NON_ROOT_CHILD = """
 import os
-from sandbox import DockerSandbox
+from stare_sandbox import DockerSandbox
 with DockerSandbox(start_timeout=60) as sb:
     print(os.geteuid(), sb.run("6 * 7").stdout.strip(), sb.run("import os; os._exit(1)").error.type,
           sb.run("1 + 1").stdout.strip())
@@ -155,7 +155,7 @@ def test_containers_of_a_killed_owner_are_reaped(docker_ready, tmp_path):
     """SIGKILL leaves no chance to clean up; the next process that starts a sandbox removes them."""
     import signal
 
-    from sandbox.docker import OWNER_LABEL, docker_client, reap_orphans
+    from stare_sandbox.docker import OWNER_LABEL, docker_client, reap_orphans
     from tests.sandbox.helpers_processes import start_sandbox_owner
 
     child, written = start_sandbox_owner(

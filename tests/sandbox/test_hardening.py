@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import DockerSandbox, SandboxConfig, SandboxError, SandboxUnavailable
-from sandbox.config import SANDBOX_UID
-from sandbox.docker import LABEL, NOFILE, docker_client
+from stare_sandbox import DockerSandbox, SandboxConfig, SandboxError, SandboxUnavailable
+from stare_sandbox.config import SANDBOX_UID
+from stare_sandbox.docker import LABEL, NOFILE, docker_client
 
 pytestmark = pytest.mark.docker
 
@@ -97,7 +97,7 @@ def test_security_relevant_config_is_validated() -> None:
 
 def test_a_network_other_than_none_is_loud(docker_ready, caplog) -> None:
     with (
-        caplog.at_level(logging.WARNING, logger="sandbox.docker"),
+        caplog.at_level(logging.WARNING, logger="stare_sandbox.docker"),
         DockerSandbox(SandboxConfig(network="bridge")) as sb,
     ):
         assert "can reach the network" in caplog.text
@@ -206,7 +206,7 @@ def test_the_image_build_checks_signatures_and_fails_closed(tmp_path) -> None:
 
 HOST_USER_1000 = """
 import os
-from sandbox import DockerSandbox, SandboxConfig, SandboxUnavailable
+from stare_sandbox import DockerSandbox, SandboxConfig, SandboxUnavailable
 with DockerSandbox(start_timeout=60) as sb:
     chmod = sb.run("import os\\nos.chmod('/conn', 0o777)")
     print(os.geteuid(), sb.run("os.getuid()").stdout.strip(), chmod.error and chmod.error.type,
@@ -240,7 +240,7 @@ def test_a_host_user_with_uid_1000_keeps_the_connection_dir_locked(docker_ready)
 
 
 def test_availability_checks_answer_and_close_their_clients(docker_ready) -> None:
-    from sandbox import docker_available
-    from sandbox.build import image_exists
+    from stare_sandbox import docker_available
+    from stare_sandbox.build import image_exists
 
     assert docker_available() and image_exists() and not image_exists("stare-no-such-image:0")

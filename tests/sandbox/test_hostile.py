@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from sandbox import DockerSandbox, SandboxConfig
+from stare_sandbox import DockerSandbox, SandboxConfig
 
 pytestmark = pytest.mark.docker
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sandbox import SandboxConfig, SandboxPool
+from stare_sandbox import SandboxConfig, SandboxPool
 from tests.sandbox.helpers import two_episodes
 
 pytestmark = pytest.mark.docker

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sandbox import LocalSandbox, SandboxClosed, SandboxConfig, SandboxError, make_sandbox
-from sandbox.config import PRELOAD_MATH
-from sandbox.kernel import OutputBuffer
-from sandbox.result import truncate_text
+from stare_sandbox import LocalSandbox, SandboxClosed, SandboxConfig, SandboxError, make_sandbox
+from stare_sandbox.config import PRELOAD_MATH
+from stare_sandbox.kernel import OutputBuffer
+from stare_sandbox.result import truncate_text
 
 SECRET = "STARE_LOCAL_TEST_SECRET"
 
@@ -68,7 +68,8 @@ def test_preloaded_modules_are_imported_at_the_local_kernels_start() -> None:
 
 def test_a_preload_module_the_local_python_lacks_stops_the_start_with_the_fix() -> None:
     with pytest.raises(
-        SandboxError, match=r"could not import sandbox.preload \['no_such_module'\].*sandbox.limits.preload"
+        SandboxError,
+        match=r"could not import stare_sandbox.preload \['no_such_module'\].*sandbox.limits.preload",
     ):
         LocalSandbox(SandboxConfig(preload=["no_such_module"]))
 
@@ -122,7 +123,7 @@ def test_close_removes_everything_and_is_idempotent() -> None:
 
 
 def test_start_warms_tracebacks_without_leaving_a_trace() -> None:
-    with LocalSandbox() as fresh:  # its start ran one failing cell (sandbox.kernel.WARM_TRACEBACKS)
+    with LocalSandbox() as fresh:  # its start ran one failing cell (stare_sandbox.kernel.WARM_TRACEBACKS)
         result = fresh.run("import sys\nhasattr(sys, 'last_value'), len(In), len(Out), _")
         assert result.stdout == "(False, 2, 0, '')\n"
         assert fresh.run("import sys\n'stack_data' in sys.modules").stdout == "True\n"
@@ -137,7 +138,7 @@ def test_dirs_of_a_killed_owner_are_reaped(tmp_path):
     """SIGKILL leaves no chance to clean up; the next process that starts a sandbox removes them."""
     import signal
 
-    from sandbox.owner import reap_local_dirs
+    from stare_sandbox.owner import reap_local_dirs
     from tests.sandbox.helpers_processes import start_sandbox_owner
 
     child, sandbox_dir = start_sandbox_owner("LocalSandbox", "str(sb.dir)", tmp_path / "ready")
@@ -168,8 +169,8 @@ def processes_holding(token: str) -> list[int]:
 
 def reap_leftovers() -> None:
     """What a killed owner left behind, as the next process that starts a sandbox removes it."""
-    from sandbox.local import reap_cgroups
-    from sandbox.owner import reap_local_dirs
+    from stare_sandbox.local import reap_cgroups
+    from stare_sandbox.owner import reap_local_dirs
 
     reap_local_dirs()
     reap_cgroups()
@@ -279,7 +280,7 @@ entered
 
 @as_root
 def test_shared_memory_counts_against_the_memory_limit_where_a_cgroup_can_be_made() -> None:
-    from sandbox.local import kernel_cgroups_available
+    from stare_sandbox.local import kernel_cgroups_available
 
     if not kernel_cgroups_available():
         pytest.skip("this host does not let the local backend make a cgroup")
@@ -299,9 +300,9 @@ for offset in range(0, len(m), 4096):
 def test_cgroups_of_a_killed_owner_are_reaped(tmp_path) -> None:
     import signal
 
-    from sandbox.local import kernel_cgroups_available, reap_cgroups
-    from sandbox.owner import reap_local_dirs
-    from sandbox.usage import cgroup_dir
+    from stare_sandbox.local import kernel_cgroups_available, reap_cgroups
+    from stare_sandbox.owner import reap_local_dirs
+    from stare_sandbox.usage import cgroup_dir
     from tests.sandbox.helpers_processes import start_sandbox_owner
 
     if not kernel_cgroups_available():

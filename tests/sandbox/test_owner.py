@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.owner import owner_gone, owner_id, reap_local_dirs
+from stare_sandbox.owner import owner_gone, owner_id, reap_local_dirs
 from tests.sandbox.helpers_processes import start_sandbox_owner
 
 NEW_PID_NAMESPACE = ("unshare", "--pid", "--fork", "--kill-child", "--mount-proc")
@@ -23,9 +23,7 @@ needs_unshare = pytest.mark.skipif(
     reason="needs root and unshare(1) to start an owner in another PID namespace",
 )
 
-NO_CHILD_REAPING = (
-    "import sandbox.docker, sandbox.local; sandbox.docker._reaped = sandbox.local._reaped = True"
-)
+NO_CHILD_REAPING = "import stare_sandbox.docker, stare_sandbox.local; stare_sandbox.docker._reaped = stare_sandbox.local._reaped = True"
 """The child owner does not reap others' sandboxes itself: only the test process's reaper is judged."""
 
 
@@ -71,7 +69,7 @@ def test_local_dirs_of_a_live_owner_in_another_pid_namespace_survive(tmp_path):
 def test_containers_of_a_live_owner_in_another_pid_namespace_survive(docker_ready, tmp_path):
     """Same host name, same boot, but the owner's pid is from another PID namespace: a reaper that
     looked that pid up in its own /proc would find nothing (or another process) and remove it."""
-    from sandbox.docker import docker_client, reap_orphans
+    from stare_sandbox.docker import docker_client, reap_orphans
 
     child, written = start_sandbox_owner(
         "DockerSandbox",
@@ -100,8 +98,8 @@ def test_containers_of_a_live_owner_in_another_pid_namespace_survive(docker_read
 def test_reaping_removes_only_the_projects_own_temp_dirs(docker_ready, tmp_path):
     """A container with our labels and a dead owner is removed, but a bind-mounted directory
     outside the project's temp dirs stays, even when it is named like one."""
-    from sandbox.config import DEFAULT_IMAGE
-    from sandbox.docker import CONN_DIR, LABEL, OWNER_LABEL, docker_client, reap_orphans
+    from stare_sandbox.config import DEFAULT_IMAGE
+    from stare_sandbox.docker import CONN_DIR, LABEL, OWNER_LABEL, docker_client, reap_orphans
 
     precious = tmp_path / "stare-precious"
     precious.mkdir()
@@ -142,8 +140,8 @@ def test_local_reaping_skips_dirs_of_other_users_and_outside_the_temp_root(tmp_p
 def test_reaping_survives_containers_removed_while_it_runs(docker_ready):
     """Another owner's pool removes its containers while a new pool starts and reaps: a container
     gone between the listing and a later look at it must not fail the new pool's start."""
-    from sandbox.config import DEFAULT_IMAGE
-    from sandbox.docker import LABEL, OWNER_LABEL, docker_client, reap_orphans
+    from stare_sandbox.config import DEFAULT_IMAGE
+    from stare_sandbox.docker import LABEL, OWNER_LABEL, docker_client, reap_orphans
 
     client = docker_client()
     # one of a live owner (this process) and one of a dead owner: both vanish right after the list

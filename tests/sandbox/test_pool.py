@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.base import Sandbox
-from sandbox.config import SandboxConfig
-from sandbox.errors import PoolExhausted, SandboxClosed, SandboxUnavailable
-from sandbox.pool import PooledSandbox, PoolStats, SandboxPool
-from sandbox.result import ExecError, ExecResult
+from stare_sandbox.base import Sandbox
+from stare_sandbox.config import SandboxConfig
+from stare_sandbox.errors import PoolExhausted, SandboxClosed, SandboxUnavailable
+from stare_sandbox.pool import PooledSandbox, PoolStats, SandboxPool
+from stare_sandbox.result import ExecError, ExecResult
 
 # ---------------------------------------------------------------------------- a controllable fake
 
@@ -117,7 +117,7 @@ def settled(pool: SandboxPool) -> PoolStats:
 def test_copies_are_the_pool_itself_so_gymnasium_make_can_take_it():
     import gymnasium
 
-    import envs  # noqa: F401 - registers stare/CodeInterpreter-v0
+    import stare_envs  # noqa: F401 - registers stare/CodeInterpreter-v0
 
     with SandboxPool(1, factory=Factory()) as pool:
         assert copy.copy(pool) is pool and copy.deepcopy({"pool": pool})["pool"] is pool
@@ -573,8 +573,8 @@ def test_real_pool_hands_out_clean_sandboxes_replaces_dead_ones_and_leaves_nothi
 
 CHILD = """
 import json, signal, sys, time, traceback
-from sandbox.config import SandboxConfig
-from sandbox.pool import SandboxPool
+from stare_sandbox.config import SandboxConfig
+from stare_sandbox.pool import SandboxPool
 
 # Ctrl-C as in a program run from a terminal, however the test suite was started: a shell's
 # background job (`cmd &` without job control) starts with SIGINT ignored, and Python then installs

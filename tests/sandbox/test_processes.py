@@ -9,7 +9,7 @@ import time
 
 import psutil
 
-from sandbox.local import _descendants, _user_process_count
+from stare_sandbox.local import _descendants, _user_process_count
 
 
 def test_descendants_are_the_whole_tree_and_nothing_for_a_gone_process():

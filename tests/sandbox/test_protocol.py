@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import DockerSandbox, SandboxConfig
-from sandbox.kernel import MAX_SKIPPED_MESSAGES
+from stare_sandbox import DockerSandbox, SandboxConfig
+from stare_sandbox.kernel import MAX_SKIPPED_MESSAGES
 
 pytestmark = pytest.mark.docker
 
@@ -135,8 +135,8 @@ def test_big_output_still_arrives_cut_with_the_exact_count(sb: DockerSandbox) ->
 
 HOST_MEMORY_CHILD = """
 import json, sys
-from sandbox import DockerSandbox, SandboxConfig
-from sandbox.usage import ProcessUsage
+from stare_sandbox import DockerSandbox, SandboxConfig
+from stare_sandbox.usage import ProcessUsage
 
 me = ProcessUsage(__import__('os').getpid())
 with DockerSandbox(SandboxConfig(memory_mb=2048, max_output_chars=1000)) as sb:
@@ -190,8 +190,8 @@ FLOODS = {
 }
 MANY_PARTS_CHILD = """
 import json, sys, time
-from sandbox import DockerSandbox, SandboxConfig
-from sandbox.usage import ProcessUsage
+from stare_sandbox import DockerSandbox, SandboxConfig
+from stare_sandbox.usage import ProcessUsage
 
 me = ProcessUsage(__import__('os').getpid())
 with DockerSandbox(SandboxConfig(max_output_chars=1000)) as sb:

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from sandbox import SandboxConfig
-from sandbox.ray_fleet import RayFleetConfig, RaySandbox, RaySandboxFleet, SandboxLost
+from stare_sandbox import SandboxConfig
+from stare_sandbox.ray_fleet import RayFleetConfig, RaySandbox, RaySandboxFleet, SandboxLost
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -36,7 +36,7 @@ FLEET = RayFleetConfig(
 def test_no_ray_cluster_is_one_line_with_the_fix(ray_ready, monkeypatch) -> None:
     import ray
 
-    from sandbox import SandboxUnavailable
+    from stare_sandbox import SandboxUnavailable
 
     def no_cluster(**kwargs):
         raise ConnectionError("Could not find any running Ray instance.")
@@ -99,7 +99,7 @@ def cluster(ray_ready, docker_ready):
         ray.shutdown()
         cluster.shutdown()
         os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-        from sandbox.docker import reap_orphans
+        from stare_sandbox.docker import reap_orphans
 
         reap_orphans()  # containers of hosts that were killed (their owner process is gone)
 
@@ -220,8 +220,8 @@ def test_a_fork_bomb_and_a_disk_fill_are_contained_and_the_host_serves_clean_san
 def test_the_ray_doctor_checks_nodes_hosts_and_the_coordinator(cluster, fleet, capsys) -> None:
     """``stare-agent sandbox doctor --backend ray`` against the cluster: a line per sandbox node's host
     with its round trip, the coordinator's node; a host that cannot start is one line with the fix."""
-    from sandbox.doctor import diagnose_ray
     from stare_agent.cli import main
+    from stare_sandbox.doctor import diagnose_ray
 
     args = ["--address", cluster.address, "--namespace", NAMESPACE, "--timeout", "60"]
     assert main(["sandbox", "doctor", "--backend", "ray", *args]) == 0
@@ -281,8 +281,8 @@ def test_the_lease_cap_and_the_creation_rate_hold_under_a_burst(fleet: RaySandbo
 
 SECOND_PROCESS = """
 import dataclasses, json, sys
-from sandbox.errors import PoolExhausted
-from sandbox.ray_fleet import RaySandboxFleet
+from stare_sandbox.errors import PoolExhausted
+from stare_sandbox.ray_fleet import RaySandboxFleet
 from tests.sandbox.test_ray import FLEET, LIMITS
 
 fleet = RaySandboxFleet(dataclasses.replace(FLEET, address=sys.argv[1]), LIMITS)  # joins Ray itself
@@ -348,7 +348,7 @@ def test_a_fleet_whose_every_client_died_ends_itself(cluster) -> None:
 
     import ray
 
-    from sandbox.ray_fleet import COORDINATOR_NAME
+    from stare_sandbox.ray_fleet import COORDINATOR_NAME
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     dies = SECOND_PROCESS.split("out = ")[0].replace(
@@ -419,7 +419,7 @@ def test_a_lease_connection_needs_the_token_its_host_issued(fleet: RaySandboxFle
 
     import ray
 
-    from sandbox.fleet_wire import TOKEN_BYTES, LeaseConnection, recv_frame
+    from stare_sandbox.fleet_wire import TOKEN_BYTES, LeaseConnection, recv_frame
 
     with fleet.lease() as sb:
         host = sb.inner._host
@@ -468,7 +468,7 @@ def test_a_host_process_killed_mid_call_ends_the_episode_not_hangs_it(fleet: Ray
 
     import ray
 
-    from envs.tool_env import EpisodeInfrastructureError, ToolEnv
+    from stare_envs.tool_env import EpisodeInfrastructureError, ToolEnv
 
     _wait(lambda: len(_ready_hosts(fleet)) >= 2, 120, "two ready hosts")
     env = ToolEnv("modpow", format="hermes", pool=fleet, max_turns=4)
@@ -496,7 +496,7 @@ def test_a_host_process_killed_mid_call_ends_the_episode_not_hangs_it(fleet: Ray
 
 
 def test_a_node_killed_mid_episode_fails_the_episode_and_a_new_node_takes_leases(cluster, fleet) -> None:
-    from envs.tool_env import EpisodeInfrastructureError, ToolEnv
+    from stare_envs.tool_env import EpisodeInfrastructureError, ToolEnv
 
     old = _ready_hosts(fleet)
     _wait(lambda: len(old) == 2 and _ready_hosts(fleet) == old, 60, "two ready hosts")
@@ -530,9 +530,9 @@ def test_a_node_killed_mid_episode_fails_the_episode_and_a_new_node_takes_leases
 
 def test_an_evaluation_plays_its_episodes_on_the_fleet(fleet: RaySandboxFleet) -> None:
     """What ``stare-agent eval`` does with ``sandbox.backend=ray``: the fleet is the envs' pool."""
-    from envs.problems import Problem
     from stare_agent.engines.scripted import ScriptedEngine
     from stare_agent.evaluation import evaluate
+    from stare_envs.problems import Problem
     from tests.helpers_tokenizers import smollm2_tokenizer
 
     tokenizer = smollm2_tokenizer()
@@ -598,7 +598,7 @@ def test_a_training_step_plays_its_episodes_on_the_fleet(fleet: RaySandboxFleet,
 def test_a_lease_whose_holder_is_gone_is_taken_back(cluster) -> None:
     """A process that dies holding a lease: after ``lease_idle_s`` without a call its host takes the
     lease back (the sandbox is replaced, the cap's slot freed) and a late call is refused."""
-    from sandbox import SandboxClosed
+    from stare_sandbox import SandboxClosed
 
     config = RayFleetConfig(
         namespace="stare-test-idle", sandboxes_per_node=1, lease_idle_s=2.0, refresh_s=0.5, call_margin_s=20.0

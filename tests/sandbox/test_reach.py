@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sandbox import DockerSandbox, SandboxConfig, SandboxPool
+from stare_sandbox import DockerSandbox, SandboxConfig, SandboxPool
 from tests.sandbox.helpers import next_episode, two_episodes
 
 pytestmark = pytest.mark.docker

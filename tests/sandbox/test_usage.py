@@ -1,4 +1,4 @@
-"""``sandbox.usage`` on a cgroup-v2 host, played by a fake cgroup tree in a temp dir.
+"""``stare_sandbox.usage`` on a cgroup-v2 host, played by a fake cgroup tree in a temp dir.
 
 This machine has cgroup v1 (its tests of the real counters are in ``tests/sandbox/test_docker.py``), so
 the v2 path of ``CgroupUsage`` would otherwise never run. The fake plays the kernel's part: the
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import usage as usage_module
-from sandbox.usage import CgroupUsage, cgroup_dir
+from stare_sandbox import usage as usage_module
+from stare_sandbox.usage import CgroupUsage, cgroup_dir
 
 PID = 4242
 CONTAINER = "/system.slice/docker-0123abcd.scope"

@@ -1,4 +1,4 @@
-"""``sandbox.zmtp.BoundedSocket`` against real libzmq PUB and ROUTER sockets: messages arrive whole,
+"""``stare_sandbox.zmtp.BoundedSocket`` against real libzmq PUB and ROUTER sockets: messages arrive whole,
 messages over the bounds are dropped as they stream by and reported, the host holds at most one
 bounded message, and a DEALER's requests reach the ROUTER (the Docker-level tests are in
 ``tests/sandbox/test_protocol.py``)."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from sandbox import zmtp
-from sandbox.zmtp import BoundedSocket, DroppedMessage
+from stare_sandbox import zmtp
+from stare_sandbox.zmtp import BoundedSocket, DroppedMessage
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ from typing import Any
 
 import gymnasium
 
-from envs.code_interpreter import CodeInterpreterEnv
-from envs.formats import ReToolFormat
+from stare_envs.code_interpreter import CodeInterpreterEnv
+from stare_envs.formats import ReToolFormat
 
 ENV_ID = "test/Parity-v0"
 # A small RL run on this env with the tiny model: one-turn episodes of a few tokens, groups of 4

@@ -14,24 +14,28 @@ from pathlib import Path
 
 import pytest
 
-import envs
-import sandbox
 import stare_agent
-from envs.errors import EnvError
-from sandbox.errors import SandboxError
+import stare_envs
+import stare_sandbox
 from stare_agent import cli
 from stare_agent.errors import StareError
+from stare_envs.errors import EnvError
+from stare_sandbox.errors import SandboxError
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONAL = {"stare_agent.engines.sglang_engine"}  # imports sglang only when an engine is built
 # Control flow inside the sandbox's kernel driver, never raised to a caller: not an error of the
 # package's API (NotSent is the zmq.Again the driver's reconnect logic catches).
-INTERNAL = {"sandbox.kernel.MalformedMessage", "sandbox.zmtp.DroppedMessage", "sandbox.zmtp.NotSent"}
+INTERNAL = {
+    "stare_sandbox.kernel.MalformedMessage",
+    "stare_sandbox.zmtp.DroppedMessage",
+    "stare_sandbox.zmtp.NotSent",
+}
 
 
 def _import_all() -> None:
     """Import every module of the three packages, so that every error class is defined."""
-    for package in (sandbox, envs, stare_agent):
+    for package in (stare_sandbox, stare_envs, stare_agent):
         for module in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
             if module.name.endswith("__main__"):
                 continue
@@ -56,14 +60,14 @@ ERRORS = [
     cls
     for root in (SandboxError, EnvError, StareError)
     for cls in _subclasses(root)
-    if cls.__module__.split(".")[0] in {"sandbox", "envs", "stare_agent"}
+    if cls.__module__.split(".")[0] in {"stare_sandbox", "stare_envs", "stare_agent"}
 ]
 
 
 def test_each_package_has_one_error_root():
     """Every exception class defined by the packages derives from its package's root."""
-    roots = {"sandbox": SandboxError, "envs": EnvError, "stare_agent": StareError}
-    for package in (sandbox, envs, stare_agent):
+    roots = {"stare_sandbox": SandboxError, "stare_envs": EnvError, "stare_agent": StareError}
+    for package in (stare_sandbox, stare_envs, stare_agent):
         for module in list(importlib.sys.modules.values()):
             name = getattr(module, "__name__", "")
             if name.split(".")[0] != package.__name__:

@@ -14,15 +14,15 @@ from pathlib import Path
 import gymnasium
 import pytest
 
-from envs.problems import generate_problems
-from envs.registry import EnvRegistrationError
-from envs.tool_env import ToolEnv
-from envs.tools import unregister_tool
 from stare_agent.config import ConfigError, load_config
 from stare_agent.engines.scripted import ScriptedEngine
 from stare_agent.evaluation import evaluate
 from stare_agent.models import tiny_model
 from stare_agent.train.trainer import Trainer
+from stare_envs.problems import generate_problems
+from stare_envs.registry import EnvRegistrationError
+from stare_envs.tool_env import ToolEnv
+from stare_envs.tools import unregister_tool
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "register_tool_env.py"
@@ -159,9 +159,9 @@ def test_eval_kwargs_change_evaluation_only_and_bad_ids_fail_before_the_model_lo
 
 
 def test_an_env_registered_with_max_episode_steps_is_refused_not_silently_unlimited():
-    from envs.registry import EnvRegistrationError, make_tool_env
+    from stare_envs.registry import EnvRegistrationError, make_tool_env
 
-    gymnasium.register("demo/Capped-v0", entry_point="envs.tool_env:ToolEnv", max_episode_steps=4)
+    gymnasium.register("demo/Capped-v0", entry_point="stare_envs.tool_env:ToolEnv", max_episode_steps=4)
     try:
         with pytest.raises(
             EnvRegistrationError, match=r"max_episode_steps=4, a TimeLimit .* max_turns=4 among its kwargs"

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from envs.problems import Problem
 from stare_agent.engines.scripted import ScriptedEngine
 from stare_agent.evaluation import EvaluationError, evaluate, majority_correct, pass_at_k
+from stare_envs.problems import Problem
 from tests.helpers_tokenizers import smollm2_tokenizer
 
 CODE_TURN = "I'll compute it.\n<code>\n```python\nprint(6 * 7)\n```\n</code>"
@@ -103,9 +103,9 @@ def test_majority_votes_by_answer_equivalence():
 def test_per_sample_results_do_not_depend_on_the_batch_size():
     """Samples 4..7 of a problem are new samples at batch size 4 (not a replay of 0..3), and every
     sample is the same token for token at batch sizes 1, 4 and 16 (one random stream per episode)."""
-    from envs.engine import SamplingParams
     from stare_agent.engines import TransformersEngine
     from stare_agent.models import tiny_model
+    from stare_envs.engine import SamplingParams
 
     model, tokenizer = tiny_model(seed=0)
     problems = [Problem("p1", "What is 6 times 7?", "42"), Problem("p2", "What is 3 + 4?", "7")]
@@ -134,7 +134,7 @@ def test_per_sample_results_do_not_depend_on_the_batch_size():
 
 
 def test_an_episode_lost_to_the_infrastructure_is_left_out_and_counted(monkeypatch):
-    from envs.tool_env import EpisodeInfrastructureError, ToolEnv
+    from stare_envs.tool_env import EpisodeInfrastructureError, ToolEnv
 
     tokenizer = smollm2_tokenizer()
     problems = [Problem("p1", "What is 6 times 7?", "42"), Problem("p2", "What is 3 + 4?", "7")]
@@ -175,10 +175,10 @@ def test_an_episode_lost_to_the_infrastructure_is_left_out_and_counted(monkeypat
 def _tiny_evaluation(tmp_path, monkeypatch=None, stop_at_call=None, resume=False):
     """Three problems x 2 sampled samples of the tiny model, one problem per engine batch; with
     ``stop_at_call``, Ctrl-C arrives during that rollout call (problems before it have finished)."""
-    from envs.engine import SamplingParams
-    from envs.rollout import RolloutRunner
     from stare_agent.engines import TransformersEngine
     from stare_agent.models import tiny_model
+    from stare_envs.engine import SamplingParams
+    from stare_envs.rollout import RolloutRunner
 
     model, tokenizer = tiny_model(seed=0)
     calls = []

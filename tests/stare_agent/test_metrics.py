@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from envs.trajectory import TrajectoryBuilder
 from stare_agent.metrics import (
     StepLogger,
     ToolHealth,
@@ -23,6 +22,7 @@ from stare_agent.metrics import (
 )
 from stare_agent.models import tiny_model
 from stare_agent.recipes.plots import plot_dashboard
+from stare_envs.trajectory import TrajectoryBuilder
 
 
 def _trajectory(prompt, segments, reward=0.0, **info):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from envs.problems import ANSWER_FORMAT_WRAPPERS, ProblemStream, load_problems
 from stare_agent.config import load_config
+from stare_envs.problems import ANSWER_FORMAT_WRAPPERS, ProblemStream, load_problems
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RL_CONFIGS = (

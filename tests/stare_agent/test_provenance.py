@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
-from envs.problems import Problem
 from stare_agent.provenance import engine_settings, model_settings, problems_sha256
+from stare_envs.problems import Problem
 
 
 def test_a_model_directory_is_hashed_by_file_names_and_contents(tmp_path):

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from envs.code_interpreter import CodeInterpreterEnv
-from envs.engine import SamplingParams
-from envs.problems import Problem
-from envs.rollout import RolloutRunner, render_chat
 from stare_agent.engines.openai_engine import OpenAIEngine, OpenAIEngineError, completion_requests
+from stare_envs.code_interpreter import CodeInterpreterEnv
+from stare_envs.engine import SamplingParams
+from stare_envs.problems import Problem
+from stare_envs.rollout import RolloutRunner, render_chat
 from tests.conftest import require
 from tests.envs.test_rollout_exactness import RecordingEngine, _check_engine_tokens
 
@@ -164,7 +164,7 @@ def engine(vllm_server, tokenizer):
 
 @pytest.fixture(scope="module")
 def pool():
-    from sandbox.pool import SandboxPool
+    from stare_sandbox.pool import SandboxPool
 
     with SandboxPool(3, backend="local") as pool:
         yield pool

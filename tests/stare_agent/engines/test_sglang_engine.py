@@ -11,7 +11,6 @@ import importlib.util
 import pytest
 import torch
 
-from envs.engine import RolloutError, SamplingParams
 from stare_agent.engines.sglang_engine import (
     SGLangEngine,
     SGLangUnavailableError,
@@ -19,6 +18,7 @@ from stare_agent.engines.sglang_engine import (
     to_generation,
     weight_buckets,
 )
+from stare_envs.engine import RolloutError, SamplingParams
 from tests.conftest import require
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -96,9 +96,9 @@ def test_seeded_requests_get_one_stream_per_episode_and_turn_in_any_batch():
     """The runner's per-episode, per-turn seeds reach SGLang: no two (episode, turn) share a
     ``sampling_seed`` (``seed + i`` made prompt i + 1 at turn 0 share prompt i's stream at turn 1),
     and an episode gets the same seeds whether it is played alone or in a batch of three."""
-    from envs.code_interpreter import CodeInterpreterEnv
-    from envs.problems import Problem
-    from envs.rollout import RolloutRunner
+    from stare_envs.code_interpreter import CodeInterpreterEnv
+    from stare_envs.problems import Problem
+    from stare_envs.rollout import RolloutRunner
     from tests.helpers_tokenizers import smollm2_tokenizer
 
     tokenizer = smollm2_tokenizer()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from envs.engine import SamplingParams
 from stare_agent.engines.transformers_engine import TransformersEngine, sample_next_tokens
 from stare_agent.models import tiny_model
+from stare_envs.engine import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, top_p=1.0, top_k=None, max_new_tokens=12, seed=None)
 
@@ -231,9 +231,9 @@ def test_cuda_generation_matches_cpu(prompts):
 
 
 def test_bf16_autocast_generation_returns_float32_logprobs_of_the_sampled_tokens():
-    from envs.engine import SamplingParams
     from stare_agent.engines import TransformersEngine
     from stare_agent.models import tiny_model
+    from stare_envs.engine import SamplingParams
 
     model, tokenizer = tiny_model(seed=0)
     engine = TransformersEngine(model, tokenizer, autocast_dtype=torch.bfloat16)

@@ -20,10 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from envs.code_interpreter import CodeInterpreterEnv
-from envs.engine import SamplingParams
-from envs.problems import Problem
-from envs.rollout import RolloutRunner, render_chat
 from stare_agent.engines import vllm_engine
 from stare_agent.engines.vllm_engine import (
     VLLMEngine,
@@ -33,6 +29,10 @@ from stare_agent.engines.vllm_engine import (
     pick_engine,
     resolve_vllm_python,
 )
+from stare_envs.code_interpreter import CodeInterpreterEnv
+from stare_envs.engine import SamplingParams
+from stare_envs.problems import Problem
+from stare_envs.rollout import RolloutRunner, render_chat
 from tests.conftest import require
 from tests.envs.test_rollout_exactness import RecordingEngine, _check_engine_tokens
 
@@ -86,7 +86,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def pool():
-    from sandbox.pool import SandboxPool
+    from stare_sandbox.pool import SandboxPool
 
     with SandboxPool(3, backend="local") as pool:
         yield pool

@@ -18,14 +18,14 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from envs.engine import Generation, SamplingParams
-from envs.tool_env import ToolEnv
 from stare_agent.config import ConfigError
 from stare_agent.engines import TransformersEngine
 from stare_agent.engines.scripted import ScriptedEngine
 from stare_agent.models import tiny_model
 from stare_agent.train.async_rollouts import RolloutProducer, VersionedEngine, versioned
 from stare_agent.train.trainer import Trainer, resolve_rollout_correction
+from stare_envs.engine import Generation, SamplingParams
+from stare_envs.tool_env import ToolEnv
 from tests.stare_agent.train.scripted_training import scripted_policy
 from tests.stare_agent.train.test_trainer import (
     LAUNCHER_VARS,

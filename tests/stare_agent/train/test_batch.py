@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from envs.trajectory import Trajectory, TrajectoryBuilder
 from stare_agent.train.batch import bucket_by_length, collate, pack, split_by_token_budget
+from stare_envs.trajectory import Trajectory, TrajectoryBuilder
 
 
 def _two() -> list[Trajectory]:

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from envs.trajectory import TrajectoryBuilder
 from stare_agent.config import ConfigError, load_config
 from stare_agent.models import tiny_model
 from stare_agent.train.deepspeed_setup import deepspeed_config
 from stare_agent.train.learner import Learner
+from stare_envs.trajectory import TrajectoryBuilder
 
 
 def _write(tmp_path, data, name="ds_config.json"):

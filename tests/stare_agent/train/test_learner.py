@@ -15,13 +15,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from envs.trajectory import Trajectory, TrajectoryBuilder
 from stare_agent.algorithms.logprobs import causal_lm_logprobs_and_entropy, shared_prompt_logprobs_and_entropy
 from stare_agent.algorithms.losses import policy_loss
 from stare_agent.config import OptimConfig, load_config
 from stare_agent.models import tiny_model
 from stare_agent.train.batch import collate
 from stare_agent.train.learner import Learner, lr_scheduler
+from stare_envs.trajectory import Trajectory, TrajectoryBuilder
 
 LINEAR_ADAM = [
     "optim.lr=1000.0",

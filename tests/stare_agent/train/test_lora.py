@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from envs.engine import SamplingParams
-from envs.trajectory import Trajectory, TrajectoryBuilder
 from stare_agent.config import load_config
 from stare_agent.engines import TransformersEngine
 from stare_agent.models import ModelLoadError, tiny_model
 from stare_agent.train.learner import ADAPTER_DIRNAME, Learner
+from stare_envs.engine import SamplingParams
+from stare_envs.trajectory import Trajectory, TrajectoryBuilder
 from tests.stare_agent.parity_env import PARITY_RUN
 
 peft = pytest.importorskip("peft")

@@ -9,8 +9,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from envs.problems import generate_problems
-from sandbox import make_sandbox
 from stare_agent.config import load_config
 from stare_agent.models import load_tokenizer, tiny_model
 from stare_agent.train.learner import Learner
@@ -26,6 +24,8 @@ from stare_agent.train.sft_data import (
     trace_to_trajectory,
     write_retool_jsonl,
 )
+from stare_envs.problems import generate_problems
+from stare_sandbox import make_sandbox
 
 RETOOL_USER = (
     "Solve the following problem step by step. ... wrapped with `<code>`.\n<answer>\n\\boxed{...}\n</answer>\n\n"

@@ -18,13 +18,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from envs.problems import ProblemStream
 from stare_agent.algorithms.stare import stare_weights
 from stare_agent.config import load_config
 from stare_agent.engines.scripted import ScriptedEngine
 from stare_agent.models import tiny_model
 from stare_agent.train.checkpoints import latest_checkpoint
 from stare_agent.train.trainer import Trainer
+from stare_envs.problems import ProblemStream
 from tests.stare_agent.train.scripted_training import overrides, scripted_policy
 
 SCRIPT = Path(__file__).with_name("scripted_training.py")
@@ -314,7 +314,7 @@ def test_overlong_filter_masks_budget_cut_episodes_out_of_the_loss(tmp_path, pro
 def test_an_episode_lost_to_the_infrastructure_is_left_out_and_the_step_goes_on(
     tmp_path, problem_file, monkeypatch
 ):
-    from envs.tool_env import EpisodeInfrastructureError, ToolEnv
+    from stare_envs.tool_env import EpisodeInfrastructureError, ToolEnv
 
     broken: list[tuple[ToolEnv, str]] = []
     step = ToolEnv.step
@@ -348,7 +348,7 @@ def test_a_group_with_a_failed_episode_is_dropped_whole_by_default(
 ):
     """An episode that still fails after its retries: ``drop_group`` leaves its whole group out (a
     group short of an episode biases GRPO's advantages), ``drop_episode`` trains the rest of it."""
-    from envs.tool_env import EpisodeInfrastructureError, ToolEnv
+    from stare_envs.tool_env import EpisodeInfrastructureError, ToolEnv
 
     broken: list[tuple[ToolEnv, str]] = []
     step = ToolEnv.step
@@ -385,8 +385,8 @@ def test_a_group_with_a_failed_episode_is_dropped_whole_by_default(
 def test_a_run_whose_tools_fail_in_the_infrastructure_stops_in_one_line(tmp_path, problem_file, monkeypatch):
     """Every tool call loses its sandbox: the steps log it (``tools/...``) and, once the window holds
     enough calls, the run stops naming the rate, the cause and the fix, instead of training on."""
-    from envs.tool_env import EpisodeInfrastructureError, ToolEnv
     from stare_agent.metrics import ToolHealthError, read_metrics
+    from stare_envs.tool_env import EpisodeInfrastructureError, ToolEnv
 
     def lost(self, action):
         self._end_episode(broken=True)

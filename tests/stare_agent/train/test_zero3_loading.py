@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from envs.trajectory import TrajectoryBuilder
 from stare_agent.config import load_config
 from stare_agent.models import tiny_model
 from stare_agent.train.deepspeed_setup import load_training_policy
 from stare_agent.train.learner import Learner
+from stare_envs.trajectory import TrajectoryBuilder
 
 REPO = Path(__file__).resolve().parents[3]
 
