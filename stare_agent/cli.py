@@ -352,7 +352,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stare_agent.engines import ENGINE_NAMES
+    from stare_agent.options import ENGINE_NAMES
     from stare_sandbox.config import BACKENDS
 
     parser = _Parser(prog="stare-agent", description="Train and evaluate tool-using LLM agents with STARE.")

@@ -32,11 +32,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from stare_agent.algorithms.losses import check_loss_options
-from stare_agent.algorithms.rollout_correction import check_rollout_correction
-from stare_agent.algorithms.stare import L_PLUS_RULES, check_adaptive_options, check_stare_options
-from stare_agent.engines import ENGINE_NAMES
 from stare_agent.errors import StareError
+from stare_agent.options import (
+    ENGINE_NAMES,
+    L_PLUS_RULES,
+    check_adaptive_options,
+    check_loss_options,
+    check_rollout_correction,
+    check_stare_options,
+)
 from stare_envs.problems import Problem
 from stare_envs.problems.selection import source_name
 from stare_envs.registry import make_tool_env, registered_problems

@@ -14,7 +14,6 @@ from stare_agent.algorithms.dynamic_sampling import (
 )
 from stare_agent.algorithms.entropy_control import (
     clip_cov_weights,
-    entropy_bonus,
     first_order_response,
     forking_token_weights,
     kl_cov_coefficients,
@@ -30,20 +29,19 @@ from stare_agent.algorithms.logprobs import (
     chunked_logprobs_and_entropy,
     logprobs_and_entropy_from_logits,
 )
-from stare_agent.algorithms.losses import AGGREGATIONS, Aggregation, policy_loss
-from stare_agent.algorithms.stare import (
+from stare_agent.algorithms.losses import entropy_bonus, policy_loss
+from stare_agent.algorithms.selection import top_k_count
+from stare_agent.algorithms.stare import AdaptiveController, entropy_gate, gate, stare_weights
+from stare_agent.options import (
+    AGGREGATIONS,
     L_PLUS_RULES,
     SCOPES,
     VARIANTS,
-    AdaptiveController,
+    Aggregation,
     LPlusRule,
     Scope,
     Variant,
     check_stare_options,
-    entropy_gate,
-    gate,
-    stare_weights,
-    top_k_count,
 )
 
 __all__ = [

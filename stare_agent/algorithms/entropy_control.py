@@ -9,7 +9,7 @@ out of the gradient keeps its place in the token-mean denominator, as in the sou
 **Entropy bonus** (the classic regulariser, e.g. verl's ``entropy_coeff``), a coefficient beta on the
 token-mean entropy of model tokens, with gradient through the full-vocabulary entropy H_t:
 
-    loss = sum_t mask_t * (w_t * l_t - beta * H_t) / sum_t mask_t              (:func:`entropy_bonus`)
+    loss = sum_t mask_t * (w_t * l_t - beta * H_t) / sum_t mask_t              (``losses.entropy_bonus``)
 
 **KL-Cov** (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
 Models", arXiv 2505.22617, Eq. 13; verl ``compute_policy_loss_kl_cov``). Per token, the centred
@@ -61,25 +61,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from stare_agent.algorithms.entropy_effect import first_order_entropy_effect
-from stare_agent.algorithms.stare import (
-    _POSITION_BITS,
-    Scope,
-    _distributed,
-    _gather_cat,
-    _selection_blocks,
-    _sequence_keys,
-    _top_k,
+from stare_agent.algorithms.selection import (
+    POSITION_BITS,
+    gather_cat,
+    is_distributed,
+    selection_blocks,
+    sequence_keys,
+    top_k,
 )
-
-
-def entropy_bonus(entropy: Tensor, response_mask: Tensor, coef: float) -> Tensor:
-    """Per-token bonus term ``-coef * H_t`` on mask-1 tokens (0 elsewhere), to add to ``l_t``.
-
-    ``entropy`` must carry the gradient of the full-vocabulary entropy; summed and divided by the
-    token-mean denominator it is ``-coef * (token-mean entropy of model tokens)``.
-    """
-    mask = response_mask.bool()
-    return torch.where(mask, -coef * entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device))
+from stare_agent.options import Scope
 
 
 def token_covariance(advantages: Tensor, logprobs: Tensor, rows: Tensor, mask: Tensor, comm: Any) -> Tensor:
@@ -158,17 +148,17 @@ def clip_cov_weights(
     mask = response_mask.bool()
     B, T = mask.shape
     comm = _comm(scope, process_group)
-    seq_key = _sequence_keys(B, sequence_ids, mask.device, comm)
+    seq_key = sequence_keys(B, sequence_ids, mask.device, comm)
     selected = torch.zeros_like(mask)
     candidates = torch.zeros_like(mask)
     cov = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
-    for rows in _selection_blocks(B, scope, micro_batches, None, mask.device):
+    for rows in selection_blocks(B, scope, micro_batches, None, mask.device):
         cov[rows] = token_covariance(advantages, logprobs, rows, mask, comm)
         cand = mask[rows] & (cov[rows] > lb) & (cov[rows] < ub)
         candidates[rows] = cand
         idx = cand.flatten().nonzero().squeeze(1)
-        keys = (seq_key[rows][idx // T] << _POSITION_BITS) | (idx % T)
-        all_keys = torch.sort(_gather_cat(keys, comm)).values  # one global order on every rank
+        keys = (seq_key[rows][idx // T] << POSITION_BITS) | (idx % T)
+        all_keys = torch.sort(gather_cat(keys, comm)).values  # one global order on every rank
         take = min(_floor_count(r)(int(_count(mask[rows], comm))), all_keys.numel())
         chosen = all_keys[torch.randperm(all_keys.numel(), generator=generator)[:take].to(all_keys.device)]
         block = torch.zeros(cand.numel(), dtype=torch.bool, device=mask.device)
@@ -209,11 +199,11 @@ def forking_token_weights(
         )
     B = mask.shape[0]
     comm = _comm(scope, process_group)
-    seq_key = _sequence_keys(B, sequence_ids, mask.device, comm)
+    seq_key = sequence_keys(B, sequence_ids, mask.device, comm)
     H = entropy.detach().float() if entropy.dtype not in (torch.float32, torch.float64) else entropy.detach()
     selected = torch.zeros_like(mask)
-    for rows in _selection_blocks(B, scope, micro_batches, None, mask.device):
-        selected[rows] = _top_k(H[rows], mask[rows], seq_key[rows], rho, comm)
+    for rows in selection_blocks(B, scope, micro_batches, None, mask.device):
+        selected[rows] = top_k(H[rows], mask[rows], seq_key[rows], rho, comm)
     weights = torch.where(selected | ~mask, 1.0, 0.0).to(entropy.dtype)
     everyone = _comm("global", process_group)
     n_sel, n = _count(selected, everyone), _count(mask, everyone)
@@ -286,18 +276,18 @@ def _cov_top(
     mask = response_mask.bool()
     B = mask.shape[0]
     comm = _comm(scope, process_group)
-    seq_key = _sequence_keys(B, sequence_ids, mask.device, comm)
+    seq_key = sequence_keys(B, sequence_ids, mask.device, comm)
     selected = torch.zeros_like(mask)
     cov = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
-    for rows in _selection_blocks(B, scope, micro_batches, None, mask.device):
+    for rows in selection_blocks(B, scope, micro_batches, None, mask.device):
         cov[rows] = token_covariance(advantages, logprobs, rows, mask, comm)
-        selected[rows] = _top_k(cov[rows], mask[rows], seq_key[rows], k, comm, count=_floor_count(k))
+        selected[rows] = top_k(cov[rows], mask[rows], seq_key[rows], k, comm, count=_floor_count(k))
     return selected, cov
 
 
 def _comm(scope: str, process_group: Any) -> Any:
     """The process group of a selection: all ranks for ``global`` under torch.distributed, else none."""
-    if scope != "global" or not _distributed():
+    if scope != "global" or not is_distributed():
         return None
     return process_group if process_group is not None else dist.group.WORLD
 

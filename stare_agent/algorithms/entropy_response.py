@@ -45,7 +45,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from stare_agent.algorithms.stare import _top_k, stare_weights, top_k_count
+from stare_agent.algorithms.selection import top_k, top_k_count
+from stare_agent.algorithms.stare import stare_weights
 
 
 @torch.no_grad()
@@ -96,8 +97,8 @@ def response_subsets(
     _, L_plus, L_minus, _ = stare_weights(A, logprobs.detach(), mask, gate_on=False, variant="C2", P=P)
     T_plus = mask & (A > 0)
     keys = torch.arange(mask.shape[0], device=mask.device)
-    bottom = _top_k(logprobs.detach().double(), T_plus, keys, P, None)  # largest log p = smallest s
-    oracle = _top_k(influence.detach().double(), T_plus, keys, P, None)
+    bottom = top_k(logprobs.detach().double(), T_plus, keys, P, None)  # largest log p = smallest s
+    oracle = top_k(influence.detach().double(), T_plus, keys, P, None)
     return {
         "all": mask,
         "T+": T_plus,

@@ -21,27 +21,12 @@ and the entropy bonus ``-beta * H_t`` to l_t (both after w_t; entropy_control.py
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
 import torch
 from torch import Tensor
 
-from stare_agent.algorithms.entropy_control import entropy_bonus
+from stare_agent.options import Aggregation, check_loss_options
 
-Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 LOG_RATIO_CLAMP = 20.0
-
-
-def check_loss_options(*, agg: str, eps_low: float, eps_high: float, clip_c: float) -> None:
-    """Validate the loss options once (:func:`policy_loss` and the config use it)."""
-    if agg not in AGGREGATIONS:
-        raise ValueError(f"loss aggregation {agg!r} is unknown: use one of {', '.join(AGGREGATIONS)}")
-    if not (0.0 <= eps_low < 1.0 and eps_high >= 0.0 and clip_c > 1.0):
-        raise ValueError(
-            f"need 0 <= eps_low < 1, eps_high >= 0 and clip_c > 1 (got {eps_low}, {eps_high}, {clip_c}): "
-            "use the paper's 0.2, 0.28, 10"
-        )
 
 
 def policy_loss(
@@ -79,7 +64,7 @@ def policy_loss(
         kl_coef: [B, T] KL-Cov's per-token coefficients (``entropy_control.kl_cov_coefficients``):
             ``l_t += kl_coef_t * |logp_t - logp_old_t|`` after the weights; None adds nothing.
         entropy, entropy_coef: [B, T] full-vocabulary entropy H_t WITH its gradient, and the entropy
-            bonus coefficient: ``l_t -= entropy_coef * H_t`` (``entropy_control.entropy_bonus``); the
+            bonus coefficient: ``l_t -= entropy_coef * H_t`` (:func:`entropy_bonus`); the
             aggregation then subtracts ``entropy_coef`` times the token-mean entropy. None adds nothing.
 
     Returns:
@@ -161,3 +146,13 @@ def _loss_metrics(
             "actor/eps_low": eps_low,
             "actor/eps_high": eps_high,
         }
+
+
+def entropy_bonus(entropy: Tensor, response_mask: Tensor, coef: float) -> Tensor:
+    """Per-token bonus term ``-coef * H_t`` on mask-1 tokens (0 elsewhere), to add to ``l_t``.
+
+    ``entropy`` must carry the gradient of the full-vocabulary entropy; summed and divided by the
+    token-mean denominator it is ``-coef * (token-mean entropy of model tokens)``.
+    """
+    mask = response_mask.bool()
+    return torch.where(mask, -coef * entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device))

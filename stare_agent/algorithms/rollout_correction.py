@@ -39,24 +39,9 @@ import math
 import torch
 from torch import Tensor
 
-MODES = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis")
+from stare_agent.options import check_rollout_correction
+
 LOG_RATIO_CLAMP = 20.0
-
-
-def check_rollout_correction(*, mode: str, cap: float, low: float, high: float) -> None:
-    """Validate the options once (the config and :func:`correction_weights` use it)."""
-    if mode not in MODES:
-        raise ValueError(
-            f"rollout correction mode {mode!r} is unknown: use one of {', '.join(MODES)} (or auto)"
-        )
-    if not cap >= 1.0:
-        raise ValueError(
-            f"rollout correction cap={cap} must be >= 1 (a weight below 1 everywhere): the usual C is 2"
-        )
-    if not 0.0 <= low < 1.0 < high:
-        raise ValueError(
-            f"need 0 <= low < 1 < high for masked IS (got low={low}, high={high}): e.g. 0.5 and 2"
-        )
 
 
 def correction_weights(
@@ -75,7 +60,7 @@ def correction_weights(
         logp: [B, T] the learner's log-probs of the sampled tokens (pi_old; detached here).
         logp_sampler: [B, T] the engine's log-probs of the same tokens (mu).
         response_mask: [B, T], 1 = model-generated token.
-        mode: one of ``MODES`` (``none``: all ones on mask-1 tokens).
+        mode: one of ``stare_agent.options.ROLLOUT_CORRECTION_MODES`` (``none``: all ones on mask-1 tokens).
 
     Returns:
         (c, metrics): ``rollout_correction/weight_mean`` (over mask-1 tokens), and

@@ -34,10 +34,9 @@ sequences; without them, permuting can only swap which of several equal-surprisa
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,61 +44,25 @@ import torch.distributed as dist
 from torch import Tensor
 
 from stare_agent.algorithms.entropy_effect import first_order_entropy_effect, mechanism_metrics
+from stare_agent.algorithms.selection import (
+    POSITION_BITS,
+    gather_cat,
+    is_distributed,
+    selection_blocks,
+    sequence_keys,
+    top_k,
+)
+from stare_agent.options import (
+    L_PLUS_RULES,
+    LPlusRule,
+    Scope,
+    Variant,
+    check_adaptive_options,
+    check_stare_options,
+)
 
 if TYPE_CHECKING:
     from stare_agent.config import AlgorithmConfig
-
-Variant = Literal["O1", "C2"]
-Scope = Literal["micro_batch", "global"]
-LPlusRule = Literal["top_k", "top_k_raising"]
-VARIANTS: tuple[str, ...] = get_args(Variant)
-SCOPES: tuple[str, ...] = get_args(Scope)
-L_PLUS_RULES: tuple[str, ...] = get_args(LPlusRule)
-
-_POSITION_BITS = 32  # tie-break key = sequence_key << 32 | token position
-
-
-def check_stare_options(*, variant: str, scope: str, P: float, W: float, M: float) -> None:
-    """Validate the STARE options once; each error names the rule and the fix."""
-    if variant not in VARIANTS:
-        raise ValueError(
-            f"STARE variant {variant!r} is unknown: use 'O1' (amplify L+) or 'C2' (amplify L+, attenuate L-)"
-        )
-    if scope not in SCOPES:
-        raise ValueError(
-            f"STARE scope {scope!r} is unknown: use 'micro_batch' (authors' code) or 'global' (whole batch)"
-        )
-    if not 0.0 < P <= 1.0:
-        raise ValueError(f"STARE P={P} must satisfy 0 < P <= 1 (fraction of T+/T- reweighted): e.g. P=0.10")
-    if not W >= 1.0:
-        raise ValueError(f"STARE W={W} must be >= 1 (it amplifies L+): e.g. W=1.1")
-    if not 0.0 < M <= 1.0:
-        raise ValueError(
-            f"STARE M={M} must satisfy 0 < M <= 1 (it attenuates L-, never flips a sign): e.g. M=0.9"
-        )
-
-
-def check_adaptive_options(*, W: float, M: float, alpha: float, W_max: float, M_min: float) -> None:
-    """Validate the adaptive W/M schedule once (:class:`AdaptiveController` and the config use it)."""
-    if not 1.0 <= W <= W_max:
-        raise ValueError(
-            f"adaptive W={W} must lie in [1, W_max={W_max}]: lower W or raise W_max (paper: 1.5)"
-        )
-    if not 0.0 < M_min <= M <= 1.0:
-        raise ValueError(
-            f"adaptive M={M} must lie in [M_min={M_min}, 1] with M_min > 0: fix M or M_min (paper: 0.5)"
-        )
-    if not alpha >= 0.0:
-        raise ValueError(f"adaptive alpha={alpha} must be >= 0: e.g. alpha=0.01")
-
-
-def top_k_count(P: float, n: int) -> int:
-    """``ceil(P * n)`` with P read as the decimal it was written as (0.1 * 30 -> 3, not 4).
-
-    At least 1 whenever n > 0, since P > 0.
-    """
-    return math.ceil(Fraction(repr(float(P))) * n)
-
 
 # ----------------------------------------------------------------------------------------------
 # The gate
@@ -126,7 +89,7 @@ def entropy_gate(
     """
     mask = response_mask.bool()
     stats = torch.stack([entropy.detach()[mask].double().sum(), mask.sum().double()])
-    if _distributed():
+    if is_distributed():
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=process_group)
     total, count = stats.tolist()
     if count == 0:
@@ -276,22 +239,24 @@ def stare_weights(
     if torch.isnan(s).logical_and_(mask).any():
         raise ValueError("NaN log-prob on a mask-1 token: recompute log-probs (check the model's forward)")
     B, T = s.shape
-    if T >= 1 << _POSITION_BITS:
-        raise ValueError(f"sequence length {T} exceeds 2**{_POSITION_BITS}: split the sequences")
+    if T >= 1 << POSITION_BITS:
+        raise ValueError(f"sequence length {T} exceeds 2**{POSITION_BITS}: split the sequences")
     A = advantages.detach()
     T_plus, T_minus = mask & (A > 0), mask & (A < 0)
 
     # --- selection: exact top-k by s (ties: smaller key first) inside each selection block
     # the process group of the metrics, and of the selection in the global scope (None: no communication)
-    everyone = (process_group if process_group is not None else dist.group.WORLD) if _distributed() else None
+    everyone = (
+        (process_group if process_group is not None else dist.group.WORLD) if is_distributed() else None
+    )
     comm = everyone if scope == "global" else None
-    seq_key = _sequence_keys(B, sequence_ids, s.device, comm)
+    seq_key = sequence_keys(B, sequence_ids, s.device, comm)
     L_plus = torch.zeros_like(mask)
     L_minus = torch.zeros_like(mask)
-    for rows in _selection_blocks(B, scope, micro_batches, micro_batch_size, s.device):
-        L_plus[rows] = _top_k(s[rows], T_plus[rows], seq_key[rows], P, comm)
+    for rows in selection_blocks(B, scope, micro_batches, micro_batch_size, s.device):
+        L_plus[rows] = top_k(s[rows], T_plus[rows], seq_key[rows], P, comm)
         if variant == "C2":
-            L_minus[rows] = _top_k(s[rows], T_minus[rows], seq_key[rows], P, comm)
+            L_minus[rows] = top_k(s[rows], T_minus[rows], seq_key[rows], P, comm)
     if L_plus_rule == "top_k_raising":  # ours: drop the selected tokens whose reinforcement lowers entropy
         assert entropy is not None and moments is not None  # checked above
         L_plus &= first_order_entropy_effect(logprobs, entropy, moments) < 0
@@ -309,7 +274,7 @@ def stare_weights(
         dist.all_reduce(counts, group=everyone)
     n_tokens, n_plus, n_minus, k_plus, k_minus, k_above = (int(c) for c in counts)
     sizes = {"T+": n_plus, "T-": n_minus, "L+": k_plus, "L-": k_minus}
-    s_all = _gather_cat(s[mask], everyone)
+    s_all = gather_cat(s[mask], everyone)
     metrics = weight_metrics(s_all, torch.ones_like(s_all, dtype=torch.bool), sizes, n_tokens, gate_on, W, M)
     if Hbar is not None:
         metrics["stare/L_plus_s_above_Hbar"] = k_above / k_plus if k_plus else float("nan")
@@ -320,64 +285,6 @@ def stare_weights(
             )
         )
     return weights, L_plus, L_minus, metrics
-
-
-def _selection_blocks(
-    B: int, scope: str, micro_batches: Sequence[Sequence[int]] | None, size: int | None, device: torch.device
-) -> list[Tensor]:
-    """Row indices of each selection block: all rows (global scope, or no split given), or the micro-batches."""
-    if micro_batches is not None and size is not None:
-        raise ValueError(
-            "pass micro_batches or micro_batch_size, not both: micro_batches is the learner's split"
-        )
-    if size is not None:
-        if size < 1:
-            raise ValueError(f"micro_batch_size={size} must be >= 1: pass the learner's micro-batch rows")
-        micro_batches = [range(lo, min(lo + size, B)) for lo in range(0, B, size)]
-    if scope == "global" or micro_batches is None:
-        return [torch.arange(B, device=device)]
-    if sorted(i for rows in micro_batches for i in rows) != list(range(B)):
-        raise ValueError(
-            f"micro_batches must cover each of the {B} rows exactly once: pass the learner's micro_batches()"
-        )
-    return [torch.tensor(list(rows), dtype=torch.int64, device=device) for rows in micro_batches]
-
-
-def _top_k(
-    s: Tensor,
-    candidates: Tensor,
-    seq_key: Tensor,
-    P: float,
-    process_group: Any,
-    count: Callable[[int], int] | None = None,
-) -> Tensor:
-    """Mask [b, T] of the top ``ceil(P * n)`` of the n candidates by s, over all ranks when ``process_group`` is used.
-
-    Exact: the k-th largest value v is found with a selection (kthvalue); all candidates with
-    s > v are taken, and the remaining slots go to the candidates with s == v in key order.
-    ``count(n)``, when given, replaces ``ceil(P * n)`` (e.g. KL-Cov's ``max(1, floor(k * n))``).
-    """
-    flat_idx = candidates.flatten().nonzero().squeeze(1)
-    s_c = s.flatten()[flat_idx]
-    all_s = _gather_cat(s_c, process_group)
-    n = all_s.numel()
-    k = min(count(n), n) if count is not None else top_k_count(P, n)
-    selected = torch.zeros(candidates.numel(), dtype=torch.bool, device=s.device)
-    if k == 0:
-        return selected.view_as(candidates)
-    v = torch.kthvalue(all_s, n - k + 1).values
-    above, tied = s_c > v, s_c == v
-    need = k - int((all_s > v).sum())
-    if need == int((all_s == v).sum()):  # every tied candidate fits: no tie-break needed
-        selected[flat_idx[above | tied]] = True
-        return selected.view_as(candidates)
-    T = candidates.shape[1]
-    tied_idx = flat_idx[tied]
-    tied_key = (seq_key[tied_idx // T] << _POSITION_BITS) | (tied_idx % T)
-    chosen = torch.sort(_gather_cat(tied_key, process_group)).values[:need]
-    selected[flat_idx[above]] = True
-    selected[tied_idx[torch.isin(tied_key, chosen)]] = True
-    return selected.view_as(candidates)
 
 
 def weight_metrics(
@@ -410,50 +317,3 @@ def weight_metrics(
     for name, value in zip(("p50", "p90", "p99"), values, strict=True):
         metrics[f"stare/surprisal_{name}"] = float(value)
     return metrics
-
-
-# ----------------------------------------------------------------------------------------------
-# torch.distributed plumbing (identity in a single process)
-# ----------------------------------------------------------------------------------------------
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _gather_cat(x: Tensor, process_group: Any) -> Tensor:
-    """Concatenate a 1-D tensor of any length over all ranks in rank order (identity without process_group)."""
-    if process_group is None:
-        return x
-    world = dist.get_world_size(group=process_group)
-    length = torch.tensor([x.numel()], dtype=torch.int64, device=x.device)
-    lengths = [torch.zeros_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length, group=process_group)
-    longest = int(max(int(t) for t in lengths))
-    padded = torch.zeros(longest, dtype=x.dtype, device=x.device)
-    padded[: x.numel()] = x
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=process_group)
-    return torch.cat([part[: int(size)] for part, size in zip(parts, lengths, strict=True)])
-
-
-def _sequence_keys(B: int, sequence_ids: Tensor | None, device: torch.device, process_group: Any) -> Tensor:
-    """[B] int64 global tie-break keys: ``sequence_ids`` (checked distinct) or the global row index."""
-    if sequence_ids is None:
-        rows = torch.arange(B, dtype=torch.int64, device=device)
-        offset = 0
-        if process_group is not None:
-            sizes = _gather_cat(torch.tensor([B], dtype=torch.int64, device=device), process_group)
-            offset = int(sizes[: dist.get_rank(group=process_group)].sum())
-        return rows + offset
-    ids = sequence_ids.to(device=device, dtype=torch.int64).flatten()
-    if ids.numel() != B:
-        raise ValueError(f"sequence_ids has {ids.numel()} entries for {B} sequences: pass one id per row")
-    all_ids = _gather_cat(ids, process_group)
-    if all_ids.numel() and (all_ids.min() < 0 or all_ids.max() >= 1 << (62 - _POSITION_BITS)):
-        raise ValueError("sequence_ids must lie in [0, 2**30): use episode indices, not hashes")
-    if torch.unique(all_ids).numel() != all_ids.numel():
-        raise ValueError(
-            "sequence_ids repeat across the batch: pass one distinct id per sequence (e.g. episode index)"
-        )
-    return ids

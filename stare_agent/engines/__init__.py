@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from stare_agent.options import ENGINE_NAMES
+
 if TYPE_CHECKING:
     from stare_agent.engines.openai_engine import OpenAIEngine
     from stare_agent.engines.scripted import ScriptedEngine
@@ -39,11 +41,6 @@ _LAZY = {
     "TransformersEngine": "stare_agent.engines.transformers_engine",
     "VLLMEngine": "stare_agent.engines.vllm_engine",
 }
-
-
-ENGINE_NAMES = ("auto", "transformers", "vllm", "sglang", "openai")
-"""What :func:`start_engine` starts: ``env.engine``'s choices (``stare_agent.config.ENGINES``), and
-``openai``, a served model (``stare-agent eval --engine openai --base-url ...``)."""
 
 
 def cpu_has_bf16() -> bool:

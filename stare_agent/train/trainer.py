@@ -79,7 +79,7 @@ from stare_envs.tool_env import ToolEnv
 from stare_envs.trajectory import Trajectory
 
 if TYPE_CHECKING:
-    from stare_agent.algorithms.stare import LPlusRule, Scope, Variant
+    from stare_agent.options import LPlusRule, Scope, Variant
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,22 @@ def _controller(**fields: float) -> AdaptiveController:
     return AdaptiveController(
         **{"W": 1.1, "M": 0.9, "H_tgt": 0.3, "alpha": 0.01, "W_max": 1.5, "M_min": 0.5, **fields}
     )
+
+
+def test_loading_every_config_imports_no_torch():
+    """The config validates itself with stare_agent.options, the torch-free floor under the algorithms:
+    a launcher, a sweep tool or the slim install reads configs without loading torch."""
+    script = (
+        "import sys, pathlib\n"
+        "from stare_agent.config import load_config\n"
+        f"for path in sorted(pathlib.Path({str(CONFIGS)!r}).glob('*.yaml')):\n"
+        "    load_config(path)\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules)\n"
+        "print('loaded', heavy)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "loaded []", done.stdout
 
 
 def test_defaults_are_the_papers():

@@ -8,17 +8,13 @@ import pytest
 import torch
 
 from stare_agent.algorithms.losses import policy_loss
-from stare_agent.algorithms.rollout_correction import (
-    check_rollout_correction,
-    correction_weights,
-    mismatch_metrics,
-    mismatch_sums,
-)
+from stare_agent.algorithms.rollout_correction import correction_weights, mismatch_metrics, mismatch_sums
 from stare_agent.engines.openai_engine import OpenAIEngine
 from stare_agent.engines.scripted import ScriptedEngine
 from stare_agent.engines.sglang_engine import SGLangEngine
 from stare_agent.engines.transformers_engine import TransformersEngine
 from stare_agent.engines.vllm_engine import VLLMEngine
+from stare_agent.options import check_rollout_correction
 from stare_agent.train.trainer import resolve_rollout_correction
 from tests.helpers_tokenizers import smollm2_tokenizer
 

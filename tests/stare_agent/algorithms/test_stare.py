@@ -11,12 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stare_agent.algorithms.stare import (
-    AdaptiveController,
-    entropy_gate,
-    stare_weights,
-    top_k_count,
-)
+from stare_agent.algorithms.selection import top_k_count
+from stare_agent.algorithms.stare import AdaptiveController, entropy_gate, stare_weights
 from stare_agent.config import AlgorithmConfig
 
 W, M = 1.1, 0.9

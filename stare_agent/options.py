@@ -1,0 +1,85 @@
+"""The algorithm's options and their rules, with no torch: the floor under the config and the algorithms.
+
+``stare_agent.config`` validates a run with these functions, and the tensor functions of
+``stare_agent.algorithms`` validate their arguments with the same ones, so each rule is written once
+and loading a config imports no torch. Each error names the rule and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Variant = Literal["O1", "C2"]
+Scope = Literal["micro_batch", "global"]
+LPlusRule = Literal["top_k", "top_k_raising"]
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+VARIANTS: tuple[str, ...] = get_args(Variant)
+SCOPES: tuple[str, ...] = get_args(Scope)
+L_PLUS_RULES: tuple[str, ...] = get_args(LPlusRule)
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+ROLLOUT_CORRECTION_MODES = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis")
+
+ENGINE_NAMES = ("auto", "transformers", "vllm", "sglang", "openai")
+"""What ``stare_agent.engines.start_engine`` starts: ``env.engine``'s choices (``stare_agent.config.ENGINES``),
+and ``openai``, a served model (``stare-agent eval --engine openai --base-url ...``)."""
+
+
+def check_stare_options(*, variant: str, scope: str, P: float, W: float, M: float) -> None:
+    """Validate the STARE options once (``stare_weights`` and the config use it)."""
+    if variant not in VARIANTS:
+        raise ValueError(
+            f"STARE variant {variant!r} is unknown: use 'O1' (amplify L+) or 'C2' (amplify L+, attenuate L-)"
+        )
+    if scope not in SCOPES:
+        raise ValueError(
+            f"STARE scope {scope!r} is unknown: use 'micro_batch' (authors' code) or 'global' (whole batch)"
+        )
+    if not 0.0 < P <= 1.0:
+        raise ValueError(f"STARE P={P} must satisfy 0 < P <= 1 (fraction of T+/T- reweighted): e.g. P=0.10")
+    if not W >= 1.0:
+        raise ValueError(f"STARE W={W} must be >= 1 (it amplifies L+): e.g. W=1.1")
+    if not 0.0 < M <= 1.0:
+        raise ValueError(
+            f"STARE M={M} must satisfy 0 < M <= 1 (it attenuates L-, never flips a sign): e.g. M=0.9"
+        )
+
+
+def check_adaptive_options(*, W: float, M: float, alpha: float, W_max: float, M_min: float) -> None:
+    """Validate the adaptive W/M schedule once (``AdaptiveController`` and the config use it)."""
+    if not 1.0 <= W <= W_max:
+        raise ValueError(
+            f"adaptive W={W} must lie in [1, W_max={W_max}]: lower W or raise W_max (paper: 1.5)"
+        )
+    if not 0.0 < M_min <= M <= 1.0:
+        raise ValueError(
+            f"adaptive M={M} must lie in [M_min={M_min}, 1] with M_min > 0: fix M or M_min (paper: 0.5)"
+        )
+    if not alpha >= 0.0:
+        raise ValueError(f"adaptive alpha={alpha} must be >= 0: e.g. alpha=0.01")
+
+
+def check_loss_options(*, agg: str, eps_low: float, eps_high: float, clip_c: float) -> None:
+    """Validate the loss options once (``policy_loss`` and the config use it)."""
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"loss aggregation {agg!r} is unknown: use one of {', '.join(AGGREGATIONS)}")
+    if not (0.0 <= eps_low < 1.0 and eps_high >= 0.0 and clip_c > 1.0):
+        raise ValueError(
+            f"need 0 <= eps_low < 1, eps_high >= 0 and clip_c > 1 (got {eps_low}, {eps_high}, {clip_c}): "
+            "use the paper's 0.2, 0.28, 10"
+        )
+
+
+def check_rollout_correction(*, mode: str, cap: float, low: float, high: float) -> None:
+    """Validate the rollout-correction options once (the config and ``correction_weights`` use it)."""
+    if mode not in ROLLOUT_CORRECTION_MODES:
+        raise ValueError(
+            f"rollout correction mode {mode!r} is unknown: use one of {', '.join(ROLLOUT_CORRECTION_MODES)} (or auto)"
+        )
+    if not cap >= 1.0:
+        raise ValueError(
+            f"rollout correction cap={cap} must be >= 1 (a weight below 1 everywhere): the usual C is 2"
+        )
+    if not 0.0 <= low < 1.0 < high:
+        raise ValueError(
+            f"need 0 <= low < 1 < high for masked IS (got low={low}, high={high}): e.g. 0.5 and 2"
+        )
