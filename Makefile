@@ -34,7 +34,7 @@ docs: setup
 	.venv/bin/mkdocs build --strict
 
 lint: setup
-	.venv/bin/ruff check sandbox envs stare_agent stare_integrations tests benchmarks examples
+	.venv/bin/ruff check sandbox envs stare_agent stare_integrations stare_research tests benchmarks examples scripts
 
 bench: docker
 	.venv/bin/python benchmarks/sandbox_latency.py

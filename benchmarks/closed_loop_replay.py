@@ -2,12 +2,12 @@
 
 Every method trains, from the run's starting weights (the study's SFT model), on the SAME batches: the
 episodes the GRPO-ds run of ``configs/closed_loop.yaml`` drew and saved (``trainer.save_rollouts``),
-through ``stare-agent replay`` (``stare_agent.train.replay.replay``: the trainer's own learner code). The
+through ``stare-agent replay`` (``stare_research.replay.replay``: the trainer's own learner code). The
 baseline is the replay of the run with its own config (GRPO-ds, which repeats the run's learner), in the
-same table. Methods (``stare_agent.recipes.study.VARIANTS``, at their defaults; H_tgt is the run's):
+same table. Methods (``stare_research.study.VARIANTS``, at their defaults; H_tgt is the run's):
 grpo-ds, entropy-bonus, kl-cov, clip-cov, forking-tokens, stare-o1 (W 1.1, the paper's gate on the
 kept groups), stare-o1-w3-drawn (W 3, the gate on the whole draw: ours), and both with L+ restricted to
-the tokens whose reinforcement raises their position's entropy (ours, ``algorithm.L_plus_rule=top_k_raising``).
+the tokens whose reinforcement raises their position's entropy (ours, ``research.L_plus_rule=top_k_raising``).
 
 What a replay can show: how each learner moves the policy's entropy given the same data, on the
 run's sampled tokens (``entropy``: the replayed policy teacher-forced on the run's kept episodes,
@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 
 from stare_agent.metrics import read_metrics
-from stare_agent.recipes.study import BANK_EVALS, EDGE_STEPS, VARIANTS, run_numbers
-from stare_agent.train.replay import replay, step_files
+from stare_research.replay import replay, step_files
+from stare_research.study import BANK_EVALS, EDGE_STEPS, VARIANTS, run_numbers
 
 METHODS = (
     "grpo-ds",

@@ -12,7 +12,7 @@ From one start (``--model``, default the embedded SmolLM2-135M-Instruct), in flo
    backward is spent on a group without signal. GRPO advantages over the kept groups. Then the
    directional derivatives d_t, e_t of every token's log-prob and entropy along u = h (SGD, D = I) by
    one central difference (two forwards), so ``I_t = A_t d_t / N`` and a subset's first-order
-   response is ``dH_S = lr sum_S I_t`` (``stare_agent.algorithms.entropy_response``). Subsets: all
+   response is ``dH_S = lr sum_S I_t`` (``stare_research.entropy_response``). Subsets: all
    (the GRPO-ds update), T+, T-, L+ and L- at several P, the bottom-P of T+ by surprisal, a random T+
    subset of |L+| (its expectation), the oracle (the |L+| tokens of T+ with the largest I_t).
    METHODS (``loss_response``): one SGD step of each method's own loss (``policy_loss`` with the
@@ -24,11 +24,11 @@ From one start (``--model``, default the embedded SmolLM2-135M-Instruct), in flo
    at W in {1, 2, 4}: H_bank measured after the step.
 
 ``--from-run RUN`` replaces 1 and 2's sampling with a run's own saved data (``trainer.save_rollouts``):
-the bank is the run's held-out entropy bank (``trainer.entropy_bank``: multi-turn tool episodes, its
+the bank is the run's held-out entropy bank (``research.entropy_bank``: multi-turn tool episodes, its
 model-written tokens scored, tool output as context), the batches are the groups the run's dynamic
 sampling kept at each step, with the run's rewards, and the start is the run's ``model.name_or_path``.
 The batches are on-policy for the start only where the run's weights did not move (e.g. a run at
-``optim.lr=1e-30``, whose Adam steps are below float32 resolution: docs/study.md).
+``optim.lr=1e-30``, whose Adam steps are below float32 resolution: docs/research/study.md).
 
 Every subset and method is evaluated on the same batches; the table gives the mean over batches with
 a 95 % t-interval, and paired differences. ``lr`` is fixed for the run: the SGD step of the first
@@ -64,13 +64,6 @@ from stare_agent.algorithms.entropy_control import (
     forking_token_weights,
     kl_cov_coefficients,
 )
-from stare_agent.algorithms.entropy_response import (
-    directional_derivative,
-    loss_response,
-    response_subsets,
-    subset_responses,
-    token_influence,
-)
 from stare_agent.algorithms.logprobs import causal_lm_logprobs_and_entropy
 from stare_agent.algorithms.losses import policy_loss
 from stare_agent.algorithms.stare import stare_weights
@@ -78,6 +71,13 @@ from stare_agent.intervals import mean_sd_ci
 from stare_agent.models import load_policy, tiny_model
 from stare_envs.problems import generate_problems, load_problems
 from stare_envs.rewards import RewardConfig, compute_reward, extract_boxed
+from stare_research.entropy_response import (
+    directional_derivative,
+    loss_response,
+    response_subsets,
+    subset_responses,
+    token_influence,
+)
 
 INSTRUCTION = "\nAnswer briefly and give the final answer in \\boxed{}."
 
@@ -152,8 +152,8 @@ def episode_rows(episodes, pad: int):
 
 def saved_batches(run_dir: Path):
     """``(step, episodes, rewards, group index)`` of every saved step of a run whose dynamic sampling kept
-    a group (``stare_agent.train.replay.load_step``: the groups the run trained on, in draw order)."""
-    from stare_agent.train.replay import load_step, step_files
+    a group (``stare_research.replay.load_step``: the groups the run trained on, in draw order)."""
+    from stare_research.replay import load_step, step_files
 
     for step, path in step_files(run_dir):
         _, kept = load_step(path)
@@ -335,7 +335,7 @@ def main() -> None:
         type=Path,
         default=None,
         help="batches = the kept groups a run saved (trainer.save_rollouts), multi-turn with tool output "
-        "masked; bank = its trainer.entropy_bank; start = its model.name_or_path (unless --model)",
+        "masked; bank = its research.entropy_bank; start = its model.name_or_path (unless --model)",
     )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument(
@@ -356,12 +356,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     run_config = None
     if args.from_run:
-        from stare_agent.config import CONFIG_FILENAME, load_config
+        from stare_agent.config import CONFIG_FILENAME
+        from stare_research.config import load_research_config
 
-        run_config = load_config(args.from_run / CONFIG_FILENAME)
+        run_config = load_research_config(args.from_run / CONFIG_FILENAME)
         args.model = args.model or run_config.model.name_or_path
-        if not run_config.trainer.entropy_bank:
-            raise SystemExit(f"{args.from_run}: the run has no trainer.entropy_bank to measure on")
+        if not run_config.research.entropy_bank:
+            raise SystemExit(f"{args.from_run}: the run has no research.entropy_bank to measure on")
     t0 = time.time()
     log = lambda *a: print(f"[{time.time() - t0:7.1f}s]", *a, flush=True)  # noqa: E731
     if args.tiny:
@@ -375,10 +376,10 @@ def main() -> None:
     n_params = sum(p.numel() for p in params)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if args.from_run:
-        from stare_agent.entropy_bank import read_bank
+        from stare_research.entropy_bank import read_bank
 
         saved_steps = list(saved_batches(args.from_run))
-        bank_episodes = read_bank(run_config.trainer.entropy_bank)
+        bank_episodes = read_bank(run_config.research.entropy_bank)
     else:
         pool, bank_probs = problem_pool(args)
 

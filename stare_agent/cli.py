@@ -205,14 +205,6 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replay(args: argparse.Namespace) -> int:
-    from stare_agent.train.replay import replay
-
-    summary = replay(args.run_dir, args.out, args.overrides, model=args.model, steps=args.steps)
-    print(f"replayed {summary['steps']} steps; replay directory: {summary['run_dir']}")
-    return 0
-
-
 def _sft(args: argparse.Namespace) -> int:
     from stare_agent.config import load_config
     from stare_agent.train.sft import sft
@@ -226,25 +218,6 @@ def _quickstart(args: argparse.Namespace) -> int:
     from stare_agent.recipes.quickstart import CONFIG, quickstart
 
     quickstart(args.config or CONFIG, args.overrides)
-    return 0
-
-
-def _study(args: argparse.Namespace) -> int:
-    from stare_agent.recipes.study import CONFIG, study, tables_from_csv
-
-    if args.tables_of is not None:
-        print(tables_from_csv(args.tables_of), end="")
-        return 0
-    study(
-        args.config or CONFIG,
-        args.overrides,
-        variants=args.variants,
-        seeds=args.seeds,
-        ablation_seeds=args.ablation_seeds,
-        smoke=args.smoke,
-        report_only=args.report,
-        h_tgt_of_start=args.h_tgt_of_start,
-    )
     return 0
 
 
@@ -280,7 +253,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message}: see `{self.prog} --help`\n")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -410,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["retool", "hermes"], help="env.format")
     p.add_argument("--env", help="env.id: a Gymnasium id (or module:id) of a tool environment")
     p.add_argument("--backend", choices=BACKENDS, help="sandbox.backend")
-    p.add_argument("--batch-size", type=_positive_int, default=16, help="episodes advanced together")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="episodes advanced together")
     p.add_argument("--device", default="cpu")
     p.add_argument(
         "--engine",
@@ -468,29 +441,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_train)
 
-    p = sub.add_parser(
-        "replay",
-        help="train a learner variant on the batches a run saved (trainer.save_rollouts): paired ablations, "
-        "no rollouts",
-        description="Frozen-rollout replay: train on RUN_DIR/rollouts/step_*.jsonl (--from) from the run's starting "
-        "weights, step by step, with the run's config and learner overrides (algorithm.*, optim.*, "
-        "deepspeed.*, model.*, logger.*). OUT gets config.yaml, replay.json and metrics.jsonl.",
-    )
-    p.add_argument(
-        "--from",
-        dest="run_dir",
-        required=True,
-        metavar="RUN_DIR",
-        help="a run made with trainer.save_rollouts=true",
-    )
-    p.add_argument("--out", required=True, help="the replay's directory (new)")
-    p.add_argument("--model", default=None, help="starting weights (default: the run's model.name_or_path)")
-    p.add_argument("--steps", type=_positive_int, default=None, help="replay only the first N saved steps")
-    p.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE", help="learner overrides, e.g. algorithm.W=2.0"
-    )
-    p.set_defaults(func=_replay)
-
     p = sub.add_parser("plot", help="draw the training dynamics of one run, or several overlaid, as one PNG")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     p.add_argument(
@@ -508,43 +458,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_quickstart)
 
-    p = sub.add_parser(
-        "study",
-        help="entropy dynamics of GRPO-ds vs STARE (and the open-loop ablations) over seeds: figure and table",
-    )
-    p.add_argument(
-        "--config", default=None, help="the training config every run shares (default: configs/study.yaml)"
-    )
-    p.add_argument(
-        "--variants",
-        nargs="+",
-        default=None,
-        help="default: stare_agent.recipes.study.PAPER_VARIANTS; any of stare_agent.recipes.study.VARIANTS",
-    )
-    p.add_argument("--seeds", type=_positive_int, default=3, help="seeds of GRPO-ds, STARE-O1 and STARE-C2")
-    p.add_argument("--ablation-seeds", type=_positive_int, default=1, help="seeds of each open-loop ablation")
-    p.add_argument(
-        "--smoke", action="store_true", help="2 variants, 1 seed, 2 tiny steps: checks the pipeline"
-    )
-    p.add_argument(
-        "--report", action="store_true", help="train nothing: figure and table of the runs logged so far"
-    )
-    p.add_argument(
-        "--tables-of",
-        default=None,
-        metavar="CSV",
-        help="train nothing: print the tables of a study.csv (e.g. docs/study.csv) as a study computes them now",
-    )
-    p.add_argument(
-        "--h-tgt-of-start",
-        type=float,
-        default=None,
-        metavar="FACTOR",
-        help="algorithm.H_tgt = FACTOR x the start's entropy measured by the calibration (e.g. 0.7: the closed loop)",
-    )
-    p.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. trainer.steps=20")
-    p.set_defaults(func=_study)
+    _add_plugin_commands(sub)
     return parser
+
+
+COMMANDS_GROUP = "stare_agent.commands"
+"""Entry points that add subcommands: each names a function ``add(subparsers)`` that adds its parser(s)
+(``parser_class`` is :class:`_Parser`) with ``set_defaults(func=...)``. The research floor's ``study``
+and ``replay`` come in this way, so the product never imports it."""
+
+
+def _add_plugin_commands(sub: Any) -> None:
+    from importlib.metadata import entry_points
+
+    for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        try:
+            add = entry.load()
+        except Exception as exc:  # noqa: BLE001 - one broken plugin must not break the CLI
+            print(f"warning: stare-agent {entry.name} is unavailable ({entry.value}: {exc})", file=sys.stderr)
+            continue
+        add(sub)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

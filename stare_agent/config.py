@@ -35,7 +35,6 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from stare_agent.errors import StareError
 from stare_agent.options import (
     ENGINE_NAMES,
-    L_PLUS_RULES,
     check_adaptive_options,
     check_loss_options,
     check_rollout_correction,
@@ -52,7 +51,6 @@ from stare_sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
 CONFIG_FILENAME = "config.yaml"
 ALGORITHMS = ("grpo", "grpo_ds", "stare", "kl_cov", "clip_cov", "entropy_bonus", "forking_tokens")
 GATES = ("entropy", "always_on")
-GATE_BATCHES = ("kept", "drawn")
 PRECISIONS = ("auto", "bf16", "fp32", "bf16-autocast")
 SCHEDULES = ("constant", "cosine", "linear")
 SANDBOX_BACKENDS = BACKENDS
@@ -396,15 +394,6 @@ class AlgorithmConfig:
         gate: ``entropy``: the paper's closed loop, weights on while the batch entropy is below
             ``H_tgt``; ``always_on``: the paper's open-loop ablation (weights every step; W >= 2
             diverges there, and without the off state entropy settles too high).
-        gate_batch: The tokens whose mean entropy the gate reads: ``kept``, the groups dynamic sampling
-            kept (the paper's definition), or ``drawn``, every group drawn this step before dynamic
-            sampling drops the all-equal ones (this project's variant, not the paper's: once most
-            prompts are solved the kept groups' entropy drifts far above the policy's; costs a
-            log-prob pass over the dropped groups too).
-        L_plus_rule: ``top_k``: L+ is the top P of T+ by surprisal (the paper); ``top_k_raising``: of
-            those, only the tokens whose reinforcement raises entropy at first order (this project's
-            variant, not the paper's: at low entropy the top 10 % by count reach into common tokens
-            whose reinforcement lowers it; see docs/algorithm.md, "What a run logs").
         adaptive: Adapt W and M once per step toward H_tgt (the paper's optional schedule; off by default).
         alpha: Step of the adaptive schedule (paper: 0.01).
         W_max: Upper bound of the adaptive W (paper: 1.5).
@@ -444,8 +433,6 @@ class AlgorithmConfig:
     M: float = 0.9
     H_tgt: float = 0.3
     gate: str = "entropy"
-    gate_batch: str = "kept"
-    L_plus_rule: str = "top_k"
     adaptive: bool = False
     alpha: float = 0.01
     W_max: float = 1.5
@@ -468,8 +455,6 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         _one_of("algorithm", "name", self.name, ALGORITHMS)
         _one_of("algorithm", "gate", self.gate, GATES)
-        _one_of("algorithm", "gate_batch", self.gate_batch, GATE_BATCHES)
-        _one_of("algorithm", "L_plus_rule", self.L_plus_rule, L_PLUS_RULES)
         try:  # the rules of the algorithm modules, stated there once
             check_stare_options(variant=self.variant, scope=self.scope, P=self.P, W=self.W, M=self.M)
             check_loss_options(
@@ -752,12 +737,6 @@ class TrainerConfig:
             ``token_tis``). The in-process transformers engine then samples from a copy of the
             weights (one more copy in memory; vLLM and SGLang hold theirs anyway). 0: the
             synchronous trainer (each step's rollouts after the previous update).
-        entropy_bank: A held-out entropy bank (``stare_agent.entropy_bank``): a JSONL file of episodes
-            sampled once from the starting policy on the held-out problems (``data.eval``,
-            ``data.eval_limit`` x ``data.eval_samples``, at ``env.temperature`` / ``env.top_p``); each
-            held-out evaluation logs ``eval/bank_entropy``, the current policy's teacher-forced mean
-            entropy on the bank's model tokens (float32). A fresh run samples the file when it does not
-            exist; a resumed run, a replay and every run of a study read the same one. "": no bank.
     """
 
     steps: int = 2000
@@ -771,7 +750,6 @@ class TrainerConfig:
     max_infra_error_rate: float = 0.05
     infra_error_window: int = 5
     max_staleness: int = 0
-    entropy_bank: str = ""
 
     def __post_init__(self) -> None:
         _positive("trainer", self, "steps", "log_every", "keep_checkpoints", "infra_error_window")
@@ -888,17 +866,25 @@ class RunConfig:
         return path
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    schema: type[RunConfig] | None = None,
+) -> RunConfig:
     """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides.
 
     Args:
         path: A YAML file (e.g. ``configs/quickstart.yaml``) or None for the defaults alone.
         overrides: Dotted overrides such as ``["algorithm.W=1.2", "trainer.steps=3"]``.
+        schema: A subclass of :class:`RunConfig` with sections of its own (the research floor's
+            ``ResearchRunConfig``); default ``RunConfig``. The result is an instance of it.
 
     Raises:
         ConfigError: missing file, unknown key, wrong type, malformed override or out-of-range value.
     """
-    merged = OmegaConf.structured(RunConfig)
+    schema = schema or RunConfig
+    merged = OmegaConf.structured(schema)
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -916,7 +902,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
                 f"{path} holds a YAML {type(loaded).__name__.removesuffix('Config').lower()}, not a mapping of "
                 "sections: write e.g. `trainer:` then `  steps: 10` on the next line"
             )
-        merged = _merge(merged, loaded, f"in {path}")
+        merged = _merge(merged, loaded, f"in {path}", schema)
     if overrides:
         bad = [o for o in overrides if "=" not in o or o.startswith("=")]
         if bad:
@@ -927,7 +913,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
             raise ConfigError(
                 f"cannot parse overrides {list(overrides)}: {str(exc).splitlines()[0]}"
             ) from None
-        merged = _merge(merged, dotlist, "in the overrides")
+        merged = _merge(merged, dotlist, "in the overrides", schema)
     try:
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except ConfigError:
@@ -948,13 +934,18 @@ def _yaml_problem(exc: BaseException) -> str:
     return text
 
 
-def _merge(base: Any, other: Any, where: str) -> Any:
+def _merge(base: Any, other: Any, where: str, schema: type[RunConfig]) -> Any:
     try:
         return OmegaConf.merge(base, other)
     except ConfigKeyError as exc:
         key = exc.full_key or str(exc.key)
         parent, _, _ = key.rpartition(".")
-        valid = ", ".join(_keys_of(parent))
+        valid = ", ".join(_keys_of(parent, schema))
+        if key == "research":  # the research floor's section (stare_research.config)
+            raise ConfigError(
+                f"config key 'research' {where} is read by the research instruments: run `stare-agent study` or "
+                "`stare-agent replay` (pip install 'stare-agent[research]'), or remove the section"
+            ) from None
         raise ConfigError(
             f"unknown config key {key!r} {where}: valid keys of {parent or 'the top level'} are {valid}"
         ) from None
@@ -962,7 +953,7 @@ def _merge(base: Any, other: Any, where: str) -> Any:
         message = str(exc).splitlines()[0]
         if exc.full_key:
             parent, _, name = exc.full_key.rpartition(".")
-            expected = _declared_type(parent, name)
+            expected = _declared_type(parent, name, schema)
             if expected.startswith("Literal["):  # OmegaConf's message lists the choices
                 raise ConfigError(f"config key {exc.full_key!r} {where}: {message}") from None
             raise ConfigError(
@@ -971,8 +962,8 @@ def _merge(base: Any, other: Any, where: str) -> Any:
         raise ConfigError(f"config {where}: {message}: a section must be a mapping of its keys") from None
 
 
-def _section_class(dotted: str) -> Any:
-    cls: Any = RunConfig
+def _section_class(dotted: str, schema: type[RunConfig]) -> Any:
+    cls: Any = schema
     for part in filter(None, dotted.split(".")):
         cls = typing.get_type_hints(cls).get(part)
         if not dataclasses.is_dataclass(cls):
@@ -980,17 +971,17 @@ def _section_class(dotted: str) -> Any:
     return cls
 
 
-def _declared_type(section: str, name: str) -> str:
-    cls = _section_class(section)
+def _declared_type(section: str, name: str, schema: type[RunConfig]) -> str:
+    cls = _section_class(section, schema)
     hint = typing.get_type_hints(cls).get(name) if cls is not None else None
     return (
         getattr(hint, "__name__", None) or str(hint).replace("typing.", "") if hint else "the declared type"
     )
 
 
-def _keys_of(dotted: str) -> list[str]:
+def _keys_of(dotted: str, schema: type[RunConfig]) -> list[str]:
     """Field names of the section at ``dotted`` ('' = the top level)."""
-    cls = _section_class(dotted)
+    cls = _section_class(dotted, schema)
     return [f.name for f in dataclasses.fields(cls)] if cls is not None else []
 
 

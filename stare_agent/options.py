@@ -11,11 +11,9 @@ from typing import Literal, get_args
 
 Variant = Literal["O1", "C2"]
 Scope = Literal["micro_batch", "global"]
-LPlusRule = Literal["top_k", "top_k_raising"]
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 VARIANTS: tuple[str, ...] = get_args(Variant)
 SCOPES: tuple[str, ...] = get_args(Scope)
-L_PLUS_RULES: tuple[str, ...] = get_args(LPlusRule)
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 ROLLOUT_CORRECTION_MODES = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis")
 

@@ -14,15 +14,9 @@ from stare_agent.algorithms.dynamic_sampling import (
 )
 from stare_agent.algorithms.entropy_control import (
     clip_cov_weights,
-    first_order_response,
     forking_token_weights,
     kl_cov_coefficients,
     token_covariance,
-)
-from stare_agent.algorithms.entropy_effect import (
-    first_order_entropy_effect,
-    logit_grad_norm,
-    mechanism_metrics,
 )
 from stare_agent.algorithms.logprobs import (
     causal_lm_logprobs_and_entropy,
@@ -34,11 +28,9 @@ from stare_agent.algorithms.selection import top_k_count
 from stare_agent.algorithms.stare import AdaptiveController, entropy_gate, gate, stare_weights
 from stare_agent.options import (
     AGGREGATIONS,
-    L_PLUS_RULES,
     SCOPES,
     VARIANTS,
     Aggregation,
-    LPlusRule,
     Scope,
     Variant,
     check_stare_options,
@@ -46,13 +38,11 @@ from stare_agent.options import (
 
 __all__ = [
     "AGGREGATIONS",
-    "L_PLUS_RULES",
     "SCOPES",
     "VARIANTS",
     "AdaptiveController",
     "Aggregation",
     "DynamicSamplingShortfall",
-    "LPlusRule",
     "RewardedGroup",
     "Scope",
     "Variant",
@@ -64,16 +54,12 @@ __all__ = [
     "dynamic_sampling",
     "entropy_bonus",
     "entropy_gate",
-    "first_order_entropy_effect",
-    "first_order_response",
     "forking_token_weights",
     "gate",
     "grpo_advantages",
     "has_reward_variance",
     "kl_cov_coefficients",
-    "logit_grad_norm",
     "logprobs_and_entropy_from_logits",
-    "mechanism_metrics",
     "policy_loss",
     "stare_weights",
     "token_covariance",

@@ -60,7 +60,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from stare_agent.algorithms.entropy_effect import first_order_entropy_effect
 from stare_agent.algorithms.selection import (
     POSITION_BITS,
     gather_cat,
@@ -215,33 +214,6 @@ def forking_token_weights(
         "forking/frac_selected": float(n_sel) / max(float(n), 1.0),
         "forking/H_selected_min": float(h_min),
     }
-
-
-def first_order_response(
-    advantages: Tensor,
-    weights: Tensor | None,
-    response_mask: Tensor,
-    logprobs: Tensor,
-    entropy: Tensor,
-    moments: Tensor,
-    *,
-    process_group: Any = None,
-) -> float:
-    """The update's one-step entropy response to first order, per unit logit step, as STARE's
-    ``stare/dH_first_order``: ``-(1/N) sum_t mask_t w_t A_t c_t`` over the whole batch on all ranks
-    (``c_t`` of ``entropy_effect.first_order_entropy_effect``; ``weights`` None is all 1). It covers the
-    policy-gradient term only (KL-Cov's penalty is 0 at an on-policy step; the entropy bonus's own
-    push is not in it)."""
-    mask = response_mask.bool()
-    c = first_order_entropy_effect(logprobs, entropy, moments)
-    w = weights.detach().double() if weights is not None else torch.ones_like(c)
-    zero = torch.zeros((), dtype=torch.float64, device=c.device)
-    term = torch.where(mask, w * advantages.detach().double() * c, zero)
-    stats = torch.stack([-term.sum(), mask.sum().double()])
-    everyone = _comm("global", process_group)
-    if everyone is not None:
-        dist.all_reduce(stats, group=everyone)
-    return float(stats[0] / stats[1]) if float(stats[1]) else 0.0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,14 +14,6 @@ arXiv 2606.19236 (as implemented: docs/algorithm.md). Over model-generated token
 
 Defaults: P = 0.10, W = 1.1, M = 0.9, H_tgt = 0.3. Variants: O1 = L+ only, C2 = L+ and L-.
 
-The mechanism, measured (this project's diagnostics, not the paper's): a logit step
-``dz = eta * A * (e_o - p)`` at one position changes that position's entropy by, to first order,
-
-    dH_t   = -eta * A_t * c_t,     c_t = p_o (log p_o + H_t) - sum_j p_j^2 (log p_j + H_t)
-
-so reinforcing (A > 0) raises entropy iff c_t < 0 and punishing (A < 0) lowers it iff c_t < 0;
-``s_t > H_t`` is sufficient for c_t < 0, the argmax token always has c_t >= 0. The size of the
-step is the logit-gradient norm ``g_t = |e_o - p| = sqrt(1 - 2 p_o + sum_j p_j^2)``.
 Scopes: ``micro_batch`` selects L+/L- inside each micro-batch (the authors' released code);
 ``global`` is an exact top-k over the whole on-policy batch across data-parallel ranks.
 
@@ -43,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from stare_agent.algorithms.entropy_effect import first_order_entropy_effect, mechanism_metrics
 from stare_agent.algorithms.selection import (
     POSITION_BITS,
     gather_cat,
@@ -53,8 +44,6 @@ from stare_agent.algorithms.selection import (
     top_k,
 )
 from stare_agent.options import (
-    L_PLUS_RULES,
-    LPlusRule,
     Scope,
     Variant,
     check_adaptive_options,
@@ -177,9 +166,7 @@ def stare_weights(
     micro_batch_size: int | None = None,
     sequence_ids: Tensor | None = None,
     Hbar: float | None = None,
-    entropy: Tensor | None = None,
-    moments: Tensor | None = None,
-    L_plus_rule: LPlusRule = "top_k",
+    L_plus_filter: Tensor | None = None,
     process_group: Any = None,
 ) -> tuple[Tensor, Tensor, Tensor, dict[str, float]]:
     """STARE token weights ``w_t`` (see the module docstring for the formulas).
@@ -202,13 +189,10 @@ def stare_weights(
         Hbar: the batch entropy of ``entropy_gate``; when given, the metrics add
             ``stare/L_plus_s_above_Hbar``, the fraction of L+ whose surprisal exceeds the batch-mean
             entropy. It does NOT say whether reinforcing them raises entropy (that depends on each
-            position's own distribution): ``stare/L_plus_raising`` does.
-        entropy, moments: [B, T] H_t and [B, T, 2] ``(sum_j p_j^2, sum_j p_j^2 log p_j)`` from the
-            log-prob pass (``with_moments=True``); when given, the metrics add the first-order
-            entropy diagnostics of ``entropy_effect.mechanism_metrics``.
-        L_plus_rule: "top_k" (the paper) or "top_k_raising" (this project's variant, off by
-            default): L+ keeps only those of the top-k tokens whose reinforcement raises entropy
-            at first order (c_t < 0, see ``entropy_effect``); needs ``entropy`` and ``moments``.
+            position's own distribution: the research floor's mechanism metrics measure that).
+        L_plus_filter: optional [B, T] bool: L+ keeps only its tokens where this is True, after the
+            top-k (whose count stays ``ceil(P * |T+|)``); for variants of the L+ rule, e.g. the research
+            floor's ``top_k_raising``. None: the paper's L+.
         process_group: optional process group (default: the world) of the global selection and of the
             metrics.
 
@@ -220,13 +204,6 @@ def stare_weights(
         ``process_group`` calls this once per batch.
     """
     check_stare_options(variant=variant, scope=scope, P=P, W=W, M=M)
-    if L_plus_rule not in L_PLUS_RULES:
-        raise ValueError(f"L_plus_rule {L_plus_rule!r} is unknown: use one of {L_PLUS_RULES}")
-    if (entropy is None) != (moments is None) or (L_plus_rule == "top_k_raising" and entropy is None):
-        raise ValueError(
-            "pass entropy and moments together (L_plus_rule='top_k_raising' needs both): "
-            "score with with_moments=True"
-        )
     if not (advantages.shape == logprobs.shape == response_mask.shape and advantages.dim() == 2):
         raise ValueError(
             f"advantages {tuple(advantages.shape)}, logprobs {tuple(logprobs.shape)} and response_mask "
@@ -257,9 +234,8 @@ def stare_weights(
         L_plus[rows] = top_k(s[rows], T_plus[rows], seq_key[rows], P, comm)
         if variant == "C2":
             L_minus[rows] = top_k(s[rows], T_minus[rows], seq_key[rows], P, comm)
-    if L_plus_rule == "top_k_raising":  # ours: drop the selected tokens whose reinforcement lowers entropy
-        assert entropy is not None and moments is not None  # checked above
-        L_plus &= first_order_entropy_effect(logprobs, entropy, moments) < 0
+    if L_plus_filter is not None:
+        L_plus &= L_plus_filter.to(L_plus.device, torch.bool)
 
     # --- weights: W on L+, M on L- (C2), 1 elsewhere; all 1 when the gate is off
     weights = torch.ones_like(s, dtype=logprobs.dtype)
@@ -278,12 +254,6 @@ def stare_weights(
     metrics = weight_metrics(s_all, torch.ones_like(s_all, dtype=torch.bool), sizes, n_tokens, gate_on, W, M)
     if Hbar is not None:
         metrics["stare/L_plus_s_above_Hbar"] = k_above / k_plus if k_plus else float("nan")
-    if entropy is not None and moments is not None:
-        metrics.update(
-            mechanism_metrics(
-                A, weights, L_plus, L_minus, mask, logprobs, entropy, moments, process_group=everyone
-            )
-        )
     return weights, L_plus, L_minus, metrics
 
 

@@ -377,7 +377,7 @@ class Learner:
             ``stare_agent.train.batch.collate(trajectories)`` (column t scores token t + 1); 0 on padding,
             and with ``deepspeed.score_response_only`` (the default) 0 on every mask-0 position too.
             With ``with_moments`` a third tensor [B, L-1, 2], ``(sum_j p_j^2, sum_j p_j^2 log p_j)`` of
-            each position (``algorithms.entropy_effect``), from the same forward pass.
+            each position (``stare_research.entropy_effect``), from the same forward pass.
         """
         if not trajectories:
             raise ValueError("cannot score an empty batch: pass at least one trajectory")

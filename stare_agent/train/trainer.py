@@ -34,6 +34,7 @@ import threading
 import time
 import warnings
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -49,7 +50,6 @@ from stare_agent.algorithms import (
     clip_cov_weights,
     dynamic_sampling,
     entropy_gate,
-    first_order_response,
     forking_token_weights,
     gate,
     grpo_advantages,
@@ -57,19 +57,12 @@ from stare_agent.algorithms import (
     stare_weights,
 )
 from stare_agent.config import ConfigError, RunConfig, eval_source, train_source
-from stare_agent.entropy_bank import (
-    BANK_METRIC,
-    EntropyBankError,
-    bank_entropy,
-    read_bank,
-    sample_bank,
-    write_bank,
-)
 from stare_agent.metrics import StepLogger, ToolHealth, ToolHealthAlarm, rollout_metrics
 from stare_agent.train import checkpoints
 from stare_agent.train.async_rollouts import RolloutProducer, VersionedEngine, versioned
 from stare_agent.train.batch import collate
 from stare_agent.train.deepspeed_setup import load_training_policy
+from stare_agent.train.diagnostics import Diagnostics, PreUpdate
 from stare_agent.train.learner import Learner
 from stare_envs.engine import SamplingParams
 from stare_envs.problems import Problem, ProblemStream
@@ -79,7 +72,7 @@ from stare_envs.tool_env import ToolEnv
 from stare_envs.trajectory import Trajectory
 
 if TYPE_CHECKING:
-    from stare_agent.options import LPlusRule, Scope, Variant
+    from stare_agent.options import Scope, Variant
 
 
 @dataclass
@@ -125,6 +118,8 @@ class Trainer:
         resume: Continue from the last complete checkpoint in ``config.trainer.run_dir``.
         engine: A rollout engine to use instead of the one ``env.engine`` names (e.g. a scripted
             engine in tests); it receives the new weights after every update.
+        diagnostics: Hooks that read the run (``stare_agent.train.diagnostics``): their metrics are
+            logged with each step and each evaluation.
     """
 
     def __init__(
@@ -135,8 +130,10 @@ class Trainer:
         tokenizer: Any = None,
         resume: bool = False,
         engine: Any = None,
+        diagnostics: Sequence[Diagnostics] = (),
     ) -> None:
         self.config = config
+        self.diagnostics = list(diagnostics)
         if config.env.top_p < 1:
             warnings.warn(
                 f"env.top_p={config.env.top_p}: rollouts sample from the nucleus-truncated distribution "
@@ -200,7 +197,6 @@ class Trainer:
         )
         self._envs: list[ToolEnv] = []
         self._consumed_position = self.stream.position  # after the last trained step's draws
-        self._bank: list[Trajectory] = []  # trainer.entropy_bank, read or sampled by load_bank
 
     # ------------------------------------------------------------------ the loop
 
@@ -213,7 +209,8 @@ class Trainer:
             self._sync_engine()
         if self.rank == 0:
             self.config.save(self.run_dir)
-        self.load_bank()
+        for hook in self.diagnostics:
+            hook.on_fit_start(self)
         logger = None
         if self.rank == 0:
             logger = StepLogger(
@@ -230,15 +227,13 @@ class Trainer:
                     and self._eval_source is not None
                     and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
                 ):
-                    with self._rollout_lock:  # between two steps' rollouts
-                        report = self.evaluate()
+                    report = self.evaluate()
                     self._save_rollouts(f"eval_{self.step:05d}", report.trajectories)
                     last.update({f"eval/{k}": v for k, v in report.metrics.items()})
-                    if self._bank:
-                        last[BANK_METRIC] = self.bank_entropy()
+                    for hook in self.diagnostics:
+                        last.update(hook.on_evaluation(self))
                     if self.config.data.eval_greedy:
-                        with self._rollout_lock:
-                            report = self.evaluate(greedy=True)
+                        report = self.evaluate(greedy=True)
                         self._save_rollouts(f"eval_greedy_{self.step:05d}", report.trajectories)
                         last.update({f"eval_greedy/{k}": v for k, v in report.metrics.items()})
                 if logger is not None:
@@ -347,7 +342,7 @@ class Trainer:
         """Steps 4-8 on one step's groups: ``drawn`` in draw order, ``kept`` those dynamic sampling
         kept (in draw order). Advantages over the kept groups, log-probs, the gate, STARE weights and
         the update; the engine is not synced. Returns the update's metrics, or ``skipped`` and
-        ``skip_reason`` when there is nothing to train. ``stare_agent.train.replay`` calls it on saved
+        ``skip_reason`` when there is nothing to train. ``stare_research.replay`` calls it on saved
         episodes, so that a replay trains exactly as the run did."""
         alg = self.config.algorithm
         skip = self._skip(drawn, kept)
@@ -509,20 +504,59 @@ class Trainer:
         metrics). The micro_batch scope selects inside each of the learner's own micro-batches, as
         the authors' code does, so the split must be the learner's."""
         alg = self.config.algorithm
-        logp, entropy, moments = self.learner.compute_logprobs_and_entropy(trajectories, with_moments=True)
-        mask = collate(trajectories, self.learner.pad_id)["response_mask"].to(logp.device)
-        A_tok = broadcast_to_tokens(A.to(logp.device), mask)
-        gate_on, Hbar, gate_metrics = entropy_gate(entropy, mask, alg.H_tgt)
-        if alg.gate_batch == "drawn":  # ours: the gate reads every drawn group, kept or dropped
-            gate_on, Hbar, gate_metrics = self._drawn_gate(drawn, kept, entropy, mask, Hbar)
+        pre = self._pre_update_pass(trajectories, A)
+        gate_on, Hbar, gate_metrics = self._gate(drawn, kept, pre)
         if alg.gate == "always_on":  # the paper's open-loop ablation
             gate_on = True
         if alg.adaptive:
             self.controller.update(Hbar)
-        weights, _, _, metrics = stare_weights(
-            A_tok,
-            logp,
-            mask,
+        weights, L_plus, L_minus, metrics = self._stare_weights(
+            pre, gate_on, Hbar, trajectories, sequence_ids
+        )
+        metrics.update(self._diagnose(pre, weights=weights, L_plus=L_plus, L_minus=L_minus, Hbar=Hbar))
+        return weights, (gate_on, Hbar, gate_metrics), metrics
+
+    def _pre_update_pass(self, trajectories: list[Trajectory], A: torch.Tensor) -> PreUpdate:
+        """5. The pre-update policy's log-probs and entropy of this rank's rows (and the moments when a
+        diagnostics hook needs them), with the token advantages and mask, as the weights read them."""
+        logp, entropy, *moments = self.learner.compute_logprobs_and_entropy(
+            trajectories, with_moments=self._with_moments
+        )
+        mask = collate(trajectories, self.learner.pad_id)["response_mask"].to(logp.device)
+        A_tok = broadcast_to_tokens(A.to(logp.device), mask)
+        return PreUpdate(
+            self.step, self.config.algorithm.name, A_tok, logp, entropy, moments[0] if moments else None, mask,
+            None, None, None, None,
+        )  # fmt: skip
+
+    @property
+    def _with_moments(self) -> bool:
+        """Whether the pre-update pass also returns the moments: a diagnostics hook needs them."""
+        return any(hook.needs_moments for hook in self.diagnostics)
+
+    def _gate(
+        self, drawn: list[Group], kept: list[Group], pre: PreUpdate
+    ) -> tuple[bool, float, dict[str, float]]:
+        """6. The gate: ``gate_on = Hbar < H_tgt``, Hbar the token-mean entropy of the kept groups' model
+        tokens on all ranks (the paper's definition): (gate_on, Hbar, metrics)."""
+        return entropy_gate(pre.entropy, pre.mask, self.config.algorithm.H_tgt)
+
+    def _stare_weights(
+        self,
+        pre: PreUpdate,
+        gate_on: bool,
+        Hbar: float,
+        trajectories: list[Trajectory],
+        sequence_ids: torch.Tensor,
+        **options: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+        """7. STARE's weights (``stare_weights``) with this run's options, and ``options`` passed on:
+        (weights, L+, L-, metrics)."""
+        alg = self.config.algorithm
+        return stare_weights(
+            pre.advantages,
+            pre.logprobs,
+            pre.mask,
             gate_on=gate_on,
             variant=cast("Variant", alg.variant),  # the config checked variant and scope
             P=alg.P,
@@ -530,13 +564,20 @@ class Trainer:
             M=self.controller.M,
             scope=cast("Scope", alg.scope),
             micro_batches=self.learner.micro_batches(trajectories) if alg.scope == "micro_batch" else None,
-            sequence_ids=sequence_ids.to(logp.device),
+            sequence_ids=sequence_ids.to(pre.logprobs.device),
             Hbar=Hbar,
-            entropy=entropy,
-            moments=moments,
-            L_plus_rule=cast("LPlusRule", alg.L_plus_rule),
+            **options,
         )
-        return weights, (gate_on, Hbar, gate_metrics), metrics
+
+    def _diagnose(self, pre: PreUpdate, **weighted: Any) -> dict[str, float]:
+        """The diagnostics hooks' metrics of this step's weighted batch (``Diagnostics.on_pre_update``)."""
+        if not self.diagnostics:
+            return {}
+        batch = dataclasses.replace(pre, **weighted)
+        metrics: dict[str, float] = {}
+        for hook in self.diagnostics:
+            metrics.update(hook.on_pre_update(batch))
+        return metrics
 
     def _gate_after_update(self, Hbar: float) -> tuple[bool, float, dict[str, float]]:
         """6 for the algorithms other than STARE: the gate on the update's own Hbar, logged for
@@ -555,35 +596,30 @@ class Trainer:
         from the pre-update policy's log-probs and entropy (``algorithms.entropy_control``), selected
         per ``algorithm.scope`` like STARE's L+."""
         alg = self.config.algorithm
-        logp, entropy, moments = self.learner.compute_logprobs_and_entropy(trajectories, with_moments=True)
-        mask = collate(trajectories, self.learner.pad_id)["response_mask"].to(logp.device)
-        A_tok = broadcast_to_tokens(A.to(logp.device), mask)
+        pre = self._pre_update_pass(trajectories, A)
         scope = cast("Scope", alg.scope)
         split = self.learner.micro_batches(trajectories) if alg.scope == "micro_batch" else None
-        ids = sequence_ids.to(logp.device)
+        ids = sequence_ids.to(pre.logprobs.device)
         if alg.name == "kl_cov":
             kl_coef, metrics = kl_cov_coefficients(
-                A_tok,
-                logp,
-                mask,
+                pre.advantages,
+                pre.logprobs,
+                pre.mask,
                 k=alg.kl_cov_k,
                 coef=alg.kl_cov_coef,
                 scope=scope,
                 micro_batches=split,
                 sequence_ids=ids,
             )
-            metrics["entropy_control/dH_first_order"] = first_order_response(
-                A_tok, None, mask, logp, entropy, moments
-            )
-            return None, kl_coef, metrics
+            return None, kl_coef, {**metrics, **self._diagnose(pre)}
         if alg.name == "clip_cov":  # the same draw on every rank: seeded by the run's seed and the step
             draw = torch.Generator().manual_seed(
                 zlib.crc32(f"clip_cov {self.config.trainer.seed} {self.step}".encode())
             )
             weights, metrics = clip_cov_weights(
-                A_tok,
-                logp,
-                mask,
+                pre.advantages,
+                pre.logprobs,
+                pre.mask,
                 r=alg.clip_cov_r,
                 lb=alg.clip_cov_lb,
                 ub=alg.clip_cov_ub,
@@ -594,41 +630,9 @@ class Trainer:
             )
         else:
             weights, metrics = forking_token_weights(
-                entropy, mask, rho=alg.forking_rho, scope=scope, micro_batches=split, sequence_ids=ids
+                pre.entropy, pre.mask, rho=alg.forking_rho, scope=scope, micro_batches=split, sequence_ids=ids
             )
-        metrics["entropy_control/dH_first_order"] = first_order_response(
-            A_tok, weights, mask, logp, entropy, moments
-        )
-        return weights, None, metrics
-
-    def _drawn_gate(
-        self,
-        drawn: list[Group],
-        kept: list[Group],
-        entropy: torch.Tensor,
-        mask: torch.Tensor,
-        Hbar_kept: float,
-    ) -> tuple[bool, float, dict[str, float]]:
-        """The gate on the whole draw (algorithm.gate_batch=drawn, this project's variant): the kept
-        tokens' entropies and those of this rank's share of the dropped groups (drawn group n on rank
-        n mod world), one more log-prob pass; the mean is global over ranks as in ``entropy_gate``."""
-        trained = {id(g) for g in kept}
-        dropped = [
-            t
-            for n, g in enumerate(drawn)
-            if id(g) not in trained and n % self.world == self.rank
-            for t in g.trajectories
-        ]
-        H = [entropy[mask.bool()]]
-        if dropped:
-            _, H_dropped = self.learner.compute_logprobs_and_entropy(dropped)
-            dropped_mask = collate(dropped, self.learner.pad_id)["response_mask"].to(H_dropped.device)
-            H.append(H_dropped[dropped_mask.bool()].to(entropy.device))
-        H_all = torch.cat(H)[None]
-        gate_on, Hbar, metrics = entropy_gate(
-            H_all, torch.ones_like(H_all, dtype=torch.bool), self.config.algorithm.H_tgt
-        )
-        return gate_on, Hbar, {**metrics, "stare/entropy_kept": Hbar_kept}
+        return weights, None, {**metrics, **self._diagnose(pre, weights=weights)}
 
     def _rollout_groups(
         self,
@@ -808,53 +812,28 @@ class Trainer:
             return engine
         return engine.with_own_weights(self.learner.named_weights())
 
-    def evaluate(self, *, greedy: bool = False) -> Any:
-        """Validation on ``data.eval`` with the current policy (avg@k etc.); ``greedy``: one
-        temperature-0 sample per problem instead of ``data.eval_samples`` at ``data.eval_temperature``."""
+    def evaluate(
+        self, *, greedy: bool = False, config: RunConfig | None = None, keep_trajectories: bool | None = None
+    ) -> Any:
+        """Validation on ``data.eval`` with the current policy (avg@k etc.), between two steps'
+        rollouts; ``greedy``: one temperature-0 sample per problem instead of ``data.eval_samples`` at
+        ``data.eval_temperature``. ``config`` replaces the run's (e.g. other problems or sampling);
+        ``keep_trajectories`` (default ``trainer.save_rollouts``): the report keeps the episodes."""
         from stare_agent.evaluation import evaluate_config
 
-        return evaluate_config(
-            self.config,
-            engine=self.engine,
-            tokenizer=self.tokenizer,
-            pool=self._sandbox_pool(),
-            batch_size=self.config.sandbox.pool_size,  # one leased sandbox per live episode at most
-            greedy=greedy,
-            progress=False,
-            keep_trajectories=self.config.trainer.save_rollouts,
-        )
-
-    def load_bank(self) -> list[Trajectory]:
-        """Read ``trainer.entropy_bank``, or sample and write it when a run that has not trained yet
-        finds no file (``stare_agent.entropy_bank``); nothing without the setting.
-
-        Raises:
-            EntropyBankError: the file is missing after the run trained (a bank sampled now would not be
-                the starting policy's), or it is empty.
-        """
-        path = self.config.trainer.entropy_bank
-        if not path or self._bank:
-            return self._bank
-        if Path(path).is_file():
-            self._bank = read_bank(path)
-        elif self.step == 0 and self.policy_version == 0:
-            with self._rollout_lock:
-                self._bank = sample_bank(
-                    self.config, engine=self.engine, tokenizer=self.tokenizer, pool=self._sandbox_pool()
-                )
-            if self.rank == 0:
-                write_bank(path, self._bank)
-        else:
-            raise EntropyBankError(
-                f"trainer.entropy_bank={path}: no such file, and this run has trained {self.step} steps, so a "
-                "bank sampled now would not be its starting policy's: restore the file, or set "
-                "trainer.entropy_bank='' (or a new path, whose bank then comes from the current policy in a fresh run)"
+        with self._rollout_lock:
+            return evaluate_config(
+                config or self.config,
+                engine=self.engine,
+                tokenizer=self.tokenizer,
+                pool=self._sandbox_pool(),
+                batch_size=self.config.sandbox.pool_size,  # one leased sandbox per live episode at most
+                greedy=greedy,
+                progress=False,
+                keep_trajectories=self.config.trainer.save_rollouts
+                if keep_trajectories is None
+                else keep_trajectories,
             )
-        return self._bank
-
-    def bank_entropy(self) -> float:
-        """The current policy's teacher-forced mean entropy on the bank (``eval/bank_entropy``)."""
-        return bank_entropy(self.learner.module, self.load_bank(), self.tokenizer.pad_token_id or 0)
 
     def _save_rollouts(
         self, name: str, trajectories: list[Trajectory], fields: list[dict[str, Any]] | None = None

@@ -24,6 +24,7 @@ import pytest
 
 from stare_agent.config import RunConfig
 from stare_agent.config_reference import attribute_docs, render, sections, yaml_value
+from stare_research.config import ResearchRunConfig
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
@@ -35,7 +36,7 @@ PYTHON_NAME = re.compile(r"^(stare_agent|envs|sandbox)(\.\w+)+$")
 
 def config_default(dotted: str) -> object:
     """The default of a config field such as ``algorithm.W``; KeyError if there is no such field."""
-    value: object = RunConfig()
+    value: object = ResearchRunConfig()  # the product's sections and research
     for part in dotted.split("."):
         if not dataclasses.is_dataclass(value) or part not in {f.name for f in dataclasses.fields(value)}:
             raise KeyError(dotted)

@@ -11,12 +11,13 @@ import pytest
 
 import stare_agent
 import stare_envs
+import stare_research
 import stare_sandbox
 
 
 def _modules() -> list[str]:
     names = []
-    for package in (stare_sandbox, stare_envs, stare_agent):
+    for package in (stare_sandbox, stare_envs, stare_agent, stare_research):
         names.append(package.__name__)
         names += [m.name for m in pkgutil.walk_packages(package.__path__, f"{package.__name__}.")]
     return sorted(n for n in names if not n.endswith("__main__"))

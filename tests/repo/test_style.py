@@ -11,7 +11,17 @@ from pathlib import Path
 from tests.packages import PACKAGES, modules
 
 REPO = Path(__file__).resolve().parents[2]
-CODE = ["sandbox", "envs", "stare_agent", "stare_integrations", "tests", "benchmarks", "examples"]
+CODE = [
+    "sandbox",
+    "envs",
+    "stare_agent",
+    "stare_integrations",
+    "stare_research",
+    "tests",
+    "benchmarks",
+    "examples",
+    "scripts",
+]
 
 
 def test_ruff_lint_and_format_are_clean():
@@ -119,6 +129,19 @@ def test_no_import_circles_among_the_projects_modules():
         if module not in done:
             visit(module, [module])
     assert not circles, "\n".join(circles)
+
+
+def test_the_product_never_imports_the_research_floor():
+    """stare_research stands above the product: it registers its CLI verbs through entry points and
+    reads runs through the trainer's diagnostics hook, so no product module imports it, even lazily."""
+    bad = [
+        f"{module} imports {target}"
+        for module, edges in _import_graph().items()
+        if not module.startswith("stare_research")
+        for target in edges
+        if target.startswith("stare_research")
+    ]
+    assert not bad, "\n".join(bad)
 
 
 def test_the_floors_import_downward():

@@ -16,6 +16,7 @@ import pytest
 
 import stare_agent
 import stare_envs
+import stare_research
 import stare_sandbox
 from stare_agent import cli
 from stare_agent.errors import StareError
@@ -35,7 +36,7 @@ INTERNAL = {
 
 def _import_all() -> None:
     """Import every module of the three packages, so that every error class is defined."""
-    for package in (stare_sandbox, stare_envs, stare_agent):
+    for package in (stare_sandbox, stare_envs, stare_agent, stare_research):
         for module in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
             if module.name.endswith("__main__"):
                 continue
@@ -60,14 +61,19 @@ ERRORS = [
     cls
     for root in (SandboxError, EnvError, StareError)
     for cls in _subclasses(root)
-    if cls.__module__.split(".")[0] in {"stare_sandbox", "stare_envs", "stare_agent"}
+    if cls.__module__.split(".")[0] in {"stare_sandbox", "stare_envs", "stare_agent", "stare_research"}
 ]
 
 
 def test_each_package_has_one_error_root():
     """Every exception class defined by the packages derives from its package's root."""
-    roots = {"stare_sandbox": SandboxError, "stare_envs": EnvError, "stare_agent": StareError}
-    for package in (stare_sandbox, stare_envs, stare_agent):
+    roots = {
+        "stare_sandbox": SandboxError,
+        "stare_envs": EnvError,
+        "stare_agent": StareError,
+        "stare_research": StareError,
+    }
+    for package in (stare_sandbox, stare_envs, stare_agent, stare_research):
         for module in list(importlib.sys.modules.values()):
             name = getattr(module, "__name__", "")
             if name.split(".")[0] != package.__name__:

@@ -70,7 +70,7 @@ def test_file_then_overrides(tmp_path):
         (
             ["algorithm.Wx=1.2"],
             "unknown config key 'algorithm.Wx' in the overrides: valid keys of algorithm are name, variant, scope, "
-            "P, W, M, H_tgt, gate, gate_batch, L_plus_rule, adaptive, alpha, W_max, M_min, eps_low, eps_high, "
+            "P, W, M, H_tgt, gate, adaptive, alpha, W_max, M_min, eps_low, eps_high, "
             "clip_c, loss_agg, entropy_coef, kl_cov_k, kl_cov_coef, clip_cov_r, clip_cov_lb, clip_cov_ub, "
             "forking_rho, void_turn_filter, overlong_filter, rollout_correction",
         ),
@@ -88,11 +88,6 @@ def test_file_then_overrides(tmp_path):
         (
             ["algorithm.name=ppo"],
             "algorithm.name='ppo' is not valid: use one of grpo, grpo_ds, stare, kl_cov, clip_cov, entropy_bonus, forking_tokens",
-        ),
-        (["algorithm.gate_batch=all"], "algorithm.gate_batch='all' is not valid: use one of kept, drawn"),
-        (
-            ["algorithm.L_plus_rule=raising"],
-            "algorithm.L_plus_rule='raising' is not valid: use one of top_k, top_k_raising",
         ),
         (["deepspeed.zero_stage=4"], "deepspeed.zero_stage=4 is not valid: use one of 0, 1, 2, 3"),
         (

@@ -24,7 +24,6 @@ import torch.multiprocessing as mp
 
 from stare_agent.algorithms.entropy_control import (
     clip_cov_weights,
-    first_order_response,
     forking_token_weights,
     kl_cov_coefficients,
     token_covariance,
@@ -164,20 +163,3 @@ def test_two_gloo_ranks_select_as_one_process(tmp_path):
         assert torch.equal(torch.cat([ranks[0][name][0], ranks[1][name][0]]), tensor), name
         for r in ranks:
             assert r[name][1] == pytest.approx(metrics, nan_ok=True), name
-
-
-def test_first_order_response_by_hand():
-    # p = (0.7, 0.2, 0.1), the sampled token the first: H = 0.8018186, sum p^2 = 0.54,
-    # sum p^2 log p = -0.2621741, c = 0.7 (log 0.7 + H) - (-0.2621741 + 0.54 H) = 0.3116006 - 0.1708079
-    # = 0.1407927; A = 2 on the one model token: dH = -2 c
-    p = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
-    H = -(p * p.log()).sum()
-    moments = torch.stack([(p * p).sum(), (p * p * p.log()).sum()])
-    logp = torch.tensor([[0.7, 0.5]], dtype=torch.float64).log()  # the second is mask 0
-    entropy = torch.stack([H, torch.tensor(9.0, dtype=torch.float64)])[None]
-    mom = torch.stack([moments, torch.tensor([9.0, 9.0], dtype=torch.float64)])[None]
-    mask = torch.tensor([[1, 0]])
-    A = torch.tensor([[2.0, 5.0]], dtype=torch.float64)
-    assert first_order_response(A, None, mask, logp, entropy, mom) == pytest.approx(-2 * 0.1407927, abs=1e-6)
-    w = torch.tensor([[0.0, 1.0]], dtype=torch.float64)  # the token out of the gradient: no response
-    assert first_order_response(A, w, mask, logp, entropy, mom) == 0.0

@@ -207,31 +207,14 @@ def test_open_loop_gate_reweights_above_target_and_greedy_eval_is_logged(tmp_pat
     closed, open_loop = records["entropy"], records["always_on"]
     assert closed["entropy"] > 5 and closed["gate_on"] == 0 and closed["frac_reweighted"] == 0
     assert open_loop["gate_on"] == 1 and 0 < open_loop["frac_reweighted"] < 0.2
-    # the first-order diagnostics come from the same log-prob pass; with the gate on the update's
-    # gradient-mass-weighted mean weight lies in [1, W]
-    assert 0 <= open_loop["stare/L_plus_raising"] <= 1 and 1 <= open_loop["stare/mass_weight"] <= 1.1
-    assert closed["stare/mass_weight"] == 1 and "stare/dH_first_order_L_plus" in closed
+    # the research floor's mechanism metrics are not the product's: no hook, none computed
+    assert not [
+        k for k in open_loop if k.startswith("stare/") and ("dH" in k or "mass" in k or "raising" in k)
+    ]
     # the scripted policy is right on every other episode: sampled avg@2 over 2 problems is 0.5;
     # greedy evaluation plays one episode per problem
     assert open_loop["eval/avg@2"] == pytest.approx(0.5)
     assert "eval_greedy/avg@1" in open_loop and "eval_greedy/avg@2" not in open_loop
-
-
-def test_our_variants_gate_on_the_whole_draw_and_keep_only_entropy_raising_l_plus(tmp_path, problem_file):
-    """algorithm.gate_batch=drawn and algorithm.L_plus_rule=top_k_raising (this project's variants):
-    the scripted policy gives every group reward variance, so the draw is the kept batch and the two
-    gates read the same entropy; the raising rule keeps only L+ tokens with a negative effect c_t."""
-    model, tokenizer = tiny_model()
-    extra = ["trainer.steps=1", "algorithm.H_tgt=100", "algorithm.gate_batch=drawn"]
-    config = make_config(tmp_path, problem_file, *extra, "algorithm.L_plus_rule=top_k_raising")
-    Trainer(
-        config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
-    ).fit()
-    record = _records(tmp_path / "run")[0]
-    assert record["gate_on"] == 1 and record["entropy"] == pytest.approx(
-        record["stare/entropy_kept"], rel=1e-6
-    )
-    assert record["stare/L_plus_raising"] in (1.0, None)  # None: no L+ token raised entropy (NaN in JSON)
 
 
 def test_save_rollouts_writes_every_drawn_and_evaluated_episode(tmp_path, problem_file):
@@ -509,7 +492,7 @@ def test_the_other_entropy_controls_train_a_step_beside_the_void_turn_filter(
     assert all((sum(t.loss_mask) == 0) == t.void_turn for t in seen)
     assert metrics["skipped"] == 0 and metrics["tools/void_turn_fraction"] == pytest.approx(0.5)
     if key is not None:
-        assert 0 <= metrics[key] <= 1 and "entropy_control/dH_first_order" in metrics
+        assert 0 <= metrics[key] <= 1 and "entropy_control/dH_first_order" not in metrics  # research's
 
 
 @pytest.mark.slow  # 64 s: two-rank training runs, on 2 loaded cores

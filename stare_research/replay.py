@@ -6,9 +6,10 @@ A run with ``trainer.save_rollouts=true`` writes every episode it drew at step N
 ``RUN_DIR/rollouts/step_0000N.jsonl``, token-exactly: prompt and response ids, loss mask, the
 engine's log-probs, turn spans, reward, group, global id, and whether dynamic sampling kept the
 group (``trained``). A replay loads the run's config (``RUN_DIR/config.yaml``) with learner
-overrides (``algorithm.*``, ``optim.*``, ``deepspeed.*``, ``model.*``, ``logger.*``), starts from
+overrides (``algorithm.*``, ``optim.*``, ``deepspeed.*``, ``model.*``, ``logger.*``, ``research.*``), starts from
 the run's starting weights (``model.name_or_path``, or ``--model``) and trains on those batches,
-step by step, through the trainer's own :meth:`~stare_agent.train.trainer.Trainer.learn`: advantages over
+step by step, through the trainer's own :meth:`~stare_agent.train.trainer.Trainer.learn`
+(``stare_research.trainer.ResearchTrainer``, so the research variants replay too): advantages over
 the kept groups, log-probs, the gate, STARE weights, rollout correction and the update. It plays no
 episode, so learner ablations are paired (every variant trains on the same batches) and cost no
 rollouts. What the run decided at rollout time stays as it was: which groups were drawn and kept,
@@ -19,17 +20,17 @@ Output, in ``OUT``: ``config.yaml`` (the replayed config), ``replay.json`` (the 
 overrides, the steps) and ``metrics.jsonl`` with a run's metric names (the rollout metrics
 recomputed from the saved episodes, the draw's own counts, :data:`DRAW_METRICS`, copied from the
 run's record; no ``eval/*`` but ``eval/bank_entropy`` on the run's bank where the run had
-``trainer.entropy_bank``, at the run's evaluation steps and the last step; no rollout times). Deterministic: two replays of the same run and config
+``research.entropy_bank``, at the run's evaluation steps and the last step; no rollout times). Deterministic: two replays of the same run and config
 log identical metrics; a replay with the run's own config on the device and world size of the run
 repeats the run's learner metrics.
 
 Example:
-    >>> from stare_agent.train.replay import check_overrides
+    >>> from stare_research.replay import check_overrides
     >>> check_overrides(["algorithm.W=1.5", "optim.lr=1e-6"])
     >>> check_overrides(["data.samples_per_prompt=4"])
     Traceback (most recent call last):
     ...
-    stare_agent.train.replay.ReplayError: data.samples_per_prompt=4: a replay trains on the run's saved batches, so only learner settings can change (algorithm.*, optim.*, deepspeed.*, model.*, logger.*): make a new run with trainer.save_rollouts=true to change data.samples_per_prompt
+    stare_research.replay.ReplayError: data.samples_per_prompt=4: a replay trains on the run's saved batches, so only learner settings can change (algorithm.*, optim.*, deepspeed.*, model.*, logger.*, research.*): make a new run with trainer.save_rollouts=true to change data.samples_per_prompt
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from stare_agent.config import CONFIG_FILENAME, RunConfig, load_config
+from stare_agent.config import CONFIG_FILENAME
 from stare_agent.errors import StareError
 from stare_envs.trajectory import Trajectory
+from stare_research.config import ResearchRunConfig, load_research_config
 
-LEARNER_SECTIONS = ("algorithm", "optim", "deepspeed", "model", "logger")
+LEARNER_SECTIONS = ("algorithm", "optim", "deepspeed", "model", "logger", "research")
 """Config sections a replay may change: the rest decided how episodes were drawn, and they are frozen."""
 
 SAVED_FIELDS = ("group", "trained", "global_id", "prompt_ids", "response_ids", "loss_mask", "logprobs")
@@ -180,7 +182,7 @@ def load_step(path: str | Path) -> tuple[list[Any], list[Any]]:
 
 def replay_config(
     run_dir: str | Path, out_dir: str | Path, overrides: Sequence[str] = (), *, model: str | None = None
-) -> RunConfig:
+) -> ResearchRunConfig:
     """The run's config with the replay's overrides, ``trainer.run_dir=out_dir`` and, for
     ``algorithm.rollout_correction.mode=auto``, the mode the run resolved (``token_tis`` when its
     metrics logged ``rollout_correction/*``, else ``none``), so that the saved config says it.
@@ -199,7 +201,7 @@ def replay_config(
             f"--out {out_dir} holds a metrics.jsonl already: pass a new directory for the replay"
         )
     items = [*overrides, f"trainer.run_dir={out_dir}", *([f"model.name_or_path={model}"] if model else [])]
-    config = load_config(run_dir / CONFIG_FILENAME, items)
+    config = load_research_config(run_dir / CONFIG_FILENAME, items)
     if config.algorithm.rollout_correction.mode == "auto":
         metrics = run_dir / "metrics.jsonl"
         if not metrics.is_file():
@@ -209,7 +211,9 @@ def replay_config(
             )
         corrected = any('"rollout_correction/' in line for line in metrics.read_text().splitlines())
         mode = "token_tis" if corrected else "none"
-        config = load_config(run_dir / CONFIG_FILENAME, [*items, f"algorithm.rollout_correction.mode={mode}"])
+        config = load_research_config(
+            run_dir / CONFIG_FILENAME, [*items, f"algorithm.rollout_correction.mode={mode}"]
+        )
     return config
 
 
@@ -236,9 +240,9 @@ def replay(
     Returns:
         ``{"steps", "run_dir", "last"}`` like ``Trainer.fit``.
     """
-    from stare_agent.entropy_bank import BANK_METRIC
     from stare_agent.metrics import StepLogger, rollout_metrics
-    from stare_agent.train.trainer import Trainer
+    from stare_research.entropy_bank import BANK_METRIC
+    from stare_research.trainer import ResearchTrainer
 
     check_overrides(overrides)
     files = step_files(run_dir, steps)
@@ -246,7 +250,7 @@ def replay(
     records = [json.loads(line) for line in logged.read_text().splitlines()] if logged.is_file() else []
     drawn_metrics = {int(r["step"]): r for r in records}
     config = replay_config(run_dir, out_dir, overrides, model=model)
-    trainer = Trainer(config, model=policy, tokenizer=tokenizer, engine=FrozenRollouts(run_dir))
+    trainer = ResearchTrainer(config, model=policy, tokenizer=tokenizer, engine=FrozenRollouts(run_dir))
     out = Path(config.trainer.run_dir)
     logger = None
     last: dict[str, Any] = {}
@@ -268,8 +272,8 @@ def replay(
             last.update(trainer.learn(drawn, kept))
             last["time/step_s"] = time.perf_counter() - t0
             every = config.trainer.eval_every
-            if config.trainer.entropy_bank and ((every and step % every == 0) or step == files[-1][0]):
-                last[BANK_METRIC] = trainer.bank_entropy()  # the run's bank, at the run's evaluation steps
+            if trainer.bank is not None and ((every and step % every == 0) or step == files[-1][0]):
+                last[BANK_METRIC] = trainer.bank.entropy(trainer)  # the run's bank, at its evaluation steps
             if logger is not None:
                 logger.log(step, last)
     finally:

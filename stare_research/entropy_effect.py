@@ -134,3 +134,36 @@ def mechanism_metrics(
         "stare/dH_first_order": ratio(dH_all, n),
         "stare/dH_first_order_L_plus": ratio(dH_plus, n),
     }
+
+
+def first_order_response(
+    advantages: Tensor,
+    weights: Tensor | None,
+    response_mask: Tensor,
+    logprobs: Tensor,
+    entropy: Tensor,
+    moments: Tensor,
+    *,
+    process_group: Any = None,
+) -> float:
+    """The update's one-step entropy response to first order, per unit logit step, as STARE's
+    ``stare/dH_first_order``: ``-(1/N) sum_t mask_t w_t A_t c_t`` over the whole batch on all ranks
+    (``c_t`` of :func:`first_order_entropy_effect`; ``weights`` None is all 1). It covers the
+    policy-gradient term only (KL-Cov's penalty is 0 at an on-policy step; the entropy bonus's own
+    push is not in it)."""
+    mask = response_mask.bool()
+    c = first_order_entropy_effect(logprobs, entropy, moments)
+    w = weights.detach().double() if weights is not None else torch.ones_like(c)
+    zero = torch.zeros((), dtype=torch.float64, device=c.device)
+    term = torch.where(mask, w * advantages.detach().double() * c, zero)
+    stats = torch.stack([-term.sum(), mask.sum().double()])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(stats, group=process_group)
+    return float(stats[0] / stats[1]) if float(stats[1]) else 0.0
+
+
+def raising_tokens(logp: Tensor, entropy: Tensor, moments: Tensor) -> Tensor:
+    """[B, T] bool: the tokens whose reinforcement raises their position's entropy at first order
+    (c_t < 0). This project's L+ rule ``top_k_raising`` passes it to ``stare_weights`` as
+    ``L_plus_filter``: of the paper's L+, only these get W."""
+    return first_order_entropy_effect(logp, entropy, moments) < 0

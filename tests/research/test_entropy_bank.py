@@ -1,4 +1,4 @@
-"""The held-out entropy bank (trainer.entropy_bank): sampled once by a fresh run, read again by a
+"""The held-out entropy bank (research.entropy_bank): sampled once by a fresh run, read again by a
 resumed run and by a replay, its teacher-forced entropy logged at each evaluation and equal to a
 direct computation from the model's logits."""
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stare_agent.config import load_config
 from stare_agent.engines.scripted import ScriptedEngine
-from stare_agent.entropy_bank import EntropyBankError, bank_entropy, read_bank
 from stare_agent.models import tiny_model
-from stare_agent.train.replay import replay
-from stare_agent.train.trainer import Trainer
+from stare_research.config import load_research_config
+from stare_research.entropy_bank import EntropyBankError, bank_entropy, read_bank
+from stare_research.replay import replay
+from stare_research.trainer import ResearchTrainer
 from tests.stare_agent.train.scripted_training import overrides, scripted_policy
 
 PROBLEMS = [
@@ -33,13 +33,15 @@ def problem_file(tmp_path):
 
 def _config(tmp_path: Path, problem_file: Path, steps: int, *extra: str):
     bank = [f"data.eval={problem_file}", "data.eval_limit=2", "data.eval_samples=2", "trainer.eval_every=1"]
-    bank += [f"trainer.entropy_bank={tmp_path / 'bank.jsonl'}", "trainer.save_rollouts=true"]
-    return load_config(None, overrides(str(tmp_path / "run"), str(problem_file), steps) + bank + list(extra))
+    bank += [f"research.entropy_bank={tmp_path / 'bank.jsonl'}", "trainer.save_rollouts=true"]
+    return load_research_config(
+        None, overrides(str(tmp_path / "run"), str(problem_file), steps) + bank + list(extra)
+    )
 
 
-def _fit(config, resume: bool = False) -> Trainer:
+def _fit(config, resume: bool = False) -> ResearchTrainer:
     model, tokenizer = tiny_model()  # seeded: the same start every time
-    trainer = Trainer(
+    trainer = ResearchTrainer(
         config,
         model=model,
         tokenizer=tokenizer,

@@ -7,9 +7,15 @@ import math
 import pytest
 import torch
 
-from stare_agent.algorithms.entropy_effect import first_order_entropy_effect, logit_grad_norm
 from stare_agent.algorithms.logprobs import chunked_logprobs_and_entropy, logprobs_and_entropy_from_logits
 from stare_agent.algorithms.stare import stare_weights
+from stare_research.entropy_effect import (
+    first_order_entropy_effect,
+    first_order_response,
+    logit_grad_norm,
+    mechanism_metrics,
+    raising_tokens,
+)
 
 # The example: p = (0.7, 0.2, 0.1), worked out by hand.
 #   H        = -(0.7 ln 0.7 + 0.2 ln 0.2 + 0.1 ln 0.1) = 0.24967 + 0.32189 + 0.23026 = 0.80182
@@ -88,9 +94,8 @@ def _two_sequences():
 def test_metrics_of_an_o1_update_by_hand():
     A, logp, mask, entropy, moments = _two_sequences()
     # P = 0.5: L+ = the top 1 of T+ = {argmax, rare} by surprisal: the rare token of row 0
-    weights, L_plus, _, m = stare_weights(
-        A, logp, mask, gate_on=True, P=0.5, W=1.1, Hbar=0.08, entropy=entropy, moments=moments
-    )
+    weights, L_plus, L_minus, m = stare_weights(A, logp, mask, gate_on=True, P=0.5, W=1.1, Hbar=0.08)
+    m |= mechanism_metrics(A, weights, L_plus, L_minus, mask, logp, entropy, moments)
     assert L_plus.tolist() == [[False, True], [False, False]]
     assert m["stare/L_plus_raising"] == 1.0 and m["stare/L_plus_s_above_H"] == 1.0
     assert math.isnan(m["stare/L_minus_lowering"])  # O1 selects no L-
@@ -106,9 +111,8 @@ def test_metrics_of_an_o1_update_by_hand():
 def test_the_batch_entropy_metric_and_the_first_order_one_disagree_on_the_argmax():
     A, logp, mask, entropy, moments = _two_sequences()
     # P = 1, C2: L+ = row 0 (argmax and rare), L- = row 1 (argmax and rare)
-    _, _, L_minus, m = stare_weights(
-        A, logp, mask, gate_on=True, variant="C2", P=1.0, Hbar=0.08, entropy=entropy, moments=moments
-    )
+    weights, L_plus, L_minus, m = stare_weights(A, logp, mask, gate_on=True, variant="C2", P=1.0, Hbar=0.08)
+    m |= mechanism_metrics(A, weights, L_plus, L_minus, mask, logp, entropy, moments)
     assert L_minus.tolist() == [[False, False], [True, True]]
     assert m["stare/L_plus_s_above_Hbar"] == 1.0  # both surprisals (0.357, 2.303) exceed 0.08 ...
     assert m["stare/L_plus_raising"] == 0.5  # ... but reinforcing the argmax lowers entropy
@@ -118,21 +122,32 @@ def test_the_batch_entropy_metric_and_the_first_order_one_disagree_on_the_argmax
 
 def test_top_k_raising_keeps_only_the_entropy_raising_part_of_l_plus():
     A, logp, mask, entropy, moments = _two_sequences()
-    weights, L_plus, _, m = stare_weights(
-        A,
-        logp,
-        mask,
-        gate_on=True,
-        P=1.0,
-        W=2.0,
-        entropy=entropy,
-        moments=moments,
-        L_plus_rule="top_k_raising",
+    raising = raising_tokens(logp, entropy, moments)
+    assert raising.tolist() == [[False, True], [False, True]]  # the argmax (c = 0.141 > 0) lowers entropy
+    weights, L_plus, L_minus, m = stare_weights(
+        A, logp, mask, gate_on=True, P=1.0, W=2.0, L_plus_filter=raising
     )
-    assert L_plus.tolist() == [[False, True], [False, False]]
+    assert L_plus.tolist() == [[False, True], [False, False]]  # of the paper's L+ = row 0, the rare token
     assert weights.tolist() == [[1.0, 2.0], [1.0, 1.0]]
-    assert m["stare/L_plus_raising"] == 1.0
-    with pytest.raises(ValueError, match="with_moments=True"):
-        stare_weights(A, logp, mask, gate_on=True, L_plus_rule="top_k_raising")
-    with pytest.raises(ValueError, match="L_plus_rule 'bogus' is unknown"):
-        stare_weights(A, logp, mask, gate_on=True, L_plus_rule="bogus")  # type: ignore[arg-type]
+    assert m["stare/L_plus"] == 1.0 and m["stare/frac_reweighted"] == 0.25
+    assert (
+        mechanism_metrics(A, weights, L_plus, L_minus, mask, logp, entropy, moments)["stare/L_plus_raising"]
+        == 1.0
+    )
+
+
+def test_first_order_response_by_hand():
+    # p = (0.7, 0.2, 0.1), the sampled token the first: H = 0.8018186, sum p^2 = 0.54,
+    # sum p^2 log p = -0.2621741, c = 0.7 (log 0.7 + H) - (-0.2621741 + 0.54 H) = 0.3116006 - 0.1708079
+    # = 0.1407927; A = 2 on the one model token: dH = -2 c
+    p = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
+    H = -(p * p.log()).sum()
+    moments = torch.stack([(p * p).sum(), (p * p * p.log()).sum()])
+    logp = torch.tensor([[0.7, 0.5]], dtype=torch.float64).log()  # the second is mask 0
+    entropy = torch.stack([H, torch.tensor(9.0, dtype=torch.float64)])[None]
+    mom = torch.stack([moments, torch.tensor([9.0, 9.0], dtype=torch.float64)])[None]
+    mask = torch.tensor([[1, 0]])
+    A = torch.tensor([[2.0, 5.0]], dtype=torch.float64)
+    assert first_order_response(A, None, mask, logp, entropy, mom) == pytest.approx(-2 * 0.1407927, abs=1e-6)
+    w = torch.tensor([[0.0, 1.0]], dtype=torch.float64)  # the token out of the gradient: no response
+    assert first_order_response(A, w, mask, logp, entropy, mom) == 0.0

@@ -11,15 +11,15 @@ from stare_agent.algorithms.entropy_control import (
     forking_token_weights,
     kl_cov_coefficients,
 )
-from stare_agent.algorithms.entropy_effect import first_order_entropy_effect
-from stare_agent.algorithms.entropy_response import (
+from stare_agent.algorithms.losses import policy_loss
+from stare_research.entropy_effect import first_order_entropy_effect
+from stare_research.entropy_response import (
     directional_derivative,
     loss_response,
     response_subsets,
     subset_responses,
     token_influence,
 )
-from stare_agent.algorithms.losses import policy_loss
 
 
 def _entropy(z: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ sampled: it moves with the policy and with what the policy chose to write (and, 
 which groups dynamic sampling kept). The bank holds that still: episodes sampled ONCE from a run's
 starting policy on held-out problems (``data.eval`` / ``data.eval_limit`` x ``data.eval_samples``,
 at the RL sampling temperature and top-p, ``env.temperature`` / ``env.top_p``, seeded by
-``trainer.seed``), saved to ``trainer.entropy_bank``; at each held-out evaluation the current policy
+``trainer.seed``), saved to ``research.entropy_bank``; at each held-out evaluation the current policy
 is teacher-forced on them and ``eval/bank_entropy`` is logged: the mean full-vocabulary entropy over
 the bank's model-written (mask-1) tokens, in float32 (no autocast), the quantity
 ``benchmarks/entropy_response.py`` calls ``H_bank`` and the STARE gate's H-bar on other tokens.
@@ -58,7 +58,16 @@ def sample_bank(
         progress=False,
         keep_trajectories=True,
     )
-    bank = [t for t in report.trajectories if any(t.loss_mask)]
+    return bank_of(report.trajectories)
+
+
+def bank_of(episodes: Sequence[Trajectory]) -> list[Trajectory]:
+    """The episodes of a bank: those with at least one model-written token.
+
+    Raises:
+        EntropyBankError: none has one.
+    """
+    bank = [t for t in episodes if any(t.loss_mask)]
     if not bank:
         raise EntropyBankError(
             "the entropy bank's episodes hold no model-written token: check data.eval and env.max_response_tokens"
@@ -85,11 +94,11 @@ def read_bank(path: str | Path) -> list[Trajectory]:
     """
     path = Path(path)
     if not path.is_file():
-        raise EntropyBankError(f"trainer.entropy_bank={path}: no such file")
+        raise EntropyBankError(f"research.entropy_bank={path}: no such file")
     bank = [Trajectory.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
     if not bank:
         raise EntropyBankError(
-            f"trainer.entropy_bank={path} holds no episode: delete it so that a fresh run samples it again"
+            f"research.entropy_bank={path} holds no episode: delete it so that a fresh run samples it again"
         )
     return bank
 
@@ -110,6 +119,7 @@ __all__ = [
     "BANK_METRIC",
     "EntropyBankError",
     "bank_config",
+    "bank_of",
     "bank_entropy",
     "read_bank",
     "sample_bank",

@@ -29,9 +29,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from stare_agent.config import ConfigError, RunConfig, load_config
+from stare_agent.config import ConfigError, RunConfig
 from stare_agent.intervals import format_ci, mean_sd_ci
 from stare_agent.metrics import gate_fraction
+from stare_research.config import load_research_config
 
 # name -> algorithm overrides. The last three are the paper's open-loop ablations: the gate forced
 # on (no off state) at W = 1.01, at the default W = 1.1, and at W = 2 (reported to diverge).
@@ -53,14 +54,14 @@ VARIANTS |= {
     "clip-cov": ("algorithm.name=clip_cov",),
     "forking-tokens": ("algorithm.name=forking_tokens",),
 }
-# The closed loop's best chance by the dynamics lab (docs/lab.md): O1 at W = 3 with the gate read on the
+# The closed loop's best chance by the dynamics lab (docs/research/lab.md): O1 at W = 3 with the gate read on the
 # whole draw (ours, not the paper's: the paper reads the kept groups).
 VARIANTS |= {
     "stare-o1-w3-drawn": (
         "algorithm.name=stare",
         "algorithm.variant=O1",
         "algorithm.W=3.0",
-        "algorithm.gate_batch=drawn",
+        "research.gate_batch=drawn",
     ),
 }
 # L+ restricted to the tokens whose reinforcement raises their position's entropy at first order (ours):
@@ -69,9 +70,9 @@ VARIANTS |= {
     "stare-o1-raising": (
         "algorithm.name=stare",
         "algorithm.variant=O1",
-        "algorithm.L_plus_rule=top_k_raising",
+        "research.L_plus_rule=top_k_raising",
     ),
-    "stare-o1-w3-drawn-raising": (*VARIANTS["stare-o1-w3-drawn"], "algorithm.L_plus_rule=top_k_raising"),
+    "stare-o1-w3-drawn-raising": (*VARIANTS["stare-o1-w3-drawn"], "research.L_plus_rule=top_k_raising"),
 }
 MAIN_VARIANTS = ("grpo-ds", "stare-o1", "stare-c2")
 SMOKE_VARIANTS = ("grpo-ds", "stare-o1")
@@ -91,7 +92,7 @@ SMOKE_OVERRIDES = (
     "sft.batch_size=4",
 )
 BAND = (0.3, 0.7)
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "study.yaml"
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "study.yaml"
 CSV_NAME, FIGURE_NAME, TABLE_NAME, START_NAME = "study.csv", "study.png", "study.md", "start_eval.json"
 BANK_NAME = "entropy_bank.jsonl"  # the held-out entropy bank every run of the study reads
 
@@ -142,7 +143,7 @@ def study(
         variants, seeds, ablation_seeds = variants or SMOKE_VARIANTS, 1, 1
         overrides = [*SMOKE_OVERRIDES, *overrides]
     pairs = plan(variants or list(PAPER_VARIANTS), seeds, ablation_seeds)
-    base = load_config(config_path, list(overrides))
+    base = load_research_config(config_path, list(overrides))
     root = Path(base.trainer.run_dir)
     root.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -152,7 +153,7 @@ def study(
             raise ConfigError(f"no study in {root} (no calibration.json): run `stare-agent study` first")
         if h_tgt_of_start is not None:
             overrides = relative_h_tgt(overrides, h_tgt_of_start, json.loads(calibration_path.read_text()))
-            base = load_config(config_path, list(overrides))
+            base = load_research_config(config_path, list(overrides))
         logged = [(v, s) for v, s in pairs if (root / "runs" / f"{v}-s{s}" / "metrics.jsonl").is_file()]
         report = write_report(
             root, logged, json.loads(calibration_path.read_text()), h_tgt=base.algorithm.H_tgt
@@ -168,7 +169,7 @@ def study(
     if engine != base.env.engine:
         print(f"[study] env.engine={base.env.engine} resolved to {engine} for every run", flush=True)
         overrides = [*overrides, f"env.engine={engine}"]
-        base = load_config(config_path, list(overrides))
+        base = load_research_config(config_path, list(overrides))
 
     sft_dir = cold_start(base, root)
     calibration = calibrate(base, sft_dir, root)
@@ -183,7 +184,7 @@ def study(
     )
     if h_tgt_of_start is not None:
         overrides = relative_h_tgt(overrides, h_tgt_of_start, calibration)
-        base = load_config(config_path, list(overrides))
+        base = load_research_config(config_path, list(overrides))
         print(
             f"[calibration] algorithm.H_tgt = {h_tgt_of_start:g} x the start's entropy "
             f"{calibration['entropy']:.4f} = {base.algorithm.H_tgt:g} for every run",
@@ -302,7 +303,7 @@ def run_config(
     from stare_agent.recipes.quickstart import usable_precision
 
     return usable_precision(
-        load_config(
+        load_research_config(
             config_path,
             [
                 *overrides,
@@ -310,7 +311,7 @@ def run_config(
                 f"trainer.seed={seed}",
                 f"trainer.run_dir={run_dir}",
                 f"model.name_or_path={sft_dir}",
-                f"trainer.entropy_bank={run_dir.parent.parent / BANK_NAME}",
+                f"research.entropy_bank={run_dir.parent.parent / BANK_NAME}",
             ],
         )
     )
@@ -323,10 +324,10 @@ def start_eval(
     as that seed's runs evaluate at their steps (the same Trainer code, engine, problems and sampling
     seeds): the step 0 of the figure; and the start's entropy on the held-out entropy bank, which the
     first seed's evaluation samples from the start (``STUDY/entropy_bank.jsonl``,
-    ``stare_agent.entropy_bank``). Kept in ``start_eval.json``; a seed evaluated earlier (with the
+    ``stare_research.entropy_bank``). Kept in ``start_eval.json``; a seed evaluated earlier (with the
     bank's entropy) is reused."""
-    from stare_agent.entropy_bank import BANK_METRIC
-    from stare_agent.train.trainer import Trainer
+    from stare_research.entropy_bank import BANK_METRIC
+    from stare_research.trainer import ResearchTrainer
 
     path = root / START_NAME
     done = _read_starts(root)
@@ -334,11 +335,13 @@ def start_eval(
         config = run_config(
             config_path, overrides, MAIN_VARIANTS[0], seed, sft_dir, root / "start" / f"s{seed}"
         )
-        trainer = Trainer(config)
+        trainer = ResearchTrainer(config)
         try:
             metrics = {f"eval/{k}": v for k, v in trainer.evaluate().metrics.items()}
-            trainer.load_bank()  # sampled from the start when the study has none yet
-            metrics[BANK_METRIC] = trainer.bank_entropy()
+            assert trainer.bank is not None  # run_config sets research.entropy_bank
+            metrics[BANK_METRIC] = trainer.bank.entropy(
+                trainer
+            )  # sampled from the start if the study has none
             if config.data.eval_greedy:
                 metrics.update(
                     {f"eval_greedy/{k}": v for k, v in trainer.evaluate(greedy=True).metrics.items()}
@@ -362,7 +365,7 @@ def train_one(
 ) -> Path:
     """Train one variant and seed from the SFT model; skip it when finished, resume it when interrupted."""
     from stare_agent.metrics import read_metrics
-    from stare_agent.train.trainer import Trainer
+    from stare_research.trainer import ResearchTrainer
 
     run_dir = root / "runs" / f"{variant}-s{seed}"
     config = run_config(config_path, overrides, variant, seed, sft_dir, run_dir)
@@ -371,7 +374,7 @@ def train_one(
         print(f"[{variant} seed {seed}] finished earlier: {run_dir}")
         return run_dir
     print(f"[{variant} seed {seed}] training {config.trainer.steps} steps in {run_dir}", flush=True)
-    trainer = Trainer(config, resume=True)
+    trainer = ResearchTrainer(config, resume=True)
     try:
         trainer.fit()
     finally:
@@ -390,7 +393,7 @@ def write_report(
     """``study.csv``, ``study.png`` and ``study.md`` from the runs' ``metrics.jsonl``, each run led by
     its seed's evaluation of the start as step 0 (``start_eval.json``, where the study made it)."""
     from stare_agent.metrics import read_metrics
-    from stare_agent.recipes.plots import plot_study
+    from stare_research.plots import plot_study
 
     starts = _read_starts(root)
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
@@ -510,7 +513,7 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     trained steps: not the start's step 0), the mean over steps of the fraction of tokens STARE
     reweighted, of its mean token weight (how far its update is from GRPO-ds's), of ``|L+|`` and of
     the fraction of L+ whose reinforcement raises entropy at first order, the update's gradient-mass
-    weighted mean weight and the first-order entropy change of its L+ part (algorithms.entropy_effect), and
+    weighted mean weight and the first-order entropy change of its L+ part (stare_research.entropy_effect), and
     the median seconds per step and of its log-prob pass (GRPO-ds takes none).
 
     >>> r = [{"step": 1, "entropy": 0.5}, {"step": 2, "entropy": 0.3}, {"step": 3, "entropy": 0.1}]

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from stare_agent.config import ConfigError
-from stare_agent.recipes.study import plan, relative_h_tgt, run_numbers, summarize, tables_from_csv
+from stare_research.study import plan, relative_h_tgt, run_numbers, summarize, tables_from_csv
 from tests.stare_agent.test_cli import cli
 
 
@@ -163,7 +163,7 @@ def test_summaries_over_seeds_give_the_sample_sd_and_a_t_interval():
 def test_engine_auto_is_resolved_once_for_every_run(tmp_path, monkeypatch):
     """A vLLM worker that fails to start in one run must not put that run on another engine."""
     from stare_agent.engines import vllm_engine
-    from stare_agent.recipes import study as study_module
+    from stare_research import study as study_module
 
     runs: list[list[str]] = []
     monkeypatch.setattr(vllm_engine, "pick_engine", lambda requested, python=None: "vllm")
@@ -195,7 +195,7 @@ def test_engine_auto_is_resolved_once_for_every_run(tmp_path, monkeypatch):
 
 
 def test_report_only_tabulates_the_runs_logged_so_far(tmp_path):
-    from stare_agent.recipes.study import study
+    from stare_research.study import study
 
     (tmp_path / "calibration.json").write_text(
         json.dumps(
@@ -219,8 +219,8 @@ def test_report_only_tabulates_the_runs_logged_so_far(tmp_path):
 
 
 def test_the_other_entropy_controls_are_arms_named_on_demand():
-    from stare_agent.config import load_config
-    from stare_agent.recipes.study import PAPER_VARIANTS, VARIANTS
+    from stare_research.config import load_research_config as load_config
+    from stare_research.study import PAPER_VARIANTS, VARIANTS
 
     others = {"entropy-bonus", "kl-cov", "clip-cov", "forking-tokens"}
     assert others <= set(VARIANTS) and not others & set(PAPER_VARIANTS)
@@ -229,14 +229,15 @@ def test_the_other_entropy_controls_are_arms_named_on_demand():
 
 
 def test_the_raising_l_plus_arms_differ_from_their_base_in_the_rule_alone():
-    from stare_agent.config import load_config
-    from stare_agent.recipes.study import PAPER_VARIANTS, VARIANTS
+    from stare_research.config import load_research_config as load_config
+    from stare_research.study import PAPER_VARIANTS, VARIANTS
 
     for arm, base in (("stare-o1-raising", "stare-o1"), ("stare-o1-w3-drawn-raising", "stare-o1-w3-drawn")):
         assert arm not in PAPER_VARIANTS
-        a, b = (load_config(None, list(VARIANTS[v])).algorithm for v in (arm, base))
-        assert (a.L_plus_rule, b.L_plus_rule) == ("top_k_raising", "top_k")
-        assert a.W == b.W and a.gate_batch == b.gate_batch and a.variant == b.variant == "O1"
+        a, b = (load_config(None, list(VARIANTS[v])) for v in (arm, base))
+        assert (a.research.L_plus_rule, b.research.L_plus_rule) == ("top_k_raising", "top_k")
+        assert a.algorithm == b.algorithm and a.research.gate_batch == b.research.gate_batch
+        assert a.algorithm.variant == "O1"
 
 
 def test_the_tables_of_a_study_csv_are_redone_with_todays_intervals(tmp_path):

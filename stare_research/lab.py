@@ -1,6 +1,6 @@
 """A dynamics lab: STARE and GRPO-ds on a seeded synthetic task, thousands of steps in minutes on a CPU.
 
-``python -m stare_agent.recipes.lab`` (docs/lab.md). The policy (``lab_policy``, ``--policy``) is a
+``python -m stare_research.lab`` (docs/research/lab.md). The policy (``lab_policy``, ``--policy``) is a
 table of logits, one next-token distribution per (context, position): ``theta [C, T, V]`` (64
 contexts x 12 positions x 16 tokens), initialised N(0, ``init_scale``^2); or a tiny causal
 transformer whose weights every position shares. A prompt is a context c; a response is T tokens
@@ -48,7 +48,6 @@ from stare_agent.algorithms import (
     entropy_gate,
     grpo_advantages,
     logprobs_and_entropy_from_logits,
-    mechanism_metrics,
     policy_loss,
     stare_weights,
 )
@@ -59,12 +58,15 @@ from stare_agent.algorithms.entropy_control import (
 )
 from stare_agent.config import AlgorithmConfig
 from stare_agent.intervals import format_ci, mean_sd_ci
-from stare_agent.recipes.lab_policy import TablePolicy, TransformerPolicy
+from stare_research.config import ResearchSection
+from stare_research.entropy_effect import mechanism_metrics, raising_tokens
+from stare_research.lab_policy import TablePolicy, TransformerPolicy
 
 DRIFT_EMA = 0.1  # drift task: weight of a context's latest group in its running accuracy
 
 
 _ALG = AlgorithmConfig()  # the run config's algorithm section: the lab's defaults, stated there once
+_RESEARCH = ResearchSection()  # and its research section
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,8 @@ class LabConfig:
     P: float = _ALG.P
     H_tgt: float = _ALG.H_tgt
     gate: str = _ALG.gate  # or "always_on" (open loop)
-    gate_batch: str = _ALG.gate_batch  # or "drawn" (ours: the gate reads the whole draw)
-    L_plus_rule: str = _ALG.L_plus_rule  # or "top_k_raising" (ours)
+    gate_batch: str = _RESEARCH.gate_batch  # or "drawn" (ours: the gate reads the whole draw)
+    L_plus_rule: str = _RESEARCH.L_plus_rule  # or "top_k_raising" (ours)
     contexts: int = 64
     positions: int = 12
     vocab: int = 16
@@ -247,7 +249,8 @@ def _update(
         gate_on = True
     weights = None
     if cfg.algorithm in ("stare", "random"):
-        weights, L_plus, _, metrics = stare_weights(
+        raising = raising_tokens(logp, entropy, moments) if cfg.L_plus_rule == "top_k_raising" else None
+        weights, L_plus, L_minus, metrics = stare_weights(
             A_tok,
             logp,
             mask,
@@ -257,10 +260,9 @@ def _update(
             W=cfg.W,
             M=cfg.M,
             scope="global",
-            entropy=entropy,
-            moments=moments,
-            L_plus_rule="top_k_raising" if cfg.L_plus_rule == "top_k_raising" else "top_k",
+            L_plus_filter=raising,
         )
+        metrics.update(mechanism_metrics(A_tok, weights, L_plus, L_minus, mask, logp, entropy, moments))
         if cfg.algorithm == "random":  # the same number of T+ tokens, chosen at random
             T_plus = (mask & (A_tok > 0)).flatten().nonzero().squeeze(1)
             pick = T_plus[torch.randperm(len(T_plus), generator=control)[: int(L_plus.sum())]]
@@ -542,9 +544,7 @@ def load_result(out: Path, task: str, merge: Sequence[Path] = ()) -> dict[str, A
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m stare_agent.recipes.lab", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m stare_research.lab", description=__doc__.split("\n")[0])
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     parser.add_argument("--tasks", default="mod7,drift")
     parser.add_argument("--policy", default="table", choices=("table", "transformer"))

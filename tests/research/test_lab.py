@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stare_agent.algorithms import logprobs_and_entropy_from_logits
-from stare_agent.recipes.lab import (
+from stare_research.lab import (
     VARIANTS,
     LabConfig,
     format_table,

@@ -15,8 +15,8 @@ from stare_agent import cli
 from stare_agent.config import load_config
 from stare_agent.engines.scripted import ScriptedEngine
 from stare_agent.models import tiny_model
-from stare_agent.train.replay import ReplayError, replay
 from stare_agent.train.trainer import Trainer
+from stare_research.replay import ReplayError, replay
 from tests.stare_agent.train.scripted_training import overrides, scripted_policy
 
 PROBLEMS = [
