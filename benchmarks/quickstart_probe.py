@@ -58,6 +58,7 @@ from stare_agent.evaluation import evaluate
 from stare_agent.metrics import policy_entropy
 from stare_agent.models import load_policy
 from stare_agent.recipes.quickstart import usable_precision
+from stare_agent.resources import open_sandboxes
 from stare_envs.engine import SamplingParams
 from stare_envs.problems import eval_problems
 from stare_sandbox import SandboxPool
@@ -227,7 +228,7 @@ def main() -> None:
         flush=True,
     )
     rows: list[tuple[str, Setting | None, dict[str, float]]] = []
-    pool = base_config.sandbox.make_pool()
+    pool = open_sandboxes(base_config.sandbox)
     try:
         if not args.skip_baseline:
             set_seed(base_config.trainer.seed)

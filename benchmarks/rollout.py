@@ -432,10 +432,11 @@ def bench_draw(args: argparse.Namespace) -> None:
     """One RL draw of the quickstart configuration: old path vs vLLM lockstep vs vLLM continuous."""
     import zlib
 
-    from stare_agent.config import load_config, train_source
+    from stare_agent.config import load_config
     from stare_agent.engines import start_engine
     from stare_agent.models import load_policy
     from stare_agent.recipes.quickstart import usable_precision
+    from stare_agent.resources import open_sandboxes, train_source
     from stare_envs.engine import SamplingParams
     from stare_envs.problems import ProblemStream
     from stare_envs.registry import make_tool_envs
@@ -455,7 +456,7 @@ def bench_draw(args: argparse.Namespace) -> None:
     vllm_name, vllm = start_engine(config, model, tokenizer, name="vllm", autocast=True)
     paths = {"old: transformers, lockstep": old, "vLLM, lockstep": _Lockstep(vllm), "vLLM, continuous": vllm}
     n = data.prompts_per_step * G
-    pool = config.sandbox.make_pool(n)
+    pool = open_sandboxes(config.sandbox, n)
     envs = make_tool_envs(env.id, n, **env.env_kwargs(), pool=pool, tokenizer=tokenizer)
     stream = ProblemStream(train_source(config), seed=config.trainer.seed, difficulty=data.difficulty)
     results: dict[str, list[tuple[float, int]]] = {name: [] for name in paths}

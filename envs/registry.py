@@ -90,7 +90,7 @@ def make_benchmark_env(
 
 
 def register_tool_env(
-    env_id: str, *, entry_point: str | Callable[..., gymnasium.Env] = "envs:ToolEnv", **kwargs: Any
+    env_id: str, *, entry_point: str | Callable[..., gymnasium.Env] = "stare_envs:ToolEnv", **kwargs: Any
 ) -> None:
     """Register a tool environment under ``env_id`` (``gymnasium.make(env_id)`` then builds it).
 

@@ -89,9 +89,10 @@ EVAL_FLAGS = {
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from stare_agent.config import eval_source, load_config
+    from stare_agent.config import load_config
     from stare_agent.evaluation import evaluate_config
     from stare_agent.provenance import model_settings
+    from stare_agent.resources import eval_source, make_env
     from stare_envs.problems import eval_problems
 
     _check_eval_flags(args)
@@ -101,7 +102,7 @@ def _eval(args: argparse.Namespace) -> int:
     config = load_config(args.config, [*args.overrides, *flags])
     data, env = config.data, config.env
     # fail on a bad env or problem source before loading a model (the env leases no sandbox yet)
-    with env.make(evaluation=True) as probe:
+    with make_env(env, evaluation=True) as probe:
         print(f"env: {env.id} (format {probe.format.name}, tools: {', '.join(probe.tools)})")
     problems = eval_problems(
         eval_source(config), seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit

@@ -40,13 +40,9 @@ from stare_agent.options import (
     check_rollout_correction,
     check_stare_options,
 )
-from stare_envs.problems import Problem
-from stare_envs.problems.selection import source_name
-from stare_envs.registry import make_tool_env, registered_problems
 from stare_envs.tool_env import LIMITS, broken_limit
-from stare_sandbox import SandboxPool, open_pool
 from stare_sandbox.config import BACKENDS, Backend, SandboxConfig
-from stare_sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
+from stare_sandbox.ray_fleet.config import RayFleetConfig
 
 CONFIG_FILENAME = "config.yaml"
 ALGORITHMS = ("grpo", "grpo_ds", "stare", "kl_cov", "clip_cov", "entropy_bonus", "forking_tokens")
@@ -164,13 +160,6 @@ class SandboxSection:
     def __post_init__(self) -> None:
         _one_of("sandbox", "backend", self.backend, SANDBOX_BACKENDS)
         _positive("sandbox", self, "pool_size")
-
-    def make_pool(self, size: int | None = None) -> SandboxPool | RaySandboxFleet:
-        """What this section's episodes lease sandboxes from (``stare_sandbox.open_pool``): ``size`` (default
-        ``pool_size``) warm sandboxes of ``backend`` with ``limits``, or the client of the Ray fleet
-        ``ray`` describes. The one way the trainer, ``stare-agent eval``, the quickstart and the study
-        build theirs; close it when done."""
-        return open_pool(self.pool_size if size is None else size, self.backend, self.limits, fleet=self.ray)
 
 
 @dataclass
@@ -323,10 +312,6 @@ class EnvConfig:
         if evaluation:
             out.update(self.eval_kwargs)
         return out
-
-    def make(self, *, evaluation: bool = False, **runtime: Any) -> Any:
-        """The env of ``id`` with :meth:`env_kwargs` and ``runtime`` (``pool``, ``tokenizer``, ...)."""
-        return make_tool_env(self.id, **self.env_kwargs(evaluation=evaluation), **runtime)
 
 
 ENV_KWARG_FIELDS = (
@@ -995,41 +980,3 @@ def resolve_precision(precision: str, device_type: str) -> str:
             "deepspeed.precision=bf16 needs a GPU: use deepspeed.precision=bf16-autocast, fp32 or auto on CPU"
         )
     return precision
-
-
-DEFAULT_TRAIN_PROBLEMS = "mixed"
-_said: set[tuple[str, str]] = set()
-
-
-def train_source(config: RunConfig) -> str | Sequence[Problem]:
-    """The training problems: ``data.train`` when set, else the problems ``env.id`` was registered
-    with (``register_tool_env(..., problems=...)``), else ``mixed`` (see :func:`_configured_or_registered`)."""
-    source = _configured_or_registered(config, "train")
-    return DEFAULT_TRAIN_PROBLEMS if source is None else source
-
-
-def eval_source(config: RunConfig) -> str | Sequence[Problem] | None:
-    """The validation problems: ``data.eval`` when set, else the problems ``env.id`` was registered
-    with, else None."""
-    return _configured_or_registered(config, "eval")
-
-
-def _configured_or_registered(config: RunConfig, split: str) -> str | Sequence[Problem] | None:
-    """``data.<split>``, else the env's registered problems; when both are set the config wins and one
-    line (once per process and env) says so."""
-    configured = config.data.train if split == "train" else config.data.eval
-    registered = registered_problems(config.env.id)
-    if configured is None:
-        return registered
-    if (
-        registered is not None
-        and source_name(registered) != repr(configured)
-        and (config.env.id, split) not in _said
-    ):
-        _said.add((config.env.id, split))
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(
-                f"[data] data.{split}={configured!r} is used, not the problems {config.env.id} was registered "
-                f"with ({source_name(registered)}): leave data.{split} unset to use those"
-            )
-    return configured

@@ -303,17 +303,17 @@ def evaluate_config(
     """:func:`evaluate` as a run config says: the one way the trainer, ``stare-agent eval`` and the
     quickstart evaluate.
 
-    ``data.eval`` problems (else the env's registered ones: ``stare_agent.config.eval_source``; seeded
+    ``data.eval`` problems (else the env's registered ones: ``stare_agent.resources.eval_source``; seeded
     by ``trainer.seed``, ``data.difficulty``, at most ``data.eval_limit``) unless ``problems`` are given;
     ``data.eval_samples`` episodes per problem at ``data.eval_temperature`` / ``data.eval_top_p``
     (``greedy``: one temperature-0 episode), seeded by ``trainer.seed``; the env ``env.id`` with
     ``env.env_kwargs(evaluation=True)`` and ``env.max_response_tokens``; sandboxes leased from ``pool``,
     else from one of ``batch_size`` this call builds from the ``sandbox`` section
-    (``SandboxSection.make_pool``) and closes. ``options`` go to :func:`evaluate` (``out_dir``,
+    (``stare_agent.resources.open_sandboxes``) and closes. ``options`` go to :func:`evaluate` (``out_dir``,
     ``resume``, ``save_episodes``, ``progress``, ``keep_trajectories``; ``settings``, e.g. the model's
     identity, join the data source and sandbox limits the config gives).
     """
-    from stare_agent.config import eval_source
+    from stare_agent.resources import eval_source, open_sandboxes
     from stare_envs.problems import eval_problems
 
     data, env, seed = config.data, config.env, config.trainer.seed
@@ -323,7 +323,7 @@ def evaluate_config(
     samples = 1 if greedy else data.eval_samples
     own_pool = pool is None
     if own_pool:
-        pool = config.sandbox.make_pool(max(min(batch_size, len(problems) * samples), 1))
+        pool = open_sandboxes(config.sandbox, max(min(batch_size, len(problems) * samples), 1))
     try:
         return evaluate(
             problems,

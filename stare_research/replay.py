@@ -158,7 +158,7 @@ def step_files(run_dir: str | Path, steps: int | None = None) -> list[tuple[int,
 def load_step(path: str | Path) -> tuple[list[Any], list[Any]]:
     """One saved step as the trainer's groups: ``(drawn, kept)``, both in draw order. A group number
     with no saved episode (every episode lost to the sandbox) is an empty group, as in the run."""
-    from stare_agent.train.trainer import Group
+    from stare_agent.train.rollout_phase import Group
 
     by_group: dict[int, list[dict[str, Any]]] = defaultdict(list)
     with open(path) as f:
@@ -267,7 +267,7 @@ def replay(
             trainer.step = step
             drawn, kept = load_step(path)
             episodes = [t for g in drawn for t in g.trajectories]
-            last = rollout_metrics(episodes, trainer._model_texts(episodes))  # the run's rollout metrics
+            last = rollout_metrics(episodes, trainer.model_texts(episodes))  # the run's rollout metrics
             last.update({k: v for k, v in drawn_metrics.get(step, {}).items() if k.startswith(DRAW_METRICS)})
             last.update(trainer.learn(drawn, kept))
             last["time/step_s"] = time.perf_counter() - t0

@@ -242,12 +242,12 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     import torch
 
-    from stare_agent.config import train_source
     from stare_agent.engines import TransformersEngine
     from stare_agent.evaluation import evaluate
     from stare_agent.metrics import policy_entropy
     from stare_agent.models import load_policy
     from stare_agent.recipes.quickstart import usable_precision
+    from stare_agent.resources import open_sandboxes, train_source
     from stare_envs.engine import SamplingParams
     from stare_envs.problems import ProblemStream
 
@@ -259,7 +259,7 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
         data.prompts_per_draw or data.prompts_per_step
     )
     t0 = time.perf_counter()
-    pool = config.sandbox.make_pool()
+    pool = open_sandboxes(config.sandbox)
     try:
         report = evaluate(
             problems,

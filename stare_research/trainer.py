@@ -22,7 +22,8 @@ from stare_agent.algorithms import entropy_gate
 from stare_agent.config import RunConfig
 from stare_agent.train.batch import collate
 from stare_agent.train.diagnostics import PreUpdate
-from stare_agent.train.trainer import Group, Trainer
+from stare_agent.train.rollout_phase import Group
+from stare_agent.train.trainer import Trainer
 from stare_envs.trajectory import Trajectory
 from stare_research.config import ResearchSection
 from stare_research.diagnostics import EntropyBank, MechanismMetrics

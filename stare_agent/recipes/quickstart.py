@@ -21,6 +21,7 @@ from typing import Any
 from stare_agent.config import RunConfig, load_config
 from stare_agent.engines import cpu_has_bf16
 from stare_agent.metrics import gate_fraction, json_ready
+from stare_agent.resources import open_sandboxes
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 
@@ -137,7 +138,7 @@ def _run(
     problems = eval_problems(
         data.eval or "mixed", seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
     )
-    pool = config.sandbox.make_pool()
+    pool = open_sandboxes(config.sandbox)
     try:
 
         def run_eval(tag: str, model_path: str) -> dict[str, float]:
@@ -187,7 +188,7 @@ def _run(
     gate_activity, skipped_steps = gate_fraction(steps)
 
     # 6. after
-    pool = config.sandbox.make_pool()
+    pool = open_sandboxes(config.sandbox)
     try:
         last = latest_checkpoint(run_dir)  # the trainer saves the last step's policy
         after = run_eval("after", str(last / "hf") if last else f"{run_dir} (RL policy, no checkpoint)")

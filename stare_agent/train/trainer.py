@@ -18,6 +18,9 @@ With ``trainer.max_staleness = k > 0`` steps 1-3 of later steps run on a produce
 steps 4-9 of this one run here (``train.async_rollouts``): every model token is labelled with the
 policy version that sampled it and is at most k updates stale when trained.
 
+Steps 1-3 are ``train.rollout_phase`` (what a step draws, plays and keeps), step 9 and the engine the
+rollouts sample with are ``train.rollout_engine``; steps 4-8 read here, in the paper's order.
+
 Distributed (torchrun / the deepspeed launcher, gloo on CPU, NCCL on GPU): every rank draws the
 same prompt batch and plays the groups it owns (group g on rank g mod world); rewards and
 trajectories are exchanged so that dynamic sampling, advantages and the kept groups agree on all
@@ -35,7 +38,6 @@ import time
 import warnings
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -48,7 +50,6 @@ from stare_agent.algorithms import (
     AdaptiveController,
     broadcast_to_tokens,
     clip_cov_weights,
-    dynamic_sampling,
     entropy_gate,
     forking_token_weights,
     gate,
@@ -56,57 +57,24 @@ from stare_agent.algorithms import (
     kl_cov_coefficients,
     stare_weights,
 )
-from stare_agent.config import ConfigError, RunConfig, eval_source, train_source
+from stare_agent.config import ConfigError, RunConfig
 from stare_agent.metrics import StepLogger, ToolHealth, ToolHealthAlarm, rollout_metrics
+from stare_agent.resources import eval_source
 from stare_agent.train import checkpoints
-from stare_agent.train.async_rollouts import RolloutProducer, VersionedEngine, versioned
+from stare_agent.train.async_rollouts import RolloutProducer
 from stare_agent.train.batch import collate
 from stare_agent.train.deepspeed_setup import load_training_policy
 from stare_agent.train.diagnostics import Diagnostics, PreUpdate
 from stare_agent.train.learner import Learner
-from stare_envs.engine import SamplingParams
-from stare_envs.problems import Problem, ProblemStream
-from stare_envs.registry import check_env_id, make_tool_envs
-from stare_envs.rollout import RolloutRunner
-from stare_envs.tool_env import ToolEnv
+from stare_agent.train.rollout_engine import RolloutEngine
+from stare_agent.train.rollout_phase import Group, RolloutPhase, Rollouts, problem_stream
+from stare_envs.registry import check_env_id
 from stare_envs.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from stare_agent.options import Scope, Variant
 
-
-@dataclass
-class Group:
-    """The G episodes of one prompt. ``rewards`` are known on every rank; ``trajectories`` too once
-    exchanged (``global_ids`` are the episodes' batch-wide ids, used as STARE's tie-break key).
-    Episodes lost to an infrastructure failure (``finish_reason == "failed"``) are left out of all
-    three and counted in ``failed``; with ``data.on_failed_episode=drop_group`` (the default) the
-    other episodes of such a group are left out too (``dropped``), so it trains nothing."""
-
-    index: int
-    problem: Problem | None  # None in a replay: saved episodes keep only the problem's id
-    rewards: list[float]
-    trajectories: list[Trajectory] = field(default_factory=list)
-    global_ids: list[int] = field(default_factory=list)
-    failed: int = 0
-    dropped: bool = False
-
-
-@dataclass
-class Rollouts:
-    """One step's steps 1-3 as they reach the learner: its groups in draw order (``drawn``), those
-    dynamic sampling kept, every episode played (failed ones included, for tool health), the problem
-    stream's position after the step's draws (what a checkpoint stores once the step is trained)
-    and the seconds they took (``reward_s``: answer checking, part of ``rollout_s``)."""
-
-    step: int
-    drawn: list[Group]
-    kept: list[Group]
-    ds_metrics: dict[str, float]
-    played: list[Trajectory]
-    position: int
-    rollout_s: float
-    reward_s: float
+__all__ = ["Group", "Rollouts", "Trainer", "check_run_dir"]
 
 
 class Trainer:
@@ -149,12 +117,7 @@ class Trainer:
             from stare_agent.engines.vllm_engine import resolve_vllm_python
 
             resolve_vllm_python(config.env.vllm.python)
-        self.stream = ProblemStream(
-            train_source(config),
-            seed=config.trainer.seed,
-            difficulty=config.data.difficulty,
-            dedupe=config.data.dedupe,
-        )
+        stream = problem_stream(config)  # a bad problem source fails here, before the model loads
         self._eval_source = eval_source(config)
         if model is None or tokenizer is None:
             model, tokenizer = load_training_policy(config)  # partitioned at load under ZeRO-3
@@ -170,33 +133,44 @@ class Trainer:
         learner_tokenizer = copy.deepcopy(tokenizer) if self.max_staleness else tokenizer
         self.learner = Learner.from_config(model, learner_tokenizer, config)
         self.rank, self.world = self.learner.rank, self.learner.world_size
-        self._owns_engine = engine is None  # an engine we started (a vLLM worker) is ours to close
-        self._engine: Any = self._own_weights(engine) if engine is not None else self._make_engine()
-        self._versioned: VersionedEngine | None = None
-        self.policy_version = 0  # the step whose update produced the learner's weights
+        self.rollout_engine = RolloutEngine(config, self.learner, tokenizer, engine=engine, rank=self.rank)
+        # the producer's reward/trajectory exchange, apart from the learner's collectives
+        group = dist.new_group(backend="gloo") if self.max_staleness and self.world > 1 else None
+        self.rollouts = RolloutPhase(
+            config,
+            tokenizer,
+            lambda: self.rollout_engine.versioned,
+            rank=self.rank,
+            world=self.world,
+            process_group=group,
+            stream=stream,
+        )
         self._producer: RolloutProducer[Rollouts] | None = None
         self._rollout_lock = threading.Lock()  # one step's rollouts, or an evaluation, at a time
-        # the producer's reward/trajectory exchange, apart from the learner's collectives
-        self._rollout_group: Any = (
-            dist.new_group(backend="gloo") if self.max_staleness and self.world > 1 else None
-        )
-        if self.rank == 0 and self.stream.counts:
-            c = self.stream.counts
+        if self.rank == 0 and stream.counts:
+            c = stream.counts
             print(
-                f"data.train: {c['rows']} rows -> {len(self.stream.problems)} problems "
+                f"data.train: {c['rows']} rows -> {len(stream.problems)} problems "
                 f"({c['duplicates']} repeats dropped, answer-format instructions removed from {c['unwrapped']})"
             )
         self.controller = AdaptiveController.from_config(config.algorithm)
         self.step = 0
-        self.sync_s = 0.0  # seconds spent handing weights to the engine (time/sync_s per step)
-        self._pool: Any = None
         self._played: list[Trajectory] = []  # this step's episodes, failed ones included (tool health)
         self._tool_health = ToolHealth()
         self._tool_alarm = ToolHealthAlarm(
             config.trainer.max_infra_error_rate, config.trainer.infra_error_window
         )
-        self._envs: list[ToolEnv] = []
-        self._consumed_position = self.stream.position  # after the last trained step's draws
+        self._consumed_position = stream.position  # after the last trained step's draws
+
+    @property
+    def engine(self) -> Any:
+        """The rollout engine (``RolloutEngine.engine``)."""
+        return self.rollout_engine.engine
+
+    @property
+    def policy_version(self) -> int:
+        """The step whose update produced the weights the rollout engine samples from."""
+        return self.rollout_engine.version
 
     # ------------------------------------------------------------------ the loop
 
@@ -206,7 +180,7 @@ class Trainer:
         if self.resume and self._restore():
             # The engine still holds the weights it was built with: give it the restored policy
             # before the first rollout (and any evaluation) samples from it.
-            self._sync_engine()
+            self.rollout_engine.sync(self.step)
         if self.rank == 0:
             self.config.save(self.run_dir)
         for hook in self.diagnostics:
@@ -255,7 +229,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One RL step in the paper's order (see the module docstring); returns its metrics."""
         t0 = time.perf_counter()
-        busy0 = self._rollout_engine.busy_s()
+        busy0 = self.rollout_engine.versioned.busy_s()
         # 1-3. rollout, reward (answers are verified inside env.step), dynamic sampling: played here,
         # or taken from the producer thread (trainer.max_staleness > 0)
         rollouts = self._next_rollouts()
@@ -269,54 +243,38 @@ class Trainer:
         learned = self.learn(drawn, kept)
         metrics.update(learned)
         if "skip_reason" in learned:
-            self._publish_version()  # the policy after this step: unchanged
+            self.rollout_engine.publish(self.step)  # the policy after this step: unchanged
             return metrics
         # 9. sync
         if not learned.get("skipped"):
-            self._sync_engine()
-        self._publish_version()
-        metrics["time/update_s"] += self.sync_s
-        metrics["time/sync_s"], self.sync_s = self.sync_s, 0.0  # part of time/update_s
+            self.rollout_engine.sync(self.step)
+        self.rollout_engine.publish(self.step)
+        sync_s, self.rollout_engine.sync_s = self.rollout_engine.sync_s, 0.0
+        metrics["time/update_s"] += sync_s
+        metrics["time/sync_s"] = sync_s  # part of time/update_s
         step_s = time.perf_counter() - t0
         metrics["time/step_s"] = step_s
         metrics["time/learner_idle_frac"] = t_wait / step_s  # waiting for rollouts
-        engine_busy = self._rollout_engine.busy_s() - busy0
+        engine_busy = self.rollout_engine.versioned.busy_s() - busy0
         metrics["time/engine_idle_frac"] = max(0.0, 1.0 - engine_busy / step_s)
         return metrics
 
     def _next_rollouts(self) -> Rollouts:
         """This step's rollouts: played now (max_staleness 0), or the producer's (started here)."""
         if not self.max_staleness:
-            return self._produce(self.step)
+            return self.rollouts.play(self.step)
         if self._producer is None or not self._producer.first <= self.step <= self._producer.last:
             if self._producer is not None:
                 self._producer.close()
             self._producer = RolloutProducer(
-                self._produce,
-                self._rollout_engine,
+                self.rollouts.play,
+                self.rollout_engine.versioned,
                 first=self.step,
                 last=max(self.config.trainer.steps, self.step),
                 max_staleness=self.max_staleness,
                 lock=self._rollout_lock,
             )
         return self._producer.take(self.step)
-
-    def _produce(self, step: int) -> Rollouts:
-        """Steps 1-3 of step ``step``, on whichever thread plays them."""
-        t0 = time.perf_counter()
-        checked = sum(env.check_time_s for env in self._envs)
-        played: list[Trajectory] = []
-        drawn, kept, ds_metrics = self._draw_groups(step, played)
-        return Rollouts(
-            step,
-            drawn,
-            kept,
-            ds_metrics,
-            played,
-            self.stream.position,
-            time.perf_counter() - t0,
-            sum(env.check_time_s for env in self._envs) - checked,
-        )
 
     def _staleness(self, kept: list[Group]) -> dict[str, float]:
         """``async/staleness_mean`` (token mean) and ``_max`` of the kept groups' model tokens: how many
@@ -362,7 +320,11 @@ class Trainer:
         # 8. update
         t2 = time.perf_counter()
         update_metrics = self.learner.update(
-            trajectories, A, weights, rollout_correction=self.rollout_correction_mode(), kl_coef=kl_coef
+            trajectories,
+            A,
+            weights,
+            rollout_correction=self.rollout_engine.correction_mode(),
+            kl_coef=kl_coef,
         )
         t_update = time.perf_counter() - t2
         if gated is None:  # not STARE: the gate STARE would have seen, logged for comparison
@@ -387,64 +349,7 @@ class Trainer:
             "time/update_s": t_update,
         }
 
-    # ------------------------------------------------------------------ the phases
-
-    def _draw_groups(
-        self, step: int, played: list[Trajectory]
-    ) -> tuple[list[Group], list[Group], dict[str, float]]:
-        """1-3 of step ``step``. Draw prompt batches and play G episodes per prompt (rewarded by the
-        environment; every episode, failed ones included, added to ``played``) until dynamic sampling
-        keeps ``data.prompts_per_step`` groups (capped): (drawn, kept, metrics)."""
-        data = self.config.data
-        drawn: list[Group] = []
-        per_draw = data.prompts_per_draw or data.prompts_per_step
-
-        def draw_batch() -> list[Group]:
-            groups = self._rollout_groups(
-                self.stream.take(per_draw), draw=len(drawn) // per_draw + 1, step=step, played=played
-            )
-            drawn.extend(groups)
-            return [g for g in groups if g.rewards]  # one dropped for a failed episode has none left
-
-        if not data.dynamic_sampling:
-            return drawn, [g for g in draw_batch() if g.trajectories][: data.prompts_per_step], {}
-        kept, ds_metrics = dynamic_sampling(
-            draw_batch,
-            target_groups=data.prompts_per_step,
-            max_batches=data.max_sampling_batches,
-            on_shortfall="raise" if data.on_short_batch == "raise" else "keep",
-        )
-        return drawn, kept, ds_metrics
-
-    def _rollout_metrics(
-        self, drawn: list[Group], kept: list[Group], ds_metrics: dict[str, float], t_rollout: float
-    ) -> dict[str, Any]:
-        """The step's episodes saved (``trainer.save_rollouts``) and measured: rollout, dynamic
-        sampling and tool-health metrics; infrastructure failures printed on rank 0."""
-        episodes = [t for g in drawn for t in g.trajectories]
-        trained = {id(g) for g in kept}
-        self._save_rollouts(
-            f"step_{self.step:05d}",
-            episodes,
-            [
-                {"group": n, "trained": id(g) in trained, "global_id": gid}
-                for n, g in enumerate(drawn)
-                for gid in g.global_ids
-            ],
-        )
-        metrics: dict[str, Any] = {**rollout_metrics(episodes, self._model_texts(episodes)), **ds_metrics}
-        metrics["time/rollout_s"] = t_rollout
-        metrics["failed_episodes"] = sum(g.failed for g in drawn)
-        self._tool_health = ToolHealth.of(self._played)  # the same on every rank: from gathered episodes
-        metrics.update(self._tool_health.metrics())
-        metrics["dropped_groups"] = sum(g.dropped for g in drawn)
-        if metrics["failed_episodes"] and self.rank == 0:
-            tqdm.write(
-                f"step {self.step}: {metrics['failed_episodes']} episodes failed in the sandbox infrastructure "
-                f"after their retries: {metrics['dropped_groups']} groups dropped whole (data.on_failed_episode="
-                f"{self.config.data.on_failed_episode})"
-            )
-        return metrics
+    # ------------------------------------------------------------------ steps 4-8
 
     def _skip(self, drawn: list[Group], kept: list[Group]) -> dict[str, Any] | None:
         """The metrics of a step with nothing to train, said on rank 0 (dynamic sampling fell short
@@ -469,6 +374,24 @@ class Trainer:
         else:
             return None
         return {"skipped": 1, "skip_reason": reason, "entropy": float("nan"), "gate_on": 0}
+
+    def _nothing_to_train(self, drawn: list[Group], kept: list[Group]) -> str:
+        """Why a step has fewer groups to train than ranks, in the user's terms, with what to change."""
+        data = self.config.data
+        if not any(g.trajectories for g in drawn):
+            return "every episode of the step was lost to sandbox failures: run `stare-agent sandbox doctor`"
+        if data.dynamic_sampling and self.world == 1:
+            return (
+                f"none of the {len(drawn)} prompts drawn had samples that scored differently (all right or all "
+                "wrong), so every GRPO advantage is 0 and there is nothing to learn from: if this repeats, "
+                "match the problems to the model (data.train, data.difficulty) or draw more "
+                "(data.max_sampling_batches, data.prompts_per_draw)"
+            )
+        groups = "groups with reward variance" if data.dynamic_sampling else "groups with episodes"
+        return (
+            f"{len(kept)} {groups} for {self.world} ranks, and every rank needs one: raise "
+            "data.prompts_per_step or data.max_sampling_batches"
+        )
 
     def _advantages(
         self, kept: list[Group]
@@ -587,8 +510,6 @@ class Trainer:
             self.controller.update(Hbar)
         return gate_on, Hbar, gate_metrics
 
-    # ------------------------------------------------------------------ pieces
-
     def _entropy_control(
         self, trajectories: list[Trajectory], A: torch.Tensor, sequence_ids: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, float]]:
@@ -634,206 +555,45 @@ class Trainer:
             )
         return weights, None, {**metrics, **self._diagnose(pre, weights=weights)}
 
-    def _rollout_groups(
-        self,
-        problems: list[Problem],
-        *,
-        draw: int,
-        step: int | None = None,
-        played: list[Trajectory] | None = None,
-    ) -> list[Group]:
-        """Play G episodes per problem (this rank's groups) for step ``step`` (default: the current
-        one), then share rewards and trajectories; every episode is added to ``played``."""
-        G = self.config.data.samples_per_prompt
-        mine = [i for i in range(len(problems)) if i % self.world == self.rank]
-        jobs = [(i, k) for i in mine for k in range(G)]
-        runner = self._runner(draw, self.step if step is None else step)
-        # Episodes hold a leased sandbox from reset to end: play them in waves of the pool's size.
-        wave = self.config.sandbox.pool_size
-        envs = self._get_envs(min(wave, len(jobs)))
-        trajectories: list[Trajectory] = []
-        for start in range(0, len(jobs), wave):
-            chunk = jobs[start : start + wave]
-            trajectories += runner.run(
-                envs[: len(chunk)],
-                options=[{"problem": problems[i]} for i, _ in chunk],
-                episode_keys=[f"{i}/{k}" for i, k in chunk],  # one sampling stream per episode
-            )
-        local = {i: trajectories[n * G : (n + 1) * G] for n, i in enumerate(mine)}
-        if self.world > 1:
-            gathered: list[Any] = [None] * self.world
-            dist.all_gather_object(
-                gathered, {i: [t.to_dict() for t in ts] for i, ts in local.items()}, group=self._rollout_group
-            )
-            local = {i: [Trajectory.from_dict(d) for d in ts] for part in gathered for i, ts in part.items()}
-        if played is not None:
-            played += [t for i in sorted(local) for t in local[i]]
-        base = (draw - 1) * len(problems) * G
-        groups = []
-        for i, p in enumerate(problems):
-            ok = [
-                (t, base + i * G + k)
-                for k, t in enumerate(local[i])
-                if t.info.get("finish_reason") != "failed"
-            ]
-            failed = G - len(ok)
-            drop = failed > 0 and self.config.data.on_failed_episode == "drop_group"
-            if drop:  # a group short of an episode would bias its group-relative advantages
-                ok = []
-            groups.append(
-                Group(
-                    i,
-                    p,
-                    [t.reward for t, _ in ok],
-                    [t for t, _ in ok],
-                    [g for _, g in ok],
-                    failed=failed,
-                    dropped=drop,
-                )
-            )
-        return groups
+    # ------------------------------------------------------------------ the run's record
 
-    def _runner(self, draw: int, step: int) -> RolloutRunner:
-        env = self.config.env
-        # Episodes are keyed by (group, sample) within the draw: streams do not depend on rank or wave.
-        seed = zlib.crc32(f"rollout/{self.config.trainer.seed}/{step}/{draw}".encode())
-        sampling = SamplingParams(temperature=env.temperature, top_p=env.top_p, seed=seed)
-        return RolloutRunner(
-            self.tokenizer,
-            self._rollout_engine,
-            max_response_tokens=env.max_response_tokens,
-            sampling=sampling,
-            continuous=env.continuous_batching,
+    def _rollout_metrics(
+        self, drawn: list[Group], kept: list[Group], ds_metrics: dict[str, float], t_rollout: float
+    ) -> dict[str, Any]:
+        """The step's episodes saved (``trainer.save_rollouts``) and measured: rollout, dynamic
+        sampling and tool-health metrics; infrastructure failures printed on rank 0."""
+        episodes = [t for g in drawn for t in g.trajectories]
+        trained = {id(g) for g in kept}
+        self._save_rollouts(
+            f"step_{self.step:05d}",
+            episodes,
+            [
+                {"group": n, "trained": id(g) in trained, "global_id": gid}
+                for n, g in enumerate(drawn)
+                for gid in g.global_ids
+            ],
         )
-
-    def _get_envs(self, n: int) -> list[ToolEnv]:
-        if len(self._envs) < n:  # the id checked once for the new ones, not once per env
-            env = self.config.env
-            self._envs += make_tool_envs(
-                env.id,
-                n - len(self._envs),
-                **env.env_kwargs(),
-                pool=self._sandbox_pool(),
-                tokenizer=self.tokenizer,
+        metrics: dict[str, Any] = {**rollout_metrics(episodes, self.model_texts(episodes)), **ds_metrics}
+        metrics["time/rollout_s"] = t_rollout
+        metrics["failed_episodes"] = sum(g.failed for g in drawn)
+        self._tool_health = ToolHealth.of(self._played)  # the same on every rank: from gathered episodes
+        metrics.update(self._tool_health.metrics())
+        metrics["dropped_groups"] = sum(g.dropped for g in drawn)
+        if metrics["failed_episodes"] and self.rank == 0:
+            tqdm.write(
+                f"step {self.step}: {metrics['failed_episodes']} episodes failed in the sandbox infrastructure "
+                f"after their retries: {metrics['dropped_groups']} groups dropped whole (data.on_failed_episode="
+                f"{self.config.data.on_failed_episode})"
             )
-        return self._envs
+        return metrics
 
-    def _sandbox_pool(self) -> Any:
-        if self._pool is None:
-            self._pool = self.config.sandbox.make_pool()
-        return self._pool
-
-    def _nothing_to_train(self, drawn: list[Group], kept: list[Group]) -> str:
-        """Why a step has fewer groups to train than ranks, in the user's terms, with what to change."""
-        data = self.config.data
-        if not any(g.trajectories for g in drawn):
-            return "every episode of the step was lost to sandbox failures: run `stare-agent sandbox doctor`"
-        if data.dynamic_sampling and self.world == 1:
-            return (
-                f"none of the {len(drawn)} prompts drawn had samples that scored differently (all right or all "
-                "wrong), so every GRPO advantage is 0 and there is nothing to learn from: if this repeats, "
-                "match the problems to the model (data.train, data.difficulty) or draw more "
-                "(data.max_sampling_batches, data.prompts_per_draw)"
-            )
-        groups = "groups with reward variance" if data.dynamic_sampling else "groups with episodes"
-        return (
-            f"{len(kept)} {groups} for {self.world} ranks, and every rank needs one: raise "
-            "data.prompts_per_step or data.max_sampling_batches"
-        )
-
-    def _model_texts(self, trajectories: list[Trajectory]) -> list[str]:
+    def model_texts(self, trajectories: list[Trajectory]) -> list[str]:
+        """The model-written text of each episode (its mask-1 tokens), decoded by the learner's tokenizer."""
         texts = []
         for t in trajectories:
             ids = [i for i, m in zip(t.response_ids, t.loss_mask, strict=True) if m]
             texts.append(self.learner.tokenizer.decode(ids, skip_special_tokens=True))
         return texts
-
-    def rollout_correction_mode(self) -> str:
-        """``algorithm.rollout_correction.mode`` for this run's engine (``resolve_rollout_correction``)."""
-        return resolve_rollout_correction(
-            self.config.algorithm.rollout_correction.mode, self.engine, max_staleness=self.max_staleness
-        )
-
-    def _sync_engine(self) -> None:
-        """Hand the policy's weights to the rollout engine (merged ones under LoRA), as version
-        ``self.step``. An engine that samples from the learner's own module (the in-process
-        transformers engine, with max_staleness 0) is always in sync."""
-        self.policy_version = self.step
-        if getattr(self.engine, "model", None) is self.learner.module:
-            self._rollout_engine.set_version(self.step)
-            return
-        start = time.perf_counter()
-        self._rollout_engine.update_weights(self.learner.named_weights(), version=self.step)
-        self.sync_s += time.perf_counter() - start
-
-    def _publish_version(self) -> None:
-        """After step ``self.step`` (synced, or skipped: the same weights), label later engine calls
-        with it; a producer waiting for it to respect the staleness bound goes on."""
-        self.policy_version = self.step
-        self._rollout_engine.set_version(self.step)
-
-    @property
-    def _rollout_engine(self) -> VersionedEngine:
-        """The engine as rollouts use it: its generations labelled with the policy version."""
-        if self._versioned is None or self._versioned.engine is not self.engine:
-            self._versioned = versioned(self.engine, self.policy_version)
-        return self._versioned
-
-    @property
-    def engine(self) -> Any:
-        """The rollout engine; one this trainer started and :meth:`close` stopped is started again
-        (and given the current policy) when next needed."""
-        if self._engine is None:
-            self._engine = self._make_engine()
-            self._sync_engine()
-        return self._engine
-
-    def _make_engine(self) -> Any:
-        from stare_agent.engines import start_engine
-
-        description, engine = start_engine(
-            self.config,
-            self.learner.module,
-            self.tokenizer,
-            autocast=self.learner.precision == "bf16-autocast",
-        )
-        if self.rank == 0:
-            auto = " (env.engine=auto)" if self.config.env.engine == "auto" else ""
-            print(f"rollout engine: {description}{auto}")
-        return self._own_weights(engine)
-
-    def _own_weights(self, engine: Any) -> Any:
-        """``engine``; with ``max_staleness > 0``, an engine that samples from the learner's own module
-        (the in-process transformers engine) is moved to a copy of the weights instead
-        (``TransformersEngine.with_own_weights``): the producer samples while the optimizer changes
-        the module in place, so the copy is synced after each update as any engine's weights are,
-        and no rollout sees a half-updated module."""
-        if not self.max_staleness or getattr(engine, "model", None) is not self.learner.module:
-            return engine
-        return engine.with_own_weights(self.learner.named_weights())
-
-    def evaluate(
-        self, *, greedy: bool = False, config: RunConfig | None = None, keep_trajectories: bool | None = None
-    ) -> Any:
-        """Validation on ``data.eval`` with the current policy (avg@k etc.), between two steps'
-        rollouts; ``greedy``: one temperature-0 sample per problem instead of ``data.eval_samples`` at
-        ``data.eval_temperature``. ``config`` replaces the run's (e.g. other problems or sampling);
-        ``keep_trajectories`` (default ``trainer.save_rollouts``): the report keeps the episodes."""
-        from stare_agent.evaluation import evaluate_config
-
-        with self._rollout_lock:
-            return evaluate_config(
-                config or self.config,
-                engine=self.engine,
-                tokenizer=self.tokenizer,
-                pool=self._sandbox_pool(),
-                batch_size=self.config.sandbox.pool_size,  # one leased sandbox per live episode at most
-                greedy=greedy,
-                progress=False,
-                keep_trajectories=self.config.trainer.save_rollouts
-                if keep_trajectories is None
-                else keep_trajectories,
-            )
 
     def _save_rollouts(
         self, name: str, trajectories: list[Trajectory], fields: list[dict[str, Any]] | None = None
@@ -862,6 +622,29 @@ class Trainer:
                 }
                 f.write(json.dumps(record, default=str) + "\n")
 
+    def evaluate(
+        self, *, greedy: bool = False, config: RunConfig | None = None, keep_trajectories: bool | None = None
+    ) -> Any:
+        """Validation on ``data.eval`` with the current policy (avg@k etc.), between two steps'
+        rollouts; ``greedy``: one temperature-0 sample per problem instead of ``data.eval_samples`` at
+        ``data.eval_temperature``. ``config`` replaces the run's (e.g. other problems or sampling);
+        ``keep_trajectories`` (default ``trainer.save_rollouts``): the report keeps the episodes."""
+        from stare_agent.evaluation import evaluate_config
+
+        with self._rollout_lock:
+            return evaluate_config(
+                config or self.config,
+                engine=self.engine,
+                tokenizer=self.tokenizer,
+                pool=self.rollouts.pool(),
+                batch_size=self.config.sandbox.pool_size,  # one leased sandbox per live episode at most
+                greedy=greedy,
+                progress=False,
+                keep_trajectories=self.config.trainer.save_rollouts
+                if keep_trajectories is None
+                else keep_trajectories,
+            )
+
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self) -> Path:
@@ -885,8 +668,8 @@ class Trainer:
         if state is None:
             return False
         self.step = int(state["step"])
-        self.stream.position = self._consumed_position = int(state["data_position"])
-        self.policy_version = self.step
+        self.rollouts.stream.position = self._consumed_position = int(state["data_position"])
+        self.rollout_engine.version = self.step
         self.controller.load_state_dict(state["controller"])
         return True
 
@@ -896,15 +679,8 @@ class Trainer:
         if self._producer is not None:
             self._producer.close()
             self._producer = None
-        if self._owns_engine and hasattr(self._engine, "close"):
-            self._engine.close()
-            self._engine = None
-        for env in self._envs:
-            env.close()
-        self._envs = []
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        self.rollout_engine.close()
+        self.rollouts.close()
 
 
 def check_run_dir(run_dir: str | Path) -> None:
@@ -917,17 +693,6 @@ def check_run_dir(run_dir: str | Path) -> None:
         raise ConfigError(
             f"trainer.run_dir={run_dir} is a file: pass a directory for the run's config, logs and checkpoints"
         )
-
-
-def resolve_rollout_correction(mode: str, engine: Any, *, max_staleness: int = 0) -> str:
-    """``mode`` with ``auto`` resolved: ``token_tis`` for an engine whose log-probs come from
-    kernels of its own (``own_numerics``: vLLM, SGLang, OpenAI-compatible) and for asynchronous
-    rollouts (``max_staleness > 0``: the sampler is an older policy than the proximal one), else
-    ``none`` (the in-process transformers engine samples from the learner's own module, so the
-    ratio is 1; a scripted engine's log-probs are stand-ins)."""
-    if mode != "auto":
-        return mode
-    return "token_tis" if max_staleness > 0 or getattr(engine, "own_numerics", False) else "none"
 
 
 def _budget_cut(trajectory: Trajectory) -> bool:

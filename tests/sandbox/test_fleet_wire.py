@@ -1,4 +1,4 @@
-"""A leased fleet sandbox's connection to its host (``stare_sandbox.fleet_wire``), without Ray: the token
+"""A leased fleet sandbox's connection to its host (``stare_sandbox.ray_fleet.wire``), without Ray: the token
 that binds a connection to its lease, the frames, and a call that gets no answer."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("msgpack")
 
-from stare_sandbox.fleet_wire import (  # noqa: E402
+from stare_sandbox.ray_fleet.wire import (  # noqa: E402
     HEADER,
     MAX_FRAME_BYTES,
     LeaseConnection,

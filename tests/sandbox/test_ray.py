@@ -419,7 +419,7 @@ def test_a_lease_connection_needs_the_token_its_host_issued(fleet: RaySandboxFle
 
     import ray
 
-    from stare_sandbox.fleet_wire import TOKEN_BYTES, LeaseConnection, recv_frame
+    from stare_sandbox.ray_fleet.wire import TOKEN_BYTES, LeaseConnection, recv_frame
 
     with fleet.lease() as sb:
         host = sb.inner._host
@@ -586,7 +586,7 @@ def test_a_training_step_plays_its_episodes_on_the_fleet(fleet: RaySandboxFleet,
     try:
         trainer.step = 1
         metrics = trainer.train_step()
-        assert type(trainer._pool).__name__ == "RaySandboxFleet"
+        assert type(trainer.rollouts.pool()).__name__ == "RaySandboxFleet"
     finally:
         trainer.close()
     assert fleet.stats().leases - before >= 4

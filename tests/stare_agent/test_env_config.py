@@ -137,7 +137,7 @@ def test_training_and_evaluation_envs_get_identical_settings_by_default(tmp_path
     engine = ScriptedEngine(tokenizer, lambda prompt, turn: "<answer>\\boxed{1}</answer>")
     trainer = Trainer(config, model=model, tokenizer=tokenizer, engine=engine)
     try:
-        trainer._rollout_groups(trainer.stream.take(1), draw=1)
+        trainer.rollouts.groups(trainer.rollouts.stream.take(1), draw=1, step=1)
         n_train = len(seen)
         trainer.evaluate()
     finally:
@@ -223,7 +223,7 @@ def test_an_env_registered_with_problems_serves_them_unless_the_config_names_oth
 ):
     """``register_tool_env(..., problems="multiplication")``: training and evaluation use those problems
     when data.train / data.eval are unset; set, the config wins and one line says so."""
-    from stare_agent.config import eval_source, train_source
+    from stare_agent.resources import eval_source, train_source
 
     unset = load_config(None, [f"env.id={calculator_env}"])
     assert (train_source(unset), eval_source(unset)) == ("multiplication", "multiplication")
@@ -260,8 +260,8 @@ def test_an_env_registered_with_problems_serves_them_unless_the_config_names_oth
     engine = ScriptedEngine(tokenizer, calculator_policy(wrong_on_odd=False))
     trainer = Trainer(config, model=model, tokenizer=tokenizer, engine=engine)
     try:
-        assert trainer.stream.family == "multiplication"
-        assert all(p.id.startswith("multiplication-") for p in trainer.stream.take(3))
+        assert trainer.rollouts.stream.family == "multiplication"
+        assert all(p.id.startswith("multiplication-") for p in trainer.rollouts.stream.take(3))
         report = trainer.evaluate()
     finally:
         trainer.close()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from stare_agent.config import load_config
+from stare_agent.resources import make_env
 from stare_envs.problems import ANSWER_FORMAT_WRAPPERS, ProblemStream, load_problems
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -49,7 +50,7 @@ def test_paper_config_reads_each_dapo_problem_once_with_the_envs_prompt(name, tm
     assert [p.answer for p in stream.problems[:3]] == [p.answer for p in source[:3]]
     assert stream.counts == {"rows": 600, "unwrapped": 600, "duplicates": 600 - len(stream.problems)}
 
-    with config.env.make(sandbox_backend="local") as env:
+    with make_env(config.env, sandbox_backend="local") as env:
         prompt, info = env.reset(options={"problem": stream.problems[0]})
     assert prompt == source[0].problem  # the problem alone, as the env's template renders it
     system = info["messages"][0]["content"]

@@ -15,7 +15,7 @@ from stare_agent.engines.sglang_engine import SGLangEngine
 from stare_agent.engines.transformers_engine import TransformersEngine
 from stare_agent.engines.vllm_engine import VLLMEngine
 from stare_agent.options import check_rollout_correction
-from stare_agent.train.trainer import resolve_rollout_correction
+from stare_agent.train.rollout_engine import resolve_rollout_correction
 from tests.helpers_tokenizers import smollm2_tokenizer
 
 # Two sequences. Row 0: tokens the learner gives 0.5 and 0.1, the sampler 0.2 and 0.2, then a

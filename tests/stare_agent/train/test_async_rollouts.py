@@ -23,7 +23,8 @@ from stare_agent.engines import TransformersEngine
 from stare_agent.engines.scripted import ScriptedEngine
 from stare_agent.models import tiny_model
 from stare_agent.train.async_rollouts import RolloutProducer, VersionedEngine, versioned
-from stare_agent.train.trainer import Trainer, resolve_rollout_correction
+from stare_agent.train.rollout_engine import resolve_rollout_correction
+from stare_agent.train.trainer import Trainer
 from stare_envs.engine import Generation, SamplingParams
 from stare_envs.tool_env import ToolEnv
 from tests.stare_agent.train.scripted_training import scripted_policy
@@ -191,12 +192,12 @@ def test_asynchronously_the_transformers_engine_samples_from_a_synced_copy(tmp_p
 
     hook = own.model.register_forward_hook(pause_at_the_second_token)
     in_flight: list = []
-    engine = trainer._rollout_engine
+    engine = trainer.rollout_engine.versioned
     call = threading.Thread(target=lambda: in_flight.extend(engine.generate(prompt, params, [])))
     call.start()
     assert entered.wait(30)
     trainer.step = 1
-    sync = threading.Thread(target=trainer._sync_engine)
+    sync = threading.Thread(target=trainer.rollout_engine.sync, args=(trainer.step,))
     sync.start()
     time.sleep(0.3)
     assert sync.is_alive()  # the sync waits for the call in flight ...
@@ -209,7 +210,7 @@ def test_asynchronously_the_transformers_engine_samples_from_a_synced_copy(tmp_p
     # ... that read the old weights to its last token
     assert _sampled(in_flight) == old and [g.weight_version for g in in_flight] == [0]
     assert all(torch.equal(copied[n], p) for n, p in trainer.learner.module.named_parameters())
-    later = trainer._rollout_engine.generate(prompt, params, [])
+    later = trainer.rollout_engine.versioned.generate(prompt, params, [])
     assert _sampled(later) == new and [g.weight_version for g in later] == [1]
 
 

@@ -412,7 +412,7 @@ def test_training_rollouts_do_not_depend_on_the_wave_size(tmp_path, problem_file
         )
         try:
             trainer.step = 1
-            groups = trainer._rollout_groups(problems, draw=1)
+            groups = trainer.rollouts.groups(problems, draw=1, step=1)
         finally:
             trainer.close()
         played[wave] = [[t.response_ids for t in g.trajectories] for g in groups]

@@ -21,6 +21,7 @@ The sandboxes cannot reach the port: their containers have no network (``network
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import secrets
 import socket
@@ -29,7 +30,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
+from stare_sandbox.errors import PoolExhausted, SandboxClosed, SandboxError, SandboxUnavailable
+from stare_sandbox.result import ExecError, ExecResult
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ keepalive probes within about 25 s, even during a long call."""
 
 
 def send_frame(sock: socket.socket, value: Any) -> None:
+    import msgpack  # the [ray] extra: imported when a lease connects
+
     body = msgpack.packb(value, use_bin_type=True, unicode_errors="surrogatepass")
     sock.sendall(HEADER.pack(len(body)) + body)
 
@@ -56,6 +60,8 @@ def recv_frame(sock: socket.socket) -> Any:
     (size,) = HEADER.unpack(_recv_exactly(sock, HEADER.size))
     if size > MAX_FRAME_BYTES:
         raise ConnectionError(f"a frame of {size} bytes, over the {MAX_FRAME_BYTES} allowed")
+    import msgpack
+
     return msgpack.unpackb(_recv_exactly(sock, size), raw=False, unicode_errors="surrogatepass")
 
 
@@ -197,3 +203,44 @@ class LeaseConnection:
             self._sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._sock.close()
+
+
+# ------------------------------------------------------------------- results and errors as plain values
+
+_RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(ExecResult))
+
+
+def pack_result(result: ExecResult) -> tuple[Any, ...]:
+    """``result`` as a tuple of plain values, the form a host sends it in (msgpack, on the lease's
+    connection: ``stare_sandbox.ray_fleet.wire``)."""
+    values = [getattr(result, name) for name in _RESULT_FIELDS]
+    error = result.error
+    values[_RESULT_FIELDS.index("error")] = (
+        None if error is None else (error.type, error.message, error.traceback)
+    )
+    return tuple(values)
+
+
+def unpack_result(values: tuple[Any, ...]) -> ExecResult:
+    """The ``ExecResult`` that :func:`pack_result` packed."""
+    fields = dict(zip(_RESULT_FIELDS, values, strict=True))
+    if fields["error"] is not None:
+        fields["error"] = ExecError(*fields["error"])
+    return ExecResult(**fields)
+
+
+_ERRORS: dict[str, type[SandboxError]] = {
+    cls.__name__: cls for cls in (SandboxError, SandboxUnavailable, SandboxClosed, PoolExhausted)
+}
+
+
+def raised_answer(exc: SandboxError | OSError) -> tuple[str, str, str]:
+    """The answer that carries a host's sandbox's failure: its nearest class in ``_ERRORS``, or
+    ``OSError``, and its message."""
+    name = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in _ERRORS), "OSError")
+    return ("raised", name, str(exc))
+
+
+def raised_error(type_name: str, message: str) -> Exception:
+    """The exception that :func:`raised_answer` sent, as a local pool would raise it."""
+    return _ERRORS[type_name](message) if type_name in _ERRORS else OSError(message)

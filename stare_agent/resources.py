@@ -1,0 +1,69 @@
+"""What a run's config opens and resolves when the run starts, apart from the config's schema: the
+sandbox pool its episodes lease from, its environments, and the problems it trains and evaluates on.
+The trainer, ``stare-agent eval``, ``evaluate()``, the quickstart and the study all go through these."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from stare_agent.config import EnvConfig, RunConfig, SandboxSection
+from stare_envs.problems import Problem
+from stare_envs.problems.selection import source_name
+from stare_envs.registry import make_tool_env, registered_problems
+from stare_sandbox import SandboxPool, open_pool
+from stare_sandbox.ray_fleet import RaySandboxFleet
+
+
+def open_sandboxes(section: SandboxSection, size: int | None = None) -> SandboxPool | RaySandboxFleet:
+    """What a run's episodes lease sandboxes from (``stare_sandbox.open_pool``): ``size`` (default
+    ``sandbox.pool_size``) warm sandboxes of ``sandbox.backend`` with ``sandbox.limits``, or the client
+    of the Ray fleet ``sandbox.ray`` describes. Close it when done."""
+    return open_pool(
+        section.pool_size if size is None else size, section.backend, section.limits, fleet=section.ray
+    )
+
+
+def make_env(env: EnvConfig, *, evaluation: bool = False, **runtime: Any) -> Any:
+    """The env of ``env.id`` with ``env.env_kwargs(evaluation=...)`` and ``runtime`` (``pool``,
+    ``tokenizer``, ...)."""
+    return make_tool_env(env.id, **env.env_kwargs(evaluation=evaluation), **runtime)
+
+
+DEFAULT_TRAIN_PROBLEMS = "mixed"
+_said: set[tuple[str, str]] = set()  # (env id, split) whose choice was said
+
+
+def train_source(config: RunConfig) -> str | Sequence[Problem]:
+    """The training problems: ``data.train`` when set, else the problems ``env.id`` was registered
+    with (``register_tool_env(..., problems=...)``), else ``mixed`` (see :func:`_configured_or_registered`)."""
+    source = _configured_or_registered(config, "train")
+    return DEFAULT_TRAIN_PROBLEMS if source is None else source
+
+
+def eval_source(config: RunConfig) -> str | Sequence[Problem] | None:
+    """The validation problems: ``data.eval`` when set, else the problems ``env.id`` was registered
+    with, else None."""
+    return _configured_or_registered(config, "eval")
+
+
+def _configured_or_registered(config: RunConfig, split: str) -> str | Sequence[Problem] | None:
+    """``data.<split>``, else the env's registered problems; when both are set the config wins and one
+    line (once per process and env) says so."""
+    configured = config.data.train if split == "train" else config.data.eval
+    registered = registered_problems(config.env.id)
+    if configured is None:
+        return registered
+    if (
+        registered is not None
+        and source_name(registered) != repr(configured)
+        and (config.env.id, split) not in _said
+    ):
+        _said.add((config.env.id, split))
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"[data] data.{split}={configured!r} is used, not the problems {config.env.id} was registered "
+                f"with ({source_name(registered)}): leave data.{split} unset to use those"
+            )
+    return configured
