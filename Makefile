@@ -19,13 +19,14 @@ quickstart: docker
 # Two pytest processes, each taking whole modules (--dist loadscope: a module's fixtures, such as its
 # vLLM server, start once): 15.5 min instead of 23.1 on 2 cores. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-test: docker
+test: docker lint
 	.venv/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=40 tests
 
-# What needs neither Docker nor the `slow` mark (a real vLLM, whole training runs, mypy, wheel builds):
-# the local sandbox backend, tiny models, every error message. Measured by benchmarks/house.py.
+# What needs neither Docker nor the `slow` mark (a real vLLM, whole training runs, wheel builds): the
+# local sandbox backend, tiny models, every error message; in the same two processes. Budget 90 s on
+# 2 cores (CI prints its time); measured by benchmarks/house.py.
 test-fast: setup
-	.venv/bin/python -m pytest -q -m "not docker and not slow" tests
+	.venv/bin/python -m pytest -q -n $(TEST_WORKERS) -m "not docker and not slow" --durations=10 tests
 
 # docs/configuration.md is generated from the config dataclasses (tests/repo/test_docs.py checks it);
 # then the site (mkdocs.yml) is built into site/, failing on a dead link or a page missing from nav.
@@ -33,8 +34,11 @@ docs: setup
 	.venv/bin/python -m stare_agent.config_reference > docs/configuration.md
 	.venv/bin/mkdocs build --strict
 
+# The pre-commit hooks on every file (.pre-commit-config.yaml: ruff check and format, mypy through
+# scripts/typecheck.py), with the .venv's tools; outside a git checkout, the same tools directly.
 lint: setup
-	.venv/bin/ruff check sandbox envs stare_agent stare_integrations stare_research tests benchmarks examples scripts
+	@if [ -d .git ]; then .venv/bin/pre-commit run --all-files --hook-stage pre-commit; else \
+	  .venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/python scripts/typecheck.py; fi
 
 bench: docker
 	.venv/bin/python benchmarks/sandbox_latency.py

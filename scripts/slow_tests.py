@@ -29,10 +29,13 @@ def main() -> None:
         m = LINE.match(line.strip())
         if m:
             seconds[m.group(2).split("[")[0]] += float(m.group(1))
-    slow = sorted(name for name, s in seconds.items() if s >= args.threshold)
-    kept = [line for line in OUT.read_text().splitlines() if line.startswith("#")] if OUT.exists() else []
-    OUT.write_text("\n".join([*kept, *slow]) + "\n")
-    print(f"{len(slow)} tests at {args.threshold:g} s or more -> {OUT}")
+    slow = {name for name, s in seconds.items() if s >= args.threshold}
+    lines = OUT.read_text().splitlines() if OUT.exists() else []
+    kept = [line for line in lines if line.startswith("#")]
+    listed = {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+    # Added to the list, never replacing it: the tests listed already were not in the log's selection.
+    OUT.write_text("\n".join([*kept, *sorted(listed | slow)]) + "\n")
+    print(f"{len(slow - listed)} tests at {args.threshold:g} s or more added -> {OUT}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,13 @@ Heavy submodules load on first use, so ``import stare_agent`` stays cheap.
 from __future__ import annotations
 
 import os
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
+
+try:
+    __version__ = version("stare-agent")  # the distribution's, from pyproject.toml (CHANGELOG.md)
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 # OpenMP threads that spin while waiting make torch on a busy CPU dramatically slower: with one of
 # two cores taken by another process (a sandbox kernel, a test runner), a 2-thread forward pass of
@@ -22,7 +28,7 @@ if TYPE_CHECKING:
     from stare_agent.train.sft import sft
     from stare_agent.train.trainer import Trainer
 
-__all__ = ["Learner", "RunConfig", "Trainer", "evaluate", "load_config", "sft"]
+__all__ = ["Learner", "RunConfig", "Trainer", "__version__", "evaluate", "load_config", "sft"]
 
 _LAZY = {
     "RunConfig": "stare_agent.config",

@@ -316,21 +316,13 @@ def _fields_help(keys: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("stare-agent")
-    except PackageNotFoundError:
-        return "unknown (not installed: pip install -e .)"
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from stare_agent import __version__
     from stare_agent.options import ENGINE_NAMES
     from stare_sandbox.config import BACKENDS
 
     parser = _Parser(prog="stare-agent", description="Train and evaluate tool-using LLM agents with STARE.")
-    parser.add_argument("--version", action="version", version=f"stare-agent {_version()}")
+    parser.add_argument("--version", action="version", version=f"stare-agent {__version__}")
     # The deepspeed launcher appends --local_rank=N (before the subcommand); the rank is read from
     # the LOCAL_RANK variable it also sets, so the flag is accepted and ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)

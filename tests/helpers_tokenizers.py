@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from functools import lru_cache
 
-import pytest
+from tests.conftest import require
 
 # Qwen2.5-Instruct's chat template (tool schemas in the system message, tool results as
 # <tool_response> blocks inside a user turn), with Qwen's default system prompt.
@@ -82,7 +82,8 @@ def smollm2_tokenizer():
     try:
         gguf = embedded_gguf_path()
     except ModelLoadError as exc:
-        pytest.skip(str(exc))
+        require("embedded", str(exc))
+        raise
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 

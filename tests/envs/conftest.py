@@ -74,9 +74,6 @@ def settled():
 @pytest.fixture(scope="module")
 def local_pool() -> Iterator[SandboxPool]:
     """Two local Jupyter kernels (the weaker, Docker-free backend) with a short timeout."""
-    pytest.importorskip(
-        "stare_sandbox.local", reason="stare_sandbox.local (local kernel backend) not available"
-    )
     from stare_sandbox.config import SandboxConfig
 
     config = SandboxConfig(timeout_s=3.0)

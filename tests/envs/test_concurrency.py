@@ -44,7 +44,6 @@ def run_concurrently(pool: SandboxPool, settled) -> None:
 
 
 def test_32_concurrent_episodes_on_local_kernels(settled):
-    pytest.importorskip("stare_sandbox.local")
     with SandboxPool(4, backend="local", config=SandboxConfig(timeout_s=10.0)) as pool:
         run_concurrently(pool, settled)
 

@@ -13,6 +13,7 @@ import pytest
 from stare_envs import CodeInterpreterEnv, EnvStateError, ToolEnv
 from stare_envs.problems import Problem, load_problems
 from stare_envs.tools import register_tool, unregister_tool
+from tests.conftest import require, require_module
 
 PROBLEM = Problem("p1", "What is 6 * 7?", "42")
 
@@ -159,11 +160,12 @@ def test_tool_output_is_truncated_with_a_visible_marker(make_env, fake_pool):
 
 
 def test_tool_output_is_truncated_to_tokens_with_a_real_tokenizer(make_env, fake_pool):
-    models = pytest.importorskip("stare_agent.models")
+    models = require_module("train", "stare_agent.models", "pip install 'stare-agent[train]'")
     try:
         tokenizer = models.load_tokenizer()
     except models.ModelLoadError as exc:
-        pytest.skip(f"embedded tokenizer unavailable: {exc}")
+        require("embedded", f"embedded tokenizer unavailable: {exc}")
+        raise
     env = make_env(CodeInterpreterEnv, [PROBLEM], pool=fake_pool, tokenizer=tokenizer, max_output_tokens=64)
     env.reset(seed=0)
     obs, *_ = env.step(code("print(' '.join(str(i) for i in range(500)))"))
@@ -179,7 +181,7 @@ def test_tool_output_is_truncated_to_tokens_with_a_real_tokenizer(make_env, fake
 def test_output_cut_short_by_a_timeout_shows_its_head_the_same_in_every_run(local_pool, settled):
     """A loop that prints until the timeout stops it prints a different amount each run: the env
     shows the head alone (no tail, no count of what was cut), then the timeout's line."""
-    models = pytest.importorskip("stare_agent.models")
+    models = require_module("train", "stare_agent.models", "pip install 'stare-agent[train]'")
     tokenizer = models.load_tokenizer()
     env = CodeInterpreterEnv(  # the study's limits
         [PROBLEM],
@@ -336,7 +338,6 @@ def test_infrastructure_failure_raises_and_replaces_the_sandbox(make_env, fake_p
 
 
 def test_private_pool_is_started_on_demand_and_closed_with_the_env(make_env):
-    pytest.importorskip("stare_sandbox.local")
     env = make_env(CodeInterpreterEnv, [PROBLEM], sandbox_backend="local", render_mode="ansi")
     env.reset(seed=0)
     assert env.pool is None  # reset never starts or leases a sandbox

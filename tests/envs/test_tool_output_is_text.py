@@ -24,9 +24,10 @@ from stare_envs.problems import Problem
 from stare_envs.rollout import RolloutRunner, ToolTurnGlue, render_chat
 from stare_envs.text_tokens import encode_as_text
 from stare_envs.trajectory import Trajectory
+from tests.conftest import require_module
 from tests.helpers_tokenizers import TOKENIZERS
 
-scripted = pytest.importorskip("stare_agent.engines.scripted")
+scripted = require_module("train", "stare_agent.engines.scripted", "pip install 'stare-agent[train]'")
 
 PROBLEM = Problem(id="mul", problem="What is 6 * 7?", answer="42")
 
@@ -163,7 +164,7 @@ def test_encode_as_text_never_gives_control_ids_and_decodes_back(tokenizer, text
 
 
 def test_sft_traces_tokenize_tool_steps_as_text():
-    sft_data = pytest.importorskip("stare_agent.train.sft_data")
+    sft_data = require_module("train", "stare_agent.train.sft_data", "pip install 'stare-agent[train]'")
     tokenizer = TOKENIZERS["smollm2"]()
     trace = sft_data.Trace(
         id="p",

@@ -165,6 +165,46 @@ def test_the_site_builds_strictly(tmp_path):
     warnings = [line for line in done.stderr.splitlines() if "WARNING" in line or "ERROR" in line]
     assert done.returncode == 0, "\n".join(warnings) or done.stderr[-3000:]
     assert (tmp_path / "site" / "index.html").is_file()
+    # the docstrings' Sphinx roles became cross-references (scripts/griffe_docstrings.py): none is left
+    # as raw text, and the contracts page links to the objects it names
+    raw = re.compile(r":(?:func|class|meth|data|mod|attr|exc|obj):`")
+    pages = sorted((tmp_path / "site").rglob("*.html"))
+    assert not [p.relative_to(tmp_path) for p in pages if raw.search(p.read_text(encoding="utf-8"))]
+    contracts = (tmp_path / "site" / "api" / "index.html").read_text(encoding="utf-8")
+    for name in (
+        "Engine",
+        "SamplingParams",
+        "Generation",
+        "Trajectory",
+        "RolloutRunner",
+        "load_policy",
+        "make_tool_env",
+    ):
+        assert f'id="{name}"' in contracts or f"{name}</code>" in contracts, name
+
+
+def test_a_role_the_docs_cannot_render_fails_the_build():
+    import griffe
+
+    spec = importlib.util.spec_from_file_location(
+        "griffe_docstrings", REPO / "scripts" / "griffe_docstrings.py"
+    )
+    assert spec is not None and spec.loader is not None
+    extensions = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(extensions)
+    SphinxRoles = extensions.SphinxRoles
+
+    module = griffe.Module("stare_envs")
+    module.docstring = griffe.Docstring("See :func:`make_tool_env` and :py:gadget:`x`.", parent=module)
+    with pytest.raises(ValueError, match="a Sphinx role the docs cannot render"):
+        SphinxRoles().on_package(pkg=module)
+    module.docstring = griffe.Docstring(
+        "See :class:`~torch.Tensor` and :func:`stare_envs.registry.make_tool_env`."
+    )
+    SphinxRoles().on_package(pkg=module)
+    assert module.docstring.value == (
+        "See `Tensor` and [`stare_envs.registry.make_tool_env()`][stare_envs.registry.make_tool_env]."
+    )
 
 
 def test_readme_links_into_the_docs_exist():

@@ -153,4 +153,27 @@ def test_an_unknown_name_stops_the_run_with_the_valid_names(tmp_path):
     assert run.returncode == pytest.ExitCode.USAGE_ERROR, run.stdout[-2000:] + run.stderr[-2000:]
     assert outcomes == {}
     [line] = [line for line in run.stderr.splitlines() if "STARE_REQUIRE" in line]
-    assert "unknown dockr; valid names: docker, vllm, ray, integrations, shared, gpu, all" in line
+    assert (
+        "unknown dockr; valid names: docker, vllm, ray, integrations, shared, gpu, train, embedded, host, all"
+        in line
+    )
+
+
+def test_every_skip_goes_through_require():
+    """A test skips only through ``require`` (so that CI's STARE_REQUIRE turns the skip into a failure):
+    no ``pytest.skip``, ``importorskip`` or ``skipif`` outside tests/conftest.py, and nothing calls
+    ``require`` with a need CI does not name except ``gpu``."""
+    import re
+
+    direct = re.compile(r"pytest\.skip\(|importorskip\(|\.skipif\(|mark\.skip\b")
+    found = [
+        f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+        for path in sorted((REPO / "tests").rglob("*.py"))
+        if path.name != "conftest.py" or path.parent != REPO / "tests"
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if direct.search(line) and "pytest.skip.Exception" not in line
+    ]
+    assert not found, "\n".join(found)
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    named = set(re.search(r"STARE_REQUIRE=([\w,]+)", ci).group(1).split(","))  # type: ignore[union-attr]
+    assert named == set(NEEDS) - {"gpu"}, named

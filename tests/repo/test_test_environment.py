@@ -22,3 +22,23 @@ def test_every_process_of_the_tests_finds_the_venvs_ninja_first():
     found = child.stdout.strip()
     if (venv_bin / "ninja").exists():  # deepspeed's dependency
         assert found == str(venv_bin / "ninja") == shutil.which("ninja")
+
+
+def test_every_test_listed_slow_exists():
+    """tests/slow_tests.txt names tests by path: a test moved or renamed without its line would lose its
+    ``slow`` mark silently and land in `make test-fast`'s inner loop."""
+    import ast
+
+    repo = Path(__file__).resolve().parents[2]
+    lines = (repo / "tests" / "slow_tests.txt").read_text(encoding="utf-8").splitlines()
+    missing = []
+    for name in (line.strip() for line in lines if line.strip() and not line.startswith("#")):
+        path, _, function = name.partition("::")
+        file = repo / path
+        defined = file.is_file() and any(
+            isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == function
+            for node in ast.walk(ast.parse(file.read_text(encoding="utf-8")))
+        )
+        if not defined:
+            missing.append(name)
+    assert not missing, missing

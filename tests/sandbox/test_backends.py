@@ -15,6 +15,7 @@ import pytest
 from stare_sandbox import DockerSandbox, LocalSandbox, SandboxConfig
 from stare_sandbox.config import PRELOAD_MATH
 from stare_sandbox.kernel import KernelSandbox
+from tests.conftest import require
 
 BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker)]
 
@@ -64,10 +65,8 @@ def skip_unless_the_container_can_reset_its_peak(sb: DockerSandbox) -> None:
     release = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
     possible = (release >= (6, 12) and os.access(usage.peak_file, os.W_OK)) if v2 else os.geteuid() == 0
     assert usage.peak_resettable == possible
-    if not possible:
-        pytest.skip(
-            f"this host cannot reset the peak ({'v2 before Linux 6.12' if v2 else 'v1 without root'})"
-        )
+    why = f"this host cannot reset the peak ({'v2 before Linux 6.12' if v2 else 'v1 without root'})"
+    require("host", None if possible else why)
 
 
 def test_cpu_and_peak_memory_are_measured_per_call(sb: KernelSandbox, backend: str) -> None:

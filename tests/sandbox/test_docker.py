@@ -5,7 +5,6 @@ checked in test_backends.py."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from stare_sandbox import DockerSandbox, SandboxClosed, SandboxConfig, SandboxError, make_sandbox
 from stare_sandbox.config import PRELOAD_MATH, SANDBOX_UID
 from stare_sandbox.docker import LABEL
+from tests.conftest import host_problem, require
 
 pytestmark = pytest.mark.docker
 
@@ -136,11 +136,9 @@ with DockerSandbox(start_timeout=60) as sb:
 """
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("setpriv") is None or not Path("/var/run/docker.sock").exists(),
-    reason="needs root (to start a child as another user), setpriv and a local Docker socket",
-)
 def test_a_non_root_host_user_other_than_the_kernels_uid_connects(docker_ready) -> None:
+    require("host", host_problem(tools=("setpriv",)))
+    require("docker", None if Path("/var/run/docker.sock").exists() else "no local Docker socket")
     docker_gid = os.stat("/var/run/docker.sock").st_gid
     child = subprocess.run(
         ["setpriv", "--reuid=4242", "--regid=4242", f"--groups={docker_gid}", sys.executable, "-c", NON_ROOT_CHILD],

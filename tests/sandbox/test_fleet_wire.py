@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-pytest.importorskip("msgpack")
+from tests.conftest import require_module
+
+require_module("ray", "msgpack", "pip install 'stare-agent[ray]'")
 
 from stare_sandbox.ray_fleet.wire import (  # noqa: E402
     HEADER,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -18,6 +17,7 @@ import pytest
 from stare_sandbox import DockerSandbox, SandboxConfig, SandboxError, SandboxUnavailable
 from stare_sandbox.config import SANDBOX_UID
 from stare_sandbox.docker import LABEL, NOFILE, docker_client
+from tests.conftest import host_problem, require
 
 pytestmark = pytest.mark.docker
 
@@ -185,8 +185,8 @@ exit 1
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="build.sh runs as root only")
 def test_the_image_build_checks_signatures_and_fails_closed(tmp_path) -> None:
+    require("host", host_problem())  # build.sh runs as root only
     fake = tmp_path / "bin" / "debootstrap"
     fake.parent.mkdir()
     fake.write_text(FAKE_DEBOOTSTRAP)
@@ -218,11 +218,9 @@ except SandboxUnavailable as exc:
 """
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("setpriv") is None or not Path("/var/run/docker.sock").exists(),
-    reason="needs root (to start a child as uid 1000), setpriv and a local Docker socket",
-)
 def test_a_host_user_with_uid_1000_keeps_the_connection_dir_locked(docker_ready) -> None:
+    require("host", host_problem(tools=("setpriv",)))
+    require("docker", None if Path("/var/run/docker.sock").exists() else "no local Docker socket")
     docker_gid = os.stat("/var/run/docker.sock").st_gid
     child = subprocess.run(
         ["setpriv", "--reuid=1000", "--regid=1000", f"--groups={docker_gid}", sys.executable, "-c", HOST_USER_1000],

@@ -15,6 +15,7 @@ from stare_sandbox import LocalSandbox, SandboxClosed, SandboxConfig, SandboxErr
 from stare_sandbox.config import PRELOAD_MATH
 from stare_sandbox.kernel import OutputBuffer
 from stare_sandbox.result import truncate_text
+from tests.conftest import host_problem, require
 
 SECRET = "STARE_LOCAL_TEST_SECRET"
 
@@ -105,8 +106,7 @@ def test_memory_limit_raises_memory_error(sb: LocalSandbox) -> None:
 
 
 def test_network_namespace_has_only_loopback(sb: LocalSandbox) -> None:
-    if not sb.network_isolated:
-        pytest.skip("this process may not unshare a network namespace (not root)")
+    require("host", host_problem(unshare=True))
     # /sys/class/net shows the namespace sysfs was mounted in; if_nameindex asks the kernel.
     assert sb.run("import socket\n[name for _, name in socket.if_nameindex()]").stdout == "['lo']\n"
 
@@ -151,8 +151,6 @@ def test_dirs_of_a_killed_owner_are_reaped(tmp_path):
 
 
 # ---------------------------------------------------------------------------- what it contains
-
-as_root = pytest.mark.skipif(os.geteuid() != 0, reason="the local backend's own user needs a root host")
 
 
 def processes_holding(token: str) -> list[int]:
@@ -255,10 +253,10 @@ def test_the_trainers_environment_is_not_readable_through_proc(tmp_path, monkeyp
     assert seen == "False\n"
 
 
-@as_root
 def test_a_root_host_runs_the_kernel_without_roots_privileges_or_the_host_network() -> None:
     """Its own unprivileged uid where the interpreter is readable by it, else root without any
     capability: either way it cannot re-enter the host's network namespace with setns."""
+    require("host", host_problem())
     with LocalSandbox() as sandbox:
         code = """
 import os
@@ -278,12 +276,8 @@ entered
         assert sandbox.run(code).stdout == "False\n"
 
 
-@as_root
 def test_shared_memory_counts_against_the_memory_limit_where_a_cgroup_can_be_made() -> None:
-    from stare_sandbox.local import kernel_cgroups_available
-
-    if not kernel_cgroups_available():
-        pytest.skip("this host does not let the local backend make a cgroup")
+    require("host", host_problem(cgroups=True))
     with LocalSandbox(SandboxConfig(memory_mb=256, timeout_s=30)) as sandbox:
         code = """
 import mmap
@@ -296,17 +290,15 @@ for offset in range(0, len(m), 4096):
     assert "done" not in result.stdout and (result.state_lost or result.error is not None), result
 
 
-@as_root
 def test_cgroups_of_a_killed_owner_are_reaped(tmp_path) -> None:
     import signal
 
-    from stare_sandbox.local import kernel_cgroups_available, reap_cgroups
+    from stare_sandbox.local import reap_cgroups
     from stare_sandbox.owner import reap_local_dirs
     from stare_sandbox.usage import cgroup_dir
     from tests.sandbox.helpers_processes import start_sandbox_owner
 
-    if not kernel_cgroups_available():
-        pytest.skip("this host does not let the local backend make a cgroup")
+    require("host", host_problem(cgroups=True))
     child, sandbox_dir = start_sandbox_owner("LocalSandbox", "str(sb.dir)", tmp_path / "ready")
     name = Path(sandbox_dir).name
     parents = {cgroup_dir(os.getpid(), controller) for controller in ("memory", "pids")}

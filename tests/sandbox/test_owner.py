@@ -13,15 +13,12 @@ from pathlib import Path
 import pytest
 
 from stare_sandbox.owner import owner_gone, owner_id, reap_local_dirs
+from tests.conftest import host_problem, require
 from tests.sandbox.helpers_processes import start_sandbox_owner
 
 NEW_PID_NAMESPACE = ("unshare", "--pid", "--fork", "--kill-child", "--mount-proc")
 """A child owner in its own PID namespace (same host name, same boot): its pids mean nothing here."""
 
-needs_unshare = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("unshare") is None,
-    reason="needs root and unshare(1) to start an owner in another PID namespace",
-)
 
 NO_CHILD_REAPING = "import stare_sandbox.docker, stare_sandbox.local; stare_sandbox.docker._reaped = stare_sandbox.local._reaped = True"
 """The child owner does not reap others' sandboxes itself: only the test process's reaper is judged."""
@@ -50,8 +47,8 @@ def test_owner_ids_are_judged_only_when_provably_gone():
     assert not owner_gone("") and not owner_gone("garbage")
 
 
-@needs_unshare
 def test_local_dirs_of_a_live_owner_in_another_pid_namespace_survive(tmp_path):
+    require("host", host_problem(tools=("unshare",)))
     child, sandbox_dir = start_sandbox_owner(
         "LocalSandbox", "str(sb.dir)", tmp_path / "ready", prefix=NEW_PID_NAMESPACE, setup=NO_CHILD_REAPING
     )
@@ -65,10 +62,10 @@ def test_local_dirs_of_a_live_owner_in_another_pid_namespace_survive(tmp_path):
 
 
 @pytest.mark.docker
-@needs_unshare
 def test_containers_of_a_live_owner_in_another_pid_namespace_survive(docker_ready, tmp_path):
     """Same host name, same boot, but the owner's pid is from another PID namespace: a reaper that
     looked that pid up in its own /proc would find nothing (or another process) and remove it."""
+    require("host", host_problem(tools=("unshare",)))
     from stare_sandbox.docker import docker_client, reap_orphans
 
     child, written = start_sandbox_owner(

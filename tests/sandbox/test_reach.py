@@ -9,12 +9,12 @@ Where two episodes are involved, a pool of one makes the second lease the same c
 from __future__ import annotations
 
 import json
-import platform
 from collections.abc import Iterator
 
 import pytest
 
 from stare_sandbox import DockerSandbox, SandboxConfig, SandboxPool
+from tests.conftest import host_problem, require
 from tests.sandbox.helpers import next_episode, two_episodes
 
 pytestmark = pytest.mark.docker
@@ -217,8 +217,8 @@ SYSCALLS_X86_64 = {
 }
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers of x86_64")
 def test_syscalls_a_notebook_never_makes_are_refused(sb: DockerSandbox) -> None:
+    require("host", host_problem())  # x86_64 syscall numbers
     code = f"""
 import ctypes, errno, json, os, socket
 libc = ctypes.CDLL(None, use_errno=True)

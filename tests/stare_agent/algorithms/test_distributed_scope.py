@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from stare_agent.algorithms.stare import entropy_gate, stare_weights
+from tests.conftest import require
 
 OPTIONS = {"variant": "C2", "P": 0.1, "W": 1.1, "M": 0.9, "scope": "global"}
 SPLIT = 3  # rank 0 gets rows [0, 3), rank 1 rows [3, 7): uneven on purpose
@@ -63,8 +64,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
 
 
 def test_two_gloo_ranks_match_single_process(tmp_path):
-    if not dist.is_available():
-        pytest.skip("this torch build has no torch.distributed")
+    require("train", None if dist.is_available() else "this torch build has no torch.distributed")
     init_file = tmp_path / "rendezvous"
     os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
     mp.spawn(_rank_main, args=(str(init_file), str(tmp_path)), nprocs=2, join=True)

@@ -29,6 +29,7 @@ from stare_agent.algorithms.entropy_control import (
     token_covariance,
 )
 from stare_agent.algorithms.losses import policy_loss
+from tests.conftest import require
 
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
 A = torch.tensor([[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]])
@@ -149,8 +150,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
 
 
 def test_two_gloo_ranks_select_as_one_process(tmp_path):
-    if not dist.is_available():
-        pytest.skip("this torch build has no torch.distributed")
+    require("train", None if dist.is_available() else "this torch build has no torch.distributed")
     os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
     mp.spawn(_rank_main, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]

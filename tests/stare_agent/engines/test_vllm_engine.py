@@ -393,11 +393,14 @@ def test_missing_vllm_python_is_a_clear_error_and_auto_falls_back(tmp_path, monk
 def test_auto_finds_the_projects_vllm_venv_from_any_working_directory(tmp_path, monkeypatch, capsys):
     """``.venv-vllm`` of this checkout (beside the venv the package is installed in, and the repository
     of the editable install) is found wherever the command runs, and ``auto`` says why it chose it."""
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("this interpreter imports vLLM: auto uses it, not a .venv-vllm")
+    find_spec = importlib.util.find_spec  # this interpreter without vLLM, whether it has it or not
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a)
+    )
     venv = REPO / ".venv-vllm" / "bin" / "python"
-    if not venv.exists():
-        pytest.skip("no .venv-vllm in this checkout: run `bash scripts/setup_vllm.sh`")
+    require(
+        "vllm", None if venv.exists() else "no .venv-vllm in this checkout: run `bash scripts/setup_vllm.sh`"
+    )
     monkeypatch.chdir(tmp_path)  # no .venv-vllm here
     monkeypatch.delenv("STARE_VLLM_PYTHON", raising=False)
     monkeypatch.setattr(vllm_engine, "_said", set())
@@ -409,11 +412,12 @@ def test_auto_finds_the_projects_vllm_venv_from_any_working_directory(tmp_path, 
 
 
 def test_worker_that_cannot_start_is_one_line_with_its_cause(tmp_path):
-    if find_vllm_python() == sys.executable:
-        pytest.skip("this interpreter has vLLM: the failing start needs one without")
-    # The trainer's own interpreter has no vLLM: the worker fails at `import vllm`.
+    # An interpreter without vLLM (this one without its site-packages, -S): the worker fails at `import vllm`.
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    python.chmod(0o755)
     with pytest.raises(VLLMEngineError) as info:
-        VLLMEngine(tmp_path, python=sys.executable, startup_timeout_s=60)
+        VLLMEngine(tmp_path, python=str(python), startup_timeout_s=60)
     message = str(info.value)
     assert "\n" not in message
     assert "No module named 'vllm'" in message and "setup_vllm.sh" in message

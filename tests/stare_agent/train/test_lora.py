@@ -17,9 +17,10 @@ from stare_agent.models import ModelLoadError, tiny_model
 from stare_agent.train.learner import ADAPTER_DIRNAME, Learner
 from stare_envs.engine import SamplingParams
 from stare_envs.trajectory import Trajectory, TrajectoryBuilder
+from tests.conftest import require, require_module
 from tests.stare_agent.parity_env import PARITY_RUN
 
-peft = pytest.importorskip("peft")
+peft = require_module("train", "peft", "pip install 'stare-agent[train]'")
 
 LORA = ["model.lora.r=4", "model.lora.alpha=8", "deepspeed.precision=fp32", "optim.weight_decay=0.0"]
 
@@ -194,7 +195,8 @@ def test_embedded_smollm2_one_lora_step_reloads(tmp_path):
     try:
         model, tokenizer = load_policy()
     except ModelLoadError as exc:
-        pytest.skip(str(exc))
+        require("embedded", str(exc))
+        raise
     learner = Learner.from_config(model, tokenizer, load_config(None, [*LORA, "optim.lr=1e-3"]))
     base0, adapter0 = _split(learner.module.named_parameters())
     batch = [_trajectory(i, prompt=6, response=10) for i in range(2)]
