@@ -17,7 +17,7 @@ quickstart: docker
 	.venv/bin/stare-agent quickstart
 
 # Two pytest processes, each taking whole modules (--dist loadscope: a module's fixtures, such as its
-# vLLM server, start once): 15.5 min instead of 23.1 on 2 cores. TEST_WORKERS=0 runs in one process.
+# vLLM server, start once): 10.8 min on 2 cores (2026-12-04, a fresh clone's .ci/run); TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: docker lint
 	.venv/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=40 tests

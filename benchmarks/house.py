@@ -264,6 +264,8 @@ def time_test_fast(tree: Path, repeats: int) -> str:
     lines = makefile.split("\ntest-fast:", 1)[1].splitlines()[1:]
     recipe = " && ".join(line.strip() for line in itertools.takewhile(lambda x: x.startswith("\t"), lines))
     recipe = recipe.replace(".venv/bin/", f"{REPO / '.venv' / 'bin'}/")
+    for name, value in re.findall(r"^(\w+)\s*\??=\s*(\S+)\s*$", makefile, re.M):  # the Makefile's variables
+        recipe = recipe.replace(f"$({name})", value)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -104,9 +104,10 @@ def load_training_policy(config: RunConfig) -> tuple[Any, Any]:
         stare_agent.models.ModelLoadError: the model cannot be loaded (ModelTooLargeError: it does
             not fit in memory).
     """
-    from stare_agent.models import load_policy
+    from stare_agent.models import load_policy, resolve_policy_path
 
     ds = config.deepspeed
+    resolve_policy_path(config.model.name_or_path)  # a bad path or id fails here, before DeepSpeed starts
     init_distributed(ds.dist_backend)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     precision = resolve_precision(ds.precision, device_type)

@@ -16,19 +16,12 @@ from stare_research.config import load_research_config
 from stare_research.entropy_bank import EntropyBankError, bank_entropy, read_bank
 from stare_research.replay import replay
 from stare_research.trainer import ResearchTrainer
-from tests.stare_agent.train.scripted_training import overrides, scripted_policy
-
-PROBLEMS = [
-    {"id": f"add-{a}-{b}", "problem": f"What is {a} + {b}?", "answer": str(a + b)}
-    for a, b in [(2, 3), (10, 7), (40, 2), (6, 6)]
-]
+from tests.stare_agent.train.scripted_training import overrides, scripted_policy, write_problems
 
 
 @pytest.fixture
 def problem_file(tmp_path):
-    path = tmp_path / "problems.jsonl"
-    path.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
-    return path
+    return write_problems(tmp_path / "problems.jsonl")
 
 
 def _config(tmp_path: Path, problem_file: Path, steps: int, *extra: str):

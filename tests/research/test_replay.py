@@ -26,6 +26,7 @@ PROBLEMS = [
 STEPS = 3
 # The learner's metrics: what a replay must repeat. Times are wall clock; the rest of a run's record
 # (dynamic sampling, tool health, evaluations) is the rollout side, which a replay does not play.
+SLOW_FIXTURES = ("run",)  # a three-step run with saved rollouts: its tests are `slow` (tests/conftest.py)
 LEARNER = ("loss", "grad_norm", "entropy", "gate_on", "W", "M", "lr", "kept_groups", "frac_reweighted")
 
 

@@ -3,8 +3,6 @@ tiny model with scripted rollouts (tests/stare_agent/train/scripted_training.py)
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from stare_agent.config import ConfigError, load_config
@@ -13,19 +11,12 @@ from stare_agent.models import tiny_model
 from stare_agent.train.trainer import Trainer
 from stare_research.config import load_research_config
 from stare_research.trainer import ResearchTrainer
-from tests.stare_agent.train.scripted_training import overrides, scripted_policy
-
-PROBLEMS = [
-    {"id": f"add-{a}-{b}", "problem": f"What is {a} + {b}?", "answer": str(a + b)}
-    for a, b in [(2, 3), (10, 7), (40, 2), (6, 6)]
-]
+from tests.stare_agent.train.scripted_training import overrides, scripted_policy, write_problems
 
 
 @pytest.fixture
 def problem_file(tmp_path):
-    path = tmp_path / "problems.jsonl"
-    path.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
-    return path
+    return write_problems(tmp_path / "problems.jsonl")
 
 
 def _step(trainer_class, config) -> dict:

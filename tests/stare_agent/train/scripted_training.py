@@ -30,6 +30,21 @@ def scripted_policy():
     return turn
 
 
+ADDITIONS = [
+    {"id": f"add-{a}-{b}", "problem": f"What is {a} + {b}?", "answer": str(a + b)}
+    for a, b in [(2, 3), (10, 7), (40, 2), (6, 6)]
+]
+"""Four problems the scripted policy answers (right on even episodes)."""
+
+
+def write_problems(path: Path, problems: list[dict] = ADDITIONS) -> Path:
+    """``problems`` as a JSONL problem file at ``path``."""
+    import json
+
+    path.write_text("".join(json.dumps(p) + "\n" for p in problems))
+    return path
+
+
 def overrides(run_dir: str, problems: str, steps: int) -> list[str]:
     return [
         f"data.train={problems}",

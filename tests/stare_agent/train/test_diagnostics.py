@@ -12,12 +12,7 @@ from stare_agent.engines.scripted import ScriptedEngine
 from stare_agent.models import tiny_model
 from stare_agent.train.diagnostics import Diagnostics, PreUpdate
 from stare_agent.train.trainer import Trainer
-from tests.stare_agent.train.scripted_training import overrides, scripted_policy
-
-PROBLEMS = [
-    {"id": f"add-{a}-{b}", "problem": f"What is {a} + {b}?", "answer": str(a + b)}
-    for a, b in [(2, 3), (10, 7), (40, 2), (6, 6)]
-]
+from tests.stare_agent.train.scripted_training import overrides, scripted_policy, write_problems
 
 
 class Probe(Diagnostics):
@@ -55,9 +50,7 @@ def _fit(tmp_path, problem_file, hooks, *extra) -> list[dict]:
 
 @pytest.fixture
 def problem_file(tmp_path):
-    path = tmp_path / "problems.jsonl"
-    path.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
-    return path
+    return write_problems(tmp_path / "problems.jsonl")
 
 
 def test_a_hook_is_called_at_its_three_points_and_its_metrics_are_logged(tmp_path, problem_file):
