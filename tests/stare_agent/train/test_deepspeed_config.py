@@ -166,3 +166,19 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_
         removed = clear_stale_build_locks(tmp_path)
     assert sorted(removed) == sorted([stale, flat])
     assert not stale.exists() and not flat.exists() and live.exists()
+
+
+def test_a_bad_model_path_fails_before_deepspeed_starts(monkeypatch, tmp_path):
+    """The path is checked first: a typo costs seconds, not a process group (and, on a fresh CPU
+    machine, DeepSpeed's build of its shared-memory op)."""
+    from stare_agent.config import load_config
+    from stare_agent.models import ModelLoadError
+    from stare_agent.train import deepspeed_setup
+
+    def started(*args, **kwargs):
+        raise AssertionError("init_distributed ran before the model path was checked")
+
+    monkeypatch.setattr(deepspeed_setup, "init_distributed", started)
+    config = load_config(None, [f"model.name_or_path={tmp_path / 'no_such_dir'}"])
+    with pytest.raises(ModelLoadError, match="no such directory"):
+        deepspeed_setup.load_training_policy(config)
