@@ -45,6 +45,12 @@ from stare_sandbox.config import BACKENDS, Backend, SandboxConfig
 from stare_sandbox.ray_fleet.config import RayFleetConfig
 
 CONFIG_FILENAME = "config.yaml"
+RENAMED = {
+    "trainer.entropy_bank": "research.entropy_bank",
+    "algorithm.gate_batch": "research.gate_batch",
+    "algorithm.L_plus_rule": "research.L_plus_rule",
+}
+"""Keys of an older config (a run saved before 0.2.0) and their names now."""
 ALGORITHMS = ("grpo", "grpo_ds", "stare", "kl_cov", "clip_cov", "entropy_bonus", "forking_tokens")
 GATES = ("entropy", "always_on")
 PRECISIONS = ("auto", "bf16", "fp32", "bf16-autocast")
@@ -926,6 +932,11 @@ def _merge(base: Any, other: Any, where: str, schema: type[RunConfig]) -> Any:
         key = exc.full_key or str(exc.key)
         parent, _, _ = key.rpartition(".")
         valid = ", ".join(_keys_of(parent, schema))
+        if key in RENAMED:
+            raise ConfigError(
+                f"config key {key!r} {where} is {RENAMED[key]!r} since 0.2.0 (CHANGELOG.md), read by the "
+                "research instruments (`stare-agent study`, `stare-agent replay`): rename it"
+            ) from None
         if key == "research":  # the research floor's section (stare_research.config)
             raise ConfigError(
                 f"config key 'research' {where} is read by the research instruments: run `stare-agent study` or "

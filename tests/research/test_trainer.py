@@ -76,3 +76,19 @@ def test_the_product_refuses_the_research_section_with_its_cause_and_fix(tmp_pat
     assert load_research_config(path).research.gate_batch == "drawn"
     with pytest.raises(ConfigError, match=r"research.gate_batch='all' is not valid: use one of kept, drawn"):
         load_research_config(None, ["research.gate_batch=all"])
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("trainer.entropy_bank=b.jsonl", "research.entropy_bank"),
+        ("algorithm.gate_batch=drawn", "research.gate_batch"),
+    ],
+)
+def test_a_key_of_a_run_saved_before_the_research_section_names_its_new_name(old, new):
+    with pytest.raises(
+        ConfigError, match=rf"config key '{old.split('=')[0]}' in the overrides is '{new}' since 0.2.0"
+    ):
+        load_config(None, [old])
+    with pytest.raises(ConfigError, match=rf"is '{new}' since 0.2.0"):
+        load_research_config(None, [old])
