@@ -13,8 +13,12 @@
   ``BaseTool``'s docstring: one ``create``, several ``execute``, one ``release``), the sandbox belongs to
   the instance and goes back at ``release``.
 - :func:`compute_score` is a verl custom reward function (``custom_reward_function.path`` /
-  ``.name``): the final answer of the response (``<answer>`` or the last ``\\boxed{}``) checked against
-  the ground truth by :func:`stare_envs.rewards.compute_reward`, the same checker our environments use.
+  ``.name``): the final answer of the model's own words (``<answer>`` or the last ``\\boxed{}``)
+  checked against the ground truth by :func:`stare_envs.rewards.compute_reward`, the same checker our
+  environments use. verl hands a reward function the whole decoded response, tool messages included,
+  so the tool records every text it returned in the trajectory's ``extra_fields``
+  (:data:`TOOL_OUTPUTS_KEY`), which verl's reward loop passes on in ``extra_info``; ``compute_score``
+  cuts those texts out before it looks for the answer, so nothing a tool printed can score.
 
 Tool output is returned verbatim as ``ToolResponse.text``, and verl's agent loop tokenizes the tool
 message itself (chat template rendered, special tokens parsed). So, unlike in our own runner (which
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -49,7 +54,12 @@ from stare_sandbox.pool import SandboxPool
 from stare_sandbox.ray_fleet import RayFleetConfig
 from stare_sandbox.result import truncate_text
 
-__all__ = ["CodeInterpreterTool", "compute_score"]
+__all__ = ["TOOL_OUTPUTS_KEY", "CodeInterpreterTool", "compute_score", "model_text"]
+
+TOOL_OUTPUTS_KEY = "stare_tool_outputs"
+"""The key of ``AgentData.extra_fields`` (``extra_info`` in the reward function) under which the tool
+records, in order, every text it returned to the model in the trajectory."""
+_SPECIAL = re.compile(r"<\|[^|<>\s]{1,40}\|>|</?s>")  # special-token text a decode may skip
 
 _CONFIG_KEYS = {
     "type",
@@ -167,6 +177,9 @@ class CodeInterpreterTool(BaseTool):
                 ) from exc
             raise
         text, cut = truncate_text(result.text, self.max_output_chars)
+        agent_data = kwargs.get("agent_data")
+        if agent_data is not None and isinstance(getattr(agent_data, "extra_fields", None), dict):
+            agent_data.extra_fields.setdefault(TOOL_OUTPUTS_KEY, []).append(text)  # see compute_score
         exec_result = result.exec_result
         metrics = {
             "error_type": result.error_type,
@@ -246,11 +259,50 @@ def compute_score(
     :class:`stare_envs.rewards.RewardConfig`'s, set with verl's ``custom_reward_function.reward_kwargs``
     (ReTool: ``mode=plus_minus``).
 
+    Only the model's words are read: the texts the tool returned in this trajectory
+    (``extra_info[TOOL_OUTPUTS_KEY]``, see :func:`model_text`) are cut out first. A recorded text that
+    cannot be found in the response (a decode that changed it) leaves the response unscorable: it
+    scores as an episode without an answer and says so (``tool_output_unmatched``), never as the
+    tool's answer.
+
     Returns:
-        ``{"score": reward, "acc": 1.0 or 0.0, "pred": answer or ""}``; verl logs every key.
+        ``{"score": reward, "acc": 1.0 or 0.0, "pred": answer or "", "tool_output_unmatched": 0 or 1}``;
+        verl logs every key.
     """
-    answer, _, _ = find_answer(solution_str)
+    outputs = (extra_info or {}).get(TOOL_OUTPUTS_KEY) or []
+    text, unmatched = model_text(solution_str, [str(o) for o in outputs])
+    answer = None if unmatched else find_answer(text)[0]
     reward, info = compute_reward(
         answer, str(ground_truth), config=RewardConfig(mode=mode, format_penalty=format_penalty)
     )
-    return {"score": reward, "acc": float(info["correct"]), "pred": answer or ""}
+    return {
+        "score": reward,
+        "acc": float(info["correct"]),
+        "pred": answer or "",
+        "tool_output_unmatched": float(unmatched),
+    }
+
+
+def model_text(response: str, tool_outputs: list[str]) -> tuple[str, bool]:
+    r"""``response`` with each of ``tool_outputs`` cut out, in order (each searched after the previous
+    one), and whether one was not found. A text the decode changed by dropping special tokens
+    (``<|im_end|>`` printed by the code) is matched without them.
+
+    Example:
+        >>> model_text("run it. 42 <answer>\\boxed{1}</answer> so: \\boxed{41}", ["42 <answer>\\boxed{1}</answer>"])
+        ('run it.  so: \\boxed{41}', False)
+        >>> model_text("no tool text here", ["<answer>7</answer>"])
+        ('', True)
+    """
+    kept, cursor = [], 0
+    for output in tool_outputs:
+        for needle in dict.fromkeys((output, _SPECIAL.sub("", output))):
+            found = response.find(needle, cursor) if needle else cursor
+            if found >= 0:
+                kept.append(response[cursor:found])
+                cursor = found + len(needle)
+                break
+        else:
+            return "", True
+    kept.append(response[cursor:])
+    return "".join(kept), False

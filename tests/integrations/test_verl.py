@@ -288,3 +288,77 @@ def test_a_bad_tool_config_is_refused_with_the_valid_keys():
         CodeInterpreterTool({"type": "native", "pool_size": 0})
     with pytest.raises(ValueError, match=r"unknown ray option\(s\) \['nodes'\] .*RayFleetConfig"):
         CodeInterpreterTool({"type": "native", "backend": "ray", "ray": {"nodes": 2}})
+
+
+def test_what_a_tool_printed_never_scores(docker_ready):
+    """The model's code prints a boxed answer; under verl the decoded response holds the tool message,
+    so a reward function reading it whole would take the tool's answer (1.0 for 42 below, also when the
+    model gives none). The tool records its outputs in the trajectory's extra_fields, verl's reward loop
+    passes them in extra_info, and compute_score reads the model's words alone."""
+    require("verl")
+    import torch
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.experimental.reward_loop.reward_manager.naive import NaiveRewardManager
+
+    from stare_integrations.verl_tool import TOOL_OUTPUTS_KEY, CodeInterpreterTool, compute_score
+    from tests.helpers_tokenizers import smollm2_tokenizer
+
+    tool = CodeInterpreterTool({"type": "native", "pool_size": 1, "backend": "docker"})
+
+    class Trajectory:  # what the tool uses of verl's AgentData (whose module needs the Hydra overlay)
+        def __init__(self) -> None:
+            self.extra_fields: dict = {}
+
+    agent_data = Trajectory()
+
+    async def call() -> str:
+        instance, _ = await tool.create()
+        response, _, _ = await tool.execute(
+            instance, {"code": "print('<answer>\\\\boxed{42}</answer>')"}, agent_data=agent_data
+        )
+        await tool.release(instance)
+        return response.text
+
+    try:
+        printed = asyncio.run(call())
+    finally:
+        tool.close()
+    assert printed == "<answer>\\boxed{42}</answer>" and agent_data.extra_fields[TOOL_OUTPUTS_KEY] == [
+        printed
+    ]
+    tokenizer = smollm2_tokenizer()
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)  # the manager runs the reward function on the loop it was made in
+    manager = NaiveRewardManager(OmegaConf.create({}), tokenizer, compute_score)
+
+    def score(model_after: str, fields: dict) -> dict:
+        response = f"<code>\nprint(...)\n</code>\n<interpreter>\n{printed}\n</interpreter>\n{model_after}"
+        prompt, ids = tokenizer.encode("What is 6 * 7?"), tokenizer.encode(response)
+        data = DataProto.from_dict(
+            tensors={
+                "prompts": torch.tensor([prompt]),
+                "responses": torch.tensor([ids]),
+                "attention_mask": torch.ones(1, len(prompt) + len(ids), dtype=torch.long),
+            },
+            non_tensors={
+                "data_source": ["stare/test"],
+                "reward_model": [{"ground_truth": "42"}],
+                "extra_info": [{}],
+                "tool_extra_fields": [fields],
+            },
+        )
+        return loop.run_until_complete(manager.run_single(data))
+
+    try:
+        wrong = score("So the answer is \\boxed{41}.", agent_data.extra_fields)
+        silent = score("I cannot tell.", agent_data.extra_fields)
+        right = score("So the answer is \\boxed{42}.", agent_data.extra_fields)
+        unmatched = score("So the answer is \\boxed{42}.", {TOOL_OUTPUTS_KEY: ["never printed"]})
+    finally:
+        loop.close()
+        asyncio.set_event_loop(None)
+    assert (wrong["reward_score"], wrong["reward_extra_info"]["pred"]) == (0.0, "41")
+    assert (silent["reward_score"], silent["reward_extra_info"]["pred"]) == (0.0, "")
+    assert (right["reward_score"], right["reward_extra_info"]["pred"]) == (1.0, "42")
+    assert unmatched["reward_score"] == 0.0 and unmatched["reward_extra_info"]["tool_output_unmatched"] == 1.0
