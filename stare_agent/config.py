@@ -147,8 +147,9 @@ class SandboxSection:
     """Where the model's code runs.
 
     Attributes:
-        backend: ``docker`` (isolated), ``local`` (a local kernel process: weaker isolation), ``auto``
-            (Docker when the daemon and image are there, else local), or ``ray``: the sandboxes run on
+        backend: ``docker`` (isolated), ``local`` (a local kernel process: weaker isolation, used only
+            when named here), ``auto`` (Docker when the daemon and image are there, else an error that
+            says why and names ``local``), or ``ray``: the sandboxes run on
             the Docker nodes of a Ray cluster (the ``sandbox.ray`` section; ``pip install
             'stare-agent[ray]'``; docs/deployment.md).
         pool_size: Sandboxes kept warm; one is leased per live episode. With ``ray``: the episodes this

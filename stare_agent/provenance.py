@@ -30,6 +30,36 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
+def run_record(**fields: Any) -> dict[str, Any]:
+    """Where and how a run or an evaluation was made: the command line, the start (UTC), the package
+    versions and the git commit of this package's checkout (None when installed from a wheel), with
+    ``fields`` (e.g. the sandbox backend the pool resolved)."""
+    import datetime
+    import subprocess
+    import sys
+
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                cwd=Path(__file__).parent,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "command": sys.argv,
+        "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": package_versions(),
+        "git_commit": commit,
+        **fields,
+    }
+
+
 def problems_sha256(problems: Sequence[Problem]) -> str:
     """SHA-256 of the problems in order (id, statement, gold answer): two evaluations with the same hash
     asked the same questions."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import threading
 import time
 import warnings
@@ -183,6 +184,7 @@ class Trainer:
             self.rollout_engine.sync(self.step)
         if self.rank == 0:
             self.config.save(self.run_dir)
+            self._save_run_record()
         for hook in self.diagnostics:
             hook.on_fit_start(self)
         logger = None
@@ -621,6 +623,25 @@ class Trainer:
                     "turn_versions": t.turn_versions,
                 }
                 f.write(json.dumps(record, default=str) + "\n")
+
+    def _save_run_record(self) -> None:
+        """``run_dir/run.json``: this fit's command, start, versions and commit, the sandbox backend its
+        pool resolved (``auto`` never means ``local``: a local one was named) and its engine; one
+        record per fit, a resumed run's appended (``runs``)."""
+        from stare_agent.provenance import engine_settings, run_record
+
+        path = self.run_dir / "run.json"
+        runs = json.loads(path.read_text())["runs"] if path.is_file() else []
+        runs.append(
+            run_record(
+                sandbox_backend=self.rollouts.pool().backend,
+                engine=engine_settings(self.engine),
+                resumed_at_step=self.step,
+            )
+        )
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"runs": runs}, indent=2, default=str))
+        tmp.replace(path)
 
     def evaluate(
         self, *, greedy: bool = False, config: RunConfig | None = None, keep_trajectories: bool | None = None

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -641,3 +642,39 @@ def test_auto_is_resolved_once_and_a_later_docker_failure_is_an_error_never_the_
             with pool.lease(timeout=30) as sb:
                 pytest.fail(f"got a {sb.backend} sandbox while Docker was unreachable")
         assert pool.backend == "docker"
+
+
+def test_auto_never_becomes_the_local_backend_and_local_says_so_on_stderr(tmp_path):
+    """Where Docker is not usable, ``auto`` (the default of the pool, ToolEnv and the config) is an error
+    naming the fix, never a local process running model code under the host's uid; the local backend,
+    asked for by name, says on stderr that its isolation is weaker, whatever the logging setup."""
+    script = tmp_path / "no_docker.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import gymnasium, stare_envs
+            from stare_sandbox import SandboxPool, SandboxUnavailable, resolve_backend
+            for make in (lambda: resolve_backend("auto"), lambda: SandboxPool(1),
+                         lambda: gymnasium.make("stare/AIME2024-v0")):
+                try:
+                    make()
+                    print("RAN LOCALLY")
+                except SandboxUnavailable as exc:
+                    print("refused:", str(exc).splitlines()[0])
+            with SandboxPool(1, backend="local") as pool, pool.lease() as sb:
+                print("local ran", sb.run("1 + 1").stdout.strip())
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DOCKER_HOST": "unix:///nonexistent/docker.sock"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "local ran 2" and "RAN LOCALLY" not in done.stdout, done.stdout
+    refused = [line for line in lines if line.startswith("refused:")]
+    assert len(refused) == 3, done.stdout
+    for line in refused:
+        assert (
+            "Docker is not usable here (no Docker daemon answers" in line and "sandbox.backend=local" in line
+        )
+    assert done.stderr.count("[sandbox] LocalSandbox runs model code as a local process") == 1, done.stderr

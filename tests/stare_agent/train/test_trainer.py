@@ -85,6 +85,10 @@ def test_two_stare_steps_update_weights_log_and_checkpoint(tmp_path, problem_fil
     reloaded = AutoModelForCausalLM.from_pretrained(last / "hf")
     assert torch.equal(reloaded.state_dict()["lm_head.weight"], after["lm_head.weight"])
     assert (tmp_path / "run" / "config.yaml").is_file()
+    # what produced the run, beside its config: the backend the pool resolved (named: local), the engine
+    [record] = json.loads((tmp_path / "run" / "run.json").read_text())["runs"]
+    assert record["sandbox_backend"] == "local" and record["engine"]["kind"] == "ScriptedEngine"
+    assert record["versions"]["stare-agent"] and record["started_utc"].endswith("+00:00")
 
 
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
