@@ -3,9 +3,13 @@
 ``math-verify`` parses LaTeX into SymPy and compares symbolically. Some inputs make SymPy run for
 minutes (power towers such as ``9^{9^{9^{9}}}``, even when only printing the parsed result), and the
 library's own timeouts use ``signal.alarm``, which fails outside the main thread. ``AnswerChecker``
-therefore runs math-verify in a small pool of worker processes and enforces a hard deadline from the
-caller's side: a worker that misses it is killed (SIGKILL) and replaced in the background, and the
-check scores False. Plain integer answers (AIME) are decided in the calling thread without the pool.
+therefore runs math-verify in a small pool of worker processes and bounds each check from the caller's
+side by the worker's CPU time, so that a verdict never depends on how loaded the machine is: a worker
+that uses up its CPU budget is killed (SIGKILL) and replaced in the background, and the check scores
+False as timed out, which ``compute_reward`` reports (``check_timed_out``) and the runs count. A worker
+that gets no CPU at all for a long wall time (a starved machine) is infrastructure, not a verdict: the
+check is retried once on a fresh worker, then raises. Plain integer answers (AIME) are decided in the
+calling thread without the pool.
 
 Example:
     >>> with AnswerChecker(num_workers=1) as checker:
@@ -30,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
+
+import psutil
 
 from stare_envs.errors import EnvError
 
@@ -238,17 +244,22 @@ def _mp_context() -> Any:
 
 
 class AnswerChecker:
-    r"""Thread-safe answer checking with a hard time bound per check.
+    r"""Thread-safe answer checking with a hard bound per check, on CPU time.
 
     Each check first tries the integer fast path (``integer_answers_match``), then the result cache,
     then sends the pair to an idle worker process running math-verify (``parse`` both,
-    ``verify(gold, prediction)``). A worker that does not answer within ``timeout_s`` is killed and
-    replaced in the background; that check scores False. A check waits for an idle worker first
-    (at most ``startup_timeout_s``); ``timeout_s`` counts from when a worker receives the pair.
+    ``verify(gold, prediction)``). A worker that uses ``timeout_s`` CPU seconds on the pair is killed
+    and replaced in the background; that check scores False and counts as timed out (:meth:`verdict`).
+    One that neither answers nor uses its budget within ``wall_timeout_s`` (the machine starved it)
+    is replaced and the pair tried once more; a second such wait raises ``AnswerCheckerError``. A
+    check waits for an idle worker first (at most ``startup_timeout_s``).
 
     Args:
         num_workers: Worker processes; default ``min(4, os.cpu_count())``.
-        timeout_s: Hard deadline per math-verify check, in seconds.
+        timeout_s: CPU seconds a math-verify check may use in its worker (the same verdict on a busy
+            machine as on an idle one).
+        wall_timeout_s: Wall seconds a check may wait for its worker's answer before the worker is taken
+            for starved; default ``max(60, 20 * timeout_s)``.
         max_chars: Predictions or golds longer than this score False without parsing (a megabyte of
             model output is never a correct closed-form answer, and would only tie up a worker).
         cache_size: Completed results kept in an LRU keyed by ``(prediction, gold)``; 0 disables it.
@@ -267,6 +278,7 @@ class AnswerChecker:
         num_workers: int | None = None,
         *,
         timeout_s: float = 3.0,
+        wall_timeout_s: float | None = None,
         max_chars: int = 20_000,
         cache_size: int = 8192,
         startup_timeout_s: float = 120.0,
@@ -279,6 +291,9 @@ class AnswerChecker:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}: pass a positive number of seconds")
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
+        self.wall_timeout_s = (
+            float(wall_timeout_s) if wall_timeout_s is not None else max(60.0, 20 * self.timeout_s)
+        )
         self.max_chars = max_chars
         self.startup_timeout_s = startup_timeout_s
         self._context = _mp_context()
@@ -290,17 +305,30 @@ class AnswerChecker:
         self._cache: OrderedDict[tuple[str, str], bool] = OrderedDict()
         self._cache_size = cache_size
         self._executor: ThreadPoolExecutor | None = None
-        self._stats = dict(checks=0, fast_path=0, cache_hits=0, pool=0, timeouts=0, errors=0, restarts=0)
+        self._stats = dict(
+            checks=0, fast_path=0, cache_hits=0, pool=0, timeouts=0, stalls=0, errors=0, restarts=0
+        )
         for _ in range(num_workers):
             self._start_worker_async()
 
     # -- public API ---------------------------------------------------------------------------------
 
     def check(self, prediction: str, gold: str) -> bool:
-        """True when ``prediction`` is mathematically equal to ``gold``; False on timeout or error.
+        """True when ``prediction`` is mathematically equal to ``gold``; False when it is not, and on a
+        check that used up its CPU budget or failed (:meth:`verdict` says which).
 
         Raises:
-            AnswerCheckerError: The checker is closed, or no worker became ready in time.
+            AnswerCheckerError: The checker is closed, no worker became ready in time, or the machine
+                starved the check twice (see the class docstring).
+        """
+        return self.verdict(prediction, gold)[0]
+
+    def verdict(self, prediction: str, gold: str) -> tuple[bool, bool]:
+        """``(correct, timed_out)``: ``timed_out`` when the check used up its ``timeout_s`` CPU seconds
+        and scored False for it (a bound on the answer, not a judgement of it: counted, never silent).
+
+        Raises:
+            AnswerCheckerError: as :meth:`check`.
         """
         if self._closed:
             raise AnswerCheckerError("AnswerChecker is closed: create a new one or use default_checker()")
@@ -308,18 +336,17 @@ class AnswerChecker:
         decided = integer_answers_match(prediction, gold)
         if decided is not None:
             self._count("fast_path")
-            return decided
+            return decided, False
         if len(prediction) > self.max_chars or len(gold) > self.max_chars:
-            return False
+            return False, False
         key = (prediction, gold)
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
                 self._stats["cache_hits"] += 1
-                return cached
-        correct = self._check_in_worker(prediction, gold)
-        return correct
+                return cached, False
+        return self._check_in_worker(prediction, gold)
 
     def check_many(self, pairs: Iterable[tuple[str, str]]) -> list[bool]:
         """``check`` for each ``(prediction, gold)`` pair, spread across the workers; order is kept."""
@@ -346,7 +373,8 @@ class AnswerChecker:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters: checks, fast_path, cache_hits, pool, timeouts, errors, restarts, idle_workers."""
+        """Counters: checks, fast_path, cache_hits, pool, timeouts (CPU budget used up), stalls (starved
+        workers), errors, restarts, idle_workers."""
         with self._lock:
             return {**self._stats, "idle_workers": self._idle.qsize()}
 
@@ -404,26 +432,40 @@ class AnswerChecker:
                         "`python -c 'import math_verify'` works, or raise startup_timeout_s"
                     ) from None
 
-    def _check_in_worker(self, prediction: str, gold: str) -> bool:
-        """One pool check. A worker that died while idle (e.g. killed for memory) is replaced and the
-        pair goes to another worker once; a worker that misses the deadline is killed: False."""
-        for attempt in range(2):
+    def _check_in_worker(self, prediction: str, gold: str) -> tuple[bool, bool]:
+        """One pool check: ``(correct, timed_out)``. A worker that died while idle (e.g. killed for
+        memory) is replaced and the pair goes to another worker once; one that uses up its CPU budget is
+        killed: ``(False, True)``; one starved past ``wall_timeout_s`` is replaced and the pair tried once
+        more, then ``AnswerCheckerError``."""
+        stalls = 0
+        for attempt in range(3):
             worker = self._acquire()
             self._count("pool")
             started = time.monotonic()
             try:
                 worker.conn.send((prediction, gold))
-                if not worker.conn.poll(self.timeout_s):
+                outcome = self._wait(worker)
+                if outcome == "timeout":
                     self._count("timeouts")
                     self._replace(worker)
-                    return False
+                    return False, True
+                if outcome == "stall":
+                    self._count("stalls")
+                    self._replace(worker)
+                    stalls += 1
+                    if stalls == 2:
+                        raise AnswerCheckerError(
+                            f"an answer check got no CPU for {self.wall_timeout_s:.0f} s twice (the machine is "
+                            "overloaded): lower the load, or raise AnswerChecker's wall_timeout_s"
+                        )
+                    continue
                 correct, error = worker.conn.recv()
             except (EOFError, OSError):
                 self._count("errors")
                 self._replace(worker)
-                if attempt == 0 and time.monotonic() - started < self.timeout_s / 2:
+                if attempt == 0 and time.monotonic() - started < self.wall_timeout_s / 2:
                     continue
-                return False
+                return False, False
             self._release(worker)
             if error is not None:
                 self._count("errors")
@@ -432,8 +474,30 @@ class AnswerChecker:
                     self._cache[(prediction, gold)] = correct
                     if len(self._cache) > self._cache_size:
                         self._cache.popitem(last=False)
-            return correct
-        return False
+            return correct, False
+        return False, False
+
+    def _wait(self, worker: _Worker) -> str:
+        """Until ``worker`` answers (``"answer"``), uses ``timeout_s`` CPU seconds on the request
+        (``"timeout"``), or ``wall_timeout_s`` pass (``"stall"``). The CPU time is the worker's own,
+        read from the OS, so load on the machine does not move the bound."""
+        try:
+            process = psutil.Process(worker.process.pid)
+            times = process.cpu_times()
+            cpu0 = times.user + times.system
+        except psutil.Error:
+            return "answer"  # gone already: the read below sees EOF
+        deadline = time.monotonic() + self.wall_timeout_s
+        while not worker.conn.poll(0.02):
+            try:
+                times = process.cpu_times()
+            except psutil.Error:
+                return "answer"
+            if times.user + times.system - cpu0 >= self.timeout_s:
+                return "timeout"
+            if time.monotonic() >= deadline:
+                return "stall"
+        return "answer"
 
     def _release(self, worker: _Worker) -> None:
         with self._lock:
@@ -500,10 +564,15 @@ def answers_equivalent(prediction: str, gold: str, *, checker: AnswerChecker | N
     >>> answers_equivalent("070", "70"), answers_equivalent("71", "70")
     (True, False)
     """
+    return _equivalence(prediction, gold, checker)[0]
+
+
+def _equivalence(prediction: str, gold: str, checker: AnswerChecker | None) -> tuple[bool, bool]:
+    """``(correct, timed_out)`` of :func:`answers_equivalent`."""
     decided = integer_answers_match(prediction, gold)
-    if decided is None:
-        decided = (checker or default_checker()).check(prediction, gold)
-    return decided
+    if decided is not None:
+        return decided, False
+    return (checker or default_checker()).verdict(prediction, gold)
 
 
 @dataclass(frozen=True)
@@ -558,7 +627,8 @@ def compute_reward(
 
     Returns:
         ``(reward, info)`` with info keys ``correct``, ``answer``, ``has_answer``, ``base``,
-        ``tool_bonus``, ``format_penalty`` and ``mode``.
+        ``tool_bonus``, ``format_penalty``, ``mode`` and ``check_timed_out`` (the check used up its CPU
+        budget, so ``correct`` is False without a verdict: counted by the runs, never silent).
 
     Example:
         >>> compute_reward("0204", "204")[0], compute_reward(None, "204")[0]
@@ -567,7 +637,9 @@ def compute_reward(
         -1.0
     """
     has_answer = response_answer is not None
-    correct = response_answer is not None and answers_equivalent(response_answer, gold, checker=checker)
+    correct, timed_out = (
+        _equivalence(response_answer, gold, checker) if response_answer is not None else (False, False)
+    )
     base = 1.0 if correct else (0.0 if config.mode == "binary" else -1.0)
     bonus = 0.0
     if num_tool_calls > 0 and (correct or not config.bonus_requires_correct):
@@ -581,5 +653,6 @@ def compute_reward(
         "tool_bonus": bonus,
         "format_penalty": penalty,
         "mode": config.mode,
+        "check_timed_out": timed_out,
     }
     return base + bonus - penalty, info

@@ -50,7 +50,7 @@ from stare_envs.problems import (
     load_problems,
     procedural_family,
 )
-from stare_envs.rewards import AnswerChecker, RewardConfig, compute_reward
+from stare_envs.rewards import AnswerChecker, AnswerCheckerError, RewardConfig, compute_reward
 from stare_envs.text_tokens import encode_as_text
 from stare_envs.tools import BoundTool, ToolResult, ToolSpec, get_tool
 from stare_sandbox.backends import resolve_backend
@@ -507,13 +507,18 @@ class ToolEnv(gymnasium.Env[str, str]):
     def _score(self, answer: str | None) -> tuple[float, dict[str, Any]]:
         assert self.problem is not None
         start = time.perf_counter()
-        reward, info = compute_reward(
-            answer,
-            self.problem.answer,
-            config=self.reward_config,
-            checker=self.checker,
-            num_tool_calls=self._num_tool_calls,
-        )
+        try:
+            reward, info = compute_reward(
+                answer,
+                self.problem.answer,
+                config=self.reward_config,
+                checker=self.checker,
+                num_tool_calls=self._num_tool_calls,
+            )
+        except AnswerCheckerError as exc:  # the checker could not give a verdict: never a silent 0
+            raise EpisodeInfrastructureError(
+                f"the answer of this episode could not be checked ({exc}); the episode is played again"
+            ) from exc
         info["check_s"] = elapsed = time.perf_counter() - start
         self.check_time_s += elapsed
         return reward, info

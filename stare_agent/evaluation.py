@@ -115,6 +115,7 @@ class ProblemResult:
     failed: int = 0
     infra_failures: int = 0
     void_turns: int = 0
+    check_timeouts: int = 0
 
     def add(self, trajectory: Trajectory) -> None:
         info = trajectory.info
@@ -124,6 +125,7 @@ class ProblemResult:
             self.infra_failures += 1
             return
         self.void_turns += bool(info.get("void_turn"))
+        self.check_timeouts += bool(info.get("reward_info", {}).get("check_timed_out"))
         self.answers.append(info.get("answer"))
         self.correct.append(bool(info.get("correct", False)))
         self.tool_calls.append(int(info.get("num_tool_calls", 0)))
@@ -286,6 +288,8 @@ def summarize_with_intervals(
     metrics["tool_timeouts_per_episode"] = sum(r.tool_timeouts for r in results) / n_episodes
     metrics["tool_errors_per_episode"] = sum(r.tool_errors for r in results) / n_episodes
     metrics["failed_episodes"] = float(failed)
+    # scored False because the answer's check used up its CPU budget: a bound, not a verdict
+    metrics["answer_check_timeouts"] = float(sum(r.check_timeouts for r in results))
     return metrics, intervals
 
 

@@ -56,6 +56,10 @@ def rollout_metrics(
         "tool_errors_per_episode": sum(bool(c.get("error_type")) for c in calls) / n,
         "tool_timeouts_per_episode": sum(bool(c.get("timed_out")) for c in calls) / n,
         "truncated_fraction": sum(bool(t.info.get("truncated")) for t in trajectories) / n,
+        # answers scored False because their check used up its CPU budget: a bound, not a verdict
+        "answer_check_timeouts": float(
+            sum(bool(t.info.get("reward_info", {}).get("check_timed_out")) for t in trajectories)
+        ),
     }
     if model_texts is not None:
         metrics.update({f"reflection/{k}": v for k, v in reflection_counts(model_texts).items()})

@@ -347,3 +347,19 @@ def test_private_pool_is_started_on_demand_and_closed_with_the_env(make_env):
     pool = env.pool
     env.close()
     assert pool.closed and env.pool is None
+
+
+def test_an_answer_that_could_not_be_checked_replays_the_episode_never_scores_zero(make_env, fake_pool):
+    """The checker could not give a verdict (closed, starved twice, no worker): the episode ends as an
+    infrastructure failure, which the rollout runner plays again, not as a wrong answer."""
+    from stare_envs.rewards import AnswerChecker
+    from stare_envs.tool_env import EpisodeInfrastructureError
+
+    broken = AnswerChecker(num_workers=1)
+    broken.close()
+    env = make_env(
+        CodeInterpreterEnv, [Problem("p2", "Half of one?", r"\frac{1}{2}")], pool=fake_pool, checker=broken
+    )
+    env.reset(seed=0)
+    with pytest.raises(EpisodeInfrastructureError, match="could not be checked .*played again"):
+        env.step("So <answer>\\boxed{0.5}</answer>")
