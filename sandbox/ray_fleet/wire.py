@@ -27,6 +27,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,11 @@ MAX_FRAME_BYTES = 256 * 2**20
 """Largest frame either side reads (a request's code, a result's output): past it the connection
 is dropped."""
 AUTH_TIMEOUT_S = 10.0
-"""How long a host waits for a new connection's token."""
+"""How long a host waits for a new connection's whole token: one deadline, however the bytes arrive."""
+MAX_UNAUTHENTICATED = 32
+"""Connections a host serves at once before their token is read; one more is closed at once, so that
+connections that never send a token cannot take a thread each (leases connect once, right after their
+token is issued, so a host has at most a few in this state)."""
 KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
 """A peer whose machine vanished without closing the connection (no FIN, no RST) is noticed by
 keepalive probes within about 25 s, even during a long call."""
@@ -65,10 +70,16 @@ def recv_frame(sock: socket.socket) -> Any:
     return msgpack.unpackb(_recv_exactly(sock, size), raw=False, unicode_errors="surrogatepass")
 
 
-def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+def _recv_exactly(sock: socket.socket, size: int, deadline: float | None = None) -> bytes:
+    """``size`` bytes; with ``deadline`` (``time.monotonic``) all of them by then, or ``TimeoutError``."""
     buffer = bytearray(size)
     view, got = memoryview(buffer), 0
     while got < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{got} of {size} bytes by the deadline")
+            sock.settimeout(left)
         n = sock.recv_into(view[got:])
         if not n:
             raise ConnectionError("the connection was closed by its other end")
@@ -104,6 +115,7 @@ class LeaseServer:
         self._tokens: dict[bytes, str] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._unauthenticated = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
         threading.Thread(target=self._accept_loop, name="lease-accept", daemon=True).start()
 
     def admit(self, lease_id: str) -> bytes:
@@ -132,16 +144,25 @@ class LeaseServer:
                 if self._closed:
                     return
                 continue
+            if not self._unauthenticated.acquire(blocking=False):
+                logger.warning(
+                    "lease server: %d connections without a token already; one more closed",
+                    MAX_UNAUTHENTICATED,
+                )
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="lease-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        authenticating = True
         with conn:
             try:
                 _tune(conn)
-                conn.settimeout(AUTH_TIMEOUT_S)
-                token = _recv_exactly(conn, TOKEN_BYTES)
+                token = _recv_exactly(conn, TOKEN_BYTES, deadline=time.monotonic() + AUTH_TIMEOUT_S)
                 with self._lock:
                     lease_id = self._tokens.pop(token, None)
+                self._unauthenticated.release()
+                authenticating = False
                 if lease_id is None:
                     send_frame(conn, ("refused", "the host issued no such lease token, or it was used"))
                     return
@@ -151,6 +172,9 @@ class LeaseServer:
                     send_frame(conn, self._handle(lease_id, recv_frame(conn)))
             except (OSError, ValueError) as exc:  # the client left (or sent garbage): its lease stays
                 logger.debug("lease connection ended: %s", exc)
+            finally:
+                if authenticating:
+                    self._unauthenticated.release()
 
 
 class LeaseConnection:

@@ -88,3 +88,55 @@ def test_frames_carry_any_text_and_refuse_a_size_over_the_bound() -> None:
         a.sendall(HEADER.pack(MAX_FRAME_BYTES + 1))
         with pytest.raises(ConnectionError, match="over the"):
             recv_frame(b)
+
+
+def test_a_token_dripped_a_byte_at_a_time_meets_one_deadline(server, monkeypatch) -> None:
+    """The handshake's deadline is for the whole token: a peer sending a byte every 0.4 s (each read
+    within a per-read timeout of 1 s) is cut off at 1 s, not held for the 16 bytes' 6.4 s."""
+    from stare_sandbox.ray_fleet import wire
+
+    monkeypatch.setattr(wire, "AUTH_TIMEOUT_S", 1.0)
+    with socket.create_connection(server.address) as sock:
+        started = time.monotonic()
+        try:
+            for _ in range(16):
+                sock.sendall(b"x")
+                time.sleep(0.4)
+            closed_after = None
+        except OSError:  # the host closed it while we were still dripping
+            closed_after = time.monotonic() - started
+        if closed_after is None:
+            sock.settimeout(5)
+            assert sock.recv(1) == b"", "the host kept the connection"
+            closed_after = time.monotonic() - started
+    assert closed_after < 3.0, closed_after
+
+
+def test_connections_without_a_token_are_capped(server) -> None:
+    """200 idle connections take at most MAX_UNAUTHENTICATED threads (each waits for its token); the rest
+    are closed at once, and a lease with a real token still connects."""
+    from stare_sandbox.ray_fleet.wire import MAX_UNAUTHENTICATED
+
+    before = sum(t.name == "lease-conn" for t in threading.enumerate())
+    idle = [socket.create_connection(server.address) for _ in range(200)]
+    try:
+        time.sleep(1.0)
+        serving = sum(t.name == "lease-conn" for t in threading.enumerate()) - before
+        assert serving <= MAX_UNAUTHENTICATED, serving
+        closed = 0
+        for sock in idle:
+            sock.settimeout(0.05)
+            try:
+                closed += sock.recv(1) == b""
+            except (TimeoutError, OSError):
+                pass
+        assert closed >= 200 - MAX_UNAUTHENTICATED, closed
+    finally:
+        for sock in idle:
+            sock.close()
+    time.sleep(0.5)  # the waiting ones see their peer gone and give their slot back
+    connection = LeaseConnection(server.address, server.admit("lease-1"), timeout_s=10)
+    try:
+        assert connection.call(["ping", 1], timeout_s=10) == ("ok", [1])
+    finally:
+        connection.close()
