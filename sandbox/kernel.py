@@ -85,6 +85,16 @@ character in JSON (``\\u0000``), two chunks stay under ``MAX_MESSAGE_BYTES``."""
 MAX_SKIPPED_MESSAGES = 100
 """Malformed messages tolerated in one call; past it the kernel is restarted."""
 
+MAX_SHELL_BACKLOG = 64
+"""Most messages read from the request channel (shell) at once. Only replies come there, one per
+request, so a longer backlog is traffic the kernel was not asked for (code writing into its own end of
+the connection): a protocol error that restarts the kernel, never a loop that waits for it to stop."""
+
+SHELL_FLOODED = (
+    "the kernel sent messages nobody asked for on its request channel (code writing into its own "
+    "connection); it was restarted and all state is lost"
+)
+
 KERNEL_STOPPED = "the kernel stopped answering; it was restarted and all state is lost"
 
 
@@ -329,9 +339,22 @@ class KernelDriver:
 
     def restart(self) -> None:
         """Kill and relaunch the kernel; the next ``execute`` waits for it, on fresh sockets (the
-        old ones may be what made the kernel look unresponsive)."""
+        old ones may be what made the kernel look unresponsive).
+
+        Raises:
+            SandboxError: the backend could not relaunch it (e.g. its container was removed): the
+                sandbox is broken, an infrastructure failure, never a raw error of the backend's API.
+        """
         self.expect_new_kernel()
-        self.host.restart()
+        try:
+            self.host.restart()
+        except SandboxError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the Docker SDK's and the OS's errors alike
+            raise SandboxError(
+                f"the kernel could not be relaunched ({type(exc).__name__}: {str(exc)[:300]}): this sandbox "
+                "is broken; replace it (a pool does)"
+            ) from exc
 
     def expect_new_kernel(self) -> None:
         """The backend replaced the kernel process: the next call waits for the new one, on fresh
@@ -353,7 +376,9 @@ class KernelDriver:
         """
         if not self.ready:
             self.wait_ready(start_timeout)
-        self._discard_shell_replies()
+        if not self._discard_shell_replies():
+            self.restart()
+            return ExecResult(error=ExecError("KernelProtocolError", SHELL_FLOODED), state_lost=True)
         meter = self.host.meter()
         cpu_before = self._start_metering(meter, cpu_timeout)
         started = time.monotonic()
@@ -462,7 +487,7 @@ class KernelDriver:
             call.skipped += 1
             call.idle_lost = True
             return True
-        call.replied = self._replied(call.msg_id)
+        call.replied = self._replied(call)
         return False
 
     def _take(self, call: _Call, msg: dict[str, Any]) -> bool:
@@ -563,48 +588,63 @@ class KernelDriver:
         except Exception as exc:  # noqa: BLE001 - whatever the kernel sent, it is only skipped
             raise MalformedMessage(f"{exc.__class__.__name__}: {str(exc)[:200]}") from None
 
-    def _replied(self, msg_id: str) -> bool:
-        """True when the execute reply to ``msg_id`` is among the shell messages received so far."""
+    def _replied(self, call: _Call) -> bool:
+        """True when the execute reply to the call is among the shell messages received so far; reads
+        at most ``MAX_SHELL_BACKLOG`` of them, malformed ones counted as the call's skipped messages
+        (a flood reaches ``MAX_SKIPPED_MESSAGES``, which restarts the kernel)."""
         found = False
-        while True:
+        for _ in range(MAX_SHELL_BACKLOG):
             try:
                 msg = self._receive(self._shell, 0)
             except MalformedMessage:
+                call.skipped += 1
                 continue
             if msg is None:
                 return found
-            found = found or msg["parent_header"].get("msg_id") == msg_id
+            found = found or msg["parent_header"].get("msg_id") == call.msg_id
+        call.skipped = max(call.skipped, MAX_SKIPPED_MESSAGES + 1)  # more than replies: a flood
+        return found
 
     def _shell_reply(self, msg_id: str, deadline: float) -> dict[str, Any] | None:
-        while True:
+        """The reply to ``msg_id`` by ``deadline``, or None (also when more than ``MAX_SHELL_BACKLOG``
+        other messages come first)."""
+        for _ in range(MAX_SHELL_BACKLOG):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
             try:
-                msg = self._receive(self._shell, max(0.0, deadline - time.monotonic()))
+                msg = self._receive(self._shell, left)
             except MalformedMessage:
                 continue
             if msg is None:
                 return None
             if msg["parent_header"].get("msg_id") == msg_id:
                 return msg
+        return None
 
     def _drain_shell(self) -> None:
         """Drop the replies that already arrived, without waiting for late ones: every later
-        read matches its own reply by msg_id (``_shell_reply``) or drops stale ones first."""
-        while True:
-            try:
-                if self._receive(self._shell, 0) is None:
-                    return
-            except MalformedMessage:
-                continue
+        read matches its own reply by msg_id (``_shell_reply``) or drops stale ones first.
 
-    def _discard_shell_replies(self) -> None:
-        """Drop replies already received, unread. ``execute`` takes everything from iopub and
-        does not wait for its reply; the replies pile up here instead (one per call)."""
+        Raises:
+            SandboxError: more than ``MAX_SHELL_BACKLOG`` messages wait (a flood, see there).
+        """
+        if not self._discard_shell_replies():
+            raise SandboxError(SHELL_FLOODED)
+
+    def _discard_shell_replies(self) -> bool:
+        """Drop replies already received, unread: ``execute`` takes everything from iopub and does not
+        wait for its reply, so the replies pile up here (one per call). False when more than
+        ``MAX_SHELL_BACKLOG`` messages were waiting: a flood (see there), left for a restart."""
         socket = self._shell.socket
-        while socket is not None and socket.poll(0):
+        for _ in range(MAX_SHELL_BACKLOG):
+            if socket is None or not socket.poll(0):
+                return True
             try:
                 socket.recv_multipart()
             except DroppedMessage:
                 continue
+        return socket is None or not socket.poll(0)
 
 
 @dataclasses.dataclass

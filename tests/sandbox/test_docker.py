@@ -169,3 +169,19 @@ def test_containers_of_a_killed_owner_are_reaped(docker_ready, tmp_path):
     assert reap_orphans(client) >= 1
     assert not client.containers.list(all=True, filters={"id": container_id})
     assert not os.path.exists(conn_dir)
+
+
+@pytest.mark.docker
+def test_a_container_removed_mid_call_is_a_sandbox_error_never_the_docker_sdks(docker_ready) -> None:
+    """What the code does comes back as an ExecResult; the infrastructure failing under it (the container
+    removed by someone else) is a SandboxError, which pools and envs know, never docker's NotFound."""
+    import threading
+
+    import docker
+
+    with DockerSandbox(SandboxConfig(timeout_s=10)) as sb:
+        sb.run("1 + 1")
+        container = sb.container.id
+        threading.Timer(1.0, lambda: docker.from_env().containers.get(container).remove(force=True)).start()
+        with pytest.raises(SandboxError, match="could not be relaunched .*NotFound"):
+            sb.run("import time; time.sleep(5)", timeout=8)

@@ -156,3 +156,54 @@ def test_sleeping_past_the_timeout_is_interrupted(sb: DockerSandbox) -> None:
     result = sb.run("import time\nprint('zz')\ntime.sleep(100)", timeout=1)
     assert result.timed_out and not result.state_lost and result.stdout == "zz\n"
     assert sb.run("kept").stdout == "1\n"
+
+
+FLOOD = r"""
+import os, stat, threading, time
+def flood(delay):
+    time.sleep(delay)  # 1 s: after this cell's reply, so that the next call finds the flood waiting
+    frames = PATTERN * 32768
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                fds.append(int(name))
+        except OSError:  # listdir's own descriptor, closed by now
+            pass
+    while True:  # raw ZMTP frames into every connection of the kernel, shell and iopub alike
+        for fd in fds:
+            try:
+                os.write(fd, frames)
+            except OSError:
+                pass
+threading.Thread(target=flood, args=(DELAY,), daemon=True).start()
+time.sleep(SLEEP)
+"""
+
+
+@pytest.mark.parametrize("pattern", [b"\x00\x00", b"\x01\x00"], ids=["empty-messages", "one-endless-message"])
+def test_raw_frames_written_into_the_kernels_own_connections_cannot_hang_a_call(
+    sb: DockerSandbox, pattern
+) -> None:
+    """Code writes zero-length ZMTP frames into its end of the host's connections (issue 41 item 1): a
+    call that finds them waiting, and a call during which they come, each returns an ExecResult within
+    its timeout, the kernel restarted for the protocol error, at a small cost of host CPU."""
+    import resource
+
+    def host_cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    between = FLOOD.replace("PATTERN", repr(pattern)).replace("DELAY", "1.0").replace("SLEEP", "0")
+    assert sb.run(between, timeout=5).error is None
+    time.sleep(2)  # the flood is on, between two calls
+    started, cpu = time.monotonic(), host_cpu()
+    found = sb.run("6 * 7", timeout=5)
+    assert time.monotonic() - started < 5 + sb.config.restart_grace_s, "the call did not come back"
+    assert found.state_lost and found.error is not None and found.error.type == "KernelProtocolError"
+    during = FLOOD.replace("PATTERN", repr(pattern)).replace("DELAY", "0.2").replace("SLEEP", "5")
+    started = time.monotonic()
+    hit = sb.run(during, timeout=10)
+    assert time.monotonic() - started < 10, "the call waited out the flood"
+    assert hit.state_lost and hit.error is not None and hit.error.type == "KernelProtocolError"
+    assert host_cpu() - cpu < 2.0, "the flood cost the host more than 2 CPU seconds"
