@@ -100,11 +100,44 @@ MASKED_PATHS = (
     "/sys/devices/virtual/powercap",
     "/proc/sys/kernel/random/boot_id",
     "/sys/fs/cgroup",
+    # host-wide counters: what every sandbox on the host moves and reads (a channel between
+    # concurrent sandboxes, and a view of the host)
+    "/proc/loadavg",
+    "/proc/stat",
+    "/proc/uptime",
+    "/proc/vmstat",
+    "/proc/diskstats",
+    "/proc/swaps",
+    "/proc/interrupts",
+    "/proc/softirqs",
+    "/proc/zoneinfo",
+    "/proc/buddyinfo",
+    "/proc/pagetypeinfo",
+    "/proc/pressure",
+    "/proc/locks",
+    "/proc/sys/fs",
+    "/proc/sys/kernel/pty",
+    # pseudo-terminals: the host's pty count is global (one sandbox took 3,071 of them); a notebook
+    # needs none
+    "/dev/pts",
+    "/dev/ptmx",
 )
 """Paths the container sees as empty: Docker's own list (which these replace), the host's boot id
-(which would identify the host and its boots), and the container's cgroups, whose counters (CPU
+(which would identify the host and its boots), the container's cgroups, whose counters (CPU
 time, peak memory, failures) outlive an episode and code could set for the next to read (the
-host reads them from its side)."""
+host reads them from its side), the host-wide counters of /proc, and the pseudo-terminals.
+``/proc/meminfo`` is replaced instead (``MEMINFO``): programs size themselves from it."""
+
+MEMINFO = """MemTotal: {kb} kB
+MemFree: {kb} kB
+MemAvailable: {kb} kB
+Buffers: 0 kB
+Cached: 0 kB
+SwapTotal: 0 kB
+SwapFree: 0 kB
+"""
+"""The container's ``/proc/meminfo``: its memory limit as total, free and available, nothing of the
+host's (a fixed text, bound read-only)."""
 
 CONTAINER_KEYS = ("command", "entrypoint", "environment", "user", "working_dir", "labels")
 """The options of ``container_options`` that describe the container; the rest are its host config."""
@@ -125,8 +158,9 @@ THREAD_VARIABLES = (
 """Thread-pool sizes of BLAS/OpenMP libraries, set to the CPU quota (they would size themselves by
 the host's cores and oversubscribe the quota)."""
 
-NOFILE = 4096
-"""Open files per process in the sandbox."""
+NOFILE = 1024
+"""Open files per process in the sandbox: with ``pids_limit`` 128, at most 131,072 descriptors, about
+5 % of a host's ``fs.file-max`` of 2.4 million (the share one sandbox can hold; 21 % at 4,096)."""
 
 
 def docker_client(timeout: float = 30.0) -> Any:
@@ -187,7 +221,10 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
             WORK_DIR: f"rw,nosuid,nodev,size={config.tmpfs_mb}m,mode=1777",
             "/tmp": f"rw,nosuid,nodev,size={TMP_MB}m,mode=1777",
         },
-        "binds": {str(conn_dir): {"bind": CONN_DIR, "mode": "rw"}},
+        "binds": {
+            str(conn_dir): {"bind": CONN_DIR, "mode": "rw"},
+            str(conn_dir / "meminfo"): {"bind": "/proc/meminfo", "mode": "ro"},
+        },
         "cap_drop": ["ALL"],
         "security_opt": ["no-new-privileges", security_opt(inet=config.network != "none")],
         "mem_limit": memory,
@@ -562,6 +599,9 @@ class DockerSandbox(KernelSandbox):
         self.dir.chmod(CONN_OPEN)
         info = _connection_info()
         _write_connection_file(self.dir, info, group)
+        meminfo = self.dir / "meminfo"
+        meminfo.write_text(MEMINFO.format(kb=self.config.memory_mb * 1024))
+        meminfo.chmod(0o444)
         options = container_options(self.config, self.dir, None if root else group)
         # create + start, not containers.run: run pulls from a registry when the image is missing.
         # A container whose start fails is removed by close().

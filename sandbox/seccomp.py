@@ -7,14 +7,16 @@ fails with EPERM. ``DENIED`` names the ones an attacker wants and a notebook nev
 a test can check each of them (``tests/sandbox/test_reach.py``); they are simply not in the
 allowlist.
 
-Two rules carry arguments: ``clone`` only without namespace flags (a new user or network
+Some rules carry arguments: ``clone`` only without namespace flags (a new user or network
 namespace is how container escapes start), and ``socket``/``socketpair`` only for the families a
 notebook uses: unix and netlink (address lookups), and IPv4/IPv6 only where the sandbox has a
 network. Without one (``network: none``) there is nothing to reach but the container's own
 loopback, whose state outlives an episode: connections in TIME_WAIT for a minute, and the
 interface's and the TCP stack's counters, which code could set for the next episode to read.
 ``clone3`` answers ENOSYS rather than EPERM, so that glibc falls back to ``clone``, whose flags
-the filter can read (clone3 passes them in memory). Names a kernel or architecture lacks are
+the filter can read (clone3 passes them in memory). The calls that set scheduling, affinity,
+priorities or rlimits of a process reach any process of the caller's uid but PID 1 (``NOT_PID_1``):
+the warden's state is what every later kernel inherits. Names a kernel or architecture lacks are
 skipped by the runtime.
 """
 
@@ -36,8 +38,7 @@ ALLOWED = (
     "fchdir", "fchmod", "fchmodat", "fchmodat2", "fchown", "fchown32", "fchownat", "fcntl", "fcntl64",
     "fdatasync", "fgetxattr", "flistxattr", "flock", "fremovexattr", "fsetxattr", "fstat", "fstat64",
     "fstatat64", "fstatfs", "fstatfs64", "fsync", "ftruncate", "ftruncate64", "futimesat", "getcwd",
-    "getdents", "getdents64", "getxattr", "inotify_add_watch", "inotify_init", "inotify_init1",
-    "inotify_rm_watch", "ioctl", "lchown", "lchown32", "lgetxattr", "link", "linkat", "listxattr",
+    "getdents", "getdents64", "getxattr", "ioctl", "lchown", "lchown32", "lgetxattr", "link", "linkat", "listxattr",
     "llistxattr", "_llseek", "lremovexattr", "lseek", "lsetxattr", "lstat", "lstat64", "mkdir",
     "mkdirat", "mknod", "mknodat", "newfstatat", "open", "openat", "openat2", "pipe", "pipe2",
     "pread64", "preadv", "preadv2", "pwrite64", "pwritev", "pwritev2", "read", "readahead",
@@ -58,12 +59,11 @@ ALLOWED = (
     "set_thread_area", "set_tid_address", "getcpu", "getegid", "getegid32", "geteuid", "geteuid32",
     "getgid", "getgid32", "getgroups", "getgroups32", "getpgid", "getpgrp", "getpid", "getppid",
     "getpriority", "getresgid", "getresgid32", "getresuid", "getresuid32", "getrlimit", "getrusage",
-    "getsid", "gettid", "getuid", "getuid32", "ioprio_get", "ioprio_set", "prctl", "prlimit64",
+    "getsid", "gettid", "getuid", "getuid32", "ioprio_get", "prctl",
     "rseq", "sched_getaffinity", "sched_getattr", "sched_getparam", "sched_get_priority_max",
     "sched_get_priority_min", "sched_getscheduler", "sched_rr_get_interval",
-    "sched_rr_get_interval_time64", "sched_setaffinity", "sched_setattr", "sched_setparam",
-    "sched_setscheduler", "sched_yield", "seccomp", "setfsgid", "setfsgid32", "setfsuid",
-    "setfsuid32", "setgid", "setgid32", "setgroups", "setgroups32", "setpgid", "setpriority",
+    "sched_rr_get_interval_time64", "sched_yield", "seccomp", "setfsgid", "setfsgid32", "setfsuid",
+    "setfsuid32", "setgid", "setgid32", "setgroups", "setgroups32", "setpgid",
     "setregid", "setregid32", "setresgid", "setresgid32", "setresuid", "setresuid32", "setreuid",
     "setreuid32", "setrlimit", "setsid", "setuid", "setuid32", "ugetrlimit", "uname", "sysinfo",
     "times", "wait4", "waitid", "waitpid", "pidfd_open", "pidfd_send_signal", "set_tls",
@@ -85,14 +85,10 @@ ALLOWED = (
     "accept", "accept4", "bind", "connect", "getpeername", "getsockname", "getsockopt", "listen",
     "recv", "recvfrom", "recvmmsg", "recvmmsg_time64", "recvmsg", "send", "sendmmsg", "sendmsg",
     "sendto", "setsockopt", "shutdown", "socketcall",
-    # System V and POSIX IPC (namespaced, emptied between episodes)
-    "ipc", "mq_getsetattr", "mq_notify", "mq_open", "mq_timedreceive", "mq_timedreceive_time64",
-    "mq_timedsend", "mq_timedsend_time64", "mq_unlink", "msgctl", "msgget", "msgrcv", "msgsnd",
+    # System V IPC (namespaced, emptied between episodes)
+    "ipc", "msgctl", "msgget", "msgrcv", "msgsnd",
     "semctl", "semget", "semop", "semtimedop", "semtimedop_time64", "shmat", "shmctl", "shmdt",
     "shmget",
-    # Linux AIO (used by some I/O libraries; bounded by the process's own descriptors)
-    "io_cancel", "io_destroy", "io_getevents", "io_pgetevents", "io_pgetevents_time64", "io_setup",
-    "io_submit",
 )  # fmt: skip
 
 DENIED = (
@@ -109,10 +105,25 @@ DENIED = (
     "setdomainname", "mbind", "set_mempolicy", "set_mempolicy_home_node", "migrate_pages",
     "move_pages", "memfd_secret", "landlock_create_ruleset", "landlock_add_rule",
     "landlock_restrict_self", "lsm_get_self_attr", "lsm_set_self_attr", "lsm_list_modules",
+    "io_setup", "io_submit", "io_getevents", "io_pgetevents", "io_pgetevents_time64", "io_cancel",
+    "io_destroy", "inotify_init", "inotify_init1", "inotify_add_watch", "inotify_rm_watch", "mq_open",
+    "mq_unlink", "mq_timedsend", "mq_timedsend_time64", "mq_timedreceive", "mq_timedreceive_time64",
+    "mq_notify", "mq_getsetattr",
 )  # fmt: skip
 """What a notebook never calls and an attacker wants (tracing or reading other processes, kernel
-attack surface, namespaces and mounts, the host's clock and identity): refused, named so that
-tests check each one. Everything absent from ``ALLOWED`` is refused the same way."""
+attack surface, namespaces and mounts, the host's clock and identity; and what counts against a pool
+the host shares with every sandbox: Linux AIO contexts, against the host-wide ``fs.aio-max-nr`` (two
+sandboxes took all of it), inotify instances and POSIX message queues, against per-user quotas that
+every sandbox shares since all run as one uid): refused, named so that tests check each one.
+Everything absent from ``ALLOWED`` is refused the same way."""
+
+NOT_PID_1 = ("sched_setattr", "sched_setscheduler", "sched_setparam", "sched_setaffinity", "prlimit64")
+"""Calls that may change a process's scheduling, affinity or rlimits: allowed for the caller and its
+own processes, never for PID 1, the warden, from which every later kernel of the container forks and
+inherits them (state that would outlive the episode). Their first argument is the pid (0: the caller)."""
+PRIO_PROCESS, IOPRIO_WHO_PROCESS = 0, 1
+"""``setpriority`` and ``ioprio_set`` are allowed only for one process that is not PID 1: by group or by
+user (all processes of uid 61000, the warden's too) they would reach the warden."""
 
 
 def profile(inet: bool = False) -> dict:
@@ -128,6 +139,24 @@ def profile(inet: bool = False) -> dict:
         }
     )
     rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS})
+    rules.append(
+        {
+            "names": list(NOT_PID_1),
+            "action": "SCMP_ACT_ALLOW",
+            "args": [{"index": 0, "value": 1, "op": "SCMP_CMP_NE"}],
+        }
+    )
+    for call, which in (("setpriority", PRIO_PROCESS), ("ioprio_set", IOPRIO_WHO_PROCESS)):
+        rules.append(
+            {
+                "names": [call],
+                "action": "SCMP_ACT_ALLOW",
+                "args": [
+                    {"index": 0, "value": which, "op": "SCMP_CMP_EQ"},
+                    {"index": 1, "value": 1, "op": "SCMP_CMP_NE"},
+                ],
+            }
+        )
     sockets = [*SOCKET_FAMILIES.values(), *(INET_FAMILIES.values() if inet else ())]
     for call, families in (("socket", sockets), ("socketpair", [SOCKET_FAMILIES["AF_UNIX"]])):
         rules += [

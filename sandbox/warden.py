@@ -46,6 +46,7 @@ Every other catchable signal is ignored.
 """
 
 import ctypes
+import fcntl
 import gc
 import json
 import os
@@ -388,6 +389,7 @@ def run_kernel(info, listeners, serve):
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     os.close(null)
+    own_descriptions({s.fileno() for s in listeners.values()})
     import zmq
 
     fds = {address: s.fileno() for address, s in listeners.items()}
@@ -417,6 +419,29 @@ def run_kernel(info, listeners, serve):
         traceback.print_exc()
         code = 1
     os._exit(code)
+
+
+def own_descriptions(listeners):
+    """Give the kernel only open file descriptions of its own: a descriptor it inherited from the
+    warden (``/dev/null``, opened while importing IPython) shares its file status flags and owner
+    (``F_SETFL``, ``F_SETSIG``, ``F_SETOWN``) with every later kernel, a channel between episodes. A
+    file's descriptor is reopened in place (so what holds it keeps working), anything else closed;
+    ``listeners`` (this kernel's own, bound for it) and 0-2 (opened just before) are kept."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd <= 2 or fd in listeners:
+            continue
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        except OSError:  # listdir's own descriptor, closed by now
+            continue
+        if target.startswith("/"):
+            fresh = os.open(target, flags & (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK))
+            os.dup2(fresh, fd, inheritable=os.get_inheritable(fd))
+            os.close(fresh)
+        else:
+            os.close(fd)
 
 
 def spawn(info, listeners, serve):

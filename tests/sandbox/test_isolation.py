@@ -111,6 +111,8 @@ for name, value in (("RLIMIT_NOFILE", 64), ("RLIMIT_STACK", 2**20), ("RLIMIT_NPR
 
 
 def test_shared_memory_message_queues_and_sysv_ipc_do_not_survive(pool):
+    """SysV IPC is the container's own namespace, emptied between episodes; POSIX message queues count
+    against a quota of the uid every sandbox shares, so they are refused (EPERM) outright."""
     plant = """
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
@@ -118,8 +120,8 @@ open("/dev/shm/note", "w").write("from the last episode")
 assert libc.shmget(0x5741, 4096, 0o1600) >= 0  # IPC_CREAT | 0600
 assert libc.msgget(0x5742, 0o1600) >= 0
 assert libc.semget(0x5743, 1, 0o1600) >= 0
-mqd = ctypes.CDLL("librt.so.1", use_errno=True).mq_open(b"/note", os.O_CREAT | os.O_RDWR, 0o600, None)
-assert mqd >= 0, ctypes.get_errno()
+rt = ctypes.CDLL("librt.so.1", use_errno=True)
+assert rt.mq_open(b"/note", os.O_CREAT | os.O_RDWR, 0o600, None) == -1 and ctypes.get_errno() == 1
 """
     probe = """
 import os
@@ -188,3 +190,42 @@ print(ppid, denied)
     with pool.lease() as sb:
         result = sb.run(probe)
     assert result.stdout == "1 ['PermissionError', 'PermissionError']\n", result
+
+
+def test_pid_1s_scheduling_and_shared_descriptors_do_not_carry_into_the_next_episode(pool):
+    """Every kernel forks from PID 1, the warden: its scheduling state (the EEVDF slice of sched_setattr,
+    the I/O priority, nice, affinity) would pass to every later kernel, and a descriptor it held open
+    (/dev/null, from importing IPython) was one open file description shared by all of them, whose
+    F_SETSIG value and status flags carried bits across episodes (issue 41 item 3)."""
+    probe = """
+import ctypes, fcntl, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+attr = ctypes.create_string_buffer(56)  # struct sched_attr, version 1
+libc.syscall(315, 0, attr, 56, 0)  # sched_getattr of this kernel
+slice_ns = int.from_bytes(attr.raw[48:56], "little")
+nulls = [fd for fd in map(int, os.listdir("/proc/self/fd"))
+         if fd > 2 and os.path.exists(f"/proc/self/fd/{fd}") and os.readlink(f"/proc/self/fd/{fd}") == "/dev/null"]
+print(os.getpriority(os.PRIO_PROCESS, 0), sorted(os.sched_getaffinity(0)), libc.syscall(252, 1, 0), slice_ns,
+      [(fcntl.fcntl(fd, fcntl.F_GETSIG), fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK) for fd in nulls])
+"""
+    with pool.lease() as sb:
+        fresh = sb.run(probe).stdout
+    plant = """
+import ctypes, fcntl, os, struct
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+attr = struct.pack("<IIQiIQQQ", 56, 0, 0, 0, 0, 3_000_000, 0, 0)  # SCHED_OTHER, runtime = the slice
+# What the warden's own reset check does not read (it restarts the container when nice, the
+# scheduler, affinity or rlimits changed): the EEVDF slice and the I/O priority.
+for pid in (1, 0):
+    libc.syscall(314, pid, attr, 0)  # sched_setattr
+    libc.syscall(251, 1, pid, (3 << 13) | 7)  # ioprio_set: idle class
+for fd in map(int, os.listdir("/proc/self/fd")):
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETSIG, 10)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+    except OSError:
+        pass
+"""
+    assert two_episodes(pool, plant, probe) == fresh

@@ -214,6 +214,17 @@ SYSCALLS_X86_64 = {
     "syslog": (103, (10, 0, 0)),
     "chroot": (161, ("root",)),
     "process_madvise": (440, (-1, 0, 0, 0, 0)),
+    # host-wide or per-uid pools every sandbox shares (issue 41 item 2)
+    "io_setup": (206, (1, "params")),
+    "inotify_init1": (294, (0,)),
+    "mq_open": (240, ("root", 0x40 | 2, 0o600, 0)),
+    # the scheduling, priorities and rlimits of PID 1, which every later kernel inherits (item 3)
+    "sched_setattr pid 1": (314, (1, "params", 0)),
+    "sched_setaffinity pid 1": (203, (1, 8, "params")),
+    "setpriority pid 1": (141, (0, 1, 10)),
+    "setpriority user": (141, (2, 0, 10)),
+    "ioprio_set pid 1": (251, (1, 1, 0)),
+    "prlimit64 pid 1": (302, (1, 7, "params", 0)),
 }
 
 
@@ -274,6 +285,28 @@ def test_the_hosts_boot_id_and_the_containers_cgroups_are_not_readable(sb: Docke
         "import os\nprint(repr(open('/proc/sys/kernel/random/boot_id').read()), os.listdir('/sys/fs/cgroup'))"
     )
     assert result.stdout == "'' []\n", result
+
+
+def test_host_counters_and_pseudo_terminals_are_not_the_sandboxs_to_read_or_take(sb: DockerSandbox) -> None:
+    """Host-wide counters read as empty, /proc/meminfo says the container's own limit, and no pty can be
+    made (the host's count is global): issue 41 items 2 and 8."""
+    code = """
+import os
+counters = ["loadavg", "stat", "uptime", "vmstat", "diskstats", "swaps", "interrupts", "softirqs"]
+print([open(f"/proc/{name}").read() for name in counters],
+      os.path.exists("/proc/sys/fs/file-nr"), os.path.exists("/proc/sys/fs/aio-nr"),
+      os.path.exists("/proc/sys/kernel/pty/nr"), os.listdir("/proc/pressure") if os.path.isdir("/proc/pressure") else None)
+print(open("/proc/meminfo").read().split()[:3])
+try:
+    os.openpty()
+    print("pty")
+except OSError as exc:
+    print(exc.strerror)
+"""
+    lines = sb.run(code).stdout.splitlines()
+    assert lines[0] == "['', '', '', '', '', '', '', ''] False False False []", lines
+    assert lines[1] == f"['MemTotal:', '{sb.config.memory_mb * 1024}', 'kB']"
+    assert lines[2] == "No such file or directory"
 
 
 def test_the_loopback_keeps_nothing_of_the_last_episode(pool: SandboxPool) -> None:
