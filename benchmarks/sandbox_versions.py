@@ -31,9 +31,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 MEASURE = r"""
-import json, statistics, sys, threading, time
-sys.path.insert(0, ROOT)
+import json, os, statistics, sys, threading, time
+sys.path[:0] = [LINKS, ROOT]
+import stare_sandbox
 from stare_sandbox import DockerSandbox, SandboxPool
+# The tree's own package, not the editable install's (which maps stare_sandbox to this checkout).
+assert os.path.realpath(stare_sandbox.__file__).startswith(os.path.realpath(ROOT)), stare_sandbox.__file__
 
 out = {}
 with DockerSandbox() as sb:
@@ -78,9 +81,21 @@ print("RESULT " + json.dumps(out))
 """
 
 
+def import_links(root: Path, into: Path) -> Path:
+    """``into`` with a link ``stare_sandbox`` to ``root``'s sandbox folder (the import name of the folder
+    since it was mapped; an older tree imports it as ``sandbox``, found from ``root`` itself)."""
+    into.mkdir(parents=True, exist_ok=True)
+    link = into / "stare_sandbox"
+    if not link.exists():
+        link.symlink_to(root / "sandbox", target_is_directory=True)
+    return into
+
+
 def measure(root: Path, calls: int, resets: int, seconds: float) -> dict[str, float]:
+    links = import_links(root, Path(tempfile.gettempdir()) / f"stare-links-{abs(hash(str(root)))}")
     code = (
-        MEASURE.replace("ROOT", repr(str(root)))
+        MEASURE.replace("LINKS", repr(str(links)))
+        .replace("ROOT", repr(str(root)))
         .replace("CALLS", str(calls))
         .replace("RESETS", str(resets))
         .replace("SECONDS", str(seconds))
