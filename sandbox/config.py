@@ -16,10 +16,11 @@ weaker isolation), ``auto`` (Docker when a daemon answers and the image is prese
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
 """Every :data:`Backend`, in its declared order."""
 
-SANDBOX_UID = 61000
-"""The kernel's uid and gid in the image: above the login-user range (``UID_MAX`` 60000), so not
-the host user's. A kernel with the host user's uid would own the bind-mounted connection dir and
-could unlock it (``DockerSandbox`` refuses that case)."""
+SANDBOX_UIDS = range(61000, 62000)
+"""uids (each with the same gid) that sandbox kernels run as, one per live sandbox on a host
+(``stare_sandbox.uids``): above the login-user range (``UID_MAX`` 60000), so no real user's files or
+processes are theirs, and none of them is the host user's (a kernel with the host user's uid would own
+its connection dir and could unlock it). The image's default user is the first."""
 
 HASH_SEED = "0"
 """``PYTHONHASHSEED`` of every sandbox: a set of strings prints in the same order in every sandbox
@@ -74,8 +75,11 @@ class SandboxConfig:
             interface. Any other Docker network (e.g. ``"bridge"``) lets model code reach the
             network and is logged as a warning for each sandbox; ``"host"`` and
             ``"container:..."`` (another namespace's network) are refused.
-        user: ``"uid:gid"`` the kernel runs as inside the container (numeric, not root, and not
-            the host user's uid).
+        user: None (the default): each sandbox runs as a uid of its own from ``SANDBOX_UIDS``,
+            so the kernel's per-user quotas (pipe buffers, pending signals, epoll watches,
+            processes) are never shared between sandboxes. A ``"uid:gid"`` (numeric, not root, not
+            the host user's uid) pins one uid for every Docker sandbox of this config, which then
+            share those quotas: one can exhaust them for the others and signal through them.
         runtime: Docker runtime of the container (e.g. ``"runsc"`` for gVisor, where installed);
             None is the daemon's default (runc).
         restart_grace_s: Extra time allowed to interrupt or restart a kernel after a timeout.
@@ -97,7 +101,7 @@ class SandboxConfig:
     cpu_timeout_s: float | None = None
     max_output_chars: int = 16_384
     network: str = "none"
-    user: str = f"{SANDBOX_UID}:{SANDBOX_UID}"
+    user: str | None = None
     restart_grace_s: float = 2.0
     env: dict[str, str] = field(default_factory=dict)
     runtime: str | None = None
@@ -111,11 +115,11 @@ class SandboxConfig:
             raise ValueError(
                 f"sandbox.cpu_timeout_s must be > 0 seconds or None (no CPU-time limit), got {self.cpu_timeout_s!r}"
             )
-        match = re.fullmatch(r"(\d+)(?::(\d+))?", str(self.user))
-        if match is None or int(match[1]) == 0 or match[2] == "0":
+        match = None if self.user is None else re.fullmatch(r"(\d+)(?::(\d+))?", str(self.user))
+        if self.user is not None and (match is None or int(match[1]) == 0 or match[2] == "0"):
             raise ValueError(
                 f"sandbox.user must be a numeric 'uid:gid' other than root, got {self.user!r}: "
-                f"use the default {SANDBOX_UID}:{SANDBOX_UID}"
+                "leave it unset (null) to give each sandbox a uid of its own"
             )
         if not isinstance(self.network, str) or not self.network:
             raise ValueError(

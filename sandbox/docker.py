@@ -7,8 +7,9 @@ kernel on fresh listeners with a fresh connection key. The host reaches it with 
 a host temp dir bind-mounted at ``/conn`` holds the connection file and the unix sockets, so the
 container needs no network at all (``network_mode="none"``: only ``lo``).
 
-Hardening (every limit comes from ``SandboxConfig``): no network, user 61000:61000 (never the
-host user's uid: a kernel with it would own ``/conn``), read-only root filesystem, size-limited
+Hardening (every limit comes from ``SandboxConfig``): no network, a uid of its own on the host
+(``stare_sandbox.uids``: no per-user kernel quota is shared with another sandbox; never the host
+user's uid: a kernel with it would own ``/conn``), read-only root filesystem, size-limited
 tmpfs ``/work`` (and a small ``/tmp``; both root's, mode 1777, so code can fill them but not
 mark their roots), ``cap_drop=ALL``, ``no-new-privileges``, the sandbox's own seccomp profile
 (``sandbox/seccomp.py``), memory limit == memory+swap limit, pids limit, CPU quota, rlimits (no
@@ -55,12 +56,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from stare_sandbox.config import HASH_SEED, SANDBOX_UID, SandboxConfig
+from stare_sandbox.config import HASH_SEED, SandboxConfig
 from stare_sandbox.errors import SandboxError, SandboxUnavailable
 from stare_sandbox.kernel import KERNEL_ARGS, KERNEL_BOOT, KernelDriver, KernelSandbox
 from stare_sandbox.owner import owner_gone, owner_id, remove_sandbox_dir
 from stare_sandbox.seccomp import security_opt
 from stare_sandbox.shutdown import exit_on_sigterm
+from stare_sandbox.uids import UidClaim, claim_uid
 from stare_sandbox.usage import CgroupUsage, cgroup_dir
 
 logger = logging.getLogger(__name__)
@@ -184,10 +186,12 @@ def docker_client(timeout: float = 30.0) -> Any:
     return client
 
 
-def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | None = None) -> dict[str, Any]:
+def container_options(
+    config: SandboxConfig, conn_dir: Path, user: str, conn_group: int | None = None
+) -> dict[str, Any]:
     """Options of one hardened sandbox container (``CONTAINER_KEYS``, and the keyword arguments
-    of ``APIClient.create_host_config``); ``conn_group`` is a supplementary group for the kernel
-    (the host user's, when the host is not root)."""
+    of ``APIClient.create_host_config``): the kernel runs as ``user`` (``"uid:gid"``), with
+    ``conn_group`` as a supplementary group (the host user's, when the host is not root)."""
     from docker.types import Ulimit  # type: ignore[import-untyped]
 
     threads = str(max(1, math.ceil(config.cpus)))
@@ -213,7 +217,7 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
         ],
         "group_add": [str(conn_group)] if conn_group is not None else [],
         "environment": env,
-        "user": config.user,
+        "user": user,
         "working_dir": WORK_DIR,
         "network_mode": config.network,
         "read_only": True,
@@ -224,6 +228,8 @@ def container_options(config: SandboxConfig, conn_dir: Path, conn_group: int | N
         "binds": {
             str(conn_dir): {"bind": CONN_DIR, "mode": "rw"},
             str(conn_dir / "meminfo"): {"bind": "/proc/meminfo", "mode": "ro"},
+            str(conn_dir / "passwd"): {"bind": "/etc/passwd", "mode": "ro"},
+            str(conn_dir / "group"): {"bind": "/etc/group", "mode": "ro"},
         },
         "cap_drop": ["ALL"],
         "security_opt": ["no-new-privileges", security_opt(inet=config.network != "none")],
@@ -303,6 +309,19 @@ def _connection_info() -> dict[str, Any]:
         "key": uuid.uuid4().hex,
         "signature_scheme": "hmac-sha256",
         "kernel_name": "python3",
+    }
+
+
+def _identity_files(uid: int, gid: int) -> dict[str, str]:
+    """``/etc/passwd`` and ``/etc/group`` of a container whose kernel runs as ``uid:gid``, so that
+    ``getpass.getuser()``, ``pwd`` and ``id`` name it ("sandbox", home ``/work``) whichever uid it got."""
+    return {
+        "passwd": (
+            "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+            f"sandbox:x:{uid}:{gid}:sandbox:{WORK_DIR}:/usr/sbin/nologin\n"
+            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+        ),
+        "group": f"root:x:0:\nsandbox:x:{gid}:\nnogroup:x:65534:\n",
     }
 
 
@@ -560,6 +579,7 @@ class DockerSandbox(KernelSandbox):
         self.start_timeout = start_timeout
         self._closed = True  # nothing to close until the temp dir exists
         self.container: Any = None
+        self._uid: UidClaim | None = None
         self._driver: KernelDriver | None = None
         self._host: _ContainerKernel | None = None
         exit_on_sigterm()
@@ -582,19 +602,24 @@ class DockerSandbox(KernelSandbox):
 
         # Root reaches any socket; the kernel's gid then suffices. A user reaches the sockets
         # through its own group, which the kernel is given.
-        uid, _, gid = self.config.user.partition(":")
+        if self.config.user is None:
+            self._uid = claim_uid()
+            uid = gid = str(self._uid.uid)
+        else:
+            uid, _, gid = self.config.user.partition(":")
+            gid = gid or uid
         root = os.geteuid() == 0
         if not root and int(uid) == os.geteuid():
             raise SandboxUnavailable(
                 f"sandbox.user {self.config.user} has this host user's uid {uid}: the kernel would own "
-                f"its connection dir and could unlock it; use another uid (the default is {SANDBOX_UID})"
+                "its connection dir and could unlock it; leave sandbox.user unset (a uid of its own)"
             )
         if self.config.network != "none":
             logger.warning(
                 "sandbox network is %r, not 'none': code in the sandbox can reach the network",
                 self.config.network,
             )
-        group = int(gid or uid) if root else os.getegid()
+        group = int(gid) if root else os.getegid()
         os.chown(self.dir, -1, group)
         self.dir.chmod(CONN_OPEN)
         info = _connection_info()
@@ -602,7 +627,10 @@ class DockerSandbox(KernelSandbox):
         meminfo = self.dir / "meminfo"
         meminfo.write_text(MEMINFO.format(kb=self.config.memory_mb * 1024))
         meminfo.chmod(0o444)
-        options = container_options(self.config, self.dir, None if root else group)
+        for name, text in _identity_files(int(uid), int(gid)).items():
+            (self.dir / name).write_text(text)
+            (self.dir / name).chmod(0o444)
+        options = container_options(self.config, self.dir, f"{uid}:{gid}", None if root else group)
         # create + start, not containers.run: run pulls from a registry when the image is missing.
         # A container whose start fails is removed by close().
         try:
@@ -669,6 +697,8 @@ class DockerSandbox(KernelSandbox):
                 if getattr(getattr(exc, "response", None), "status_code", None) != 404:
                     logger.warning("could not remove sandbox container %s: %s", self.container.short_id, exc)
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self._uid is not None:  # after the container: none of its processes is left
+            self._uid.release()
         if getattr(self, "_client", None) is not None:
             self._client.close()
 

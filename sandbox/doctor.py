@@ -8,7 +8,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from stare_sandbox.config import SANDBOX_UID, SandboxConfig
+from stare_sandbox.config import SANDBOX_UIDS, SandboxConfig
 from stare_sandbox.errors import SandboxError
 
 
@@ -25,7 +25,7 @@ def _check_ipc_dir() -> Check:
     try:
         with tempfile.TemporaryDirectory(prefix="stare-", dir="/tmp") as path:
             if os.geteuid() == 0:
-                os.chown(path, SANDBOX_UID, SANDBOX_UID)
+                os.chown(path, SANDBOX_UIDS[0], SANDBOX_UIDS[0])
     except OSError as exc:
         return Check(
             "ipc dir", False, f"cannot create or hand over a temp dir in /tmp ({exc}): make /tmp writable"

@@ -4,7 +4,7 @@ For machines without Docker. Its isolation is much weaker than a container's, an
 per process (``WARNING``). What it enforces:
 
 - its own user, when the host runs as root: each sandbox's kernel runs as an unprivileged uid of
-  its own (``LOCAL_UIDS``), so it cannot read the trainer's memory or environment, signal it,
+  its own (``SANDBOX_UIDS``, ``stare_sandbox.uids``), so it cannot read the trainer's memory or environment, signal it,
   write root's files, or re-enter the host's network namespace (``setns`` needs a capability);
 - its own cgroup, when the host may make one (root, cgroup v1 or a delegated v2): memory
   (``memory_mb``, shared memory and ``/dev/shm`` files included) and processes (``pids_limit``),
@@ -60,10 +60,10 @@ import psutil
 from jupyter_client.connect import write_connection_file
 from jupyter_client.launcher import launch_kernel
 
-from stare_sandbox.config import HASH_SEED, SandboxConfig
-from stare_sandbox.errors import SandboxError
+from stare_sandbox.config import HASH_SEED, SANDBOX_UIDS, SandboxConfig
 from stare_sandbox.kernel import KERNEL_ARGS, KernelDriver, KernelSandbox, reset_code
 from stare_sandbox.owner import OWNER_FILE, TEMP_PREFIX, TEMP_ROOT, owner_id, reap_local_dirs
+from stare_sandbox.uids import claim_uid
 from stare_sandbox.usage import ProcessUsage, cgroup_dir
 
 logger = logging.getLogger(__name__)
@@ -73,10 +73,6 @@ PR_SET_DUMPABLE = 4
 
 CPU_BACKSTOP_S = 3600
 """RLIMIT_CPU of a local kernel process over its lifetime (it dies with SIGXCPU beyond it)."""
-
-LOCAL_UIDS = range(61001, 62000)
-"""uids (and gids) a root host gives its local kernels, one per sandbox: above the login-user range
-and beside the Docker kernels' 61000, so no real user's files or processes are theirs."""
 
 WARNING = (
     "LocalSandbox runs model code as a local process, far less isolated than the Docker backend: "
@@ -225,17 +221,13 @@ def _make_trainer_undumpable() -> None:
         logger.warning("could not make this process non-dumpable: local kernels can read its memory")
 
 
-_uids_taken: set[int] = set()
-_uids_lock = threading.Lock()
-
-
 @functools.cache
 def own_user_possible() -> bool:
-    """True when a kernel can run as a ``LOCAL_UIDS`` uid here: root, and this interpreter (its
+    """True when a kernel can run as a ``SANDBOX_UIDS`` uid here: root, and this interpreter (its
     standard library, ipykernel) readable by that uid; e.g. not a Python installed under /root."""
     if os.geteuid() != 0:
         return False
-    uid = LOCAL_UIDS[-1]
+    uid = SANDBOX_UIDS[-1]
     try:
         probe = subprocess.run(
             [sys.executable, "-c", "import ipykernel"], user=uid, group=uid, extra_groups=[],
@@ -250,27 +242,6 @@ def own_user_possible() -> bool:
             uid, sys.executable, probe.stderr.decode(errors="replace").strip().splitlines()[-1:],
         )  # fmt: skip
     return probe.returncode == 0
-
-
-def _take_uid() -> int:
-    """A uid of ``LOCAL_UIDS`` that no process uses and no sandbox of this process holds."""
-    in_use = set()
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            in_use.add(os.stat(f"/proc/{entry}").st_uid)
-        except OSError:
-            pass
-    with _uids_lock:
-        for uid in LOCAL_UIDS:
-            if uid not in in_use and uid not in _uids_taken:
-                _uids_taken.add(uid)
-                return uid
-    raise SandboxError(f"all {len(LOCAL_UIDS)} local sandbox uids are in use: close some sandboxes")
-
-
-def _give_back_uid(uid: int | None) -> None:
-    with _uids_lock:
-        _uids_taken.discard(uid)  # type: ignore[arg-type]
 
 
 class _KernelCgroup:
@@ -403,7 +374,8 @@ class _LocalKernel:
 
     def __init__(self, sandbox_dir: Path, work_dir: Path, config: SandboxConfig) -> None:
         root = os.geteuid() == 0
-        self.uid = _take_uid() if own_user_possible() else None
+        self._uid = claim_uid() if own_user_possible() else None
+        self.uid = None if self._uid is None else self._uid.uid
         # The kernel's own files (connection file, sockets, IPython dir) in a dir it owns.
         kernel_dir = sandbox_dir / "kernel"
         kernel_dir.mkdir(mode=0o700)
@@ -538,7 +510,8 @@ class _LocalKernel:
         self.kill()
         if self.cgroup is not None:
             self.cgroup.remove()
-        _give_back_uid(self.uid)
+        if self._uid is not None:
+            self._uid.release()
 
     def restart(self) -> None:
         self.kill()

@@ -123,7 +123,7 @@ own processes, never for PID 1, the warden, from which every later kernel of the
 inherits them (state that would outlive the episode). Their first argument is the pid (0: the caller)."""
 PRIO_PROCESS, IOPRIO_WHO_PROCESS = 0, 1
 """``setpriority`` and ``ioprio_set`` are allowed only for one process that is not PID 1: by group or by
-user (all processes of uid 61000, the warden's too) they would reach the warden."""
+user (all processes of the sandbox's uid, the warden's too) they would reach the warden."""
 
 
 def profile(inet: bool = False) -> dict:

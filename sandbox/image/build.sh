@@ -12,7 +12,8 @@ suite=${2:-bookworm}
 mirror=${3:-http://deb.debian.org/debian}
 keyring=${STARE_DEBIAN_KEYRING:-/usr/share/keyrings/debian-archive-keyring.gpg}
 # The kernel's uid and gid inside the container: outside the range of login users (UID_MAX 60000)
-# so that it cannot be the host user's (stare_sandbox.config.SANDBOX_UID).
+# so that it cannot be the host user's: the first of stare_sandbox.config.SANDBOX_UIDS (each sandbox
+# runs as a uid of its own from that range and binds its own /etc/passwd naming it).
 uid=61000
 [ -s "$keyring" ] || { echo "Debian archive keyring $keyring not found: apt-get install -y debian-archive-keyring (packages are never installed unverified)" >&2; exit 2; }
 command -v debootstrap >/dev/null || { echo "debootstrap not found: apt-get install -y debootstrap" >&2; exit 2; }

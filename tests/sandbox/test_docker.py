@@ -14,7 +14,7 @@ import docker
 import pytest
 
 from stare_sandbox import DockerSandbox, SandboxClosed, SandboxConfig, SandboxError, make_sandbox
-from stare_sandbox.config import PRELOAD_MATH, SANDBOX_UID
+from stare_sandbox.config import PRELOAD_MATH, SANDBOX_UIDS
 from stare_sandbox.docker import LABEL
 from tests.conftest import host_problem, require
 
@@ -104,16 +104,17 @@ def test_container_is_hardened(sb: DockerSandbox) -> None:
     assert host["CapDrop"] == ["ALL"] and "no-new-privileges" in host["SecurityOpt"]
     assert host["Memory"] == host["MemorySwap"] == 1024 * 2**20
     assert host["PidsLimit"] == 128 and host["NanoCpus"] == 10**9
-    assert sb.container.attrs["Config"]["User"] == f"{SANDBOX_UID}:{SANDBOX_UID}"
+    uid, gid = map(int, sb.container.attrs["Config"]["User"].split(":"))
+    assert uid == gid and uid in SANDBOX_UIDS and uid != os.geteuid()
     mounts = [m["Source"] for m in sb.container.attrs["Mounts"]]
-    assert sorted(mounts) == [str(sb.dir), str(sb.dir / "meminfo")] and not any(
+    assert sorted(mounts) == [str(sb.dir / name) for name in ("", "group", "meminfo", "passwd")] and not any(
         "docker.sock" in m for m in mounts
     )
     assert any(option.startswith("seccomp=") for option in host["SecurityOpt"])  # stare_sandbox.seccomp's
     assert "/proc/sys/kernel/random/boot_id" in host["MaskedPaths"]
     # PID 1 is the warden (no init of the image's), and the kernel its child
     result = sb.run("import os\nopen('/proc/1/cmdline').read().split('\\0')[:2], os.getppid(), os.getuid()")
-    assert result.stdout == f"(['python3', '-c'], 1, {SANDBOX_UID})\n"
+    assert result.stdout == f"(['python3', '-c'], 1, {uid})\n"
 
 
 def test_close_leaves_no_container_or_temp_dir(docker_ready) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from stare_sandbox import DockerSandbox, SandboxConfig, SandboxError, SandboxUnavailable
-from stare_sandbox.config import SANDBOX_UID
+from stare_sandbox.config import SANDBOX_UIDS
 from stare_sandbox.docker import LABEL, NOFILE, docker_client
 from tests.conftest import host_problem, require
 
@@ -67,6 +67,39 @@ def test_rlimits_core_nofile_and_fsize(sb: DockerSandbox) -> None:
     )  # 1 byte, far out
     assert sparse.error.type == "OSError" and "File too large" in sparse.error.message
     sb.reset()
+
+
+FILL_PIPE_QUOTA = """
+import fcntl, os
+held = []
+try:
+    while True:  # each pipe resized to 1 MiB (256 pages) until the uid's quota refuses
+        held.append(os.pipe())
+        fcntl.fcntl(held[-1][1], fcntl.F_SETPIPE_SZ, 1 << 20)
+except OSError as exc:
+    print(exc.errno == 1, len(held) < 1000)
+"""
+GROW_ONE_PIPE = """
+import fcntl, os
+r, w = os.pipe()
+try:
+    print(fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20))
+except OSError as exc:
+    print(exc.strerror)
+"""
+
+
+def test_concurrent_sandboxes_share_no_per_user_quota(docker_ready) -> None:
+    # Pipe-buffer pages are counted per uid host-wide (fs.pipe-user-pages-soft): sandboxes that
+    # shared a uid would let one refuse every other's pipes, a denial and a channel between them.
+    with DockerSandbox(CONFIG) as one, DockerSandbox(CONFIG) as two:
+        uids = [int(sb.run("import os; os.getuid()").stdout) for sb in (one, two)]
+        assert uids[0] != uids[1] and set(uids) <= set(SANDBOX_UIDS)
+        assert one.run(FILL_PIPE_QUOTA).stdout == "True True\n"  # its own quota is spent
+        assert one.run(GROW_ONE_PIPE).stdout == "Operation not permitted\n"
+        assert two.run(GROW_ONE_PIPE).stdout == f"{1 << 20}\n"  # the sibling's is untouched
+        user = two.run("import getpass, pwd, os\ngetpass.getuser(), pwd.getpwuid(os.getuid()).pw_dir")
+        assert user.stdout == "('sandbox', '/work')\n"
 
 
 def test_blas_and_openmp_threads_follow_the_cpu_quota(docker_ready) -> None:
@@ -227,14 +260,11 @@ def test_a_host_user_with_uid_1000_keeps_the_connection_dir_locked(docker_ready)
         cwd="/tmp", env={"PYTHONPATH": str(REPO), "HOME": "/tmp", "PATH": os.environ["PATH"]},
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
-    assert child.stdout.split() == [
-        "1000",
-        str(SANDBOX_UID),
-        "PermissionError",
-        "KernelDied",
-        "2",
-        "refused",
-    ], child.stdout + child.stderr[-2000:]
+    said = child.stdout.split()
+    assert said[:1] + said[2:] == ["1000", "PermissionError", "KernelDied", "2", "refused"], (
+        child.stdout + child.stderr[-2000:]
+    )
+    assert int(said[1]) in SANDBOX_UIDS
 
 
 def test_availability_checks_answer_and_close_their_clients(docker_ready) -> None:

@@ -1,0 +1,126 @@
+"""One uid per live sandbox on a host.
+
+The kernel keeps several quotas per user, not per process or container: pipe buffer pages
+(``fs.pipe-user-pages-soft``), pending signals (``RLIMIT_SIGPENDING``), epoll watches
+(``fs.epoll.max_user_watches``), processes (``RLIMIT_NPROC``). Sandboxes that shared a uid would
+share each of them: one could exhaust a quota for all the others, and fill and drain it as a channel
+between concurrent rollouts. So every sandbox, Docker or local, claims a uid of ``SANDBOX_UIDS`` that
+nothing else on the host uses, and gives it back when it is gone.
+
+A claim is an exclusive ``flock`` on ``CLAIM_DIR/<uid>``, so it holds across processes (several
+trainers, a Ray host) and ends by itself when the process that holds it dies; a uid that any visible
+process still runs as (a container whose owner was killed) is skipped as well.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+import threading
+from pathlib import Path
+
+from stare_sandbox.config import SANDBOX_UIDS
+from stare_sandbox.errors import SandboxError
+
+CLAIM_DIR = Path("/tmp/.stare-sandbox-uids")
+"""Where claims are held: shared by every user of the host (mode 1777), not a ``stare-*`` temp dir."""
+
+_lock = threading.Lock()
+_held: dict[int, int] = {}  # uid -> fd holding its flock, in this process
+
+
+class UidClaim:
+    """A uid held for one sandbox until ``release``; its gid is the same number."""
+
+    def __init__(self, uid: int, fd: int) -> None:
+        self.uid = uid
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Give the uid back (idempotent). Call it once no process of the sandbox is left."""
+        with _lock:
+            if self._fd is None:
+                return
+            _held.pop(self.uid, None)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)  # for a forked child holding a copy of the fd too
+            os.close(self._fd)
+            self._fd = None
+
+    def __repr__(self) -> str:
+        return f"UidClaim({self.uid}{'' if self._fd is not None else ', released'})"
+
+
+def _uids_in_use() -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                found.add(os.stat(f"/proc/{entry}").st_uid)
+            except OSError:
+                pass  # exited meanwhile
+    return found
+
+
+def _claim_dir() -> Path:
+    try:
+        CLAIM_DIR.mkdir(mode=0o1777)
+        CLAIM_DIR.chmod(0o1777)  # past the umask: every host user's sandboxes claim here
+    except FileExistsError:
+        pass
+    info = CLAIM_DIR.lstat()
+    if (
+        not stat.S_ISDIR(info.st_mode)
+        or info.st_uid not in (0, os.geteuid())
+        and info.st_mode & 0o1777 != 0o1777
+    ):
+        raise SandboxError(
+            f"{CLAIM_DIR} is not a directory this user may claim sandbox uids in: remove it "
+            "(it is recreated with mode 1777)"
+        )
+    return CLAIM_DIR
+
+
+def _open_claim(path: Path) -> int:
+    # Not O_CREAT on an existing file: fs.protected_regular refuses that for another user's file
+    # in a sticky directory, while opening it to read is enough to lock it.
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    while True:
+        try:
+            return os.open(path, flags)
+        except FileNotFoundError:
+            pass
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o444)
+        except FileExistsError:
+            continue  # another process made it meanwhile
+
+
+def claim_uid() -> UidClaim:
+    """Claim a uid of ``SANDBOX_UIDS`` that no other sandbox holds and no process runs as."""
+    try:
+        folder = _claim_dir()
+        with _lock:
+            in_use = _uids_in_use()
+            for uid in SANDBOX_UIDS:
+                if uid in in_use or uid in _held:
+                    continue
+                fd = _open_claim(folder / str(uid))
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as exc:
+                    os.close(fd)
+                    if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        continue  # another process's sandbox holds it
+                    raise
+                _held[uid] = fd
+                return UidClaim(uid, fd)
+    except OSError as exc:
+        raise SandboxError(
+            f"cannot claim a sandbox uid in {CLAIM_DIR} ({exc}): make /tmp writable, or remove {CLAIM_DIR}"
+        ) from exc
+    raise SandboxError(
+        f"all {len(SANDBOX_UIDS)} sandbox uids ({SANDBOX_UIDS.start}-{SANDBOX_UIDS.stop - 1}) are in use on "
+        "this host: close some sandboxes, or look for leftover processes running as those uids"
+    )
