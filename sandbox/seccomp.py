@@ -16,7 +16,9 @@ interface's and the TCP stack's counters, which code could set for the next epis
 ``clone3`` answers ENOSYS rather than EPERM, so that glibc falls back to ``clone``, whose flags
 the filter can read (clone3 passes them in memory). The calls that set scheduling, affinity,
 priorities or rlimits of a process reach any process of the caller's uid but PID 1 (``NOT_PID_1``):
-the warden's state is what every later kernel inherits. Names a kernel or architecture lacks are
+the warden's state is what every later kernel inherits. Memory calls only without their huge-page
+flags (``NO_HUGETLB``: the host's reserved pool). Only the 64-bit ABIs (``ARCHITECTURES``): the 32-bit
+compat ABI's multiplexers would bypass every argument rule. Names a kernel or architecture lacks are
 skipped by the runtime.
 """
 
@@ -49,8 +51,7 @@ ALLOWED = (
     "utimensat_time64", "utimes", "write", "writev", "getxattrat", "setxattrat", "listxattrat",
     "removexattrat", "arm_fadvise64_64", "arm_sync_file_range",
     # memory
-    "brk", "madvise", "membarrier", "memfd_create", "mincore", "mlock", "mlock2", "mlockall", "mmap",
-    "mmap2", "mprotect", "mremap", "msync", "munlock", "munlockall", "munmap", "pkey_alloc",
+    "brk", "madvise", "membarrier", "mincore", "mlock", "mlock2", "mlockall", "mprotect", "mremap", "msync", "munlock", "munlockall", "munmap", "pkey_alloc",
     "pkey_free", "pkey_mprotect", "remap_file_pages", "get_mempolicy", "mseal", "map_shadow_stack",
     "cachestat", "getrandom",
     # processes, threads, scheduling
@@ -84,11 +85,10 @@ ALLOWED = (
     # sockets (the families are filtered below)
     "accept", "accept4", "bind", "connect", "getpeername", "getsockname", "getsockopt", "listen",
     "recv", "recvfrom", "recvmmsg", "recvmmsg_time64", "recvmsg", "send", "sendmmsg", "sendmsg",
-    "sendto", "setsockopt", "shutdown", "socketcall",
+    "sendto", "setsockopt", "shutdown",
     # System V IPC (namespaced, emptied between episodes)
-    "ipc", "msgctl", "msgget", "msgrcv", "msgsnd",
+    "msgctl", "msgget", "msgrcv", "msgsnd",
     "semctl", "semget", "semop", "semtimedop", "semtimedop_time64", "shmat", "shmctl", "shmdt",
-    "shmget",
 )  # fmt: skip
 
 DENIED = (
@@ -113,14 +113,27 @@ DENIED = (
 """What a notebook never calls and an attacker wants (tracing or reading other processes, kernel
 attack surface, namespaces and mounts, the host's clock and identity; and what counts against a pool
 the host shares with every sandbox: Linux AIO contexts, against the host-wide ``fs.aio-max-nr`` (two
-sandboxes took all of it), inotify instances and POSIX message queues, against per-user quotas that
-every sandbox shares since all run as one uid): refused, named so that tests check each one.
+sandboxes took all of it), inotify instances and POSIX message queues, against per-user quotas, which a
+uid of its own per sandbox already separates): refused, named so that tests check each one.
 Everything absent from ``ALLOWED`` is refused the same way."""
 
 NOT_PID_1 = ("sched_setattr", "sched_setscheduler", "sched_setparam", "sched_setaffinity", "prlimit64")
 """Calls that may change a process's scheduling, affinity or rlimits: allowed for the caller and its
 own processes, never for PID 1, the warden, from which every later kernel of the container forks and
 inherits them (state that would outlive the episode). Their first argument is the pid (0: the caller)."""
+NO_HUGETLB = {"mmap": (3, 0x40000), "memfd_create": (1, 0x4), "shmget": (2, 0x800)}
+"""Calls allowed only without their huge-page flag ({name: (argument index, flag)}: ``MAP_HUGETLB``,
+``MFD_HUGETLB``, ``SHM_HUGETLB``): huge pages come from the host's reserved pool
+(``vm.nr_hugepages``), outside the container's memory limit, so one sandbox could take all of them
+(it did: 8 of 8 reserved pages) from the host and every other sandbox."""
+
+ARCHITECTURES = ("SCMP_ARCH_X86_64", "SCMP_ARCH_AARCH64")
+"""The only ABIs a sandboxed process may call the kernel through. No 32-bit compat ABI: a 64-bit
+process can still enter it (``int 0x80``), and there the multiplexers ``socketcall`` and ``ipc``
+pass their arguments in memory, which no filter reads, so any socket family was reachable (an IPv4
+and an ``AF_VSOCK`` socket were made without a network); compat syscalls of another ABI are
+refused whatever their name."""
+
 PRIO_PROCESS, IOPRIO_WHO_PROCESS = 0, 1
 """``setpriority`` and ``ioprio_set`` are allowed only for one process that is not PID 1: by group or by
 user (all processes of the sandbox's uid, the warden's too) they would reach the warden."""
@@ -146,6 +159,14 @@ def profile(inet: bool = False) -> dict:
             "args": [{"index": 0, "value": 1, "op": "SCMP_CMP_NE"}],
         }
     )
+    for call, (index, flag) in NO_HUGETLB.items():
+        rules.append(
+            {
+                "names": [call],
+                "action": "SCMP_ACT_ALLOW",
+                "args": [{"index": index, "value": flag, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}],
+            }
+        )
     for call, which in (("setpriority", PRIO_PROCESS), ("ioprio_set", IOPRIO_WHO_PROCESS)):
         rules.append(
             {
@@ -170,10 +191,7 @@ def profile(inet: bool = False) -> dict:
     return {
         "defaultAction": "SCMP_ACT_ERRNO",
         "defaultErrnoRet": errno.EPERM,
-        "archMap": [
-            {"architecture": "SCMP_ARCH_X86_64", "subArchitectures": ["SCMP_ARCH_X86", "SCMP_ARCH_X32"]},
-            {"architecture": "SCMP_ARCH_AARCH64", "subArchitectures": ["SCMP_ARCH_ARM"]},
-        ],
+        "architectures": list(ARCHITECTURES),
         "syscalls": rules,
     }
 

@@ -225,6 +225,10 @@ SYSCALLS_X86_64 = {
     "setpriority user": (141, (2, 0, 10)),
     "ioprio_set pid 1": (251, (1, 1, 0)),
     "prlimit64 pid 1": (302, (1, 7, "params", 0)),
+    # huge pages: the host's reserved pool, outside the memory limit (the fourth pass's own attack)
+    "mmap MAP_HUGETLB": (9, (0, 2**21, 3, 0x22 | 0x40000, -1, 0)),
+    "memfd_create MFD_HUGETLB": (319, ("root", 4)),
+    "shmget SHM_HUGETLB": (29, (0, 2**21, 0o1000 | 0x800)),
 }
 
 
@@ -257,6 +261,40 @@ print(json.dumps(out))
     assert {name: got for name, got in refused.items() if got != "EPERM"} == {}
 
 
+IA32_SOCKETCALL = """
+import ctypes, struct, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+page = libc.mmap(None, 4096, 7, 0x22 | 0x40, -1, 0)  # read, write, execute; MAP_32BIT
+args = page + 2048
+made = []
+for family, kind in ((2, 1), (40, 5)):  # AF_INET stream, AF_VSOCK seqpacket
+    # socketcall(SYS_SOCKET, args) through int 0x80: the 32-bit ABI's multiplexer, whose
+    # arguments lie in memory where no seccomp rule reads them
+    code = b"\\x53\\xb8\\x66\\0\\0\\0\\xbb\\x01\\0\\0\\0\\xb9" + struct.pack("<I", args) + b"\\xcd\\x80\\x5b\\xc3"
+    ctypes.memmove(page, code, len(code))
+    ctypes.memmove(args, struct.pack("<III", family, kind, 0), 12)
+    out = []
+    caller = threading.Thread(target=lambda: out.append(ctypes.CFUNCTYPE(ctypes.c_int)(page)()), daemon=True)
+    caller.start()
+    caller.join(5)
+    made.append(out[0] if out else "no return")
+print(made)
+"""
+
+
+def test_the_32_bit_abi_reaches_no_socket_family_the_filter_refuses(sb: DockerSandbox) -> None:
+    # The compat ABI's socketcall and ipc pass their arguments in memory: a filter that allowed it
+    # would let any family through (an IPv4 and an AF_VSOCK socket were made without a network).
+    require("host", host_problem())  # x86-64 machine code
+    result = sb.run(IA32_SOCKETCALL)
+    assert result.ok, result
+    made = eval(result.stdout)  # noqa: S307 - a list of ints and strings this test printed
+    assert all(got == "no return" or got < 0 for got in made), made
+    assert sb.run("1 + 1").stdout == "2\n"  # only the calling thread is gone
+
+
 def test_what_a_notebook_does_still_works_under_the_syscall_filter(sb: DockerSandbox) -> None:
     code = """
 import multiprocessing, subprocess, threading, os, socket, tempfile, mmap
@@ -272,6 +310,7 @@ a, b = socket.socketpair(); a.send(b"x"); assert b.recv(1) == b"x"
 with tempfile.TemporaryFile() as f:
     f.write(b"y" * 4096); f.flush(); assert mmap.mmap(f.fileno(), 4096)[:1] == b"y"
 os.mkfifo("/work/fifo"); os.sched_getaffinity(0); os.nice(0)
+os.close(os.memfd_create("m")); mmap.mmap(-1, 2**21)[0] = 1
 print("ok")
 """
     result = sb.run(code, timeout=60)
