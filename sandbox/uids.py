@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import pwd
 import stat
 import threading
 from pathlib import Path
@@ -97,16 +98,30 @@ def _open_claim(path: Path) -> int:
             continue  # another process made it meanwhile
 
 
+def _names_a_user(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
+
+
 def claim_uid() -> UidClaim:
-    """Claim a uid of ``SANDBOX_UIDS`` that no other sandbox holds and no process runs as."""
+    """Claim a uid of ``SANDBOX_UIDS`` that no other sandbox holds, no process runs as and no host
+    user has (a local kernel of that uid would own that user's files)."""
+    unusable: OSError | None = None
     try:
         folder = _claim_dir()
         with _lock:
             in_use = _uids_in_use()
             for uid in SANDBOX_UIDS:
-                if uid in in_use or uid in _held:
+                if uid in in_use or uid in _held or _names_a_user(uid):
                     continue
-                fd = _open_claim(folder / str(uid))
+                try:
+                    fd = _open_claim(folder / str(uid))
+                except OSError as exc:  # e.g. a symlink planted in its place: never followed
+                    unusable = exc
+                    continue
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError as exc:
@@ -120,6 +135,11 @@ def claim_uid() -> UidClaim:
         raise SandboxError(
             f"cannot claim a sandbox uid in {CLAIM_DIR} ({exc}): make /tmp writable, or remove {CLAIM_DIR}"
         ) from exc
+    if unusable is not None:
+        raise SandboxError(
+            f"no sandbox uid could be claimed in {CLAIM_DIR}, some not at all ({unusable}): "
+            f"remove what is not a plain file there"
+        )
     raise SandboxError(
         f"all {len(SANDBOX_UIDS)} sandbox uids ({SANDBOX_UIDS.start}-{SANDBOX_UIDS.stop - 1}) are in use on "
         "this host: close some sandboxes, or look for leftover processes running as those uids"
