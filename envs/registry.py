@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import os
 import threading
 import warnings
@@ -240,6 +241,21 @@ def check_env_id(env_id: str) -> None:
             "it first (stare_envs.register_tool_env, or a package's stare_agent.envs entry point), write "
             "module:id to import the module that registers it, or use stare/CodeInterpreter-v0"
         ) from None
+
+
+def env_needs_sandbox(env_id: str, **kwargs: Any) -> bool:
+    """Whether episodes of ``env_id``, made with ``kwargs``, run code in a sandbox: one of its tools (the
+    ``tools`` of ``kwargs``, else of its registration, else ``ToolEnv``'s default) has ``needs_sandbox``.
+    A run opens a sandbox pool (and needs Docker, for ``auto``) only then.
+
+    Raises:
+        EnvRegistrationError: the id is not registered (see :func:`check_env_id`).
+    """
+    check_env_id(env_id)
+    registered = gymnasium.spec(env_id.split(":")[-1]).kwargs
+    default = inspect.signature(ToolEnv.__init__).parameters["tools"].default
+    tools = kwargs.get("tools", registered.get("tools", default))
+    return any((tool if isinstance(tool, ToolSpec) else get_tool(tool)).needs_sandbox for tool in tools)
 
 
 def registered_problems(env_id: str) -> Any:

@@ -252,9 +252,11 @@ class ToolEnv(gymnasium.Env[str, str]):
         self.pool = pool
         self._owns_pool = pool is None
         # Resolved here, when the env is made: `auto` without a usable Docker is an error now, not at the
-        # first tool call of an episode.
+        # first tool call of an episode. An env whose tools run no code never needs one.
+        needs_sandbox = any(spec.needs_sandbox for spec in self.tools.values())
+        resolve = pool is None and (needs_sandbox or sandbox_backend != "auto")
         self._sandbox_backend = (
-            resolve_backend(sandbox_backend, sandbox_config) if pool is None else sandbox_backend
+            resolve_backend(sandbox_backend, sandbox_config) if resolve else sandbox_backend
         )
         self._sandbox_config = sandbox_config
         self.max_turns, self.max_tool_calls = max_turns, max_tool_calls

@@ -91,6 +91,7 @@ EVAL_FLAGS = {
 def _eval(args: argparse.Namespace) -> int:
     from stare_agent.config import load_config
     from stare_agent.evaluation import evaluate_config
+    from stare_agent.models import resolve_policy_path
     from stare_agent.provenance import model_settings
     from stare_agent.resources import eval_source, make_env
     from stare_envs.problems import eval_problems
@@ -101,12 +102,14 @@ def _eval(args: argparse.Namespace) -> int:
     ]
     config = load_config(args.config, [*args.overrides, *flags])
     data, env = config.data, config.env
-    # fail on a bad env or problem source before loading a model (the env leases no sandbox yet)
-    with make_env(env, evaluation=True) as probe:
-        print(f"env: {env.id} (format {probe.format.name}, tools: {', '.join(probe.tools)})")
+    # The user's inputs first (the model path, the env id and its problems), then this machine's (the
+    # env's sandbox backend: Docker), all before loading a model. The probe env leases no sandbox.
+    resolve_policy_path(_eval_tokenizer_path(args, config))
     problems = eval_problems(
         eval_source(config), seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
     )
+    with make_env(env, evaluation=True) as probe:
+        print(f"env: {env.id} (format {probe.format.name}, tools: {', '.join(probe.tools)})")
     engine, tokenizer = _eval_engine(args, config)
     try:
         report = evaluate_config(
@@ -175,6 +178,12 @@ def _check_device(device: str) -> None:
         raise ConfigError(f"--device {device!r}: stare-agent eval runs on cpu or cuda[:N]")
 
 
+def _eval_tokenizer_path(args: argparse.Namespace, config: Any) -> str:
+    """The rollouts' tokenizer: ``--tokenizer`` for an OpenAI-compatible server, else the model's."""
+    name = args.engine or config.env.engine
+    return str((args.tokenizer if name == "openai" else None) or config.model.name_or_path)
+
+
 def _eval_engine(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
     """The engine `stare-agent eval --engine` names (default: env.engine), and the rollouts' tokenizer."""
     from stare_agent.engines import start_engine
@@ -183,7 +192,7 @@ def _eval_engine(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
     name = args.engine or config.env.engine
     if name == "sglang":
         raise SystemExit("stare-agent eval has no --engine sglang: use --engine vllm, transformers or openai")
-    tokenizer = load_tokenizer((args.tokenizer if name == "openai" else None) or config.model.name_or_path)
+    tokenizer = load_tokenizer(_eval_tokenizer_path(args, config))
     description, engine = start_engine(
         config, None, tokenizer, name=name, device=args.device, base_url=args.base_url, api_key=args.api_key
     )

@@ -319,13 +319,15 @@ def evaluate_config(
     """
     from stare_agent.resources import eval_source, open_sandboxes
     from stare_envs.problems import eval_problems
+    from stare_envs.registry import env_needs_sandbox
 
     data, env, seed = config.data, config.env, config.trainer.seed
     source = eval_source(config)  # data.eval, else the problems env.id was registered with
     if problems is None:
         problems = eval_problems(source, seed=seed, difficulty=data.difficulty, limit=data.eval_limit)
     samples = 1 if greedy else data.eval_samples
-    own_pool = pool is None
+    # an env whose tools run no code leases nothing: no pool, and no Docker needed
+    own_pool = pool is None and env_needs_sandbox(env.id, **env.env_kwargs(evaluation=True))
     if own_pool:
         pool = open_sandboxes(config.sandbox, max(min(batch_size, len(problems) * samples), 1))
     try:
@@ -354,7 +356,7 @@ def evaluate_config(
             **options,
         )
     finally:
-        if own_pool:
+        if own_pool and pool is not None:
             pool.close()
 
 
@@ -433,7 +435,11 @@ def evaluate(
     if sampling.seed is None:  # seeded by default, as `stare-agent eval` is (trainer.seed: 0)
         sampling = replace(sampling, seed=0)
     kwargs = dict(env_kwargs or {})
-    if kwargs.get("pool") is None:  # resolved once: the settings name the backend the pool then uses
+    from stare_envs.registry import env_needs_sandbox
+
+    if kwargs.get("pool") is None and env_needs_sandbox(
+        env_id, **kwargs
+    ):  # resolved once: the settings name the pool's backend
         from stare_sandbox import resolve_backend
 
         kwargs["sandbox_backend"] = resolve_backend(
@@ -636,7 +642,8 @@ def _settings(
             },
         },
         "sandbox": {
-            "backend": pool.backend if pool is not None else kwargs.get("sandbox_backend", "auto"),
+            # None: the env's tools run no code, so it has none
+            "backend": pool.backend if pool is not None else kwargs.get("sandbox_backend"),
             "limits": limits,
         },
         "engine": engine_settings(engine),

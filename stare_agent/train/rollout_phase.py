@@ -23,7 +23,7 @@ from stare_agent.resources import open_sandboxes, train_source
 from stare_agent.train.async_rollouts import VersionedEngine
 from stare_envs.engine import SamplingParams
 from stare_envs.problems import Problem, ProblemStream
-from stare_envs.registry import make_tool_envs
+from stare_envs.registry import env_needs_sandbox, make_tool_envs
 from stare_envs.rollout import RolloutRunner
 from stare_envs.tool_env import ToolEnv
 from stare_envs.trajectory import Trajectory
@@ -239,8 +239,10 @@ class RolloutPhase:
         return self._envs
 
     def pool(self) -> Any:
-        """The sandbox pool the episodes (and evaluations) lease from, opened on first use."""
-        if self._pool is None:
+        """The sandbox pool the episodes (and evaluations) lease from, opened on first use; None when
+        the env's tools run no code."""
+        env = self.config.env
+        if self._pool is None and env_needs_sandbox(env.id, **env.env_kwargs()):
             self._pool = open_sandboxes(self.config.sandbox)
         return self._pool
 

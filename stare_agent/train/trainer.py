@@ -632,9 +632,10 @@ class Trainer:
 
         path = self.run_dir / "run.json"
         runs = json.loads(path.read_text())["runs"] if path.is_file() else []
+        pool = self.rollouts.pool()  # None: the env's tools run no code
         runs.append(
             run_record(
-                sandbox_backend=self.rollouts.pool().backend,
+                sandbox_backend=pool.backend if pool is not None else None,
                 engine=engine_settings(self.engine),
                 resumed_at_step=self.step,
             )

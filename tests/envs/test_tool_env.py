@@ -13,6 +13,7 @@ import pytest
 from stare_envs import CodeInterpreterEnv, EnvStateError, ToolEnv
 from stare_envs.problems import Problem, load_problems
 from stare_envs.tools import register_tool, unregister_tool
+from stare_sandbox.errors import SandboxUnavailable
 from tests.conftest import require, require_module
 
 PROBLEM = Problem("p1", "What is 6 * 7?", "42")
@@ -224,7 +225,12 @@ def test_hermes_episode_uses_tool_messages(make_env, fake_pool, settled):
     env.close()
 
 
-def test_custom_function_tool_without_sandbox_holds_no_lease(make_env):
+def test_custom_function_tool_without_sandbox_holds_no_lease(make_env, monkeypatch):
+    # no Docker daemon: an env whose tools run no code is made and played all the same
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    with pytest.raises(SandboxUnavailable, match="sandbox backend auto: Docker is not usable here"):
+        ToolEnv([PROBLEM])  # code_interpreter, backend auto
+
     @register_tool("reverse_demo", description="Reverse a string.", model_errors=(ValueError,))
     def reverse(text: str) -> str:
         if not text:

@@ -263,6 +263,8 @@ def test_each_bad_input_is_one_line_before_any_model_loads(monkeypatch, capsys, 
 
     for loader in ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM"):
         monkeypatch.setattr(models, loader, _NoModelLoads)
+    # The user's inputs are checked before this machine's: no case may depend on a Docker daemon.
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
     monkeypatch.chdir(files)
     argv = [a.replace("{tmp}", str(files)) for a in argv]
     try:

@@ -336,3 +336,46 @@ def test_evaluate_is_seeded_by_default_like_the_cli(tmp_path):
     assert [t.response_ids for t in first.trajectories] == [t.response_ids for t in second.trajectories]
     assert first.settings["sampling"]["seed"] == 0
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["settings"]["sampling"]["seed"] == 0
+
+
+def test_an_env_whose_tools_run_no_code_is_evaluated_without_docker(monkeypatch):
+    """Neither evaluate nor evaluate_config opens a sandbox pool (nor asks for Docker) for an env whose
+    tools need no sandbox; the settings say it has no sandbox backend."""
+    from stare_agent.config import load_config
+    from stare_agent.evaluation import evaluate_config
+    from stare_envs.registry import register_tool_env
+    from stare_envs.tools import register_tool, unregister_tool
+
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    register_tool("double_demo", lambda n: str(2 * int(n)), description="Double an integer.")
+    register_tool_env("test/NoCode-v0", tools=["double_demo"], format="hermes")
+    try:
+        tokenizer = smollm2_tokenizer()
+        problems = [Problem("p1", "What is 21 doubled?", "42")]
+        call = '<tool_call>\n{"name": "double_demo", "arguments": {"n": 21}}\n</tool_call>'
+        answers = [[call, "\\boxed{42}"]]
+        report = evaluate(
+            problems,
+            engine=ScriptedEngine(tokenizer, answers),
+            tokenizer=tokenizer,
+            samples=1,
+            env_id="test/NoCode-v0",
+            progress=False,
+        )
+        assert report.metrics["avg@1"] == 1.0
+        assert report.settings["sandbox"]["backend"] is None
+        config = load_config(None, ["env.id=test/NoCode-v0", "data.eval_samples=1"])
+        report = evaluate_config(
+            config,
+            engine=ScriptedEngine(tokenizer, answers),
+            tokenizer=tokenizer,
+            batch_size=1,
+            problems=problems,
+            progress=False,
+        )
+        assert report.metrics["avg@1"] == 1.0
+    finally:
+        import gymnasium
+
+        gymnasium.registry.pop("test/NoCode-v0", None)
+        unregister_tool("double_demo")
