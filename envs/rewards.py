@@ -20,16 +20,19 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import multiprocessing
 import os
 import queue
 import re
+import signal
+import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -185,6 +188,9 @@ def _parse_gold(gold: str) -> tuple:
 
 def _worker_main(conn: Any) -> None:
     """Serves ``(prediction, gold)`` requests with ``(correct, error)`` replies until EOF or None."""
+    # Ctrl-C in a terminal reaches the whole process group: the parent decides when workers stop (they
+    # are killed with it), so a worker neither dies mid-check nor prints a KeyboardInterrupt traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     logging.getLogger("latex2sympy2_extended").setLevel(logging.ERROR)
     _math_verify("$\\frac{1}{2}$", "0.5")  # import and warm SymPy/ANTLR before saying ready
@@ -212,7 +218,8 @@ class _Worker:
         self.process = context.Process(
             target=_worker_main, args=(child_conn,), daemon=True, name="answer-checker"
         )
-        self.process.start()
+        with _main_not_inherited():
+            self.process.start()
         child_conn.close()
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -227,6 +234,30 @@ class _Worker:
             self.process.kill()
         self.process.join(timeout=5)
         self.conn.close()
+
+
+_main_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_not_inherited() -> Iterator[None]:
+    """Start a worker without the user's main module: multiprocessing's spawn and forkserver children
+    import it again (as ``__mp_main__``), which runs a script without ``if __name__ == "__main__":``
+    a second time, in the worker (a second trainer there). The worker needs only this module, so the
+    main module is hidden from the start's preparation data (its ``__file__`` and ``__spec__``)."""
+    main = sys.modules.get("__main__")
+    with _main_lock:
+        if main is None:
+            yield
+            return
+        saved: dict[str, Any] = {n: main.__dict__[n] for n in ("__file__", "__spec__") if n in main.__dict__}
+        main.__dict__.pop("__file__", None)
+        main.__dict__["__spec__"] = None
+        try:
+            yield
+        finally:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
 
 
 def _mp_context() -> Any:

@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None):
     )
     parser.add_argument("--batch-size", type=int, default=8, help="episodes played at once, one sandbox each")
     parser.add_argument("--out", default="runs/eval_aime")
+    parser.add_argument("--overwrite", action="store_true", help="delete an evaluation --out holds first")
     args = parser.parse_args(argv)
 
     model, tokenizer = tiny_model() if args.model == "tiny" else load_policy(args.model)
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None):
             batch_size=args.batch_size,
             env_kwargs={"format": "retool", "pool": pool, "max_turns": 4},
             out_dir=args.out,
+            overwrite=args.overwrite,
         )
     print(report.table())
     return report

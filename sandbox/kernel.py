@@ -313,7 +313,7 @@ class KernelDriver:
             if time.monotonic() > deadline:
                 raise SandboxError(
                     f"the kernel did not answer within {timeout:g} s: the machine may be overloaded; "
-                    "raise the start timeout or run `stare-agent sandbox doctor`"
+                    "start fewer sandboxes at once (sandbox.pool_size) or run `stare-agent sandbox doctor`"
                 )
 
     def _reconnect_or_restart(self, timeout: float) -> bool:

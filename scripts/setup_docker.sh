@@ -8,10 +8,11 @@ need=()
 command -v dockerd >/dev/null || need+=(docker.io)
 command -v debootstrap >/dev/null || need+=(debootstrap)
 [ -s /usr/share/keyrings/debian-archive-keyring.gpg ] || need+=(debian-archive-keyring)  # the image build checks signatures
+. scripts/apt_wait.sh
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing ${need[*]} (apt)"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  apt_wait update -qq
+  apt_wait install -y -qq "${need[@]}" >/dev/null
 fi
 if ! docker info >/dev/null 2>&1; then
   echo "starting dockerd in the background (log: /tmp/stare-dockerd.log)"

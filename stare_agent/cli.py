@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -89,6 +90,7 @@ EVAL_FLAGS = {
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from stare_agent import run_dirs
     from stare_agent.config import load_config
     from stare_agent.evaluation import evaluate_config
     from stare_agent.models import resolve_policy_path
@@ -108,24 +110,28 @@ def _eval(args: argparse.Namespace) -> int:
     problems = eval_problems(
         eval_source(config), seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
     )
-    with make_env(env, evaluation=True) as probe:
+    with make_env(env, evaluation=True, sandbox_backend=config.sandbox.backend) as probe:
         print(f"env: {env.id} (format {probe.format.name}, tools: {', '.join(probe.tools)})")
-    engine, tokenizer = _eval_engine(args, config)
-    try:
-        report = evaluate_config(
-            config,
-            engine=engine,
-            tokenizer=tokenizer,
-            batch_size=args.batch_size,
-            problems=problems,
-            out_dir=args.out,
-            resume=args.resume,
-            save_episodes=args.save_episodes,
-            settings={"model": model_settings(config.model.name_or_path)},
-        )
-    finally:
-        if hasattr(engine, "close"):
-            engine.close()
+    # --out: writable, not in use, and holding no evaluation unless resumed or overwritten; held until
+    # the evaluation ends, checked before an engine starts
+    with run_dirs.locked(args.out, "--out") as out:
+        run_dirs.check_evaluation(out, resume=args.resume, overwrite=args.overwrite)
+        engine, tokenizer = _eval_engine(args, config)
+        try:
+            report = evaluate_config(
+                config,
+                engine=engine,
+                tokenizer=tokenizer,
+                batch_size=args.batch_size,
+                problems=problems,
+                out_dir=out,
+                resume=args.resume,
+                save_episodes=args.save_episodes,
+                settings={"model": model_settings(config.model.name_or_path)},
+            )
+        finally:
+            if hasattr(engine, "close"):
+                engine.close()
     print(report.table())
     print(f"per-problem results: {args.out}/results.jsonl")
     return 0
@@ -210,8 +216,17 @@ def _train(args: argparse.Namespace) -> int:
             f"--resume: the run directory {config.trainer.run_dir} does not exist: pass the trainer.run_dir "
             "of the run to continue, or leave out --resume to start a new run"
         )
-    summary = Trainer(config, resume=args.resume).fit()
-    print(f"trained {summary['steps']} steps; run directory: {summary['run_dir']}")
+    summary = Trainer(config, resume=args.resume, overwrite=args.overwrite).fit()
+    steps, skipped = summary["steps"], summary["skipped_steps"]
+    if skipped:  # a step with no group to learn from took no update: not "trained"
+        print(
+            f"ran {steps} steps, {steps - skipped} trained and {skipped} skipped (nothing to train: see "
+            f"skip_reason in metrics.jsonl); run directory: {summary['run_dir']}"
+        )
+    else:
+        print(f"trained {steps} steps; run directory: {summary['run_dir']}")
+    if summary.get("stopped_by"):  # a signal stopped it at a step boundary: 128 + the signal, as a shell says
+        return 128 + int(signal.Signals[summary["stopped_by"]])
     return 0
 
 
@@ -219,7 +234,7 @@ def _sft(args: argparse.Namespace) -> int:
     from stare_agent.config import load_config
     from stare_agent.train.sft import sft
 
-    summary = sft(load_config(args.config, args.overrides))
+    summary = sft(load_config(args.config, args.overrides), overwrite=args.overwrite)
     print(json.dumps(summary, indent=2, default=str))
     return 0
 
@@ -227,7 +242,7 @@ def _sft(args: argparse.Namespace) -> int:
 def _quickstart(args: argparse.Namespace) -> int:
     from stare_agent.recipes.quickstart import CONFIG, quickstart
 
-    quickstart(args.config or CONFIG, args.overrides)
+    quickstart(args.config or CONFIG, args.overrides, overwrite=args.overwrite)
     return 0
 
 
@@ -404,6 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the interrupted evaluation in --out: its finished problems are not played again",
     )
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the evaluation in --out (results.jsonl, summary.json, episodes.jsonl) first",
+    )
+    p.add_argument(
         "--save-episodes",
         action="store_true",
         help="also write episodes.jsonl to --out: each episode's text, turn by turn, with tool calls and output",
@@ -415,6 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sft", help="cold-start SFT on ReTool-format traces (model-written tokens only)")
     p.add_argument("--config", default=None, help="YAML config, e.g. configs/quickstart.yaml")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete an earlier SFT in trainer.run_dir (sft_config.yaml, sft_log.jsonl, its model) first",
+    )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.epochs=3 sft.data=traces.jsonl")
     p.set_defaults(func=_sft)
 
@@ -436,6 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the run in trainer.run_dir from its last complete checkpoint (the directory must exist)",
     )
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run in trainer.run_dir (config.yaml, metrics.jsonl, run.json, checkpoints/, rollouts/, plots/) first",
+    )
+    p.add_argument(
         "overrides",
         nargs="*",
         metavar="KEY=VALUE",
@@ -455,6 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quickstart", help="the main job: baseline eval, cold-start SFT, STARE RL, eval again")
     p.add_argument("--config", default=None, help="default: configs/quickstart.yaml")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete an earlier quickstart's results in trainer.run_dir first (make quickstart ARGS=--overwrite)",
+    )
     p.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=5 sandbox.backend=local"
     )

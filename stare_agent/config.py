@@ -231,11 +231,14 @@ class EnvConfig:
             the rollout runner drives it and it enforces its own turn and tool-call limits).
         format: Tool-call format, ``retool`` (``<code>``/``<interpreter>``, the paper's) or ``hermes``;
             null: the registered env's own (``retool`` for the built-in code-interpreter ids).
-        max_turns: Model turns per episode (the paper: 16).
-        max_tool_calls: Tool calls per episode.
+        max_turns: Model turns per episode; null: the env's own, i.e. its registration's, else
+            ``ToolEnv``'s 8 (the built-in ids register 16, the paper's). A value set here wins over
+            the registration.
+        max_tool_calls: Tool calls per episode; null: the env's own, as ``max_turns`` (built-in ids: 16).
         max_output_chars: Tool output beyond this many characters is cut (head and tail kept; the head
-            alone for output a timeout cut short, whose length depends on timing).
-        max_output_tokens: Tool output beyond this many tokens is cut.
+            alone for output a timeout cut short, whose length depends on timing); null: the env's own
+            (``ToolEnv``: 4096).
+        max_output_tokens: Tool output beyond this many tokens is cut; null: the env's own (1024).
         system_prompt: null for the registered env's (by default the format's own instructions), ""
             for none, or a text.
         prompt_template: The user message, ``{problem}`` replaced by the problem; null: the env's own
@@ -263,10 +266,10 @@ class EnvConfig:
 
     id: str = "stare/CodeInterpreter-v0"
     format: str | None = None
-    max_turns: int | None = 16
-    max_tool_calls: int | None = 16
-    max_output_chars: int | None = 4096
-    max_output_tokens: int | None = 1024
+    max_turns: int | None = None
+    max_tool_calls: int | None = None
+    max_output_chars: int | None = None
+    max_output_tokens: int | None = None
     system_prompt: str | None = None
     prompt_template: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -622,7 +625,9 @@ class DeepSpeedConfig:
             stage of ``config``'s ``zero_optimization``, else 0. Set in both, they must agree.
         precision: ``bf16`` (DeepSpeed bf16, GPU), ``fp32``, ``bf16-autocast`` (fp32 weights and
             optimizer, forward passes under ``torch.autocast`` in bf16: on a CPU with AVX-512 BF16 or
-            AMX an SFT step ran about 3x faster than fp32) or ``auto`` (bf16 on GPU, fp32 on CPU).
+            AMX an SFT step ran about 3x faster than fp32; on a CPU without them it runs fp32, since
+            emulated bf16 was 15x slower) or ``auto`` (bf16 on a GPU, fp32 on a CPU). Each command
+            prints what it runs.
         micro_batch_tokens: Token budget of one micro-batch (padded rows x width); a batch is split
             into as many micro-batches as this needs, with gradient accumulation, and still takes ONE
             optimizer step.
@@ -848,9 +853,9 @@ class RunConfig:
         """The resolved config as YAML (loadable by :func:`load_config`)."""
         return OmegaConf.to_yaml(OmegaConf.structured(self))
 
-    def save(self, run_dir: str | os.PathLike[str]) -> Path:
-        """Write the resolved config to ``run_dir/config.yaml`` (atomically) and return its path."""
-        path = Path(run_dir) / CONFIG_FILENAME
+    def save(self, run_dir: str | os.PathLike[str], filename: str = CONFIG_FILENAME) -> Path:
+        """Write the resolved config to ``run_dir/<filename>`` (atomically) and return its path."""
+        path = Path(run_dir) / filename
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         tmp.write_text(self.to_yaml(), encoding="utf-8")
@@ -982,13 +987,68 @@ def _keys_of(dotted: str, schema: type[RunConfig]) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)] if cls is not None else []
 
 
-def resolve_precision(precision: str, device_type: str) -> str:
-    """``auto`` -> ``bf16`` on a GPU, ``fp32`` on CPU; ``bf16`` on CPU is refused (DeepSpeed's CPU path
-    is fp32: use ``bf16-autocast`` there)."""
-    if precision == "auto":
-        return "bf16" if device_type == "cuda" else "fp32"
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""CPU flags (``/proc/cpuinfo``) of native bf16 arithmetic: AVX-512 BF16, AMX."""
+NATIVE_BF16_ISAS = (
+    "ALL",
+    "DEFAULT",
+    "AVX512_CORE_BF16",
+    "AVX512_CORE_FP16",
+    "AVX512_CORE_AMX",
+    "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512",
+    "AVX10_1_512_AMX",
+    "AVX10_1_512_AMX_FP16",
+    "AVX10_2_512",
+    "AVX10_2_512_AMX_2",
+)
+"""Values of oneDNN's ``ONEDNN_MAX_CPU_ISA`` that still allow those instructions; a lower cap
+(``AVX2``, ``AVX512_CORE``, ...) makes torch's bf16 run emulated, as on a CPU without them."""
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX, and ``ONEDNN_MAX_CPU_ISA`` does
+    not cap oneDNN below them); without it bf16 runs emulated, far slower than fp32."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").strip().upper()
+    if cap not in NATIVE_BF16_ISAS:
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return bool(set(NATIVE_BF16_FLAGS) & set(flags.split()))
+
+
+def resolve_precision(precision: str, device_type: str, *, native_bf16: bool | None = None) -> str:
+    """The precision a run computes in.
+
+    ``auto``: ``bf16`` on a GPU, ``fp32`` on a CPU. ``bf16-autocast`` on a CPU that does not compute
+    bf16 natively (``native_bf16``, default ``cpu_has_bf16()``) becomes ``fp32``: emulated bf16 ran an
+    RL step of the quickstart 15x slower than fp32 (337 s against 22 s). ``bf16`` on a CPU is refused
+    (DeepSpeed's CPU path is fp32).
+    """
     if precision == "bf16" and device_type != "cuda":
         raise ConfigError(
             "deepspeed.precision=bf16 needs a GPU: use deepspeed.precision=bf16-autocast, fp32 or auto on CPU"
         )
+    if precision == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    if precision == "bf16-autocast" and device_type != "cuda":
+        native = cpu_has_bf16() if native_bf16 is None else native_bf16
+        return precision if native else "fp32"
     return precision
+
+
+def precision_line(requested: str, resolved: str, device_type: str) -> str:
+    """One line saying what ``resolve_precision`` chose and why, for the start of a command."""
+    if device_type == "cuda" or requested != "bf16-autocast":
+        why = f"deepspeed.precision={requested}"
+    elif resolved == "fp32":
+        why = (
+            f"deepspeed.precision={requested}; this CPU has no native bf16 (AVX-512 BF16 or AMX), "
+            "where bf16 runs emulated, about 15x slower"
+        )
+    else:
+        why = f"deepspeed.precision={requested}; this CPU computes bf16 natively: fp32 weights, bf16 forward passes"
+    return f"precision: {resolved} ({why})"

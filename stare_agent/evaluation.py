@@ -24,6 +24,7 @@ Defaults follow the paper's validation setting: temperature 1.0, top-p 0.7.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -34,6 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from stare_agent import run_dirs
 from stare_agent.errors import StareError
 from stare_agent.intervals import BOOTSTRAP_DRAWS, bootstrap_interval, wilson_interval
 from stare_agent.metrics import ToolHealth, json_ready
@@ -375,6 +377,7 @@ def evaluate(
     env_kwargs: dict[str, Any] | None = None,
     out_dir: str | Path | None = None,
     resume: bool = False,
+    overwrite: bool = False,
     save_episodes: bool = False,
     settings: dict[str, Any] | None = None,
     progress: bool = True,
@@ -412,6 +415,8 @@ def evaluate(
             env leases from a private pool of one of its ``sandbox_backend`` (``auto`` resolved here,
             once) and ``sandbox_config``.
         out_dir: When given, per-problem ``results.jsonl`` and ``summary.json`` are written there.
+        overwrite: Delete the evaluation ``out_dir`` holds first; without it (or ``resume``) such an
+            ``out_dir`` is refused (``stare_agent.run_dirs``), as is one another process writes.
         resume: Continue the evaluation whose ``results.jsonl`` is in ``out_dir`` (same problems,
             samples and sampling; a different setting stops with the settings that differ).
         save_episodes: Also write ``episodes.jsonl`` to ``out_dir``: each episode's decoded text turn by
@@ -428,6 +433,57 @@ def evaluate(
         )
     if (resume or save_episodes) and out_dir is None:
         raise ValueError("resume and save_episodes need out_dir: the directory of results.jsonl")
+    claim = contextlib.ExitStack()  # one process per out_dir, and no evaluation in it replaced unasked
+    if out_dir is not None:
+        claim.enter_context(run_dirs.locked(out_dir, "out_dir"))
+        try:
+            run_dirs.check_evaluation(Path(out_dir), resume=resume, overwrite=overwrite)
+        except BaseException:
+            claim.close()
+            raise
+    with claim:
+        return _evaluate(
+            problems=problems,
+            engine=engine,
+            tokenizer=tokenizer,
+            samples=samples,
+            sampling=sampling,
+            max_response_tokens=max_response_tokens,
+            batch_size=batch_size,
+            continuous_batching=continuous_batching,
+            limit=limit,
+            env_id=env_id,
+            env_kwargs=env_kwargs,
+            out_dir=out_dir,
+            resume=resume,
+            save_episodes=save_episodes,
+            settings=settings,
+            progress=progress,
+            keep_trajectories=keep_trajectories,
+        )
+
+
+def _evaluate(
+    problems: Sequence[Problem] | str | Path,
+    *,
+    engine: Engine,
+    tokenizer: Tokenizer,
+    samples: int,
+    sampling: SamplingParams | None,
+    max_response_tokens: int,
+    batch_size: int,
+    continuous_batching: bool,
+    limit: int | None,
+    env_id: str,
+    env_kwargs: dict[str, Any] | None,
+    out_dir: str | Path | None,
+    resume: bool,
+    save_episodes: bool,
+    settings: dict[str, Any] | None,
+    progress: bool,
+    keep_trajectories: bool,
+) -> EvalReport:
+    """:func:`evaluate`, its ``out_dir`` held."""
     source = str(problems) if isinstance(problems, (str, Path)) else None
     problem_list = load_problems(problems) if isinstance(problems, (str, Path)) else list(problems)
     problem_list = problem_list[:limit] if limit is not None else problem_list
@@ -437,9 +493,8 @@ def evaluate(
     kwargs = dict(env_kwargs or {})
     from stare_envs.registry import env_needs_sandbox
 
-    if kwargs.get("pool") is None and env_needs_sandbox(
-        env_id, **kwargs
-    ):  # resolved once: the settings name the pool's backend
+    # resolved once: the settings name the pool's backend
+    if kwargs.get("pool") is None and env_needs_sandbox(env_id, **kwargs):
         from stare_sandbox import resolve_backend
 
         kwargs["sandbox_backend"] = resolve_backend(

@@ -327,16 +327,33 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The logged steps of a run, last record per step winning (a resumed run may re-log a step).
 
     A value logged as ``null`` (a number that was NaN: a skipped step's entropy) reads as NaN, as do
-    the bare ``NaN`` of files written before nulls."""
+    the bare ``NaN`` of files written before nulls. A cut last line (a killed writer) is left out.
+
+    Raises:
+        FileNotFoundError: no ``metrics.jsonl``.
+        MetricsError: a line before the last is not a record."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: pass the run directory of a `stare-agent train` run")
     by_step: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    for n, line in enumerate(lines, 1):
+        try:
             record = json.loads(line)
-            by_step[int(record["step"])] = {k: math.nan if v is None else v for k, v in record.items()}
+            step = int(record["step"])
+        except (ValueError, KeyError, TypeError):
+            if n == len(lines):  # a writer killed mid-line: the steps before it stand
+                break
+            raise MetricsError(
+                f"{path}:{n} is not a metrics record: the file is damaged; move it aside to start the run "
+                "over, or delete that line"
+            ) from None
+        by_step[step] = {k: math.nan if v is None else v for k, v in record.items()}
     return [by_step[s] for s in sorted(by_step)]
+
+
+class MetricsError(StareError, ValueError):
+    """A metrics file that cannot be read or holds nothing to show; the message names the fix."""
 
 
 def gate_fraction(steps: list[dict[str, Any]]) -> tuple[float | None, int]:

@@ -14,6 +14,7 @@ SmolLM2 tokenizer for tests.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
@@ -23,10 +24,12 @@ import shutil
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -183,6 +186,16 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[\w.-]+)?$")  # name or org/name; a
 def _local_or_hub(name: str) -> str:
     """``name`` when it is a local path or a hub id the hub (or its cache) can give; else the error."""
     path = Path(name).expanduser()
+    if path.is_file():
+        raise ModelLoadError(
+            f"model.name_or_path={name!r} is a file ({path.absolute()}): pass the model's directory, the one "
+            "holding config.json"
+        )
+    if path.is_dir() and not any(path.iterdir()):
+        raise ModelLoadError(
+            f"model.name_or_path={name!r} is an empty directory ({path.absolute()}): pass a model directory "
+            f"(e.g. the output of `stare-agent sft`, or a checkpoint's hf/), a Hugging Face id or {DEFAULT_POLICY}"
+        )
     if path.exists():
         return str(path)
     if path.is_absolute() or not _HUB_ID.match(name):
@@ -263,13 +276,21 @@ def load_policy(
     """
     path = resolve_policy_path(name_or_path)
     device = torch.device(device)
-    config = AutoConfig.from_pretrained(path)
+    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
+        raise ModelLoadError(
+            f"model.name_or_path={str(name_or_path)!r} holds no config.json ({Path(path).absolute()}): not a "
+            "Hugging Face model directory (an export that did not finish?): pass the output of `stare-agent "
+            "sft` or a checkpoint's hf/"
+        )
+    with _damaged_files(name_or_path):
+        config = AutoConfig.from_pretrained(path)
     resolved_dtype = _resolve_dtype(dtype, config)
     shards = torch.distributed.get_world_size() if zero3_config is not None else 1
     check_fits_in_memory(config, resolved_dtype, device, name=str(name_or_path), shards=shards)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if zero3_config is None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved_dtype)
+        with _damaged_files(name_or_path):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved_dtype)
         model.to(device)  # type: ignore[arg-type]  # transformers' typed wrapper of to() reads wrong
     else:
         from transformers.integrations import HfDeepSpeedConfig
@@ -284,6 +305,20 @@ def load_policy(
             del zero3
     model.eval()
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _damaged_files(name_or_path: str | os.PathLike[str]) -> Iterator[None]:
+    """A model's files that do not load (cut, damaged, of another format) as one line, not a traceback."""
+    try:
+        yield
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ModelLoadError(
+            f"model.name_or_path={str(name_or_path)!r} could not be loaded as a causal LM ({type(exc).__name__}: "
+            f"{first}): if its files are cut or damaged (a copy or export that did not finish), export or "
+            "download it again"
+        ) from exc
 
 
 def apply_lora(model: PreTrainedModel, lora: LoRAConfig) -> Any:

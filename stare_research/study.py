@@ -220,16 +220,14 @@ def cold_start(config: RunConfig, root: Path) -> Path:
     if (out / "config.json").is_file():
         print(f"[sft] reusing {out}")
         return out
-    from stare_agent.recipes.quickstart import usable_precision
     from stare_agent.train.sft import sft
 
-    cfg = usable_precision(config)
     cfg = replace(
-        cfg,
-        sft=replace(cfg.sft, output_dir=str(out)),
-        trainer=replace(cfg.trainer, run_dir=str(root / "sft")),
+        config,
+        sft=replace(config.sft, output_dir=str(out)),
+        trainer=replace(config.trainer, run_dir=str(root / "sft")),
     )
-    summary = sft(cfg)
+    summary = sft(cfg, overwrite=True)  # no finished model: an interrupted SFT of this study is redone
     return Path(summary["output_dir"])
 
 
@@ -246,15 +244,14 @@ def calibrate(config: RunConfig, sft_dir: Path, root: Path) -> dict[str, Any]:
     from stare_agent.evaluation import evaluate
     from stare_agent.metrics import policy_entropy
     from stare_agent.models import load_policy
-    from stare_agent.recipes.quickstart import usable_precision
+    from stare_agent.recipes.quickstart import run_precision
     from stare_agent.resources import open_sandboxes, train_source
     from stare_envs.engine import SamplingParams
     from stare_envs.problems import ProblemStream
 
-    config = usable_precision(config)
     data, env = config.data, config.env
     model, tokenizer = load_policy(sft_dir)
-    autocast = torch.bfloat16 if config.deepspeed.precision == "bf16-autocast" else None
+    autocast = torch.bfloat16 if run_precision(config) == "bf16-autocast" else None
     problems = ProblemStream(train_source(config), seed=config.trainer.seed, difficulty=data.difficulty).take(
         data.prompts_per_draw or data.prompts_per_step
     )
@@ -300,20 +297,16 @@ def run_config(
     """The training config of one run: the study's config, ``overrides``, the variant's algorithm, the
     seed, the run directory and the SFT model; nothing else differs between runs. Every run reads the
     study's held-out entropy bank (``STUDY/entropy_bank.jsonl``, ``run_dir``'s grandparent)."""
-    from stare_agent.recipes.quickstart import usable_precision
-
-    return usable_precision(
-        load_research_config(
-            config_path,
-            [
-                *overrides,
-                *VARIANTS[variant],
-                f"trainer.seed={seed}",
-                f"trainer.run_dir={run_dir}",
-                f"model.name_or_path={sft_dir}",
-                f"research.entropy_bank={run_dir.parent.parent / BANK_NAME}",
-            ],
-        )
+    return load_research_config(
+        config_path,
+        [
+            *overrides,
+            *VARIANTS[variant],
+            f"trainer.seed={seed}",
+            f"trainer.run_dir={run_dir}",
+            f"model.name_or_path={sft_dir}",
+            f"research.entropy_bank={run_dir.parent.parent / BANK_NAME}",
+        ],
     )
 
 

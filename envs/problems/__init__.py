@@ -12,6 +12,7 @@ Example:
 
 from stare_envs.problems.generators import (
     DIFFICULTIES,
+    MIXED_FAMILIES,
     PROBLEM_FAMILIES,
     PROCEDURAL_PREFIX,
     generate_problems,
@@ -37,6 +38,7 @@ from stare_envs.problems.sources import (
 
 __all__ = [
     "BUILTIN_SETS",
+    "MIXED_FAMILIES",
     "PROBLEM_FAMILIES",
     "PROCEDURAL_PREFIX",
     "DIFFICULTIES",

@@ -87,7 +87,8 @@ def procedural_family(source: str | os.PathLike[str] | None) -> str | None:
 
 
 def generate_problems(family: str, n: int, *, seed: int = 0, difficulty: int = 1) -> list[Problem]:
-    """``n`` seeded problems of one family (or ``"mixed"``: each problem from a random family).
+    """``n`` seeded problems of one family (or ``"mixed"``: each problem from a random built-in family,
+    ``MIXED_FAMILIES``).
 
     Problem ``i`` depends only on ``(family, difficulty, seed, i)``: the first ``k`` problems are the
     same whatever ``n`` is. Ids read ``<family>-d<difficulty>-s<seed>-<i:06d>``.
@@ -102,11 +103,10 @@ def generate_problems(family: str, n: int, *, seed: int = 0, difficulty: int = 1
         raise ValueError(f"n must be >= 0, got {n}")
     if family != "mixed":
         PROBLEM_FAMILIES[family]  # noqa: B018 - fail early with the list of valid names
-    names = sorted(PROBLEM_FAMILIES)
     problems = []
     for index in range(n):
         rng = random.Random(f"{family}:{difficulty}:{seed}:{index}")
-        chosen = rng.choice(names) if family == "mixed" else family
+        chosen = rng.choice(MIXED_FAMILIES) if family == "mixed" else family
         text, answer, code = PROBLEM_FAMILIES[chosen](rng, difficulty)
         problems.append(
             Problem(
@@ -275,3 +275,9 @@ def _combinatorics(rng: random.Random, difficulty: int) -> Generated:
     )
     code = f"d = [1, 0]\nfor k in range(2, {n} + 1):\n    d.append((k - 1) * (d[-1] + d[-2]))\nprint(d[{n}])"
     return text, _derangements(n), code
+
+
+MIXED_FAMILIES: tuple[str, ...] = tuple(sorted(PROBLEM_FAMILIES))
+"""The families ``mixed`` draws from: the built-in ones, fixed here, so that registering a family
+(``register_family``) never changes which problems a ``mixed`` source with a given seed gives; a
+registered family is drawn by its name."""

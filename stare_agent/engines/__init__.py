@@ -43,16 +43,6 @@ _LAZY = {
 }
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX); without it bf16 autocast is slow."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
-
-
 def start_engine(
     config: Any,
     model: Any,
@@ -108,6 +98,7 @@ def start_engine(
     import torch
 
     if chosen == "vllm":
+        from stare_agent.config import cpu_has_bf16
         from stare_agent.engines import vllm_engine
 
         section = env.vllm

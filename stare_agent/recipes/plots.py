@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from stare_agent.metrics import read_metrics
+from stare_agent.metrics import MetricsError, read_metrics
 
 # (title, y label, metric keys): one panel each, in reading order of an RL step. A key ending in
 # "@" stands for every logged key that starts with it (eval/avg@4, eval/avg@32, ...).
@@ -112,7 +112,7 @@ def dashboard_figure(dirs: Sequence[Path], labels: Sequence[str] | None = None) 
     for d in dirs:
         records = read_metrics(d)
         if not records:
-            raise ValueError(f"{d}/metrics.jsonl has no steps yet: train for at least one step first")
+            raise MetricsError(f"{d}/metrics.jsonl holds no step yet: plot the run after its first step")
         runs.append(records)
     sft_runs = [read_sft_log(d) for d in dirs]
 

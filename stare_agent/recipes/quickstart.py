@@ -18,38 +18,36 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from stare_agent import run_dirs
 from stare_agent.config import RunConfig, load_config
-from stare_agent.engines import cpu_has_bf16
 from stare_agent.metrics import gate_fraction, json_ready
 from stare_agent.resources import open_sandboxes
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 
 
-def usable_precision(config: RunConfig) -> RunConfig:
-    """``config`` with ``bf16-autocast`` turned into ``fp32`` on a CPU without native bf16 (printed)."""
-    import torch
-
-    if config.deepspeed.precision == "bf16-autocast" and not torch.cuda.is_available() and not cpu_has_bf16():
-        print("this CPU has no native bf16 (AVX-512 BF16 / AMX): running in fp32, about 3x slower")
-        return replace(config, deepspeed=replace(config.deepspeed, precision="fp32"))
-    return config
-
-
 def quickstart(
-    config_path: str | Path = CONFIG, overrides: tuple[str, ...] | list[str] = ()
+    config_path: str | Path = CONFIG, overrides: tuple[str, ...] | list[str] = (), *, overwrite: bool = False
 ) -> dict[str, Any]:
-    """Run the main job (see the module docstring); returns the before/after numbers and paths."""
+    """Run the main job (see the module docstring); returns the before/after numbers and paths.
+    ``overwrite``: delete an earlier quickstart's results in ``trainer.run_dir`` first (without it such
+    a directory is refused: ``stare_agent.run_dirs``)."""
+    start = time.perf_counter()
+    config = load_config(config_path, list(overrides))
+    run_dir = Path(config.trainer.run_dir)
+    sft_output = Path(config.sft.output_dir) if config.sft.output_dir else run_dir / "sft_model"
+    with run_dirs.locked(run_dir, "trainer.run_dir"):  # its SFT, training and evaluations claim it again
+        run_dirs.check_quickstart(run_dir, sft_output, overwrite=overwrite)
+        return _quickstart(config, run_dir, start)
+
+
+def _quickstart(config: RunConfig, run_dir: Path, start: float) -> dict[str, Any]:
     from stare_agent.engines import start_engine
     from stare_agent.models import load_policy
     from stare_agent.train.checkpoints import seed_all
     from stare_sandbox import resolve_backend
 
-    start = time.perf_counter()
     times: dict[str, float] = {}
-    config = load_config(config_path, list(overrides))
-    run_dir = Path(config.trainer.run_dir)
-    config = usable_precision(config)
 
     def phase(name: str, t0: float) -> None:
         times[name] = time.perf_counter() - t0
@@ -67,7 +65,7 @@ def quickstart(
     t0 = time.perf_counter()
     seed_all(config.trainer.seed)
     model, tokenizer = load_policy(config.model.name_or_path)
-    autocast = config.deepspeed.precision == "bf16-autocast"
+    autocast = run_precision(config) == "bf16-autocast"
     engine_name, engine = start_engine(config, model, tokenizer, autocast=autocast)
     print(f"[engine] {engine_name}")
     eval_name, eval_engine = None, engine
@@ -88,6 +86,16 @@ def quickstart(
     save_result(result, run_dir)
     print(format_table(result))
     return result
+
+
+def run_precision(config: RunConfig) -> str:
+    """What a learner of ``config`` computes in on this machine (``resolve_precision``), for what starts
+    before it (engines, the evaluation's entropy)."""
+    import torch
+
+    from stare_agent.config import resolve_precision
+
+    return resolve_precision(config.deepspeed.precision, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def fp32_eval_engine(config: RunConfig, model: Any, tokenizer: Any, engine: Any) -> tuple[str | None, Any]:
@@ -134,7 +142,7 @@ def _run(
     from stare_envs.problems import eval_problems
 
     data = config.data
-    autocast = torch.bfloat16 if config.deepspeed.precision == "bf16-autocast" else None
+    autocast = torch.bfloat16 if run_precision(config) == "bf16-autocast" else None
     problems = eval_problems(
         data.eval or "mixed", seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
     )
@@ -288,5 +296,5 @@ __all__ = [
     "format_table",
     "fp32_eval_engine",
     "quickstart",
-    "usable_precision",
+    "run_precision",
 ]

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from stare_agent.errors import StareError
+
 if TYPE_CHECKING:
     from stare_agent.train.learner import Learner
 
@@ -53,18 +55,43 @@ def save_checkpoint(run_dir: Path, learner: Learner, state: dict[str, Any], *, k
 
 def load_checkpoint(run_dir: Path, learner: Learner) -> dict[str, Any] | None:
     """Load the newest checkpoint of ``run_dir`` into ``learner`` and this rank's RNGs, drop the
-    metrics of later steps, and return the trainer's state; None when there is none."""
-    last = latest_checkpoint(run_dir)
-    if last is None:
+    metrics of later steps, and return the trainer's state; None when there is none. A checkpoint
+    that cannot be read (a damaged copy) is named and the one before it loaded.
+
+    Raises:
+        CheckpointError: there are checkpoints, and none can be read."""
+    found = sorted((Path(run_dir) / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*"), reverse=True)
+    for n, last in enumerate(found):
+        try:
+            state = learner.load_checkpoint(last / "learner")["trainer"]
+            _set_rng_state(torch.load(last / f"rng-rank{learner.rank}.pt", weights_only=False))
+        except Exception as exc:  # noqa: BLE001 - a damaged copy of any kind: the one before it
+            if learner.rank == 0:
+                after = f"trying {found[n + 1].name}" if n + 1 < len(found) else "none is left"
+                print(
+                    f"checkpoint {last} could not be read ({type(exc).__name__}: "
+                    f"{(str(exc).splitlines() or [''])[0][:200]}): {after}",
+                    flush=True,
+                )
+            continue
         if learner.rank == 0:
-            print(f"no checkpoint in {run_dir}/checkpoints: starting from step 0")
-        return None
-    state = learner.load_checkpoint(last / "learner")["trainer"]
-    _set_rng_state(torch.load(last / f"rng-rank{learner.rank}.pt", weights_only=False))
+            _truncate_metrics(run_dir / "metrics.jsonl", int(state["step"]))
+            print(f"resumed from {last} (step {int(state['step'])})")
+        return state
+    if found:
+        raise CheckpointError(
+            f"none of the {len(found)} checkpoints in {run_dir}/checkpoints could be read (see above): start "
+            "the run again with --overwrite instead of --resume"
+        )
     if learner.rank == 0:
-        _truncate_metrics(run_dir / "metrics.jsonl", int(state["step"]))
-        print(f"resumed from {last} (step {int(state['step'])})")
-    return state
+        # the steps logged before a crash that saved no checkpoint are trained again: log each once
+        _truncate_metrics(run_dir / "metrics.jsonl", 0)
+        print(f"no checkpoint in {run_dir}/checkpoints: starting from step 0")
+    return None
+
+
+class CheckpointError(StareError, RuntimeError):
+    """No checkpoint of a run can be read; the message names the fix."""
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

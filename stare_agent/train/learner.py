@@ -65,6 +65,7 @@ from stare_agent.config import (
     LoRAConfig,
     OptimConfig,
     RunConfig,
+    precision_line,
     resolve_precision,
 )
 from stare_agent.train.batch import bucket_by_length, collate, split_by_token_budget
@@ -169,6 +170,8 @@ class Learner:
         else:
             self.device = torch.device("cpu")
         self.precision = resolve_precision(ds.precision, self.device.type)
+        if self.rank == 0:
+            print(precision_line(ds.precision, self.precision, self.device.type), flush=True)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad)
         if getattr(model.config, "use_cache", None):

@@ -5,8 +5,9 @@ tokenizes them exactly as the RL environment would play them (prompt rendered li
 interpreter output and template glue mask 0), and runs ``sft.epochs`` passes of masked NLL with the
 DeepSpeed learner, one optimizer step per ``sft.batch_size`` traces (split across ranks, then into
 micro-batches by ``deepspeed.micro_batch_tokens``). It writes, under ``trainer.run_dir``:
-``config.yaml``, ``sft_log.jsonl`` (one line per step) and the fine-tuned model in Hugging Face
-format (``sft.output_dir``, default ``<run_dir>/sft_model``), ready for ``model.name_or_path`` of RL.
+``sft_config.yaml`` (an RL run in the same directory writes ``config.yaml``), ``sft_log.jsonl`` (one
+line per step) and the fine-tuned model in Hugging Face format (``sft.output_dir``, default
+``<run_dir>/sft_model``), ready for ``model.name_or_path`` of RL.
 
 Example:
     >>> from stare_agent.config import load_config
@@ -17,7 +18,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import random
 import time
 from pathlib import Path
@@ -25,6 +28,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from stare_agent import run_dirs
 from stare_agent.config import RunConfig
 from stare_agent.metrics import StepLogger
 from stare_agent.train.deepspeed_setup import load_training_policy
@@ -36,11 +40,11 @@ from stare_agent.train.sft_data import (
     read_traces,
     trace_to_trajectory,
 )
-from stare_agent.train.trainer import check_run_dir
 from stare_envs.problems import procedural_family
 from stare_envs.trajectory import Trajectory
 
 LOG_FILENAME = "sft_log.jsonl"
+SFT_CONFIG_FILENAME = "sft_config.yaml"
 
 
 def load_sft_traces(config: RunConfig) -> tuple[list[Trace], dict[str, int]]:
@@ -84,21 +88,37 @@ def tokenize_traces(traces: list[Trace], tokenizer: Any, config: RunConfig) -> t
     return kept, len(traces) - len(kept)
 
 
-def sft(config: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
+def sft(
+    config: RunConfig, *, model: Any = None, tokenizer: Any = None, overwrite: bool = False
+) -> dict[str, Any]:
     """Run cold-start SFT and export the model; returns a run summary (also logged as the last JSONL line).
 
     Args:
         config: The run config (sections ``sft``, ``model``, ``deepspeed``, ``optim``, ``sandbox``,
             ``env`` for the prompt, ``trainer`` for ``run_dir`` and ``seed``).
         model, tokenizer: An already loaded policy (default: ``config.model.name_or_path``).
+        overwrite: Delete an earlier SFT's log and model in ``trainer.run_dir`` / ``sft.output_dir``
+            first; without it such a directory is refused (``stare_agent.run_dirs``), as is one another
+            process writes.
 
     Raises:
         SFTDataError: missing or malformed data, or no trace fits ``sft.max_tokens``.
+        stare_agent.run_dirs.RunDirError: the run directory or output directory is taken or not writable.
         stare_agent.models.ModelTooLargeError: the model does not fit in memory.
     """
+    run_dir = Path(config.trainer.run_dir)
+    output_dir = Path(config.sft.output_dir) if config.sft.output_dir else run_dir / "sft_model"
+    with contextlib.ExitStack() as claim:
+        if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run directory
+            claim.enter_context(run_dirs.locked(run_dir, "trainer.run_dir"))
+            run_dirs.check_sft(run_dir, output_dir, overwrite=overwrite)
+            run_dirs.writable_dir(output_dir, "sft.output_dir")
+        return _sft(config, run_dir, output_dir, model, tokenizer)
+
+
+def _sft(config: RunConfig, run_dir: Path, output_dir: Path, model: Any, tokenizer: Any) -> dict[str, Any]:
     start = time.perf_counter()
-    sft_cfg, run_dir = config.sft, Path(config.trainer.run_dir)
-    check_run_dir(run_dir)
+    sft_cfg = config.sft
     traces, counts = load_sft_traces(config)  # a missing file fails before the model loads
     if model is None or tokenizer is None:
         model, tokenizer = load_training_policy(config)  # partitioned at load under ZeRO-3
@@ -124,7 +144,7 @@ def sft(config: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[
     if sft_cfg.batch_size < world:
         raise SFTDataError(f"sft.batch_size={sft_cfg.batch_size} is smaller than the {world} ranks: raise it")
     if rank == 0:
-        config.save(run_dir)
+        config.save(run_dir, SFT_CONFIG_FILENAME)
     rng = random.Random(config.trainer.seed)
     losses: list[float] = []
     skipped = step = 0
@@ -158,7 +178,6 @@ def sft(config: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[
                     )
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
-        output_dir = Path(sft_cfg.output_dir) if sft_cfg.output_dir else run_dir / "sft_model"
         learner.export_hf(output_dir)
         summary = {
             "traces": len(traces),

@@ -30,16 +30,20 @@ all ranks inside the algorithm functions.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import os
+import signal
+import sys
 import threading
 import time
 import warnings
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -47,6 +51,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from stare_agent import run_dirs
 from stare_agent.algorithms import (
     AdaptiveController,
     broadcast_to_tokens,
@@ -58,7 +63,7 @@ from stare_agent.algorithms import (
     kl_cov_coefficients,
     stare_weights,
 )
-from stare_agent.config import ConfigError, RunConfig
+from stare_agent.config import RunConfig
 from stare_agent.metrics import StepLogger, ToolHealth, ToolHealthAlarm, rollout_metrics
 from stare_agent.resources import eval_source
 from stare_agent.train import checkpoints
@@ -75,7 +80,7 @@ from stare_envs.trajectory import Trajectory
 if TYPE_CHECKING:
     from stare_agent.options import Scope, Variant
 
-__all__ = ["Group", "Rollouts", "Trainer", "check_run_dir"]
+__all__ = ["Group", "Rollouts", "Trainer"]
 
 
 class Trainer:
@@ -85,6 +90,9 @@ class Trainer:
         config: The run's config (``stare_agent.config.load_config``).
         model, tokenizer: An already loaded policy (default: ``config.model.name_or_path``).
         resume: Continue from the last complete checkpoint in ``config.trainer.run_dir``.
+        overwrite: Delete the run ``config.trainer.run_dir`` holds (its config, metrics, run record,
+            checkpoints, rollouts, plots) first; without it (or ``resume``) such a directory is refused
+            (``stare_agent.run_dirs``), as is one another process trains in.
         engine: A rollout engine to use instead of the one ``env.engine`` names (e.g. a scripted
             engine in tests); it receives the new weights after every update.
         diagnostics: Hooks that read the run (``stare_agent.train.diagnostics``): their metrics are
@@ -98,8 +106,33 @@ class Trainer:
         model: Any = None,
         tokenizer: Any = None,
         resume: bool = False,
+        overwrite: bool = False,
         engine: Any = None,
         diagnostics: Sequence[Diagnostics] = (),
+    ) -> None:
+        # Held until close(): one live process per run directory (rank 0's; the others write nothing
+        # of their own there), checked before anything loads.
+        self._claim = contextlib.ExitStack()
+        self.run_dir = Path(config.trainer.run_dir)
+        if int(os.environ.get("RANK", "0")) == 0:
+            self._claim.enter_context(run_dirs.locked(self.run_dir, "trainer.run_dir"))
+        try:
+            run_dirs.check_training(
+                self.run_dir, resume=resume, overwrite=overwrite, steps=config.trainer.steps
+            )
+            self._build(config, model, tokenizer, resume, engine, diagnostics)
+        except BaseException:
+            self._claim.close()
+            raise
+
+    def _build(
+        self,
+        config: RunConfig,
+        model: Any,
+        tokenizer: Any,
+        resume: bool,
+        engine: Any,
+        diagnostics: Sequence[Diagnostics],
     ) -> None:
         self.config = config
         self.diagnostics = list(diagnostics)
@@ -110,10 +143,8 @@ class Trainer:
                 "truncation): use env.top_p=1.0 for RL (the paper's setting)",
                 stacklevel=2,
             )
-        self.run_dir = Path(config.trainer.run_dir)
         self.resume = resume
         check_env_id(config.env.id)  # before the model loads, as the problems, run dir and engine are
-        check_run_dir(self.run_dir)
         if engine is None and config.env.engine == "vllm":
             from stare_agent.engines.vllm_engine import resolve_vllm_python
 
@@ -194,7 +225,10 @@ class Trainer:
             )
         bar = tqdm(total=cfg.steps, initial=self.step, desc="RL steps", unit="step", disable=self.rank != 0)
         last: dict[str, Any] = {}
+        stop = StopAtStepBoundary(lambda: self.step, quiet=self.rank != 0)
+        stopped: str | None = None
         try:
+            stop.__enter__()
             while self.step < cfg.steps:
                 self.step += 1
                 last = self.train_step()
@@ -216,17 +250,60 @@ class Trainer:
                     logger.log(self.step, last)
                 self._tool_alarm.observe(self.step, self._tool_health)  # stops a run whose tools broke
                 bar.update(1)
-                bar.set_postfix(
-                    reward=f"{last['reward_mean']:.2f}", H=f"{last['entropy']:.3f}", gate=int(last["gate_on"])
-                )
-                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or self.step == cfg.steps:
+                if last.get("skipped"):
+                    bar.set_postfix(reward=f"{last['reward_mean']:.2f}", update="skipped")
+                else:
+                    bar.set_postfix(
+                        reward=f"{last['reward_mean']:.2f}",
+                        H=f"{last['entropy']:.3f}",
+                        gate=int(last["gate_on"]),
+                    )
+                stopped = self._stop_requested(stop)
+                if (
+                    (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0)
+                    or self.step == cfg.steps
+                    or stopped
+                ):
                     self.save_checkpoint()
+                if stopped:
+                    break
         finally:
+            stop.__exit__(None, None, None)
             bar.close()
             if logger is not None:
                 logger.close()
             self.close()
-        return {"steps": self.step, "run_dir": str(self.run_dir), "last": last}
+        skipped = sum(1 for r in self._logged() if r.get("skipped"))
+        if stopped and self.rank == 0:
+            print(
+                f"stopped by {stopped} after step {self.step} of {cfg.steps}: checkpoint "
+                f"{checkpoints.latest_checkpoint(self.run_dir)}; continue with --resume",
+                flush=True,
+            )
+        return {
+            "steps": self.step,
+            "skipped_steps": skipped,
+            "run_dir": str(self.run_dir),
+            "last": last,
+            "stopped_by": stopped,
+        }
+
+    def _stop_requested(self, stop: StopAtStepBoundary) -> str | None:
+        """The signal that asks this run to stop at this step boundary, on any rank (all ranks agree,
+        since saving a checkpoint is collective), or None."""
+        asked = stop.signal_name
+        if self.world == 1:
+            return asked
+        flag = torch.tensor([stop.signum or 0], device=self.learner.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        signum = int(flag.item())
+        return signal.Signals(signum).name if signum else None
+
+    def _logged(self) -> list[dict[str, Any]]:
+        """The run's metrics records (every fit's, a resumed run's too); rank 0's file, [] elsewhere."""
+        from stare_agent.metrics import read_metrics
+
+        return read_metrics(self.run_dir) if (self.run_dir / "metrics.jsonl").is_file() else []
 
     def train_step(self) -> dict[str, Any]:
         """One RL step in the paper's order (see the module docstring); returns its metrics."""
@@ -375,7 +452,8 @@ class Trainer:
                 tqdm.write(f"step {self.step}: no update: {reason}")
         else:
             return None
-        return {"skipped": 1, "skip_reason": reason, "entropy": float("nan"), "gate_on": 0}
+        # no update, so no gate: NaN (null in metrics.jsonl, a gap on the dashboard), never "off"
+        return {"skipped": 1, "skip_reason": reason, "entropy": float("nan"), "gate_on": float("nan")}
 
     def _nothing_to_train(self, drawn: list[Group], kept: list[Group]) -> str:
         """Why a step has fewer groups to train than ranks, in the user's terms, with what to change."""
@@ -703,18 +781,52 @@ class Trainer:
             self._producer = None
         self.rollout_engine.close()
         self.rollouts.close()
+        self._claim.close()
 
 
-def check_run_dir(run_dir: str | Path) -> None:
-    """Refuse, before anything loads, a run directory that is a file.
+class StopAtStepBoundary:
+    """While entered (from the main thread): SIGINT (Ctrl-C) and SIGTERM (``kill``, a scheduler's
+    preemption) ask the run to stop at the next step boundary, where it saves a checkpoint, instead of
+    dying mid-step with nothing saved. A second signal stops at once (``KeyboardInterrupt``, or
+    ``SystemExit(128 + SIGTERM)``). The handlers in place before are restored on exit."""
 
-    Raises:
-        ConfigError: ``trainer.run_dir`` names a file.
-    """
-    if Path(run_dir).exists() and not Path(run_dir).is_dir():
-        raise ConfigError(
-            f"trainer.run_dir={run_dir} is a file: pass a directory for the run's config, logs and checkpoints"
-        )
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, step: Callable[[], int], *, quiet: bool = False) -> None:
+        self.step, self.quiet = step, quiet
+        self.signum: int | None = None
+        self._saved: dict[int, Any] = {}
+
+    @property
+    def signal_name(self) -> str | None:
+        return signal.Signals(self.signum).name if self.signum else None
+
+    def __enter__(self) -> StopAtStepBoundary:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        self._saved.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:  # the second one: now
+            self.__exit__()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        self.signum = signum
+        if not self.quiet:
+            how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            print(
+                f"\n{signal.Signals(signum).name}: stopping after step {self.step()}, where a checkpoint is saved "
+                f"({how} again to stop at once, saving nothing)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _budget_cut(trajectory: Trajectory) -> bool:

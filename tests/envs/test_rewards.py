@@ -372,3 +372,30 @@ def test_a_starved_check_is_retried_then_an_error_never_a_zero():
         suspend_idle(checker)
         with pytest.raises(AnswerCheckerError, match="got no CPU for 2 s twice"):
             checker.verdict(r"\frac{2}{4}", "0.5")
+
+
+UNGUARDED = """
+import os
+from stare_envs.rewards import AnswerChecker
+
+print(f"the script runs in {os.getpid()}", flush=True)
+with AnswerChecker(num_workers=1, startup_timeout_s=60) as checker:
+    print(checker.check_many([("\\\\frac{1}{2}", "0.5"), ("13", "12")]), flush=True)
+"""
+
+
+def test_a_script_without_a_main_guard_is_not_run_again_by_the_workers(tmp_path):
+    """multiprocessing's forkserver and spawn children import the main module again: a script without
+    `if __name__ == "__main__":` (e.g. `Trainer(config).fit()` at top level) ran a second time in each
+    worker, which then never became ready. The workers start without it: the script runs once."""
+    import subprocess
+    import sys
+
+    (tmp_path / "train_script.py").write_text(UNGUARDED)
+    done = subprocess.run(
+        [sys.executable, "train_script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert len([line for line in lines if line.startswith("the script runs in")]) == 1, done.stdout
+    assert lines[-1] == "[True, False]"

@@ -135,6 +135,25 @@ def files(tmp_path):
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "run_without_rollouts").mkdir()
     (tmp_path / "run_without_rollouts" / "config.yaml").write_text("trainer:\n  save_rollouts: false\n")
+    # a finished run of 3 steps, an SFT, an evaluation and a quickstart: none may be written over unasked
+    (tmp_path / "finished" / "checkpoints" / "step-000003").mkdir(parents=True)
+    (tmp_path / "finished" / "checkpoints" / "step-000003" / "state.json").write_text("{}")
+    (tmp_path / "finished" / "metrics.jsonl").write_text("".join(f'{{"step": {n}}}\n' for n in (1, 2, 3)))
+    (tmp_path / "sfted").mkdir()
+    (tmp_path / "sfted" / "sft_log.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "evaluated").mkdir()
+    (tmp_path / "evaluated" / "results.jsonl").write_text('{"problem_id": "p1"}\n')
+    (tmp_path / "quickstarted").mkdir()
+    (tmp_path / "quickstarted" / "quickstart.json").write_text("{}")
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "not_a_model").mkdir()
+    (tmp_path / "not_a_model" / "notes.txt").write_text("x")
+    (tmp_path / "run_empty_metrics").mkdir()
+    (tmp_path / "run_empty_metrics" / "metrics.jsonl").write_text("")
+    (tmp_path / "run_cut_metrics").mkdir()
+    (tmp_path / "run_cut_metrics" / "metrics.jsonl").write_text(
+        '{"step": 1, "reward_mean": 0.5}\n{"step": 2, "rew'
+    )
     return tmp_path
 
 
@@ -153,6 +172,15 @@ CASES = [
     ),
     (["eval", "--data", "aime2024", "--model", "{tmp}/no_such_dir"], "no such directory ({tmp}/no_such_dir)"),
     (["eval", "--data", "aime2024", "--model", ""], "--model is empty"),
+    (
+        ["eval", "--data", "aime2024", "--model", "{tmp}/a_file"],
+        "model.name_or_path='{tmp}/a_file' is a file ({tmp}/a_file): pass the model's directory",
+    ),
+    (["eval", "--data", "aime2024", "--model", "{tmp}/empty_dir"], "is an empty directory ({tmp}/empty_dir)"),
+    (
+        ["train", "trainer.run_dir={tmp}/r", "model.name_or_path={tmp}/not_a_model"],
+        "model.name_or_path='{tmp}/not_a_model' holds no config.json",
+    ),
     # eval: flags of the wrong type or out of range
     (["eval", "--samples", "x"], "argument --samples: invalid int value: 'x'"),
     (["eval", "--data", "aime2024", "--samples", "0"], "data.eval_samples=0 must be > 0"),
@@ -219,12 +247,41 @@ CASES = [
         "the vLLM interpreter {tmp}/no_python does not exist",
     ),
     (["sft", "trainer.run_dir={tmp}/a_file"], "trainer.run_dir={tmp}/a_file is a file"),
+    (["train", "trainer.run_dir={tmp}/a_file/run"], "trainer.run_dir={tmp}/a_file/run lies under a file"),
+    # a run directory holding a result: refused, naming the ways on (nothing is deleted)
+    (
+        ["train", "trainer.run_dir={tmp}/finished"],
+        "trainer.run_dir={tmp}/finished holds a run (steps logged up to 3, a checkpoint of step 3): continue it "
+        "with --resume, pick another trainer.run_dir, or pass --overwrite to delete its metrics.jsonl, "
+        "checkpoints/ first",
+    ),
+    (
+        ["train", "--resume", "trainer.run_dir={tmp}/finished", "trainer.steps=3"],
+        "holds a run that finished at step 3 (trainer.steps=3): raise trainer.steps to train it further",
+    ),
+    (
+        ["train", "--resume", "--overwrite", "trainer.run_dir={tmp}/finished"],
+        "--resume continues the run in trainer.run_dir and --overwrite deletes it: pass one of them",
+    ),
+    (
+        ["sft", "trainer.run_dir={tmp}/sfted"],
+        "trainer.run_dir={tmp}/sfted holds an SFT ({tmp}/sfted/sft_log.jsonl)",
+    ),
+    (
+        ["eval", "--data", "aime2024", "--backend", "local", "--out", "{tmp}/evaluated"],
+        "--out {tmp}/evaluated holds an evaluation (results.jsonl): continue it with --resume, pick another --out",
+    ),
+    (
+        ["quickstart", "trainer.run_dir={tmp}/quickstarted"],
+        "holds an earlier quickstart's results (quickstart.json): pass --overwrite to delete them and run it again",
+    ),
     # sft
     (["sft", "sft.data={tmp}/none.jsonl", "trainer.run_dir={tmp}/run"], "no such file"),
     (["sft", "sft.epochs=0"], "sft.epochs=0 must be > 0"),
     # plot
     (["plot"], "the following arguments are required: RUN_DIR"),
     (["plot", "{tmp}/no_run"], "metrics.jsonl not found"),
+    (["plot", "{tmp}/run_empty_metrics"], "{tmp}/run_empty_metrics/metrics.jsonl holds no step"),
     (["plot", "{tmp}/a", "{tmp}/b", "--labels", "one"], "--labels gives 1 names for 2 run directories"),
     # quickstart and study
     (["quickstart", "trainer.steps=0"], "trainer.steps=0 must be > 0"),

@@ -11,7 +11,14 @@ import torch
 
 from stare_agent.algorithms.losses import policy_loss
 from stare_agent.algorithms.stare import AdaptiveController, stare_weights
-from stare_agent.config import ConfigError, RunConfig, load_config, resolve_precision
+from stare_agent.config import (
+    ConfigError,
+    RunConfig,
+    cpu_has_bf16,
+    load_config,
+    precision_line,
+    resolve_precision,
+)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -123,9 +130,35 @@ def test_save_round_trip(tmp_path):
     assert again == c and isinstance(again, RunConfig)
 
 
-def test_precision_resolution():
-    assert resolve_precision("auto", "cpu") == "fp32"
-    assert resolve_precision("auto", "cuda") == "bf16"
+def test_precision_resolution_never_runs_emulated_bf16():
+    # (requested, device, native bf16 on the CPU) -> what runs
+    table = {
+        ("auto", "cuda", False): "bf16",
+        ("bf16", "cuda", False): "bf16",
+        ("bf16-autocast", "cuda", False): "bf16-autocast",
+        ("fp32", "cuda", True): "fp32",
+        ("auto", "cpu", True): "fp32",
+        ("auto", "cpu", False): "fp32",
+        ("bf16-autocast", "cpu", True): "bf16-autocast",
+        ("bf16-autocast", "cpu", False): "fp32",  # emulated bf16: 15x slower than fp32
+        ("fp32", "cpu", True): "fp32",
+    }
+    for (requested, device, native), expected in table.items():
+        assert resolve_precision(requested, device, native_bf16=native) == expected, (
+            requested,
+            device,
+            native,
+        )
+    assert precision_line("bf16-autocast", "fp32", "cpu") == (
+        "precision: fp32 (deepspeed.precision=bf16-autocast; this CPU has no native bf16 (AVX-512 BF16 or AMX), "
+        "where bf16 runs emulated, about 15x slower)"
+    )
+
+
+def test_a_onednn_isa_cap_below_bf16_counts_as_a_cpu_without_it(monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not cpu_has_bf16()
+    assert resolve_precision("bf16-autocast", "cpu") == "fp32"
     with pytest.raises(
         ConfigError, match="deepspeed.precision=bf16 needs a GPU: use deepspeed.precision=bf16-autocast, fp32"
     ):

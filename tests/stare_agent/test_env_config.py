@@ -267,3 +267,37 @@ def test_an_env_registered_with_problems_serves_them_unless_the_config_names_oth
         trainer.close()
     assert [p.problem_id.split("-")[0] for p in report.problems] == ["multiplication"] * 2
     assert report.metrics["avg@1"] == 1.0
+
+
+def test_limits_given_at_registration_win_unless_the_config_sets_them():
+    """``register_tool_env(..., max_turns=5, max_tool_calls=2)`` is what ``env.id`` plays: the config's
+    limits are null (the env's own) unless set; the built-in ids keep the paper's 16."""
+    from stare_agent.resources import make_env
+    from stare_envs.registry import register_tool_env
+    from stare_envs.tools import register_tool
+
+    register_tool("echo_limits_demo", lambda text: text, description="Echo the text.")
+    register_tool_env("test/Limits-v0", tools=["echo_limits_demo"], max_turns=5, max_tool_calls=2)
+    try:
+        with make_env(load_config(None, ["env.id=test/Limits-v0"]).env) as env:
+            assert (env.max_turns, env.max_tool_calls, env.max_output_chars) == (5, 2, 4096)
+        config = load_config(None, ["env.id=test/Limits-v0", "env.max_turns=7"])
+        with make_env(config.env, evaluation=True) as env:
+            assert (env.max_turns, env.max_tool_calls) == (7, 2)
+        with make_env(load_config(None, ["sandbox.backend=local"]).env, sandbox_backend="local") as env:
+            assert (env.max_turns, env.max_tool_calls) == (16, 16)  # stare/CodeInterpreter-v0
+    finally:
+        gymnasium.registry.pop("test/Limits-v0", None)
+        unregister_tool("echo_limits_demo")
+
+
+def test_registering_a_family_leaves_the_mixed_problems_as_they_were():
+    from stare_envs.problems import PROBLEM_FAMILIES, register_family
+
+    before = [(p.id, p.problem, p.answer) for p in generate_problems("mixed", 40, seed=3)]
+    register_family("aaa_first_demo")(lambda rng, difficulty: ("What is 1 + 1?", 2, "print(1 + 1)"))
+    try:
+        assert [(p.id, p.problem, p.answer) for p in generate_problems("mixed", 40, seed=3)] == before
+        assert generate_problems("aaa_first_demo", 1)[0].answer == "2"  # drawn by its name
+    finally:
+        dict.pop(PROBLEM_FAMILIES, "aaa_first_demo")

@@ -210,7 +210,7 @@ def test_plot_dashboard_overlays_runs_in_their_common_parent(tmp_path):
         plot_dashboard([tmp_path / "grpo", tmp_path / "stare"], labels=["only-one"])
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
-    with pytest.raises(ValueError, match="has no steps yet"):
+    with pytest.raises(ValueError, match="holds no step yet"):
         plot_dashboard([tmp_path / "grpo", tmp_path / "empty"])
 
 
@@ -343,3 +343,13 @@ def test_gate_fraction_counts_trained_steps_only():
     assert gate_fraction([trained, skipped, trained]) == (1.0, 1)
     assert gate_fraction([trained, {"gate_on": 0, "entropy": 0.4, "skipped": 0}]) == (0.5, 0)
     assert gate_fraction([skipped, skipped]) == (None, 2)
+
+
+def test_a_cut_last_line_is_left_out_and_a_damaged_one_named(tmp_path):
+    from stare_agent.metrics import MetricsError
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n{"step": 2, "rew')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]  # a killed writer's half line
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\ngarbage\n{"step": 3}\n')
+    with pytest.raises(MetricsError, match=r"metrics.jsonl:2 is not a metrics record: the file is damaged"):
+        read_metrics(tmp_path)

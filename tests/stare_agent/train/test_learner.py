@@ -447,12 +447,20 @@ if __name__ == "__main__":  # torchrun entry point of test_two_ranks_take_the_wh
     _two_rank_worker(sys.argv[1], int(sys.argv[2]))
 
 
-def test_bf16_autocast_on_cpu_keeps_fp32_weights_and_tracks_fp32_scores(batch):
-    """`deepspeed.precision=bf16-autocast`: fp32 master weights, bf16 forward passes."""
+def test_bf16_autocast_on_cpu_keeps_fp32_weights_and_tracks_fp32_scores(batch, monkeypatch, capsys):
+    """`deepspeed.precision=bf16-autocast`: fp32 master weights, bf16 forward passes (on a CPU with
+    native bf16; taken as one here, so that the test runs the bf16 path on any CPU)."""
+    import stare_agent.config
+
+    monkeypatch.setattr(stare_agent.config, "cpu_has_bf16", lambda: True)
     model, tokenizer = tiny_model(seed=0)
     fp32_logp = causal_lm_logprobs_and_entropy(model, *_ids_and_mask(batch, tokenizer))[0]
     learner = Learner.from_config(
         model, tokenizer, load_config(None, [*LINEAR_ADAM, "deepspeed.precision=bf16-autocast"])
+    )
+    assert learner.precision == "bf16-autocast"
+    assert "precision: bf16-autocast (deepspeed.precision=bf16-autocast; this CPU computes bf16 natively" in (
+        capsys.readouterr().out
     )
     logp, _ = learner.compute_logprobs_and_entropy(batch)
     mask = collate(batch, learner.pad_id)["response_mask"].bool()  # the scored positions
@@ -465,6 +473,24 @@ def test_bf16_autocast_on_cpu_keeps_fp32_weights_and_tracks_fp32_scores(batch):
     after = learner.module.state_dict()
     assert all(v.dtype == torch.float32 for v in after.values())
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_bf16_autocast_on_a_cpu_without_native_bf16_runs_fp32_and_says_so(monkeypatch, capsys):
+    """Emulated bf16 ran an RL step 15x slower than fp32: where oneDNN may not use AVX-512 BF16 or AMX
+    (here capped below them, as on a CPU that lacks them), the learner computes in fp32, says so in one
+    line."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    model, tokenizer = tiny_model(seed=0)
+    learner = Learner.from_config(
+        model, tokenizer, load_config(None, [*LINEAR_ADAM, "deepspeed.precision=bf16-autocast"])
+    )
+    assert learner.precision == "fp32"
+    assert (
+        capsys.readouterr().out.count(
+            "precision: fp32 (deepspeed.precision=bf16-autocast; this CPU has no native bf16 (AVX-512 BF16 or AMX)"
+        )
+        == 1
+    )
 
 
 def _ids_and_mask(batch, tokenizer):

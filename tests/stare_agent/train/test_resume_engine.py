@@ -53,3 +53,23 @@ def test_first_rollout_after_resume_equals_the_uninterrupted_runs(tmp_path):
     assert len(whole.generations) > len(resumed.generations) > 0
     # token for token and log-prob for log-prob: the engine samples from the restored policy
     assert resumed.generations == step_2
+
+
+@pytest.mark.slow  # 15 s: three short scripted runs on 2 loaded cores
+def test_a_damaged_last_checkpoint_resumes_from_the_one_before_and_says_so(tmp_path, capsys):
+    import json
+
+    _run(tmp_path / "run", 2, resume=False)
+    damaged = tmp_path / "run" / "checkpoints" / "step-000002"
+    for path in (damaged / "learner").rglob("*"):
+        if path.is_file():
+            path.write_bytes(path.read_bytes()[:100])  # a copy cut short
+    capsys.readouterr()
+    _run(tmp_path / "run", 3, resume=True)
+    said = capsys.readouterr().out
+    assert f"checkpoint {damaged} could not be read (" in said and "): trying step-000001" in said
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step-000001'} (step 1)" in said
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == [1, 2, 3]  # step 2 trained again, logged once

@@ -4,6 +4,7 @@ decides (train on fewer groups / skip the step / raise), and each shortfall is s
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -60,6 +61,7 @@ def test_shortfall_trains_on_fewer_skips_or_raises_as_configured(tmp_path, capsy
         metrics = trainer.train_step()
         assert metrics["skipped"] == 1 and metrics["ds/groups_kept"] == 1.0
         assert "skip_reason" in metrics and "kept_groups" not in metrics
+        assert math.isnan(metrics["gate_on"])  # no update, no gate: neither on nor off
         after = trainer.learner.module.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
         assert (
@@ -151,3 +153,22 @@ def test_a_step_without_reward_variance_on_one_process_says_so_in_the_users_term
     said = capsys.readouterr().out
     assert "dynamic sampling kept 0 of 2 groups after data.max_sampling_batches=1: skipping the step" in said
     assert f"step 1: no update: {reason}" in said
+
+
+def test_a_run_of_skipped_steps_says_so_and_logs_no_gate(tmp_path):
+    """Every step short and skipped: the summary counts them (the CLI then says "skipped", not
+    "trained") and metrics.jsonl holds null, not 0, for their gate."""
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
+    config = load_config(
+        None,
+        overrides(str(tmp_path / "run"), str(problems), 2)
+        + ["data.max_sampling_batches=1", "data.on_short_batch=skip"],
+    )
+    model, tokenizer = tiny_model()
+    summary = Trainer(
+        config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, policy())
+    ).fit()
+    assert (summary["steps"], summary["skipped_steps"]) == (2, 2)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["skipped"], r["gate_on"]) for r in records] == [(1, 1, None), (2, 1, None)]
