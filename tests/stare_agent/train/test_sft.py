@@ -227,7 +227,7 @@ def test_sft_run_writes_log_config_and_loadable_model(shared_data, tmp_path):
     assert [x["step"] for x in lines[:-1]] == list(range(1, summary["steps"] + 1))
     assert lines[-1]["summary"]["output_dir"] == str(tmp_path / "run" / "sft_model")
     assert any((tmp_path / "run" / "tensorboard" / "sft").iterdir())  # the one step logger, as RL's
-    assert load_config(tmp_path / "run" / "config.yaml") == cfg
+    assert load_config(tmp_path / "run" / "sft_config.yaml") == cfg  # config.yaml is an RL run's
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "sft_model")
     assert torch.equal(reloaded.model.embed_tokens.weight, model.model.embed_tokens.weight.detach())
 
