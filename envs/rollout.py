@@ -104,6 +104,20 @@ class RolloutStats:
         return self.overhead_s / self.total_s if self.total_s > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class RolloutProgress:
+    """Where one :meth:`RolloutRunner.run` stands, after each model turn (``on_turn``).
+
+    ``budget_left`` is the response tokens the live episodes may still take: an upper bound on the work
+    left, exact for episodes that run to their budget."""
+
+    episodes: int
+    ended: int
+    turns: int
+    response_tokens: int
+    budget_left: int
+
+
 class ToolTurnGlue:
     """Token ids between a model turn and the next one when the observation is a ``tool`` message.
 
@@ -342,6 +356,7 @@ class RolloutRunner:
         seeds: int | Sequence[int | None] | None = None,
         options: Sequence[dict[str, Any] | None] | None = None,
         episode_keys: Sequence[str] | None = None,
+        on_turn: Callable[[RolloutProgress], None] | None = None,
     ) -> list[Trajectory]:
         """Play one episode in each env, all advancing together; return their trajectories in order.
 
@@ -354,6 +369,8 @@ class RolloutRunner:
                 index>"``: with ``sampling.seed`` set, turn t of an episode is sampled from the stream
                 ``stream_seed(sampling.seed, key, t)``, so the same key gives the same episode in any
                 batch. Keys should be unique within a run. None: the env's position in this call.
+            on_turn: Called (on this thread) after each model turn with a :class:`RolloutProgress`, e.g.
+                to show turns and tokens while long episodes run.
         """
         if not envs:
             return []
@@ -378,7 +395,7 @@ class RolloutRunner:
                 self._start(env, info, key, kw)
                 for env, (_, info), key, kw in zip(envs, resets, keys, reset_kwargs, strict=True)
             ]
-            self._play(episodes, pool, stats)
+            self._play(episodes, pool, stats, on_turn)
         trajectories = [self._build(ep) for ep in episodes]
         for t in trajectories:
             stats.sampled_tokens += t.num_sampled_tokens
@@ -387,7 +404,13 @@ class RolloutRunner:
         self.last_stats = stats
         return trajectories
 
-    def _play(self, episodes: list[_Episode], pool: ThreadPoolExecutor, stats: RolloutStats) -> None:
+    def _play(
+        self,
+        episodes: list[_Episode],
+        pool: ThreadPoolExecutor,
+        stats: RolloutStats,
+        on_turn: Callable[[RolloutProgress], None] | None = None,
+    ) -> None:
         """Take turns and env steps until every episode has ended: each episode asks for its next turn
         as soon as its env step is back; a batch engine is called once every turn in flight waits for it."""
         continuous = self.continuous and isinstance(self.engine, ContinuousEngine)
@@ -426,6 +449,8 @@ class RolloutRunner:
                 if is_turn:
                     fn, kwargs = self._take_turn(ep, future.result())
                     in_flight[pool.submit(fn, **kwargs)] = (ep, False)
+                    if on_turn is not None:
+                        on_turn(self._progress(episodes, stats))
                     continue
                 try:
                     result: Any = future.result()
@@ -435,6 +460,16 @@ class RolloutRunner:
                     self._take_step(ep, result)
                 if ep.end is None:
                     ask(ep)
+
+    def _progress(self, episodes: list[_Episode], stats: RolloutStats) -> RolloutProgress:
+        live = [ep for ep in episodes if ep.end is None]
+        return RolloutProgress(
+            episodes=len(episodes),
+            ended=len(episodes) - len(live),
+            turns=stats.turns,
+            response_tokens=sum(len(ep.builder) for ep in episodes),
+            budget_left=sum(max(self.max_response_tokens - len(ep.builder), 0) for ep in live),
+        )
 
     def _submit(self, ep: _Episode, stats: RolloutStats) -> Future[Generation]:
         """Submit one episode's next turn to a continuous engine, with its own budget and stream."""

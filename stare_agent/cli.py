@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="delete the evaluation in --out (results.jsonl, summary.json, episodes.jsonl) first",
+        help="delete the evaluation in --out (results.jsonl, summary.json, episodes.jsonl, run.json) first",
     )
     p.add_argument(
         "--save-episodes",

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import sys
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -42,7 +43,7 @@ from stare_agent.metrics import ToolHealth, json_ready
 from stare_envs.engine import Engine, SamplingParams, Tokenizer
 from stare_envs.problems import Problem, load_problems
 from stare_envs.rewards import answers_equivalent
-from stare_envs.rollout import RolloutRunner
+from stare_envs.rollout import RolloutProgress, RolloutRunner
 from stare_envs.trajectory import Trajectory
 
 
@@ -148,6 +149,10 @@ class EvalReport:
     trajectories: list[Trajectory] = field(default_factory=list, repr=False)  # with keep_trajectories
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
+    run: dict[str, Any] = field(default_factory=dict)
+    """How this call ran: its command, start (UTC), package versions, git commit and wall seconds
+    (``stare_agent.provenance.run_record``), appended to ``run.json`` beside ``summary.json``; apart from
+    ``settings`` and the summary, which a resume must reproduce byte for byte."""
 
     def table(self) -> str:
         """The main settings, then the metrics as an aligned table with their 95 % intervals."""
@@ -198,10 +203,24 @@ class EvalReport:
             out / SUMMARY_FILE,
             json.dumps(json_ready(self.summary()), indent=2, default=str, allow_nan=False) + "\n",
         )
+        _append_run(out, self.run, complete=True)
         return out
 
 
 RESULTS_FILE, SUMMARY_FILE, EPISODES_FILE = "results.jsonl", "summary.json", "episodes.jsonl"
+RUN_FILE = "run.json"
+"""Beside the summary: one record per call that wrote to the directory (a resumed one adds its own)."""
+
+
+def _append_run(out: Path, run: dict[str, Any], *, complete: bool) -> None:
+    if not run:
+        return
+    path = out / RUN_FILE
+    runs = json.loads(path.read_text())["runs"] if path.is_file() else []
+    runs.append({**run, "complete": complete})
+    _replace(path, json.dumps({"runs": runs}, indent=2, default=str) + "\n")
+
+
 INTERVAL_METHOD = (
     "95 % interval over problems: Wilson where a problem's score is one 0/1 outcome (one sample per "
     f"problem; maj@k), else a percentile bootstrap over problems ({BOOTSTRAP_DRAWS} draws, seeded by "
@@ -484,6 +503,9 @@ def _evaluate(
     keep_trajectories: bool,
 ) -> EvalReport:
     """:func:`evaluate`, its ``out_dir`` held."""
+    from stare_agent.provenance import run_record
+
+    started, record = time.perf_counter(), run_record()
     source = str(problems) if isinstance(problems, (str, Path)) else None
     problem_list = load_problems(problems) if isinstance(problems, (str, Path)) else list(problems)
     problem_list = problem_list[:limit] if limit is not None else problem_list
@@ -522,7 +544,8 @@ def _evaluate(
         files.close()
         finished = [results[p.id] for p in problem_list if p.id in files.finished or p.id in done]
         if out is not None:
-            _write_partial(out, finished, samples, report_settings, sampling)
+            run = {**record, "wall_s": round(time.perf_counter() - started, 3)}
+            _write_partial(out, finished, samples, report_settings, sampling, run)
             print(
                 f"evaluation interrupted: {len(finished)} of {len(problem_list)} problems finished, in "
                 f"{out / RESULTS_FILE}; continue with --resume (Python: resume=True) and the same settings",
@@ -539,6 +562,7 @@ def _evaluate(
         trajectories=kept,
         intervals=intervals,
         settings=report_settings,
+        run={**record, "wall_s": round(time.perf_counter() - started, 3)},
     )
     if out is not None:
         report.write(out)
@@ -575,6 +599,7 @@ def _play(
     )
     envs = make_tool_envs(env_id, min(batch_size, len(jobs)), tokenizer=tokenizer, **kwargs)
     bar = _progress(len(jobs), progress)
+    tracker = _Progress(bar, len(jobs), max_response_tokens)
     episodes: dict[str, list[Trajectory]] = {}
     try:
         files.format = getattr(envs[0], "format", None)
@@ -585,6 +610,10 @@ def _play(
                 seeds=[zlib.crc32(f"{p.id}/{i}".encode()) for p, i in chunk],
                 options=[{"problem": p} for p, _ in chunk],
                 episode_keys=[f"{p.id}/{i}" for p, i in chunk],
+                on_turn=tracker.turn if bar is not None else None,
+            )
+            tracker.chunk_done(
+                len(chunk), sum(len(t.response_ids) for t in trajectories), runner.last_stats.turns
             )
             for (problem, _), trajectory in zip(chunk, trajectories, strict=True):
                 results[problem.id].add(trajectory)
@@ -685,6 +714,10 @@ def _settings(
 
     pool = kwargs.get("pool")
     limits = kwargs.get("sandbox_config") or (SandboxConfig() if pool is None else None)
+    if "model" not in given:  # the Python API's call: the engine's own model, where it knows one
+        model = _engine_model(engine)
+        if model is not None:
+            given = {**given, "model": model}
     settings: dict[str, Any] = {
         "data": {"source": source, "problems": len(problems), "sha256": problems_sha256(problems)},
         "samples": samples,
@@ -775,6 +808,7 @@ def _write_partial(
     samples: int,
     settings: dict[str, Any],
     sampling: SamplingParams,
+    run: dict[str, Any],
 ) -> None:
     """``summary.json`` of an interrupted evaluation: its settings, and the metrics of the finished
     problems when there are any."""
@@ -783,7 +817,8 @@ def _write_partial(
     if any(r.correct for r in finished):
         metrics, intervals = summarize_with_intervals(finished, samples, seed=sampling.seed or 0)
     partial = EvalReport(samples=samples, metrics=metrics, problems=finished, intervals=intervals,
-                         settings=settings)  # fmt: skip
+                         settings=settings, run=run)  # fmt: skip
+    _append_run(out, run, complete=False)
     _replace(
         out / SUMMARY_FILE,
         json.dumps(json_ready(partial.summary(complete=False)), indent=2, default=str, allow_nan=False)
@@ -799,6 +834,25 @@ def _dig(tree: dict[str, Any], keys: tuple[str, ...]) -> Any:
     return tree
 
 
+def _engine_model(engine: Any) -> dict[str, Any] | None:
+    """The model an engine samples from, as ``model_settings`` names it: an in-process model's
+    ``name_or_path`` (a local directory is hashed), or a served model's name."""
+    from stare_agent.provenance import model_settings
+
+    model = getattr(engine, "model", None)
+    if isinstance(model, str):
+        return {"name_or_path": model}
+    name = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(
+        engine, "name_or_path", None
+    )
+    if not name:
+        return None
+    try:
+        return model_settings(str(name))
+    except Exception:  # noqa: BLE001 - a name that no longer resolves is still a name
+        return {"name_or_path": str(name)}
+
+
 def _plain_setting(value: Any) -> Any:
     """Settings as JSON: dataclasses as dicts, anything else by its str."""
     from dataclasses import is_dataclass
@@ -806,6 +860,39 @@ def _plain_setting(value: Any) -> Any:
     if is_dataclass(value) and not isinstance(value, type):
         return asdict(value)
     return str(value)
+
+
+class _Progress:
+    """The progress bar's turns, tokens and time left while long episodes run (the episode count alone
+    stays at 0 for the whole first batch). Time left is an upper bound: the response budget the
+    unfinished episodes may still take, at the tokens per second so far."""
+
+    def __init__(self, bar: Any, jobs: int, budget: int) -> None:
+        self.bar, self.jobs, self.budget = bar, jobs, budget
+        self.start = time.perf_counter()
+        self.done_jobs = self.done_tokens = self.turns = 0
+
+    def turn(self, now: RolloutProgress) -> None:
+        tokens = self.done_tokens + now.response_tokens
+        elapsed = time.perf_counter() - self.start
+        rate = tokens / elapsed if elapsed > 0 else 0.0
+        unstarted = self.jobs - self.done_jobs - now.episodes
+        left = now.budget_left + unstarted * self.budget
+        postfix = {"turns": self.turns + now.turns, "tokens": f"{tokens:,}", "tok/s": f"{rate:.0f}"}
+        if rate > 0:
+            postfix["at most left"] = _duration(left / rate)
+        self.bar.set_postfix(postfix, refresh=True)
+
+    def chunk_done(self, jobs: int, tokens: int, turns: int) -> None:
+        self.done_jobs += jobs
+        self.done_tokens += tokens
+        self.turns += turns
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    hours, m = divmod(minutes, 60)
+    return f"{hours}h{m:02d}m" if hours else f"{m}m{s:02d}s"
 
 
 def _progress(total: int, enabled: bool) -> Any:

@@ -40,7 +40,7 @@ RL_ARTIFACTS = (
 """What ``train`` writes into ``trainer.run_dir`` (``--overwrite`` deletes these)."""
 SFT_ARTIFACTS = ("sft_config.yaml", "sft_log.jsonl", "tensorboard/sft")
 """What ``sft`` writes into ``trainer.run_dir``, beside its model (``sft.output_dir``)."""
-EVAL_ARTIFACTS = ("results.jsonl", "summary.json", "episodes.jsonl")
+EVAL_ARTIFACTS = ("results.jsonl", "summary.json", "episodes.jsonl", "run.json")
 """What an evaluation writes into its ``--out``."""
 QUICKSTART_ARTIFACTS = ("quickstart.json", "eval_before", "eval_after")
 """What the quickstart writes into ``trainer.run_dir`` besides an SFT's and a training's."""

@@ -237,7 +237,17 @@ class Trainer:
                     and self._eval_source is not None
                     and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
                 ):
+                    t_eval = time.perf_counter()
+                    if self.rank == 0:
+                        tqdm.write(f"[eval] step {self.step}: evaluating on data.eval ...")
                     report = self.evaluate()
+                    if self.rank == 0:
+                        shown = {k: v for k, v in report.metrics.items() if k.startswith(("avg@", "maj@"))}
+                        tqdm.write(
+                            f"[eval] step {self.step}: "
+                            + ", ".join(f"{k} {v:.3f}" for k, v in shown.items())
+                            + f" ({len(report.problems)} problems, {time.perf_counter() - t_eval:.0f} s)"
+                        )
                     self._save_rollouts(f"eval_{self.step:05d}", report.trajectories)
                     last.update({f"eval/{k}": v for k, v in report.metrics.items()})
                     for hook in self.diagnostics:

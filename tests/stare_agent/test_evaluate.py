@@ -379,3 +379,27 @@ def test_an_env_whose_tools_run_no_code_is_evaluated_without_docker(monkeypatch)
 
         gymnasium.registry.pop("test/NoCode-v0", None)
         unregister_tool("double_demo")
+
+
+def test_progress_shows_turns_tokens_and_a_bound_on_the_time_left(capsys, tmp_path):
+    """The bar moves with every turn, not only when an episode ends (0/120 for 18 minutes on a CPU);
+    ``run.json`` records what produced the evaluation, apart from the summary a resume reproduces."""
+    tokenizer = smollm2_tokenizer()
+    report = evaluate(
+        [Problem("p1", "What is 6 times 7?", "42"), Problem("p2", "What is 6 times 7?", "42")],
+        engine=ScriptedEngine(tokenizer, [[CODE_TURN, "<answer>\\boxed{42}</answer>"]] * 4),
+        tokenizer=tokenizer,
+        samples=2,
+        batch_size=2,
+        env_kwargs={"format": "retool", "sandbox_backend": "local"},
+        progress=True,
+        out_dir=tmp_path,
+    )
+    err = capsys.readouterr().err
+    assert "turns=" in err and "tokens=" in err and "tok/s=" in err and "at most left=" in err
+    run = report.run  # what produced it, apart from the settings a resume must match
+    assert set(run) >= {"command", "started_utc", "versions", "git_commit", "wall_s"} and run["wall_s"] > 0
+    assert "run" not in report.settings
+    (written,) = json.loads((tmp_path / "run.json").read_text())["runs"]
+    assert written == {**json.loads(json.dumps(run)), "complete": True}
+    assert "run" not in json.loads((tmp_path / "summary.json").read_text())

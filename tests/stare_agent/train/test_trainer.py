@@ -221,7 +221,7 @@ def test_open_loop_gate_reweights_above_target_and_greedy_eval_is_logged(tmp_pat
     assert "eval_greedy/avg@1" in open_loop and "eval_greedy/avg@2" not in open_loop
 
 
-def test_save_rollouts_writes_every_drawn_and_evaluated_episode(tmp_path, problem_file):
+def test_save_rollouts_writes_every_drawn_and_evaluated_episode(tmp_path, problem_file, capsys):
     extra = [f"data.eval={problem_file}", "data.eval_limit=2", "data.eval_samples=2", "trainer.steps=1"]
     extra += ["trainer.eval_every=1", "data.eval_greedy=true", "trainer.save_rollouts=true"]
     model, tokenizer = tiny_model()
@@ -229,6 +229,9 @@ def test_save_rollouts_writes_every_drawn_and_evaluated_episode(tmp_path, proble
     Trainer(
         config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
     ).fit()
+    said = capsys.readouterr().out  # the in-training evaluation says that it runs, and what it found
+    assert "[eval] step 1: evaluating on data.eval ..." in said
+    assert "[eval] step 1: avg@2 0.500, maj@2 " in said and "(2 problems, " in said
     out = tmp_path / "run" / "rollouts"
     assert sorted(p.name for p in out.iterdir()) == [
         "eval_00001.jsonl",
