@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import math
 import multiprocessing
@@ -32,7 +33,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -633,6 +634,28 @@ class RewardConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}: pass e.g. 0.1")
+
+
+def reward_config(value: RewardConfig | Mapping[str, Any] | None) -> RewardConfig:
+    """``value`` as a :class:`RewardConfig`: itself, the default for None, or built from a mapping (a
+    YAML config's ``env.kwargs.reward: {mode: plus_minus, tool_call_bonus: 0.1}``).
+
+    Raises:
+        ValueError: a key that is not a field, or a value out of range (one line naming it).
+    """
+    if value is None:
+        return RewardConfig()
+    if isinstance(value, RewardConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"reward must be a RewardConfig or a mapping of its fields, got {type(value).__name__}"
+        )
+    fields = {f.name for f in dataclasses.fields(RewardConfig)}
+    unknown = sorted(set(value) - fields)
+    if unknown:
+        raise ValueError(f"reward has no field {unknown[0]!r}: its fields are {', '.join(sorted(fields))}")
+    return RewardConfig(**value)
 
 
 def compute_reward(

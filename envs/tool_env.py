@@ -50,7 +50,7 @@ from stare_envs.problems import (
     load_problems,
     procedural_family,
 )
-from stare_envs.rewards import AnswerChecker, AnswerCheckerError, RewardConfig, compute_reward
+from stare_envs.rewards import AnswerChecker, AnswerCheckerError, RewardConfig, compute_reward, reward_config
 from stare_envs.text_tokens import encode_as_text
 from stare_envs.tools import BoundTool, ToolResult, ToolSpec, get_tool
 from stare_sandbox.backends import resolve_backend
@@ -189,7 +189,8 @@ class ToolEnv(gymnasium.Env[str, str]):
         max_tool_input_chars: A tool call longer than this is refused with a message (not run).
         tool_options: Per-tool keyword options for class tools, e.g. ``{"code_interpreter":
             {"timeout_s": 5}}``.
-        reward: Reward mode and shaping.
+        reward: Reward mode and shaping: a ``RewardConfig``, or a mapping of its fields (as a YAML
+            config's ``env.kwargs.reward`` gives it).
         checker: Answer checker (``stare_envs.rewards.default_checker()`` when None).
         system_prompt: None for the format's instructions, "" for no system message, or a text.
         prompt_template: The user message; ``{problem}`` is replaced by the problem text.
@@ -214,7 +215,7 @@ class ToolEnv(gymnasium.Env[str, str]):
         tokenizer: Tokenizer | None = None,
         max_tool_input_chars: int = 100_000,
         tool_options: Mapping[str, Mapping[str, Any]] | None = None,
-        reward: RewardConfig | None = None,
+        reward: RewardConfig | Mapping[str, Any] | None = None,
         checker: AnswerChecker | None = None,
         system_prompt: str | None = None,
         prompt_template: str = "{problem}",
@@ -264,7 +265,7 @@ class ToolEnv(gymnasium.Env[str, str]):
         self.tokenizer = tokenizer
         self.max_tool_input_chars = max_tool_input_chars
         self.tool_options = {name: dict(options) for name, options in (tool_options or {}).items()}
-        self.reward_config = reward or RewardConfig()
+        self.reward_config = reward_config(reward)
         self.checker = checker
         self.prompt_template = prompt_template
         self.system_prompt = (

@@ -303,6 +303,14 @@ class EnvConfig:
             raise ConfigError(
                 f"env.kwargs sets {taken}, which are fields of env: write env.{taken[0]}=... instead"
             )
+        for section, given in (("kwargs", self.kwargs), ("eval_kwargs", self.eval_kwargs)):
+            if "reward" in given:  # checked where the model loads later: the env's own rule, here at once
+                from stare_envs.rewards import reward_config
+
+                try:
+                    reward_config(given["reward"])
+                except (TypeError, ValueError) as exc:
+                    raise ConfigError(f"env.{section}.reward: {exc}") from None
         runtime = sorted((set(self.kwargs) | set(self.eval_kwargs)) & {"pool", "tokenizer", "problems"})
         if runtime:
             raise ConfigError(

@@ -63,3 +63,25 @@ def test_train_python_api_example(tmp_path):
     assert steps == [1, 2]
     assert (run_dir / "plots" / "dashboard.png").is_file()
     assert (run_dir / "checkpoints" / "step-000002" / "hf" / "config.json").is_file()
+
+
+def test_custom_problems_and_reward_from_yaml(monkeypatch):
+    """configs/custom_problems.yaml, read from examples/ as its comment says: the module:id env id
+    imports the example, which registers the family and the env; the reward comes from YAML."""
+    from stare_agent.config import ConfigError, load_config
+    from stare_agent.resources import eval_source, make_env
+    from stare_envs.problems import eval_problems
+    from stare_envs.rewards import RewardConfig
+
+    monkeypatch.chdir(EXAMPLES)
+    config = load_config(EXAMPLES.parent / "configs" / "custom_problems.yaml", ["sandbox.backend=local"])
+    with make_env(config.env, sandbox_backend="local") as env:
+        assert env.reward_config == RewardConfig(mode="plus_minus", tool_call_bonus=0.1)
+        assert env.max_turns == 4  # the registration's, as the config sets none
+    problems = eval_problems(eval_source(config), seed=0, difficulty=1, limit=2)
+    assert [p.meta["family"] for p in problems] == ["powers_of_two"] * 2
+    assert all(p.problem.startswith("What is the sum of the decimal digits of $2^") for p in problems)
+    with pytest.raises(ConfigError, match=r"env.kwargs.reward: reward has no field 'bonus': its fields are"):
+        load_config(None, ["env.kwargs.reward={bonus: 1}"])
+    with pytest.raises(ConfigError, match=r"env.kwargs.reward: reward mode 'x' is unknown"):
+        load_config(None, ["env.kwargs.reward={mode: x}"])
