@@ -89,12 +89,17 @@ def _acquire(path: Path, what: str) -> int:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
         raise RunDirError(
-            f"{what}={path} is in use by process {holder} (a command running there now): wait for it to "
+            f"{_named(what, path)} is in use by process {holder} (a command running there now): wait for it to "
             f"end, or pick another {what}"
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def _named(what: str, path: Path) -> str:
+    """``trainer.run_dir=runs/a`` for a config key, ``--out runs/a`` for a flag."""
+    return f"{what} {path}" if what.startswith("--") else f"{what}={path}"
 
 
 def writable_dir(directory: str | os.PathLike[str], what: str) -> Path:
@@ -105,20 +110,22 @@ def writable_dir(directory: str | os.PathLike[str], what: str) -> Path:
     """
     path = Path(directory)
     if path.exists() and not path.is_dir():
-        raise RunDirError(f"{what}={path} is a file: pass a directory")
+        raise RunDirError(f"{_named(what, path)} is a file: pass a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        raise RunDirError(f"{what}={path} lies under a file, not a directory: pass another path") from None
+        raise RunDirError(
+            f"{_named(what, path)} lies under a file, not a directory: pass another path"
+        ) from None
     except OSError as exc:
         raise RunDirError(
-            f"{what}={path} cannot be created ({exc.strerror}): pass a directory you can write"
+            f"{_named(what, path)} cannot be created ({exc.strerror}): pass a directory you can write"
         ) from None
     try:  # a real write: access() says yes to root on a read-only file system
         tempfile.TemporaryFile(dir=path).close()
     except OSError as exc:
         raise RunDirError(
-            f"{what}={path} is not writable ({exc.strerror}): pass a directory you can write"
+            f"{_named(what, path)} is not writable ({exc.strerror}): pass a directory you can write"
         ) from None
     return path
 

@@ -433,3 +433,28 @@ def test_building_the_parser_imports_no_torch():
     code = "import sys; from stare_agent import cli; cli.build_parser(); print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+@pytest.mark.slow  # a `stare-agent eval` process in a mount namespace: 10 s on 2 loaded cores
+def test_a_read_only_out_is_refused_before_an_engine_starts(tmp_path):
+    """--out on a read-only file system (a bind mount, remounted read-only, in a mount namespace of the
+    command's own): one line, exit 2, before any engine or model loads (it failed 79 s in, after vLLM)."""
+    from tests.conftest import host_problem, require
+
+    require("host", host_problem(tools=("unshare", "mount")))
+    out = tmp_path / "ro"
+    out.mkdir()
+    script = (
+        f"mount --bind {out} {out} && mount -o remount,bind,ro {out} && exec {CONSOLE_SCRIPT} eval "
+        f"--data aime2024 --backend local --limit 1 --samples 1 --out {out}"
+    )
+    environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120, env=environ
+    )
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert lines == [
+        f"error: --out={out} is not writable (Read-only file system): pass a directory you can write"
+    ]
+    assert "engine:" not in done.stdout
