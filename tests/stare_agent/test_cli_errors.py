@@ -455,6 +455,6 @@ def test_a_read_only_out_is_refused_before_an_engine_starts(tmp_path):
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2, done.stderr[-2000:]
     assert lines == [
-        f"error: --out={out} is not writable (Read-only file system): pass a directory you can write"
+        f"error: --out {out} is not writable (Read-only file system): pass a directory you can write"
     ]
     assert "engine:" not in done.stdout
