@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import re
 import signal
@@ -527,6 +528,22 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (SandboxError, EnvError, StareError, FileNotFoundError)
 
 
+def _disk_full(exc: BaseException) -> str | None:
+    """What failed, in a few words, when ``exc`` (or an exception it came from) is a full disk or
+    quota: an ``OSError`` with ENOSPC or EDQUOT, or a library's error that wraps one in its message
+    (safetensors: "No space left on device (os error 28)"); else None."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"writing {current.filename}" if current.filename else str(current.strerror)
+        if any(words in str(current) for words in ("No space left on device", "Disk quota exceeded")):
+            return f"{type(current).__name__}: {str(current).splitlines()[0][:200]}"
+        current = current.__cause__ or current.__context__
+    return None
+
+
 # Left out of the slim install (`pip install stare-agent`: sandbox and envs only).
 TRAIN_PACKAGES = frozenset({"torch", "transformers", "accelerate", "deepspeed", "omegaconf", "matplotlib"})
 
@@ -551,7 +568,17 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, _user_errors()):
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        raise
+        full = _disk_full(exc)
+        if full is None:
+            raise
+        # what was written before stays (results and checkpoints are written whole or not at all), so
+        # the way on is space, then the same command (with --resume)
+        print(
+            f"error: no space left on the device ({full}): free space (or lower trainer.keep_checkpoints), "
+            "then run the command again, with --resume where it has one",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":

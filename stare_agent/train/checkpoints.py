@@ -38,9 +38,13 @@ def save_checkpoint(run_dir: Path, learner: Learner, state: dict[str, Any], *, k
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(learner)
-    learner.save_checkpoint(tmp / "learner", client_state={"trainer": state})
-    learner.export_hf(tmp / "hf")
-    torch.save(_rng_state(), tmp / f"rng-rank{learner.rank}.pt")
+    try:
+        learner.save_checkpoint(tmp / "learner", client_state={"trainer": state})
+        learner.export_hf(tmp / "hf")
+        torch.save(_rng_state(), tmp / f"rng-rank{learner.rank}.pt")
+    except BaseException:  # a full disk, a signal: no half checkpoint stays to fill the disk further
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _barrier(learner)
     if learner.rank == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))

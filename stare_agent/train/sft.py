@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -178,7 +179,17 @@ def _sft(config: RunConfig, run_dir: Path, output_dir: Path, model: Any, tokeniz
                     )
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
-        learner.export_hf(output_dir)
+        # whole or not at all (a full disk, a signal): a cut model would load as a damaged one later
+        partial = output_dir.with_name(f".{output_dir.name}.partial")
+        try:
+            learner.export_hf(partial)
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
+        if rank == 0:
+            shutil.rmtree(output_dir, ignore_errors=True)  # the empty folder claimed before training
+            os.replace(partial, output_dir)
         summary = {
             "traces": len(traces),
             "trained_traces": len(trajectories),

@@ -240,3 +240,36 @@ def test_a_signal_stops_training_at_a_step_boundary_with_a_checkpoint(tmp_path, 
     assert done.returncode == 0, done.stderr[-3000:]
     logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert logged == list(range(1, step + 2))
+
+
+@pytest.mark.slow  # a `stare-agent sft` of two rows onto a full file system: 15 s on 2 loaded cores
+def test_a_full_disk_is_one_line_and_leaves_no_half_written_model(tmp_path, model_dir):
+    """The run directory on a 600 KiB tmpfs (in a mount namespace of the command's own): training fits,
+    the model export does not. One line naming the full device, exit 2, and no cut model where
+    `train` would later load it (the export is written beside and renamed into place)."""
+    from tests.conftest import host_problem, require
+
+    require("host", host_problem(tools=("unshare", "mount")))
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    run = disk / "run"
+    command = " ".join(
+        [
+            sys.executable, "-m", "stare_agent.cli", "sft", "--config", "configs/quickstart.yaml",
+            f"model.name_or_path={model_dir}", "sft.procedural_rows=2", "sft.batch_size=2", "sft.epochs=1",
+            f"trainer.run_dir={run}", "sandbox.backend=local",
+        ]
+    )  # fmt: skip
+    script = f"mount -t tmpfs -o size=600k tmpfs {disk} && {command}; code=$?; ls -A {run} {run}/sft_model; exit $code"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    error = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and "error: no space left on the device (" in error[0], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    listed = done.stdout  # `ls -A` of the run directory and of sft_model, after the failure
+    assert (
+        "sft_log.jsonl" in listed and ".sft_model.partial" not in listed and "model.safetensors" not in listed
+    )

@@ -529,3 +529,31 @@ def test_a_global_forking_token_selection_over_two_ranks_is_the_one_process_sele
     # not the loss: the random tiny model's entropies all lie near log V, within float noise of each
     # other, so which of them make the top 20 % moves with each rank's padding width (the exact
     # two-rank selection on fixed inputs: tests/stare_agent/algorithms/test_entropy_control.py)
+
+
+def test_a_checkpoint_that_cannot_be_written_leaves_nothing_half_written(tmp_path, problem_file, monkeypatch):
+    """A full disk while saving: the error propagates (the CLI makes it one line), the temporary
+    directory is removed and no step-N directory appears; the last complete checkpoint stays."""
+    import errno
+
+    model, tokenizer = tiny_model()
+    trainer = Trainer(
+        make_config(tmp_path, problem_file), model=model, tokenizer=tokenizer,
+        engine=ScriptedEngine(tokenizer, scripted_policy()),
+    )  # fmt: skip
+    try:
+        trainer.step = 1
+        first = trainer.save_checkpoint()
+
+        def full(directory):
+            (Path(directory) / "model.safetensors").parent.mkdir(parents=True, exist_ok=True)
+            (Path(directory) / "model.safetensors").write_bytes(b"cut")
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+
+        monkeypatch.setattr(trainer.learner, "export_hf", full)
+        trainer.step = 2
+        with pytest.raises(OSError, match="No space left on device"):
+            trainer.save_checkpoint()
+        assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [first.name]
+    finally:
+        trainer.close()
