@@ -528,6 +528,20 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (SandboxError, EnvError, StareError, FileNotFoundError)
 
 
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` came from a Ctrl-C: a ``KeyboardInterrupt`` in its chain, or a subprocess the
+    terminal's SIGINT stopped that a library reports in its own words (DeepSpeed's op build through
+    ninja: "build stopped: interrupted by user")."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, KeyboardInterrupt) or "interrupted by user" in str(current):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def _disk_full(exc: BaseException) -> str | None:
     """What failed, in a few words, when ``exc`` (or an exception it came from) is a full disk or
     quota: an ``OSError`` with ENOSPC or EDQUOT, or a library's error that wraps one in its message
@@ -568,6 +582,11 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, _user_errors()):
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        if _interrupted(
+            exc
+        ):  # Ctrl-C that a library turned into its own error (a build's "interrupted by user")
+            print("interrupted", file=sys.stderr)
+            return 130
         full = _disk_full(exc)
         if full is None:
             raise

@@ -359,7 +359,7 @@ class MetricsError(StareError, ValueError):
 def gate_fraction(steps: list[dict[str, Any]]) -> tuple[float | None, int]:
     """The fraction of trained RL steps with the STARE gate on, and the number of steps that trained
     nothing (``skipped``: no group with reward variance, or a non-finite loss): such a step has no gate
-    (the trainer logs gate_on 0 there), so it counts neither as on nor as off. ``None`` when no step
+    (the trainer logs gate_on NaN there), so it counts neither as on nor as off. ``None`` when no step
     trained."""
     trained = [r for r in steps if not r.get("skipped")]
     if not trained:

@@ -37,7 +37,7 @@ PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
 )
 # Quantities of the update: on a step that trained nothing (``skipped``: no group with reward variance,
-# or a non-finite loss) the trainer logs no measurement of them (entropy NaN, gate_on 0), so such a step
+# or a non-finite loss) the trainer logs no measurement of them (entropy and gate_on NaN), so such a step
 # is a gap in their lines, never a 0. Rollout quantities (reward, length, tool use) were measured.
 UPDATE_KEYS = frozenset(
     {

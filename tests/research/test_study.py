@@ -136,7 +136,7 @@ def test_run_numbers_give_the_late_bank_entropy_the_reward_and_the_gates_share_o
         {"step": 3, "reward_mean": 0.75, "gate_on": 1},
         {"step": 4, "reward_mean": 1.0, "gate_on": 0, "eval/bank_entropy": 0.06},
         {"step": 5, "reward_mean": float("nan"), "gate_on": 0, "eval/bank_entropy": 0.05},
-        # every group solved: nothing trained, and the trainer logs gate_on 0 without reading the gate
+        # every group solved: nothing trained, and runs before 0.3 logged gate_on 0 there (now NaN): not an off gate
         {"step": 6, "reward_mean": 1.0, "gate_on": 0, "skipped": 1, "skip_reason": "no variance"},
     ]
     n = run_numbers(records)

@@ -458,3 +458,28 @@ def test_a_read_only_out_is_refused_before_an_engine_starts(tmp_path):
         f"error: --out {out} is not writable (Read-only file system): pass a directory you can write"
     ]
     assert "engine:" not in done.stdout
+
+
+def test_a_ctrl_c_a_library_reports_as_its_own_error_is_an_interruption(monkeypatch, capsys):
+    """Ctrl-C during DeepSpeed's first-start op build: ninja stops and torch raises RuntimeError
+    ("ninja: build stopped: interrupted by user") from CalledProcessError. The CLI says "interrupted"
+    (exit 130), not a traceback; a wrapped full disk is one line (exit 2)."""
+
+    def interrupted_build(args):
+        try:
+            raise subprocess.CalledProcessError(2, ["ninja", "-v"])
+        except subprocess.CalledProcessError as exc:
+            raise RuntimeError(
+                "Error building extension 'deepspeed_shm_comm': ninja: build stopped: interrupted by user."
+            ) from exc
+
+    def full_disk(args):
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    for func, code, said in (
+        (interrupted_build, 130, "interrupted"),
+        (full_disk, 2, "error: no space left on the device (RuntimeError: Error while serializing"),
+    ):
+        monkeypatch.setattr(cli, "_plot", func)
+        assert cli.main(["plot", "somewhere"]) == code
+        assert capsys.readouterr().err.startswith(said)
