@@ -1,13 +1,14 @@
 """Run directories: one live process in each, and no result in one replaced without a flag that says so.
 
 Every command that writes a directory (``train``, ``sft`` and ``quickstart`` their ``trainer.run_dir``,
-``eval`` its ``--out``) first claims it with :func:`claim`:
+``eval`` its ``--out``) first claims it, before any model loads:
 
-- the directory is locked (``flock`` on ``.lock``, held by the process until it ends): a second process
-  is refused with one line naming the first one's pid;
+- the directory is locked (:func:`locked`: ``flock`` on ``.lock``, held until the command ends): a
+  second process is refused with one line naming the first one's pid;
 - a directory holding what the command would write (a run's metrics and checkpoints, a fine-tuned model,
   an evaluation's results) is refused with one line naming the way to continue it (``--resume``), to
-  write elsewhere, or ``--overwrite``, which deletes exactly those files (never anything else) first.
+  write elsewhere, or ``--overwrite``, which deletes exactly those files (never anything else) first
+  (:func:`check_training`, :func:`check_sft`, :func:`check_quickstart`, :func:`check_evaluation`).
 
 Claims are re-entrant within a process: the quickstart holds its run directory while its SFT, training
 and evaluations claim it again.
