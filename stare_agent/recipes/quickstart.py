@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -190,7 +191,11 @@ def _run(
     # every update (the transformers engine: the trainer's own, on the module it trains)
     t0 = time.perf_counter()
     rl_config = replace(config, model=replace(config.model, name_or_path=sft_summary["output_dir"]))
-    Trainer(rl_config, model=model, tokenizer=tokenizer, engine=engine if own_copy else None).fit()
+    trained = Trainer(rl_config, model=model, tokenizer=tokenizer, engine=engine if own_copy else None).fit()
+    if trained["stopped_by"]:  # Ctrl-C / SIGTERM: the checkpoint is saved (the trainer said where); no eval
+        if trained["stopped_by"] == "SIGINT":
+            raise KeyboardInterrupt
+        raise SystemExit(128 + int(signal.Signals[trained["stopped_by"]]))
     phase("rl", t0)
     steps = read_metrics(run_dir)
     gate_activity, skipped_steps = gate_fraction(steps)

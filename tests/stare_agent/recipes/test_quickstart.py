@@ -94,3 +94,46 @@ def test_fp32_evaluation_beside_a_bf16_transformers_engine_is_the_same_model_wit
     assert engine.model is model and engine.autocast_dtype is None  # no copy, nothing to sync
     fp32 = TransformersEngine(model, tokenizer)
     assert fp32_eval_engine(config, model, tokenizer, fp32) == (None, fp32)  # already fp32: itself
+
+
+def test_a_signal_during_rl_ends_the_quickstart_without_its_after_evaluation(tmp_path, monkeypatch):
+    """The trainer stops at a step boundary on Ctrl-C (saving a checkpoint) and returns: the quickstart
+    then stops too (KeyboardInterrupt: the CLI's "interrupted", 130), instead of evaluating the policy
+    of an interrupted run as its "after"."""
+    import types
+
+    import pytest
+
+    import stare_agent.evaluation
+    import stare_agent.metrics
+    import stare_agent.recipes.quickstart as quickstart
+    import stare_agent.train.sft
+    import stare_agent.train.trainer
+    from stare_agent.config import load_config
+    from stare_agent.models import tiny_model
+
+    evaluated = []
+
+    def evaluate_config(config, **kwargs):
+        evaluated.append(kwargs["out_dir"].name)
+        return types.SimpleNamespace(metrics={"avg@1": 0.0}, trajectories=[])
+
+    class StoppedTrainer:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def fit(self):
+            return {"steps": 1, "skipped_steps": 0, "stopped_by": "SIGINT"}
+
+    pool = types.SimpleNamespace(close=lambda: None)
+    monkeypatch.setattr(quickstart, "open_sandboxes", lambda section: pool)
+    monkeypatch.setattr(stare_agent.evaluation, "evaluate_config", evaluate_config)
+    monkeypatch.setattr(stare_agent.metrics, "policy_entropy", lambda *args: 0.0)
+    monkeypatch.setattr(stare_agent.train.sft, "sft", lambda *a, **k: {"output_dir": str(tmp_path / "sft")})
+    monkeypatch.setattr(stare_agent.train.trainer, "Trainer", StoppedTrainer)
+    model, tokenizer = tiny_model()
+    config = load_config(quickstart.CONFIG, [f"trainer.run_dir={tmp_path}", "data.eval_limit=1"])
+    engine = types.SimpleNamespace(model=model)
+    with pytest.raises(KeyboardInterrupt):
+        quickstart._run(config, tmp_path, model, tokenizer, engine, engine, {}, lambda name, t0: None)
+    assert evaluated == ["eval_before"]
