@@ -10,6 +10,7 @@ import re
 import signal
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -532,30 +533,29 @@ def _interrupted(exc: BaseException) -> bool:
     """Whether ``exc`` came from a Ctrl-C: a ``KeyboardInterrupt`` in its chain, or a subprocess the
     terminal's SIGINT stopped that a library reports in its own words (DeepSpeed's op build through
     ninja: "build stopped: interrupted by user")."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, KeyboardInterrupt) or "interrupted by user" in str(current):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
+    return any(isinstance(e, KeyboardInterrupt) or "interrupted by user" in str(e) for e in _chain(exc))
 
 
 def _disk_full(exc: BaseException) -> str | None:
     """What failed, in a few words, when ``exc`` (or an exception it came from) is a full disk or
     quota: an ``OSError`` with ENOSPC or EDQUOT, or a library's error that wraps one in its message
     (safetensors: "No space left on device (os error 28)"); else None."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in _chain(exc):
         if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
             return f"writing {current.filename}" if current.filename else str(current.strerror)
         if any(words in str(current) for words in ("No space left on device", "Disk quota exceeded")):
             return f"{type(current).__name__}: {str(current).splitlines()[0][:200]}"
-        current = current.__cause__ or current.__context__
     return None
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or during, each once."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
 
 
 # Left out of the slim install (`pip install stare-agent`: sandbox and envs only).

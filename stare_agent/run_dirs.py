@@ -209,17 +209,17 @@ def describe_run(run_dir: Path) -> str:
 
 
 def last_logged_step(path: Path) -> int | None:
-    """The ``step`` of the last whole line of a metrics file (a cut last line skipped), or None."""
-    import json
+    """The last step a metrics file logged (``stare_agent.metrics.read_metrics``), or None: none, or a
+    damaged file (the refusal that names it needs no more)."""
+    from stare_agent.metrics import MetricsError, read_metrics
 
     if not path.is_file():
         return None
-    for line in reversed(path.read_text(errors="replace").splitlines()):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return None
+    try:
+        steps = read_metrics(path.parent)
+    except MetricsError:
+        return None
+    return int(steps[-1]["step"]) if steps else None
 
 
 def check_sft(run_dir: Path, output_dir: Path, *, overwrite: bool) -> None:

@@ -123,23 +123,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def _docker_problem() -> str | None:
-    """None when the Docker backend is usable, else one line saying why not."""
-    try:
-        import docker
-    except ImportError:
-        return "the docker SDK is not installed: pip install docker"
-    from stare_sandbox.config import DEFAULT_IMAGE
+    """None when the Docker backend is usable, else one line saying why not (the product's check)."""
+    from stare_sandbox.backends import docker_problem
 
-    try:
-        client = docker.from_env(timeout=5)
-        client.ping()
-    except Exception as exc:  # noqa: BLE001 - any failure means "not usable here"
-        return f"Docker daemon not reachable ({exc.__class__.__name__}): start dockerd"
-    try:
-        client.images.get(DEFAULT_IMAGE)
-    except Exception:  # noqa: BLE001
-        return f"sandbox image {DEFAULT_IMAGE} missing: run `stare-agent sandbox build`"
-    return None
+    problem = docker_problem()
+    return None if problem is None else f"{problem}: run `make docker` (starts dockerd, builds the image)"
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,7 @@ def save_checkpoint(run_dir: Path, learner: Learner, state: dict[str, Any], *, k
         if final.exists():  # a resumed run redoing this step
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for old in sorted(root.glob(f"{CHECKPOINT_PREFIX}*"))[:-keep]:
+        for old in all_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier(learner)
     return final
@@ -64,7 +64,7 @@ def load_checkpoint(run_dir: Path, learner: Learner) -> dict[str, Any] | None:
 
     Raises:
         CheckpointError: there are checkpoints, and none can be read."""
-    found = sorted((Path(run_dir) / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*"), reverse=True)
+    found = all_checkpoints(run_dir)[::-1]
     for n, last in enumerate(found):
         try:
             state = learner.load_checkpoint(last / "learner")["trainer"]
@@ -100,8 +100,13 @@ class CheckpointError(StareError, RuntimeError):
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint (renamed into place, so complete by construction), or None."""
-    found = sorted((Path(run_dir) / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*"))
+    found = all_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def all_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The checkpoints of ``run_dir``, oldest first."""
+    return sorted((Path(run_dir) / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*"))
 
 
 def _barrier(learner: Learner) -> None:
