@@ -152,6 +152,9 @@ class SandboxPool:
         config: Limits for every sandbox of the pool.
         factory: Makes one started sandbox; replaces ``backend``/``config`` (pass one or the other).
         lease_timeout: Default seconds ``acquire`` waits before raising ``PoolExhausted``.
+        wait: Return from the constructor once every sandbox has started (and raise if one could not);
+            False: return at once while they start in the background (``acquire`` waits for one; a fleet
+            host reports them as they come: :meth:`wait_started`).
     """
 
     def __init__(
@@ -162,6 +165,7 @@ class SandboxPool:
         *,
         factory: Callable[[], Sandbox] | None = None,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT_S,
+        wait: bool = True,
     ) -> None:
         if backend not in ("auto", "docker", "local"):  # "ray" is a fleet: stare_sandbox.open_pool
             raise ValueError(f"unknown sandbox backend {backend!r}: use 'auto', 'docker' or 'local'")
@@ -191,7 +195,7 @@ class SandboxPool:
         _LIVE_POOLS.add(self)
         exit_on_sigterm()  # SIGTERM closes the pool as Ctrl-C does
         try:
-            self._start_all()
+            self._start_all(wait)
         except BaseException:
             self.close()
             raise
@@ -324,10 +328,26 @@ class SandboxPool:
 
     # ------------------------------------------------------------------ internals
 
-    def _start_all(self) -> None:
+    def wait_started(self, count: int, timeout: float) -> int:
+        """Wait until ``count`` sandboxes have started, or every start has ended, or ``timeout``: the
+        number started (idle or leased). Raises the last start's error when none could start."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                started = len(self._idle) + len(self._leases)
+                if started >= count or self._closed or not self._rearming or time.monotonic() >= deadline:
+                    break
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+            if not started and not self._rearming and self._last_error is not None:
+                raise self._last_error
+            return started
+
+    def _start_all(self, wait: bool) -> None:
         with self._cond:
             for _ in range(self.size):
                 self._spawn(None, "start")
+            if not wait:
+                return
             while self._rearming and not self._closed:
                 self._cond.wait()
             if self._last_error is not None:

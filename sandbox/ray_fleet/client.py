@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from stare_sandbox.ray_fleet.wire import LeaseConnection
 
 
+MAX_COORDINATOR_CALLS = 100_000
+"""Calls the coordinator (an asyncio actor) runs at once: every lease that waits is one of them."""
+
+
 class RaySandbox(Sandbox):
     """One leased sandbox on a host actor: ``Sandbox``'s verbs as requests on the lease's own
     connection to that host (``stare_sandbox.ray_fleet.wire``), one at a time.
@@ -85,10 +89,12 @@ class RaySandbox(Sandbox):
         try:
             answer = self._connection.call([method, *args], wait_s)
         except TimeoutError as exc:
-            self._fleet._host_failed(self, f"no answer to {method} in {wait_s:g} s")
+            # this sandbox is given back as broken (its host replaces it); the host is dropped only
+            # if it stops answering the coordinator's pings, with its other leases
+            self._fleet._end_lease(self, broken=True)
             raise SandboxLost(
-                f"the sandbox host on node {self.node_id} did not answer {method} in {wait_s:g} s: it is "
-                "dropped and the episode must be played again; if this repeats, look at that node's "
+                f"the sandbox on node {self.node_id} did not answer {method} in {wait_s:g} s: it is "
+                "replaced and the episode must be played again; if this repeats, look at that node's "
                 "load and raise sandbox.ray.call_margin_s"
             ) from exc
         except (OSError, ValueError) as exc:  # closed or reset (its process died), or garbled
@@ -131,6 +137,10 @@ class RaySandboxFleet:
 
     backend = "ray"
 
+    HEARTBEAT_S = 5.0
+    """How often a client tells the coordinator it is here (a restarted coordinator learns its
+    clients so, within ``FleetCoordinator.CLIENT_GRACE_S``)."""
+
     def __init__(
         self,
         config: RayFleetConfig | None = None,
@@ -161,29 +171,11 @@ class RaySandboxFleet:
         self._handles: dict[str, Any] = {}
         self._releases: list[Any] | None = None  # while close() gives leases back: their calls, to wait for
         self._closed = False
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        # Pinned (Ray's soft affinity was seen placing it elsewhere): see coordinator_node.
-        here = NodeAffinitySchedulingStrategy(coordinator_node(ray, self.config.node_resource), soft=False)
-        # Detached: no one process owns it (a non-detached actor ends with the process that created
-        # it, under the other processes of the run); its clients do, together (see close()).
         self.client_id = uuid.uuid4().hex
         self._anchor = ray.put(None)  # the coordinator sees this process exit by it
         deadline = time.monotonic() + 30.0
         while True:
-            self._coordinator = (
-                ray.remote(FleetCoordinator)
-                .options(
-                    name=COORDINATOR_NAME,
-                    namespace=self.config.namespace,
-                    get_if_exists=True,
-                    lifetime="detached",
-                    num_cpus=0,
-                    max_concurrency=256,
-                    scheduling_strategy=here,
-                )
-                .remote(self.config, self.sandbox_config)
-            )
+            self._connect()
             with contextlib.suppress(SandboxUnavailable):
                 if self._coordinator_call("register", self.client_id, [self._anchor], wait_s=30.0):
                     break
@@ -193,6 +185,8 @@ class RaySandboxFleet:
                     "down while this process joined it: build the fleet again"
                 )
             time.sleep(0.5)  # it was ending (its last client left): its name frees, then a new one
+        self._stop_heartbeat = threading.Event()
+        threading.Thread(target=self._heartbeat, name="fleet-heartbeat", daemon=True).start()
         self._wait_for_hosts(min_hosts)
 
     @property
@@ -225,14 +219,19 @@ class RaySandboxFleet:
             if self._closed:
                 raise SandboxClosed("the sandbox fleet is closed: build a new RaySandboxFleet")
             remaining = max(0.001, deadline - time.monotonic())
-            node, name = self._coordinator_call("grant", remaining, node_id, wait_s=remaining)
-            lease_id = uuid.uuid4().hex
+            node, name, lease_id = self._coordinator_call(
+                "grant", self.client_id, remaining, node_id, wait_s=remaining
+            )
+            remaining = max(0.001, deadline - time.monotonic())
             call_s = remaining + self.config.call_margin_s
             try:
                 host = self._host_handle(name)
-                ip, port, token = self.ray.get(host.acquire.remote(lease_id, remaining), timeout=call_s)
+                ip, port, token = self.ray.get(
+                    host.acquire.remote(lease_id, self.client_id, remaining), timeout=call_s
+                )
             except self.ray.exceptions.RayTaskError as exc:
-                self._coordinator.returned.remote(node, name)
+                with contextlib.suppress(Exception):
+                    self._coordinator.returned.remote(node, name, lease_id)
                 if isinstance(exc.cause, PoolExhausted):
                     raise exc.cause from exc
                 raise
@@ -299,6 +298,7 @@ class RaySandboxFleet:
                 return
             self._closed = True
             leases, self._leases = list(self._leases), set()
+        self._stop_heartbeat.set()
         releases: list[Any] = []
         self._releases = releases
         for lease in leases:
@@ -370,21 +370,75 @@ class RaySandboxFleet:
         with contextlib.suppress(Exception):
             self._coordinator.host_failed.remote(sandbox.node_id, sandbox.host_name, reason)
 
-    def _coordinator_call(self, method: str, *args: Any, wait_s: float) -> Any:
-        try:
-            return self.ray.get(
-                getattr(self._coordinator, method).remote(*args), timeout=wait_s + self.config.call_margin_s
+    def _connect(self) -> None:
+        """The coordinator's handle: the named actor, made here (on :func:`coordinator_node`) when
+        there is none (the first client, or the last coordinator died for good)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # Pinned (Ray's soft affinity was seen placing it elsewhere): see coordinator_node.
+        here = NodeAffinitySchedulingStrategy(
+            coordinator_node(self.ray, self.config.node_resource), soft=False
+        )
+        # Detached: no one process owns it (a non-detached actor ends with the process that created
+        # it, under the other processes of the run); its clients do, together (see close()). Ray
+        # restarts it where it died; the hosts outlive it and the next incarnation adopts them.
+        self._coordinator = (
+            self.ray.remote(FleetCoordinator)
+            .options(
+                name=COORDINATOR_NAME,
+                namespace=self.config.namespace,
+                get_if_exists=True,
+                lifetime="detached",
+                num_cpus=0,
+                max_concurrency=MAX_COORDINATOR_CALLS,
+                max_restarts=-1,
+                scheduling_strategy=here,
             )
-        except self.ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, SandboxError):
-                raise exc.cause from exc
-            raise
-        except (self.ray.exceptions.RayError, self.ray.exceptions.GetTimeoutError) as exc:
-            raise SandboxUnavailable(
-                f"the sandbox fleet's coordinator ({COORDINATOR_NAME!r} in namespace "
-                f"{self.config.namespace!r}) did not answer {method} ({type(exc).__name__}): the process "
-                "that created it may have exited; build the fleet again"
-            ) from exc
+            .remote(self.config, self.sandbox_config)
+        )
+
+    def _coordinator_call(self, method: str, *args: Any, wait_s: float) -> Any:
+        """``method(*args)`` on the coordinator, answered within ``wait_s`` + ``call_margin_s``.
+        A coordinator that died is asked again, with backoff, until then: Ray restarts it, or the
+        next :meth:`_connect` makes a new one (either adopts the hosts)."""
+        ray = self.ray
+        deadline = time.monotonic() + wait_s + self.config.call_margin_s
+        backoff = 0.05
+        while True:
+            try:
+                return ray.get(
+                    getattr(self._coordinator, method).remote(*args),
+                    timeout=max(0.01, deadline - time.monotonic()),
+                )
+            except ray.exceptions.RayTaskError as exc:
+                if isinstance(exc.cause, SandboxError):
+                    raise exc.cause from exc
+                raise
+            except ray.exceptions.RayActorError as exc:  # died, restarting, or gone for good
+                if time.monotonic() + backoff > deadline:
+                    raise self._unreachable(method, exc) from exc
+                time.sleep(backoff)
+                backoff = min(2 * backoff, 2.0)
+                with contextlib.suppress(Exception):
+                    self._connect()
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+                raise self._unreachable(method, exc) from exc
+
+    def _unreachable(self, method: str, exc: BaseException) -> SandboxUnavailable:
+        return SandboxUnavailable(
+            f"the sandbox fleet's coordinator ({COORDINATOR_NAME!r} in namespace {self.config.namespace!r}) "
+            f"did not answer {method} ({type(exc).__name__}) within its deadline: look at the Ray cluster's "
+            "head node (`ray status`); the fleet takes its hosts back when a coordinator answers again"
+        )
+
+    def _heartbeat(self) -> None:
+        """Register again every ``HEARTBEAT_S`` (a restarted coordinator forgot this client)."""
+        while not self._stop_heartbeat.wait(self.HEARTBEAT_S):
+            with contextlib.suppress(Exception):
+                self.ray.get(
+                    self._coordinator.register.remote(self.client_id, [self._anchor]),
+                    timeout=self.HEARTBEAT_S,
+                )
 
     def _wait_for_hosts(self, min_hosts: int) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s

@@ -39,10 +39,11 @@ class RayFleetConfig:
         call_margin_s: Slack over a call's own deadline (``timeout`` + ``restart_grace_s``) before
             an unanswered call counts as a lost host.
         refresh_s: How often the coordinator looks for new and lost nodes and hosts.
-        lease_idle_s: A lease without a call for this long is taken back and its sandbox replaced:
-            its holder is taken for gone (a process that died without giving it back would otherwise
-            keep its sandbox and its share of ``max_leases``). Above the longest model turn.
-        start_timeout_s: How long building a fleet waits for its first ready host.
+        start_timeout_s: How long building a fleet waits for its first ready host (and a host for
+            its first sandbox).
+        lease_ports: The TCP ports hosts listen on for their leases' calls, ``"FIRST-LAST"`` (each
+            host takes the first free one: open this range between the nodes), or None for any port
+            the system gives.
     """
 
     address: str = "auto"
@@ -56,8 +57,8 @@ class RayFleetConfig:
     lease_timeout_s: float = 60.0
     call_margin_s: float = 30.0
     refresh_s: float = 1.0
-    lease_idle_s: float = 600.0
     start_timeout_s: float = 300.0
+    lease_ports: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("sandboxes_per_node", "creation_burst"):
@@ -69,7 +70,6 @@ class RayFleetConfig:
             "call_margin_s",
             "refresh_s",
             "start_timeout_s",
-            "lease_idle_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"sandbox.ray.{name} must be > 0, got {getattr(self, name)!r}")
@@ -81,8 +81,26 @@ class RayFleetConfig:
             raise ValueError(
                 f"sandbox.ray.node_backend must be 'docker' or 'local', got {self.node_backend!r}"
             )
+        if self.lease_ports is not None:
+            self.port_range()
         if not self.node_resource:
             raise ValueError("sandbox.ray.node_resource must name a Ray resource, e.g. 'stare_sandbox'")
+
+    def port_range(self) -> range | None:
+        """``lease_ports`` as a range (None: any port)."""
+        if self.lease_ports is None:
+            return None
+        first, sep, last = str(self.lease_ports).partition("-")
+        try:
+            lo, hi = int(first), int(last if sep else first)
+        except ValueError:
+            lo = hi = -1
+        if not 1024 <= lo <= hi <= 65535:
+            raise ValueError(
+                f"sandbox.ray.lease_ports must be 'FIRST-LAST' with 1024 <= FIRST <= LAST <= 65535, "
+                f"e.g. '20000-20099', got {self.lease_ports!r}"
+            )
+        return range(lo, hi + 1)
 
 
 @dataclass(frozen=True)
@@ -120,6 +138,10 @@ class FleetStats:
         clients: The ``RaySandboxFleet`` clients registered with it, in every process of the run.
         failures: ``(node_id, why)`` of each node whose last host was dropped and that has no ready
             host since (a host that could not start: Docker unreachable, the image missing).
+        waiting: Leases waiting for a free sandbox now.
+        reclaimed: Leases taken back because their client's process was gone.
+        restarted: Whether this coordinator is a restart of one that died (Ray restarted it).
+        adopted: Hosts this coordinator took over from an earlier one, with their leases.
     """
 
     hosts: tuple[HostStats, ...]
@@ -133,6 +155,10 @@ class FleetStats:
     coordinator_node: str = ""
     clients: int = 0
     failures: tuple[tuple[str, str], ...] = field(default=())
+    waiting: int = 0
+    reclaimed: int = 0
+    restarted: bool = False
+    adopted: int = 0
 
     @property
     def size(self) -> int:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from stare_sandbox.base import Sandbox
 from stare_sandbox.config import SandboxConfig
-from stare_sandbox.errors import SandboxClosed, SandboxError
+from stare_sandbox.errors import SandboxClosed, SandboxError, SandboxUnavailable
 from stare_sandbox.pool import PooledSandbox, SandboxPool
 from stare_sandbox.ray_fleet.config import RayFleetConfig, import_ray
 from stare_sandbox.ray_fleet.wire import pack_result, raised_answer
@@ -21,16 +19,25 @@ from stare_sandbox.ray_fleet.wire import pack_result, raised_answer
 logger = logging.getLogger(__name__)
 
 
+HOST_PREFIX = "stare-sandbox-host-"
+"""The names of host actors start with it (in the fleet's namespace): a coordinator adopts them."""
+
+
 class SandboxHost:
     """The actor on one node: a warm ``SandboxPool`` of the node's daemon, leased by id.
 
-    Run as a threaded Ray actor; Ray carries its leases (``acquire``, ``release``) and its health
-    (``ready``, ``ping``). A lease's calls come on a TCP connection of their own
-    (``stare_sandbox.ray_fleet.wire``: ``acquire`` returns the address and the lease's token), served by a
-    thread per connection, so calls on different leases run at once. Every container start takes a
-    token of the coordinator's creation-rate limit first. A lease without a call for
-    ``lease_idle_s`` is taken back (its holder is taken for gone) and its sandbox replaced.
+    Run as a threaded, detached Ray actor; Ray carries its leases (``acquire``, ``release``) and
+    its health (``ready``, ``ping``, ``adopt``). A lease's calls come on a TCP connection of their
+    own (``stare_sandbox.ray_fleet.wire``: ``acquire`` returns the address and the lease's token),
+    served by a thread per connection, so calls on different leases run at once. Every container
+    start takes a token of the coordinator's creation-rate limit first; the pool starts in the
+    background and the host takes leases from its first sandbox on (``ready``), reporting the rest
+    as they come (``host_grew``). It outlives its coordinator (the next one adopts it) and ends
+    itself when no coordinator has pinged it for ``ORPHAN_S``.
     """
+
+    ORPHAN_S = 120.0
+    """A host no coordinator pinged for this long closes its pool and ends (its fleet is gone)."""
 
     def __init__(
         self, config: RayFleetConfig, sandbox_config: SandboxConfig, coordinator: Any, name: str
@@ -39,70 +46,110 @@ class SandboxHost:
         self.node_id: str = ray.get_runtime_context().get_node_id()
         self.name = name
         self._leases: dict[str, PooledSandbox] = {}
-        self._last_use: dict[str, float] = {}
-        self._in_call: collections.Counter[str] = collections.Counter()
+        self._clients: dict[str, str] = {}  # lease id -> client id
         self._lock = threading.Lock()
-        self._coordinator, self._idle_s = coordinator, config.lease_idle_s
+        self._coordinator = coordinator
+        self._pinged = time.monotonic()
         self._closed = False
+        self._start_timeout = config.start_timeout_s
+        self._lease_timeout = config.lease_timeout_s
+        self._fill_left = config.sandboxes_per_node  # the pool's first starts, in order
+        self._first_asked = threading.Event()  # the first start has its token (or failed): others follow
+        self._started = 0
         backend = config.node_backend
 
         def make() -> Sandbox:
-            ray.get(coordinator.take_creation_token.remote(config.lease_timeout_s))
+            with self._lock:
+                first_fill = self._fill_left == config.sandboxes_per_node
+                filling = self._fill_left > 0
+                self._fill_left -= 1
+            try:
+                if filling and not first_fill:  # every host's first sandbox comes before anyone's second
+                    self._first_asked.wait(self._start_timeout)
+                self._creation_token(None if filling else self._lease_timeout)
+            finally:
+                if first_fill:
+                    self._first_asked.set()
             from stare_sandbox.docker import DockerSandbox
             from stare_sandbox.local import LocalSandbox
 
-            return DockerSandbox(sandbox_config) if backend == "docker" else LocalSandbox(sandbox_config)
+            sandbox = DockerSandbox(sandbox_config) if backend == "docker" else LocalSandbox(sandbox_config)
+            if filling:
+                with self._lock:
+                    self._started += 1
+                    started = self._started
+                with contextlib.suppress(Exception):
+                    self._coordinator.host_grew.remote(self.node_id, self.name, started)
+            return sandbox
 
         self._pool = SandboxPool(
-            config.sandboxes_per_node, factory=make, lease_timeout=config.lease_timeout_s
+            config.sandboxes_per_node, factory=make, lease_timeout=config.lease_timeout_s, wait=False
         )
         from stare_sandbox.ray_fleet.wire import LeaseServer
 
-        self._server = LeaseServer(ray.util.get_node_ip_address(), self._answer)
-        threading.Thread(target=self._reclaim_loop, name="lease-reclaim", daemon=True).start()
+        self._server = LeaseServer(ray.util.get_node_ip_address(), self._answer, ports=config.port_range())
+        threading.Thread(target=self._orphan_watch, name="host-orphan-watch", daemon=True).start()
 
     def ready(self) -> tuple[str, int]:
-        """The node id and the pool's size, once the pool has started."""
-        return self.node_id, self._pool.size
+        """The node id and the sandboxes started, once the first has (up to ``start_timeout_s``).
+
+        Raises:
+            SandboxUnavailable: none started in time; the last start's error when every one failed.
+        """
+        started = self._pool.wait_started(1, self._start_timeout)
+        if not started:
+            raise SandboxUnavailable(
+                f"no sandbox started on node {self.node_id} in {self._start_timeout:g} s "
+                "(sandbox.ray.start_timeout_s): `stare-agent sandbox doctor` on that node says why"
+            )
+        with self._lock:
+            return self.node_id, max(self._started, started)
 
     def ping(self) -> bool:
+        self._pinged = time.monotonic()
         return True
 
-    def acquire(self, lease_id: str, timeout: float) -> tuple[str, int, bytes]:
-        """Lease a sandbox as ``lease_id``: the address its calls go to and the lease's token."""
+    def adopt(self, coordinator: Any) -> tuple[str, int, dict[str, str]]:
+        """A (new) coordinator takes this host over: its node, the sandboxes started, and its leases
+        (lease id -> client id)."""
+        with self._lock:
+            self._coordinator, self._pinged = coordinator, time.monotonic()
+            return self.node_id, self._started, dict(self._clients)
+
+    def acquire(self, lease_id: str, client_id: str, timeout: float) -> tuple[str, int, bytes]:
+        """Lease a sandbox as ``lease_id`` for ``client_id``: the address its calls go to and the
+        lease's token."""
         lease = self._pool.acquire(timeout)
         with self._lock:
             self._leases[lease_id] = lease
-            self._last_use[lease_id] = time.monotonic()
+            self._clients[lease_id] = client_id
         return (*self._server.address, self._server.admit(lease_id))
 
     def run(self, lease_id: str, code: str, timeout: float | None) -> tuple[Any, ...]:
         """``ExecResult`` packed (:func:`pack_result`)."""
-        with self._using(lease_id) as lease:
-            return pack_result(lease.run(code, timeout))
+        return pack_result(self._lease(lease_id).run(code, timeout))
 
     def reset(self, lease_id: str) -> None:
-        with self._using(lease_id) as lease:
-            lease.reset()
+        self._lease(lease_id).reset()
 
     def is_alive(self, lease_id: str) -> bool:
         try:
-            with self._using(lease_id) as lease:
-                return lease.is_alive()
+            return self._lease(lease_id).is_alive()
         except SandboxClosed:
             return False
 
     def release(self, lease_id: str, broken: bool) -> None:
-        """End a lease (once: the host, not its holder, tells the coordinator, so a lease taken back
-        for idleness and then given back by a slow holder counts once)."""
+        """End a lease (once: the host, not its holder, tells the coordinator, which counts each lease
+        once however often it hears of its end)."""
         with self._lock:
             lease = self._leases.pop(lease_id, None)
-            self._last_use.pop(lease_id, None)
+            self._clients.pop(lease_id, None)
+            coordinator = self._coordinator
         self._server.revoke(lease_id)
         if lease is not None:
             self._pool.release(lease, broken=broken)
             with contextlib.suppress(Exception):
-                self._coordinator.returned.remote(self.node_id, self.name)
+                coordinator.returned.remote(self.node_id, self.name, lease_id)
 
     def pool_stats(self) -> dict[str, int]:
         return dataclasses.asdict(self._pool.stats())
@@ -111,6 +158,22 @@ class SandboxHost:
         self._closed = True
         self._server.close()
         self._pool.close()
+
+    def _creation_token(self, timeout: float | None) -> None:
+        """Wait for this start's turn at the coordinator; through a coordinator restart, keep asking
+        (up to ``ORPHAN_S``)."""
+        ray = import_ray()
+        deadline = time.monotonic() + self.ORPHAN_S
+        while True:
+            try:
+                ray.get(self._coordinator.take_creation_token.remote(timeout))
+                return
+            except ray.exceptions.RayTaskError:
+                raise
+            except ray.exceptions.RayError:
+                if time.monotonic() > deadline or self._closed:
+                    raise
+                time.sleep(1.0)
 
     def _answer(self, lease_id: str, request: list[Any]) -> tuple[Any, ...]:
         """The answer to a request on ``lease_id``'s connection (``stare_sandbox.ray_fleet.wire``)."""
@@ -131,43 +194,26 @@ class SandboxHost:
         except Exception as exc:  # noqa: BLE001 - the host failed: the client drops it
             return ("failed", f"{type(exc).__name__}: {exc}")
 
-    @contextlib.contextmanager
-    def _using(self, lease_id: str) -> Iterator[PooledSandbox]:
+    def _lease(self, lease_id: str) -> PooledSandbox:
         with self._lock:
             lease = self._leases.get(lease_id)
-            if lease is None:
-                raise SandboxClosed(
-                    f"lease {lease_id} is not held on this host (given back, or taken back after "
-                    f"{self._idle_s:g} s without a call): lease a new sandbox"
-                )
-            self._in_call[lease_id] += 1
-        try:
-            yield lease
-        finally:
-            with self._lock:
-                self._in_call[lease_id] -= 1
-                if not self._in_call[lease_id]:
-                    del self._in_call[lease_id]
-                self._last_use[lease_id] = time.monotonic()
+        if lease is None:
+            raise SandboxClosed(
+                f"lease {lease_id} is not held on this host (given back, or taken back when its client "
+                "was gone): lease a new sandbox"
+            )
+        return lease
 
-    def _reclaim_loop(self) -> None:
-        """Take back leases idle for ``lease_idle_s`` (not while a call runs) and tell the coordinator."""
+    def _orphan_watch(self) -> None:
+        """End this host when no coordinator has pinged it for ``ORPHAN_S`` (its fleet is gone)."""
         while not self._closed:
-            time.sleep(min(10.0, self._idle_s / 4))
-            now = time.monotonic()
-            with self._lock:
-                idle = [
-                    lease_id
-                    for lease_id, used in self._last_use.items()
-                    if now - used > self._idle_s and not self._in_call[lease_id]
-                ]
-            for lease_id in idle:
+            time.sleep(5.0)
+            if time.monotonic() - self._pinged > self.ORPHAN_S:
                 logger.warning(
-                    "lease %s had no call for %g s: taken back (its holder is taken for gone)",
-                    lease_id,
-                    self._idle_s,
+                    "no sandbox fleet coordinator for %g s: host %s ends", self.ORPHAN_S, self.name
                 )
-                self.release(lease_id, broken=True)  # its state is unknown: a fresh sandbox
-
-
-# --------------------------------------------------------------------------------- coordinator
+                self.close()
+                ray = import_ray()
+                with contextlib.suppress(Exception):
+                    ray.kill(ray.get_runtime_context().current_actor)
+                return

@@ -87,6 +87,20 @@ def _recv_exactly(sock: socket.socket, size: int, deadline: float | None = None)
     return bytes(buffer)
 
 
+def _listen(host: str, ports: range | None) -> socket.socket:
+    if ports is None:
+        return socket.create_server((host, 0))
+    for port in ports:
+        try:
+            return socket.create_server((host, port))
+        except OSError:
+            continue
+    raise OSError(
+        f"no free port in sandbox.ray.lease_ports {ports.start}-{ports.stop - 1} on {host}: widen the "
+        "range (one port per sandbox host on the node)"
+    )
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a request is one write: send it now
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -106,11 +120,15 @@ class LeaseServer:
     Args:
         host: The address to listen on (the node's IP, which the cluster's other nodes reach).
         handle: Answers a request (see :data:`Handler`); it must not raise.
+        ports: The ports to try, in order (the first free one is taken), or None for any.
+
+    Raises:
+        OSError: no port of ``ports`` is free (the message names the range and the fix).
     """
 
-    def __init__(self, host: str, handle: Handler) -> None:
+    def __init__(self, host: str, handle: Handler, ports: range | None = None) -> None:
         self._handle = handle
-        self._listener = socket.create_server((host, 0))
+        self._listener = _listen(host, ports)
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
         self._tokens: dict[bytes, str] = {}
         self._lock = threading.Lock()

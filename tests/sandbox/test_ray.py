@@ -6,6 +6,7 @@ mid-episode, a node that joins later). Every node talks over the loopback only."
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -13,7 +14,7 @@ import time
 import pytest
 
 from stare_sandbox import SandboxConfig
-from stare_sandbox.ray_fleet import RayFleetConfig, RaySandbox, RaySandboxFleet, SandboxLost
+from stare_sandbox.ray_fleet import FleetCoordinator, RayFleetConfig, RaySandbox, RaySandboxFleet, SandboxLost
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -423,7 +424,7 @@ def test_a_lease_connection_needs_the_token_its_host_issued(fleet: RaySandboxFle
 
     with fleet.lease() as sb:
         host = sb.inner._host
-        ip, port, token = ray.get(host.acquire.remote("test-token-lease", 30.0), timeout=60)
+        ip, port, token = ray.get(host.acquire.remote("test-token-lease", "test-client", 30.0), timeout=60)
         try:
             assert len(token) == TOKEN_BYTES
             wrong = bytes([token[0] ^ 1]) + token[1:]
@@ -595,33 +596,202 @@ def test_a_training_step_plays_its_episodes_on_the_fleet(fleet: RaySandboxFleet,
     assert metrics["failed_episodes"] == 0 and math.isfinite(metrics["loss"])
 
 
-def test_a_lease_whose_holder_is_gone_is_taken_back(cluster) -> None:
-    """A process that dies holding a lease: after ``lease_idle_s`` without a call its host takes the
-    lease back (the sandbox is replaced, the cap's slot freed) and a late call is refused."""
+HOLDS_A_LEASE = """
+import dataclasses, sys, time
+from stare_sandbox.ray_fleet import RaySandboxFleet
+from tests.sandbox.test_ray import FLEET, LIMITS
+
+fleet = RaySandboxFleet(dataclasses.replace(FLEET, address=sys.argv[1], namespace=sys.argv[2]), LIMITS)
+lease = fleet.acquire(timeout=60)
+assert lease.run("1 + 1").stdout == "2\\n"
+print("holding", flush=True)
+import os; os._exit(0)  # dies holding it: no release, no close
+"""
+
+
+def test_a_dead_clients_lease_is_taken_back_and_a_long_turn_keeps_its_own(cluster) -> None:
+    """A lease is taken back when its client's process is gone (within seconds), never because it
+    went without a call: a long model turn keeps its sandbox (issue 43, item 5)."""
+    import subprocess
+    import sys
+
     from stare_sandbox import SandboxClosed
 
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     config = RayFleetConfig(
-        namespace="stare-test-idle", sandboxes_per_node=1, lease_idle_s=2.0, refresh_s=0.5, call_margin_s=20.0
+        namespace="stare-test-reclaim", sandboxes_per_node=1, refresh_s=0.5, call_margin_s=20.0
     )
-    idle = RaySandboxFleet(config, LIMITS, min_hosts=2)
+    fleet = RaySandboxFleet(config, LIMITS, min_hosts=2)
     try:
-        kept = idle.acquire()
-        assert kept.run("1 + 1").stdout == "2\n"
-        held = idle.acquire()  # never used again, never given back: its holder "died"
-        for _ in range(6):  # a lease in use is kept however long it lives
-            time.sleep(0.5)
-            assert kept.run("1").ok
+        kept = fleet.acquire()
+        assert kept.run("y = 5").ok
+        done = subprocess.run(
+            [sys.executable, "-c", HOLDS_A_LEASE, cluster.address, "stare-test-reclaim"],
+            capture_output=True, text=True, timeout=120, cwd=repo,
+        )  # fmt: skip
+        assert done.returncode == 0 and "holding" in done.stdout, done.stderr[-3000:]
         start = time.monotonic()
-        _wait(lambda: idle.stats().leased == 1, 30, "the idle lease taken back")
-        assert time.monotonic() - start < 15
-        with pytest.raises(SandboxClosed, match="taken back after 2 s without a call"):
-            held.run("1")
-        with idle.lease(timeout=30) as again:  # its slot serves the next episode
+        _wait(
+            lambda: fleet.stats().reclaimed == 1 and fleet.stats().leased == 1,
+            30,
+            "the dead client's lease taken back",
+        )
+        assert time.monotonic() - start < 20
+        with fleet.lease(timeout=30) as again:  # its slot serves the next episode
             assert again.run("3 * 3").stdout == "9\n"
+        time.sleep(25)  # a long model turn of a live client: no call for a while
+        assert kept.run("print(y)").stdout == "5\n"  # its sandbox, its state
+        assert fleet.stats().reclaimed == 1
         kept.close()
+        with pytest.raises(SandboxClosed):
+            kept.inner  # noqa: B018 - given back
     finally:
-        idle.shutdown_fleet()
-        idle.close()
+        fleet.shutdown_fleet()
+        fleet.close()
+
+
+def test_thousands_of_waiters_never_starve_the_coordinator(fleet: RaySandboxFleet) -> None:
+    """300 leases wait on a full fleet (issue 43, item 1: a threaded coordinator gave its 256 threads
+    to them and starved ``returned``): one sandbox freed goes to a waiter within a second, and every
+    waiter that gets none is told the truth (every sandbox of the cap leased)."""
+    from stare_sandbox.errors import PoolExhausted
+
+    _wait(
+        lambda: fleet.stats().leased == 0 and fleet.stats().max_leases == 3, 60, "a fleet with nothing leased"
+    )
+    held = [fleet.acquire() for _ in range(3)]  # the cap
+    got: list[tuple[float, object]] = []
+    failed: list[BaseException] = []
+    lock = threading.Lock()
+
+    def wait_for_one() -> None:
+        try:
+            lease = fleet.acquire(timeout=12)
+            with lock:
+                got.append((time.monotonic(), lease))
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            with lock:
+                failed.append(exc)
+
+    threads = [threading.Thread(target=wait_for_one) for _ in range(300)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(4.0)
+        _wait(lambda: fleet.stats().waiting >= 290, 30, "the waiters queued at the coordinator")
+        freed = time.monotonic()
+        held.pop().close()
+        for thread in threads:
+            thread.join(60)
+        assert len(got) == 1, (len(got), failed[:3])
+        assert got[0][0] - freed < 1.0, got[0][0] - freed
+        assert len(failed) == 299 and all(isinstance(e, PoolExhausted) for e in failed), failed[:3]
+        assert all("3 leased of a cap of 3" in str(e) for e in failed), str(failed[0])
+        held.append(got[0][1])
+    finally:
+        for lease in held:
+            lease.close()
+    _wait(lambda: fleet.stats().leased == 0 and fleet.stats().waiting == 0, 30, "every lease given back")
+
+
+def test_hosts_start_in_turn_without_livelock_on_a_slow_creation_rate(cluster) -> None:
+    """Creation tokens are booked in turn (issue 43, item 2: with 4 sandboxes a node, 0.5 tokens/s,
+    burst 1 and a 7 s lease timeout, hosts failed their start together and again 10 s later): each
+    host takes leases from its first sandbox on, the fleet fills at the creation rate, no container
+    start is thrown away and no host is lost. Lease servers listen on the configured ports."""
+    config = RayFleetConfig(
+        namespace="stare-test-tokens", sandboxes_per_node=4, creations_per_s=0.5, creation_burst=1,
+        lease_timeout_s=7.0, call_margin_s=20.0, refresh_s=0.5, start_timeout_s=120.0,
+        lease_ports="23100-23109",
+    )  # fmt: skip
+    start = time.monotonic()
+    fleet = RaySandboxFleet(config, LIMITS, min_hosts=2)
+    try:
+        both = time.monotonic() - start
+        assert both < 25, both  # every host's first sandbox comes before anyone's second (~2 s apart)
+        _wait(lambda: fleet.stats().size == 8, 60, "8 sandboxes at 0.5 a second")
+        stats = fleet.stats()
+        assert stats.hosts_lost == 0 and not stats.failures, stats
+        assert len(stats.creations) == 8  # none thrown away
+        gaps = sorted(stats.creations)
+        assert all(b - a >= 2.0 - 0.05 for a, b in itertools.pairwise(gaps)), gaps  # the rate held
+        with fleet.lease() as sb:
+            assert 23100 <= sb.inner._connection._sock.getpeername()[1] <= 23109
+            assert sb.run("2 + 2").stdout == "4\n"
+    finally:
+        fleet.shutdown_fleet()
+        fleet.close()
+
+
+def test_a_coordinator_that_dies_mid_step_comes_back_with_every_host_and_lease(cluster) -> None:
+    """Issue 43, item 3: the hosts outlive their coordinator and its next incarnation (Ray's restart,
+    or a new one when it died for good) adopts them with their leases; held leases go on running,
+    the client goes on leasing without being built again, nothing is lost or counted twice."""
+    import ray
+
+    from stare_sandbox.ray_fleet import COORDINATOR_NAME
+
+    config = RayFleetConfig(
+        namespace="stare-test-restart", sandboxes_per_node=2, refresh_s=0.5, call_margin_s=20.0
+    )
+    fleet = RaySandboxFleet(config, LIMITS, min_hosts=2)
+    try:
+        hosts = {h.node_id for h in fleet.stats().hosts}
+        held = [fleet.acquire(), fleet.acquire()]
+        assert held[0].run("z = 7").ok
+        for no_restart in (False, True):  # Ray restarts it in place; then it dies for good
+            ray.kill(ray.get_actor(COORDINATOR_NAME, namespace="stare-test-restart"), no_restart=no_restart)
+            start = time.monotonic()
+            assert held[0].run("print(z)").stdout == "7\n"  # a held lease does not need the coordinator
+            lease = fleet.acquire(timeout=60)  # asks again, with backoff, until one answers
+            took = time.monotonic() - start
+            assert took < 20, took
+            stats = fleet.stats()
+            assert stats.adopted == 2 and {h.node_id for h in stats.hosts} == hosts
+            assert stats.leased == 3 and stats.hosts_lost == 0, stats  # the held two, and this one
+            lease.close()
+            _wait(lambda: fleet.stats().leased == 2, 30, "the new lease given back, counted once")
+        assert held[1].run("1 + 1").stdout == "2\n"
+        time.sleep(FleetCoordinator.CLIENT_GRACE_S + 3)  # a restarted coordinator learns its clients again
+        stats = fleet.stats()
+        assert stats.clients == 1 and stats.reclaimed == 0 and stats.leased == 2, stats
+        for lease in held:
+            lease.close()
+        _wait(lambda: fleet.stats().leased == 0, 30, "every lease given back")
+    finally:
+        fleet.shutdown_fleet()
+        fleet.close()
+
+
+def test_a_call_past_its_deadline_costs_its_sandbox_not_its_host(cluster, fleet: RaySandboxFleet) -> None:
+    """A host that does not answer one call in time (here: its process stopped for a few seconds)
+    loses that lease's sandbox, not its other leases: the host is dropped only when it stops
+    answering the coordinator's pings (issue 43, "Also")."""
+    import dataclasses
+    import signal
+
+    import ray
+
+    _wait(lambda: len(_ready_hosts(fleet)) == 2 and fleet.stats().leased == 0, 60, "two idle hosts")
+    impatient = RaySandboxFleet(dataclasses.replace(FLEET, call_margin_s=0.5), LIMITS)
+    try:
+        node = sorted(_ready_hosts(fleet))[0]
+        first, second = impatient.acquire(node_id=node), impatient.acquire(node_id=node)
+        assert second.run("w = 3").ok
+        lost = fleet.stats().hosts_lost
+        pid = ray.get(first.inner._host.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(SandboxLost, match="did not answer run"):
+                first.run("1", timeout=1)  # waits 1 + 2 (restart grace) + 0.5 s
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert second.run("print(w)").stdout == "3\n"  # the host and its other lease go on
+        assert fleet.stats().hosts_lost == lost
+        first.close()
+        second.close()
+    finally:
+        impatient.close()
 
 
 def test_the_adapters_sessions_lease_from_the_fleet(fleet: RaySandboxFleet) -> None:
