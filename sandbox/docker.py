@@ -43,6 +43,7 @@ with its status) by restarting the container.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import math
@@ -64,6 +65,7 @@ from stare_sandbox.seccomp import security_opt
 from stare_sandbox.shutdown import exit_on_sigterm
 from stare_sandbox.uids import UidClaim, claim_uid
 from stare_sandbox.usage import CgroupUsage, cgroup_dir
+from stare_sandbox.warden import KERNEL_EXITED, STOPPED_FROM_OUTSIDE
 
 logger = logging.getLogger(__name__)
 
@@ -484,25 +486,80 @@ class _ContainerKernel:
             self._init_fd = None
 
     def death_cause(self) -> str:
-        try:
-            self.container.reload()
-        except Exception:  # noqa: BLE001
+        ended = self._ended()
+        if ended is None:
             return "container removed"
-        state = self.container.attrs.get("State", {})
+        state, said = ended
         if state.get("OOMKilled"):
             return f"killed for using more than the {self.memory_mb} MB memory limit"
         code = state.get("ExitCode")
         cause = f"exit code {code}" + (
             f" (signal {code - 128})" if isinstance(code, int) and code > 128 else ""
         )
-        try:  # the warden logs why it exited (e.g. a module sandbox.preload names is missing)
-            lines = (
-                self.container.logs(stdout=False, stderr=True, tail=5).decode(errors="replace").splitlines()
+        # the warden logs why it exited (e.g. a module sandbox.preload names is missing)
+        return f"{cause}; warden: {said[-1]}" if said else cause
+
+    def killed_from_outside(self) -> bool:
+        """True only on evidence that the container ended from outside, not by its code: it is gone
+        (or the daemon does not answer), or it stopped neither for its memory limit nor because its
+        kernel exited (the warden logs that first: ``warden.KERNEL_EXITED``), and either the warden
+        obeyed a SIGTERM from outside (``docker stop``, a daemon shutting down: it logs
+        ``warden.STOPPED_FROM_OUTSIDE``) or it was killed by SIGKILL (exit code 137), which code in
+        the container cannot send its PID 1 (``docker kill``, ``docker rm -f``, the node's OOM
+        killer).
+
+        Code in the sandbox cannot fake either: only the warden writes the container's log, and
+        every way the code can end its container (exiting or killing its kernel, using up the memory
+        limit) passes through a kernel that exited or through Docker's ``OOMKilled``. An end that
+        cannot be read (a log or start time the daemon does not give) counts as the code's, as does
+        a kill by the node's OOM killer that Docker reports as ``OOMKilled`` (a kernel it took is a
+        kernel that exited).
+        """
+        ended = self._ended()
+        if ended is None:
+            return True  # removed, or no daemon: nothing in the sandbox does either
+        state, said = ended
+        if state.get("Running") or state.get("OOMKilled") or not _timestamp(state.get("StartedAt", "")):
+            return False
+        if any(line.startswith(KERNEL_EXITED) for line in said):
+            return False
+        return STOPPED_FROM_OUTSIDE in said or state.get("ExitCode") == 128 + signal.SIGKILL
+
+    def _ended(self) -> tuple[dict[str, Any], list[str]] | None:
+        """The container's ``State`` and the lines the warden logged since it last started (without
+        their ``warden: `` prefix; the last 5 when the start time is unknown); None when the
+        container or the daemon is gone."""
+        try:
+            self.container.reload()
+        except Exception:  # noqa: BLE001 - gone means gone
+            return None
+        state = self.container.attrs.get("State", {})
+        since = _timestamp(state.get("StartedAt", ""))
+        try:  # this run's lines only: an earlier run's kernel may have exited before a restart
+            text = self.container.logs(
+                stdout=False, stderr=True, **({"since": since} if since else {"tail": 5})
             )
         except Exception:  # noqa: BLE001 - the cause is still the exit code
-            lines = []
-        said = [line for line in lines if line.startswith("warden: ")]
-        return f"{cause}; {said[-1]}" if said else cause
+            text = b""
+        lines = text.decode(errors="replace").splitlines()
+        return state, [line.removeprefix("warden: ") for line in lines if line.startswith("warden: ")]
+
+
+def _timestamp(rfc3339: str) -> float | None:
+    """Seconds since the epoch of a time as Docker writes it (``2026-12-01T10:00:00.123456789Z``, UTC);
+    None when there is none (Docker's zero time) or it cannot be read.
+
+    >>> _timestamp("2026-12-01T10:00:00.5Z") - _timestamp("2026-12-01T10:00:00Z")
+    0.5
+    """
+    whole, _, rest = rfc3339.partition(".")
+    try:
+        seconds = datetime.datetime.strptime(whole.removesuffix("Z"), "%Y-%m-%dT%H:%M:%S")
+    except ValueError:
+        return None
+    fraction = float(f"0.{rest.removesuffix('Z')}") if rest.removesuffix("Z").isdigit() else 0.0
+    value = seconds.replace(tzinfo=datetime.timezone.utc).timestamp() + fraction
+    return value if value > 0 else None
 
 
 def _pidfd(pid: int) -> int | None:

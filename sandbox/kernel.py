@@ -15,7 +15,10 @@ Timeout policy of ``KernelDriver.execute``:
    (``timed_out=True, state_lost=True``). The relaunch is not waited for here; the next call does.
 3. A kernel that dies on its own (``os._exit``, SIGKILL, the OOM killer) is noticed by polling
    ``KernelHost.is_alive`` while no message arrives, relaunched, and reported as a
-   ``KernelDied`` error with ``state_lost=True``.
+   ``KernelDied`` error with ``state_lost=True``. One that the backend shows was ended from outside,
+   not by its code (``KernelHost.killed_from_outside``: a container killed, stopped or removed)
+   raises :class:`~stare_sandbox.errors.SandboxKilled` instead: an infrastructure failure, never
+   the code's crash.
 
 Nothing the kernel sends can make ``execute`` raise: every message is checked before it is used
 (signature, framing, field types), and one that fails is skipped and counted
@@ -57,7 +60,7 @@ from jupyter_client.session import DELIM
 
 from stare_sandbox.base import Sandbox
 from stare_sandbox.config import RANDOM_SEED
-from stare_sandbox.errors import SandboxClosed, SandboxError
+from stare_sandbox.errors import SandboxClosed, SandboxError, SandboxKilled
 from stare_sandbox.result import ExecError, ExecResult
 from stare_sandbox.zmtp import BoundedSocket, DroppedMessage
 
@@ -132,6 +135,10 @@ class KernelHost(Protocol):
 
     def death_cause(self) -> str:
         """One line on why the kernel process ended (exit code, signal, out of memory)."""
+
+    def killed_from_outside(self) -> bool:
+        """True only when the kernel's end is known to come from outside the sandbox, so that the
+        code it ran cannot have caused it (False whenever that is not certain)."""
 
 
 class OutputBuffer:
@@ -231,6 +238,8 @@ class KernelDriver:
         self._shell = self.client.shell_channel
         self.ready = False
         self._renew = False  # True when the sockets may be dead: the next wait renews them
+        self.killed: str | None = None
+        """Why the sandbox was ended from outside (``SandboxKilled``'s message), until a new kernel."""
         self._warned_no_cpu = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -318,13 +327,40 @@ class KernelDriver:
 
     def _reconnect_or_restart(self, timeout: float) -> bool:
         """Fresh sockets to the kernel; if it does not answer on them, a fresh kernel (the next
-        call waits for it). True when the kernel was restarted (its state is lost)."""
+        call waits for it). True when the kernel was restarted (its state is lost).
+
+        Raises:
+            SandboxKilled: the kernel is dead, ended from outside (see ``_died``).
+        """
         try:
             self._connect(time.monotonic() + timeout, timeout, renew=True)
         except (SandboxError, zmq.ZMQError):
+            if not self.host.is_alive():
+                self._died()
             self.restart()
             return True
         return False
+
+    def _died(self) -> str:
+        """Why the dead kernel ended, for its ``KernelDied`` result.
+
+        Raises:
+            SandboxKilled: it was ended from outside, not by its code (``KernelHost.killed_from_outside``):
+                the sandbox is left as it is, every later call raises the same until a reset brings
+                up a new kernel (a pool or an env replaces it), and the failure counts as the
+                infrastructure's.
+        """
+        cause = self.host.death_cause()
+        if self.host.killed_from_outside():
+            self.expect_new_kernel()
+            self.killed = (
+                f"the sandbox was ended from outside while code ran ({cause}), not by that code: its "
+                "container was killed, stopped or removed (`docker kill`/`stop`/`rm`, a Docker daemon "
+                "restart, the node's OOM killer); this sandbox is broken, replace it (a pool does), and if "
+                "it recurs check the node's memory and the Docker daemon's log"
+            )
+            raise SandboxKilled(self.killed)
+        return cause
 
     def _connect_iopub(self) -> BoundedSocket:
         return BoundedSocket(self._iopub_path, socket_type="SUB", max_message_bytes=MAX_MESSAGE_BYTES)
@@ -361,6 +397,7 @@ class KernelDriver:
         sockets (connected at once, rather than after zmq's reconnect interval)."""
         self.ready = False
         self._renew = True
+        self.killed = None
 
     # -- execution ---------------------------------------------------------------------------
 
@@ -372,8 +409,11 @@ class KernelDriver:
         anything the code does.
 
         Raises:
+            SandboxKilled: the sandbox was ended from outside while the code ran (see ``_died``).
             SandboxError: a relaunched kernel does not come up within ``start_timeout``.
         """
+        if self.killed is not None:
+            raise SandboxKilled(self.killed)
         if not self.ready:
             self.wait_ready(start_timeout)
         if not self._discard_shell_replies():
@@ -476,7 +516,7 @@ class KernelDriver:
         if call.skipped:
             return False  # a malformed message is not a quiet poll
         if not self.host.is_alive():
-            cause = self.host.death_cause()
+            cause = self._died()
             self.restart()
             call.state_lost = True
             call.error = ExecError(

@@ -533,6 +533,12 @@ class _LocalKernel:
             return f"killed by {name}{hint}"
         return f"exit code {code}"
 
+    def killed_from_outside(self) -> bool:
+        """Always False: the kernel is a process of this user, which the code it runs can end in
+        every way something outside could (a signal, an exit), so its end is never evidence of an
+        outside cause."""
+        return False
+
 
 _reaped = False
 

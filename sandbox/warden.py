@@ -39,8 +39,11 @@ reset between episodes does not depend on the good behaviour of the interpreter 
    the host locks the dir again before any code runs. If anything does not check out it exits,
    the container stops and the host falls back to restarting the container.
 4. SIGINT is forwarded to the kernel (the host's interrupt); SIGTERM ends everything. When the
-   kernel exits on its own, the warden exits with its status (128 + signal when killed), so the
-   container stops exactly as it did when the kernel was its main process.
+   kernel exits on its own, the warden logs it (``KERNEL_EXITED``) and exits with its status
+   (128 + signal when killed), so the container stops exactly as it did when the kernel was its
+   main process; before it obeys a SIGTERM it logs that too (``STOPPED_FROM_OUTSIDE``). Only the
+   warden writes the container's log, so the host can tell an end the code may have caused from
+   one that came from outside (``stare_sandbox.errors.SandboxKilled``).
 
 Every other catchable signal is ignored.
 """
@@ -71,6 +74,11 @@ KERNEL_CHANNELS = ("stdin", "control")
 RENEW, START, INTERRUPT, TERMINATE = signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGTERM
 HANDLED = {RENEW, START, INTERRUPT, TERMINATE, signal.SIGCHLD}
 START_TIMEOUT_S = 10.0
+KERNEL_EXITED = "the kernel exited with status"
+"""What the warden logs (then the status) before it stops because its kernel ended, by whatever
+cause: the host then knows the container did not end from outside (``stare_sandbox.docker``)."""
+STOPPED_FROM_OUTSIDE = "stopped by SIGTERM from outside the container"
+"""What the warden logs before it obeys a SIGTERM (``docker stop``, a Docker daemon that shuts down)."""
 """How long a renewal waits for the host's SIGUSR2 before the warden gives up (and exits)."""
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -597,6 +605,7 @@ def main(argv):
             except ProcessLookupError:
                 pass
         elif signum == TERMINATE:
+            log(STOPPED_FROM_OUTSIDE)
             kill_others(os.getpid())
             return 0
         elif signum == RENEW:
@@ -607,6 +616,7 @@ def main(argv):
         elif signum == signal.SIGCHLD:
             status = reap().get(kernel)
             if status is not None:  # the kernel ended on its own: so does the container
+                log(f"{KERNEL_EXITED} {exit_status(status)}")
                 kill_others(os.getpid())
                 return exit_status(status)
 

@@ -151,7 +151,8 @@ def test_a_removed_container_costs_one_retry_not_the_rollout(docker_ready):
 def test_an_episode_out_of_retries_is_excluded_and_the_others_finish(docker_ready):
     trajectories, stats, removed, leased = _broken_episode_rollout(max_episode_retries=0)
     failed, *others = trajectories
-    assert failed.info["finish_reason"] == "failed" and "NotFound" in failed.info["failed"]
+    assert failed.info["finish_reason"] == "failed" and "(container removed)" in failed.info["failed"]
+    assert failed.info["failed"].endswith("[SandboxKilled]")
     assert failed.response_ids == [] and failed.reward == 0.0
     assert [t.reward for t in others] == [1.0, 1.0]
     assert stats.retried_episodes == 0 and stats.failed_episodes == 1 and leased == 0

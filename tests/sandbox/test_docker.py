@@ -16,6 +16,7 @@ import pytest
 from stare_sandbox import DockerSandbox, SandboxClosed, SandboxConfig, SandboxError, make_sandbox
 from stare_sandbox.config import PRELOAD_MATH, SANDBOX_UIDS
 from stare_sandbox.docker import LABEL
+from stare_sandbox.errors import SandboxKilled
 from tests.conftest import host_problem, require
 
 pytestmark = pytest.mark.docker
@@ -186,5 +187,37 @@ def test_a_container_removed_mid_call_is_a_sandbox_error_never_the_docker_sdks(d
         sb.run("1 + 1")
         container = sb.container.id
         threading.Timer(1.0, lambda: docker.from_env().containers.get(container).remove(force=True)).start()
-        with pytest.raises(SandboxError, match="could not be relaunched .*NotFound"):
+        with pytest.raises(SandboxKilled, match=r"ended from outside while code ran \(container removed\)"):
             sb.run("import time; time.sleep(5)", timeout=8)
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("verb", ["kill", "stop"])
+def test_a_container_killed_from_outside_mid_call_is_the_infrastructures_never_the_codes(
+    docker_ready, verb
+) -> None:
+    """`docker kill` (SIGKILL to the warden: exit 137, as when the code SIGKILLs its own kernel) and `docker
+    stop` (SIGTERM: exit 0, as when the code calls os._exit(0)) mid-call raise SandboxKilled, a SandboxError:
+    never a KernelDied result that would count as the model's crash. Each comes after the code's own crash
+    of the same exit code in the same container (its log says so: only this run's lines count). Every
+    later call says the same until a reset brings up a new kernel."""
+    import threading
+
+    own_end = {"kill": "import os; os.kill(os.getpid(), 9)", "stop": "import os; os._exit(0)"}[verb]
+    with DockerSandbox(SandboxConfig(timeout_s=10)) as sb:
+        crashed = sb.run(own_end)
+        assert crashed.error.type == "KernelDied" and crashed.state_lost
+        assert (
+            f"warden: the kernel exited with status {137 if verb == 'kill' else 0}" in crashed.error.message
+        )
+        sb.run("x = 1")
+        outside = ["docker", verb, *(["-t", "5"] if verb == "stop" else []), sb.container.id]
+        threading.Timer(1.0, lambda: subprocess.run(outside, capture_output=True, check=True)).start()
+        with pytest.raises(
+            SandboxKilled, match=r"^the sandbox was ended from outside while code ran \(exit code"
+        ):
+            sb.run("import time; time.sleep(8)")
+        with pytest.raises(SandboxKilled):
+            sb.run("1 + 1")
+        sb.reset(hard=True)
+        assert sb.run("6 * 7").stdout == "42\n"

@@ -116,10 +116,28 @@ def test_writing_outside_work_dir_fails(sb: DockerSandbox) -> None:
         assert "Read-only file system" in result.error.message or "Permission denied" in result.error.message
 
 
-@pytest.mark.parametrize("code", ["import os; os.kill(os.getpid(), 9)", "import os; os._exit(1)"])
+WARDEN_SIGNALLED = (
+    "import os, signal\nfor s in (signal.SIGTERM, signal.SIGKILL):\n    try:\n        os.kill(1, s)\n"
+    "    except OSError:\n        pass\nos.kill(os.getpid(), signal.SIGKILL)"
+)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os; os.kill(os.getpid(), 9)",
+        "import os; os._exit(1)",
+        "import os; os._exit(0)",  # exit code 0, as `docker stop` gives
+        "import os; os.killpg(0, 9)",  # its process group, the warden in it
+        WARDEN_SIGNALLED,  # what `docker stop` and `docker kill` send, sent from inside, then a crash
+    ],
+)
 def test_killing_the_kernel(sb: DockerSandbox, code: str) -> None:
+    """However the code ends its kernel, it is the code's crash (a KernelDied result), never an end from
+    outside (``SandboxKilled``, which would count against the infrastructure)."""
     result = sb.run(code)
     assert result.error.type == "KernelDied" and result.state_lost
+    assert "warden: the kernel exited with status" in result.error.message
 
 
 def test_ignoring_sigint_is_ended_by_restart(sb: DockerSandbox) -> None:

@@ -353,3 +353,73 @@ def test_a_cut_last_line_is_left_out_and_a_damaged_one_named(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\ngarbage\n{"step": 3}\n')
     with pytest.raises(MetricsError, match=r"metrics.jsonl:2 is not a metrics record: the file is damaged"):
         read_metrics(tmp_path)
+
+
+@pytest.mark.docker
+def test_tool_health_counts_a_container_killed_from_outside_as_infrastructure_never_as_code(docker_ready):
+    """Three episodes on real Docker sandboxes, one tool call each. p0's container is killed with `docker
+    kill` while its call runs: the attempt ends as an infrastructure failure (SandboxKilled) and p0 is played
+    again to its end: 1 failed attempt, recovered. p1's code fills its 256 MB memory limit and p2's raises an
+    exception it named SandboxKilled: both the model's doing, code errors. By hand: 3 episodes, 3 calls (p0's
+    second attempt, p1's, p2's), 2 code errors, 1 infrastructure failure, recovered, 0 lost. (Before, the
+    outside kill came back as a KernelDied result of p0's code: 4 calls, 3 code errors, no infrastructure
+    failure at all.)"""
+    import subprocess
+    import threading
+    import time
+
+    from stare_agent.engines.scripted import ScriptedEngine
+    from stare_envs.code_interpreter import CodeInterpreterEnv
+    from stare_envs.problems import Problem
+    from stare_envs.rollout import RolloutRunner
+    from stare_sandbox.config import SandboxConfig
+    from stare_sandbox.pool import SandboxPool
+    from tests.helpers_tokenizers import smollm2_tokenizer
+
+    tokenizer = smollm2_tokenizer()
+    problems = [Problem(f"p{i}", f"Problem p{i}: what is {i} * 7?", str(i * 7)) for i in range(3)]
+    code = [
+        "import time\ntime.sleep(5)\nprint(0 * 7)",
+        "chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 2**20))",
+        "class SandboxKilled(Exception):\n    pass\nraise SandboxKilled('the sandbox was ended from outside')",
+    ]
+    killer: list[threading.Thread] = []
+
+    def kill_p0_mid_call() -> None:
+        deadline = time.monotonic() + 60
+        while envs[0]._sandbox is None and time.monotonic() < deadline:  # leased at p0's first call
+            time.sleep(0.01)
+        time.sleep(1.5)  # p0's code sleeps
+        subprocess.run(
+            ["docker", "kill", envs[0]._sandbox.inner.container.id], check=True, capture_output=True
+        )
+
+    def policy(prompt_text: str, turn: int) -> str:
+        i = int(prompt_text.rsplit("Problem p", 1)[1][0])
+        if turn == 0:
+            if i == 0 and not killer:  # p0's first attempt only
+                killer.append(threading.Thread(target=kill_p0_mid_call, daemon=True))
+                killer[0].start()
+            return f"<code>\n```python\n{code[i]}\n```\n</code>"
+        return f"<answer>\\boxed{{{i * 7}}}</answer>"
+
+    config = SandboxConfig(memory_mb=256, timeout_s=20)
+    with SandboxPool(3, backend="docker", config=config) as pool:
+        envs = [
+            CodeInterpreterEnv(problems, format="retool", pool=pool, tokenizer=tokenizer) for _ in problems
+        ]
+        runner = RolloutRunner(tokenizer, ScriptedEngine(tokenizer, policy), max_response_tokens=2048)
+        try:
+            trajectories = runner.run(envs, options=[{"problem_index": i} for i in range(3)])
+        finally:
+            for env in envs:
+                env.close()
+    killer[0].join()
+    p0, p1, p2 = trajectories
+    assert p0.info["retries"] == 1 and p0.info["finish_reason"] == "terminated" and p0.reward == 1.0
+    assert [c["error_type"] for c in p0.info["tool_calls"]] == [None]
+    assert p1.info["tool_calls"][0]["error_type"] in ("KernelDied", "MemoryError")
+    assert [c["error_type"] for c in p2.info["tool_calls"]] == ["SandboxKilled"]
+    health = ToolHealth.of(trajectories)
+    assert (health.episodes, health.calls, health.code_errors, health.timeouts) == (3, 3, 2, 0)
+    assert (health.infra_failures, health.failed_episodes) == (1, 0)  # played again to its end
