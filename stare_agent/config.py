@@ -728,11 +728,15 @@ class TrainerConfig:
             what the policy does, to diff two runs episode by episode, or to train another learner
             variant on the same batches (``stare-agent replay``).
         max_infra_error_rate: The run stops, in one line naming the cause and the fix, once more than
-            this share of the tool calls attempted over the last ``infra_error_window`` steps failed in
-            the sandbox infrastructure (a sandbox, host or node lost, a backend error: not the model's
-            code, whose exceptions and timeouts are observations): a run whose tools broke would
-            otherwise train without them and look fine. 1.0: never stop. Every step logs the
-            ``tools/...`` rates (dashboard panel "Tool health").
+            this share of the episodes played over the last ``infra_error_window`` steps was lost to the
+            sandbox infrastructure (every attempt failed there: a sandbox, host or node lost, a
+            container killed from outside, a backend error; not the model's code, whose exceptions,
+            crashes and timeouts are observations), beyond chance (a one-sided binomial test at
+            p < 0.001, so one or two losses do not stop a small run: at 0.05 it takes 3 of 3, 4 of 8
+            or 8 of 40 episodes): a run whose tools broke would otherwise train without them and
+            look fine. Attempts that failed and were then played to the end on a retry cost time,
+            not data: they are logged (``tools/infra_recovered``), not counted. 1.0: never stop.
+            Every step logs the ``tools/...`` rates (dashboard panel "Tool health").
         infra_error_window: Steps ``max_infra_error_rate`` is taken over.
         max_staleness: Asynchronous rollouts (AReaL; verl's partial rollouts): episodes for the next
             steps are played while the learner trains the current one, each model token at most this
@@ -765,8 +769,8 @@ class TrainerConfig:
             )
         if not 0 <= self.max_infra_error_rate <= 1:
             raise ConfigError(
-                f"trainer.max_infra_error_rate={self.max_infra_error_rate} must be in [0, 1] (a share of tool "
-                "calls; 1.0 never stops the run)"
+                f"trainer.max_infra_error_rate={self.max_infra_error_rate} must be in [0, 1] (a share of "
+                "episodes; 1.0 never stops the run)"
             )
         if self.checkpoint_every < 0 or self.eval_every < 0:
             raise ConfigError("trainer.checkpoint_every and trainer.eval_every must be >= 0 (0 = off)")

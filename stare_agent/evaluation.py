@@ -117,6 +117,7 @@ class ProblemResult:
     tool_errors: int = 0
     failed: int = 0
     infra_failures: int = 0
+    infra_recovered: int = 0
     void_turns: int = 0
     check_timeouts: int = 0
 
@@ -127,6 +128,7 @@ class ProblemResult:
             self.failed += 1
             self.infra_failures += 1
             return
+        self.infra_recovered += int(info.get("retries", 0))  # failed attempts the episode recovered from
         self.void_turns += bool(info.get("void_turn"))
         self.check_timeouts += bool(info.get("reward_info", {}).get("check_timed_out"))
         self.answers.append(info.get("answer"))
@@ -175,6 +177,7 @@ class EvalReport:
             code_errors=sum(r.tool_errors for r in problems) - timeouts,  # a timeout's error is "Timeout"
             timeouts=timeouts,
             infra_failures=sum(r.infra_failures for r in problems),
+            recovered=sum(r.infra_recovered for r in problems),
             failed_episodes=sum(r.failed for r in problems),
             void_turns=sum(r.void_turns for r in problems),
         )

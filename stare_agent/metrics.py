@@ -67,23 +67,33 @@ def rollout_metrics(
 
 
 class ToolHealthError(StareError, RuntimeError):
-    """Too many tool calls failed in the sandbox infrastructure: the run would go on training without
-    its tools and look fine. The message names the rate, the cause and the fix."""
+    """Too many episodes were lost to the sandbox infrastructure: the run would go on training without
+    its tools and look fine. The message names the share, the cause and the fix."""
 
 
 @dataclass
 class ToolHealth:
     """How a set of episodes used their tools and how the calls ended, counted per kind of fault.
 
+    A failure in the sandbox infrastructure (a sandbox, host or node lost, a container killed from
+    outside: :class:`~stare_sandbox.errors.SandboxKilled`, a backend error; our doing) ends its episode's
+    attempt, which the rollout runner plays again up to its retries. Such an attempt is either
+    *recovered* (a later attempt played the episode to its end: time lost, no data) or part of an
+    episode *lost* for good (every attempt failed: the episode, and by default its group, is left
+    out of training). Failures of the model's code (its exceptions, a kernel it crashed or ran out
+    of memory, its timeouts) are observations, counted in ``code_errors`` and ``timeouts``.
+
     Attributes:
         episodes: Episodes played (those that failed included).
         calls: Tool calls of the episodes that finished.
-        code_errors: Calls whose code raised (a Python exception: the model's doing, an observation).
+        code_errors: Calls whose code raised or crashed its interpreter (the model's doing, an
+            observation).
         timeouts: Calls that ran past their time limit.
-        infra_failures: Calls that failed in the sandbox infrastructure (a sandbox, host or node lost,
-            a backend error: our doing), each of which ended its episode's attempt: the attempts that
-            were played again (``retries``) and the last attempt of each failed episode.
-        failed_episodes: Episodes that still failed after their retries.
+        infra_failures: Attempts that failed in the sandbox infrastructure: the ``recovered`` ones
+            and every attempt of the ``failed_episodes``.
+        recovered: Attempts that failed in the infrastructure and whose episode was then played to
+            its end on a retry.
+        failed_episodes: Episodes lost to the infrastructure: every attempt failed there.
         void_turns: Episodes that ended on a model turn with neither a tool call nor an answer.
         last_failure: The cause of the last failed episode ("" when none failed).
     """
@@ -93,23 +103,27 @@ class ToolHealth:
     code_errors: int = 0
     timeouts: int = 0
     infra_failures: int = 0
+    recovered: int = 0
     failed_episodes: int = 0
     void_turns: int = 0
     last_failure: str = ""
 
     @classmethod
     def of(cls, trajectories: Iterable[Trajectory]) -> ToolHealth:
-        """The counts of ``trajectories`` (as the rollout runner builds them)."""
+        """The counts of ``trajectories`` (as the rollout runner builds them: ``info["retries"]`` failed
+        attempts before the last, ``finish_reason == "failed"`` when the last failed too)."""
         health = cls()
         for trajectory in trajectories:
             info = trajectory.info
+            retries = int(info.get("retries", 0))
             health.episodes += 1
-            health.infra_failures += int(info.get("retries", 0))
+            health.infra_failures += retries
             if info.get("finish_reason") == "failed":
                 health.failed_episodes += 1
                 health.infra_failures += 1
                 health.last_failure = str(info.get("failed", ""))
                 continue
+            health.recovered += retries
             calls = info.get("tool_calls", [])
             health.calls += len(calls)
             health.timeouts += sum(bool(c.get("timed_out")) for c in calls)
@@ -119,12 +133,18 @@ class ToolHealth:
 
     @property
     def infra_error_rate(self) -> float:
-        """Infrastructure failures per attempted call (the calls that ran and those that failed)."""
+        """Infrastructure failures per attempted call (the calls that ran and the attempts that failed)."""
         attempts = self.calls + self.infra_failures
         return self.infra_failures / attempts if attempts else 0.0
 
+    @property
+    def lost_fraction(self) -> float:
+        """Episodes lost to the infrastructure per episode played."""
+        return self.failed_episodes / self.episodes if self.episodes else 0.0
+
     def metrics(self) -> dict[str, float]:
-        """Per-step metrics: ``tools/...`` (fractions of calls, and void turns per episode)."""
+        """Per-step metrics: ``tools/...`` (fractions of calls, void turns and lost episodes per episode,
+        and the counts of failed, recovered and lost)."""
         calls, episodes = max(self.calls, 1), max(self.episodes, 1)
         return {
             "tools/calls_per_episode": self.calls / episodes,
@@ -132,61 +152,105 @@ class ToolHealth:
             "tools/timeout_fraction": self.timeouts / calls,
             "tools/infra_error_fraction": self.infra_error_rate,
             "tools/infra_failures": float(self.infra_failures),
+            "tools/infra_recovered": float(self.recovered),
+            "tools/infra_lost": float(self.failed_episodes),
+            "tools/infra_lost_fraction": self.lost_fraction,
             "tools/void_turn_fraction": self.void_turns / episodes,
         }
 
     def line(self) -> str:
         """One line for a person: the counts behind ``metrics``.
 
-        >>> print(ToolHealth(episodes=4, calls=10, code_errors=2, timeouts=1, infra_failures=1).line())
-        tool health: 10 calls in 4 episodes (2.5 per episode): 2 raised in the model's code (20.0%), 1 timed out (10.0%), 1 failed in the sandbox infrastructure (9.1% of attempts); 0 failed episodes; 0 void turns (0.0% of episodes)
+        >>> print(ToolHealth(episodes=4, calls=10, code_errors=2, timeouts=1, infra_failures=1, recovered=1).line())
+        tool health: 10 calls in 4 episodes (2.5 per episode): 2 raised in the model's code (20.0%), 1 timed out (10.0%); 1 attempt failed in the sandbox infrastructure (9.1% of attempts): 1 recovered on a retry, 0 episodes lost (0.0%); 0 void turns (0.0% of episodes)
         """
         calls, episodes = max(self.calls, 1), max(self.episodes, 1)
         return (
             f"tool health: {self.calls} calls in {self.episodes} episodes ({self.calls / episodes:.1f} per "
             f"episode): {self.code_errors} raised in the model's code ({self.code_errors / calls:.1%}), "
-            f"{self.timeouts} timed out ({self.timeouts / calls:.1%}), {self.infra_failures} failed in the "
-            f"sandbox infrastructure ({self.infra_error_rate:.1%} of attempts); {self.failed_episodes} "
-            f"failed episodes; {self.void_turns} void turns ({self.void_turns / episodes:.1%} of episodes)"
+            f"{self.timeouts} timed out ({self.timeouts / calls:.1%}); {self.infra_failures} "
+            f"attempt{'' if self.infra_failures == 1 else 's'} failed in the sandbox infrastructure "
+            f"({self.infra_error_rate:.1%} of attempts): {self.recovered} recovered on a retry, "
+            f"{self.failed_episodes} episodes lost ({self.lost_fraction:.1%}); {self.void_turns} void turns "
+            f"({self.void_turns / episodes:.1%} of episodes)"
         )
 
 
+ALARM_SIGNIFICANCE = 1e-3
+"""How unlikely the window's lost episodes must be at a true share of ``max_rate`` for the alarm to stop
+a run: the chance that a run whose infrastructure loses exactly that share is stopped at a given step."""
+
+
 class ToolHealthAlarm:
-    """Stops a run whose tools fail in the infrastructure: over the last ``window`` steps, the share
-    of attempted tool calls that failed there must stay at or below ``max_rate``.
+    """Stops a run that loses its episodes to the sandbox infrastructure: over the last ``window``
+    steps, the share of episodes lost (every attempt failed there) must not exceed ``max_rate`` by
+    more than chance explains.
+
+    Attempts that failed and then recovered on a retry cost time, not data: they are logged
+    (``tools/infra_recovered``), never counted here, so a lost host whose episodes all recovered
+    elsewhere stops nothing. The minimum sample is a one-sided binomial test: with ``L`` of ``N``
+    episodes lost in the window, the run stops when ``L > max_rate * N`` and the chance of ``L`` or
+    more at a true share of ``max_rate`` is below ``significance``. A small run is not stopped by a
+    loss or two, a large one close to ``max_rate``; at ``max_rate`` 0.05 it takes 3 of 3, 4 of 8, 8 of
+    40, 43 of 512 or 164 of 2,560 lost episodes (computed with :func:`binomial_tail`). ``max_rate``
+    0 stops at the first lost episode, 1 never.
 
     Args:
         max_rate: ``trainer.max_infra_error_rate``.
-        window: Steps the rate is taken over (``trainer.infra_error_window``).
-        min_attempts: Attempted calls the window must hold before it is judged (a single failure in a
-            tiny run is not a trend).
+        window: Steps the share is taken over (``trainer.infra_error_window``).
+        significance: ``ALARM_SIGNIFICANCE`` unless told otherwise.
     """
 
-    def __init__(self, max_rate: float, window: int, *, min_attempts: int = 20) -> None:
-        self.max_rate, self.window, self.min_attempts = max_rate, window, min_attempts
+    def __init__(self, max_rate: float, window: int, *, significance: float = ALARM_SIGNIFICANCE) -> None:
+        self.max_rate, self.window, self.significance = max_rate, window, significance
         self._steps: collections.deque[ToolHealth] = collections.deque(maxlen=window)
 
     def observe(self, step: int, health: ToolHealth) -> None:
         """Add one step's counts.
 
         Raises:
-            ToolHealthError: the window's rate is above ``max_rate``.
+            ToolHealthError: the window lost more episodes than ``max_rate`` and chance explain.
         """
         self._steps.append(health)
-        failures = sum(h.infra_failures for h in self._steps)
-        attempts = failures + sum(h.calls for h in self._steps)
-        if attempts < self.min_attempts or failures <= self.max_rate * attempts:
+        lost = sum(h.failed_episodes for h in self._steps)
+        episodes = sum(h.episodes for h in self._steps)
+        if (
+            lost <= self.max_rate * episodes
+            or binomial_tail(episodes, lost, self.max_rate) >= self.significance
+        ):
             return
+        recovered = sum(h.recovered for h in self._steps)
         last = next((h.last_failure for h in reversed(self._steps) if h.last_failure), "")
         cause = f" (last: {last})" if last else ""
         raise ToolHealthError(
-            f"step {step}: {failures} of {attempts} tool calls over the last {len(self._steps)} steps "
-            f"({failures / attempts:.1%}) failed in the sandbox infrastructure, above "
-            f"trainer.max_infra_error_rate={self.max_rate:g}{cause}: the run would train without its tools; "
-            "fix the sandboxes (`stare-agent sandbox doctor`; with sandbox.backend=ray, `ray status` and the "
-            "sandbox nodes' Docker) and continue with `stare-agent train --resume`, or raise "
+            f"step {step}: {lost} of {episodes} episodes over the last {len(self._steps)} steps "
+            f"({lost / episodes:.1%}) were lost to the sandbox infrastructure (every attempt failed; "
+            f"{recovered} other failed attempts recovered on a retry): above "
+            f"trainer.max_infra_error_rate={self.max_rate:g} beyond chance{cause}: the run would train without "
+            "its tools; fix the sandboxes (`stare-agent sandbox doctor`; with sandbox.backend=ray, `ray status` "
+            "and the sandbox nodes' Docker) and continue with `stare-agent train --resume`, or raise "
             "trainer.max_infra_error_rate"
         )
+
+
+def binomial_tail(n: int, k: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), summed in log space (exact to float precision for any n).
+
+    >>> round(binomial_tail(8, 4, 0.05), 5), binomial_tail(8, 0, 0.05), binomial_tail(3, 1, 0.0)
+    (0.00037, 1.0, 0.0)
+    """
+    if k <= 0:
+        return 1.0
+    if k > n or p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    terms = (
+        math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
+        for i in range(k, n + 1)
+    )
+    return min(1.0, sum(math.exp(t) for t in terms))
 
 
 def policy_entropy(

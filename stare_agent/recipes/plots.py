@@ -25,6 +25,7 @@ PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "fraction",
         (
             "tools/infra_error_fraction",
+            "tools/infra_lost_fraction",
             "tools/code_error_fraction",
             "tools/timeout_fraction",
             "tools/void_turn_fraction",

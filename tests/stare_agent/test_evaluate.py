@@ -168,8 +168,9 @@ def test_an_episode_lost_to_the_infrastructure_is_left_out_and_counted(monkeypat
     assert m["pass@2"] == pytest.approx(0.5) and m["maj@4"] == pytest.approx(0.5)
     # under the table, the tool health the trainer logs: 3 attempts lost (1 try + 2 retries)
     health = report.table().splitlines()[-1]
-    assert health.startswith("tool health: 0 calls in 8 episodes") and "3 failed in the sandbox" in health
-    assert "1 failed episodes" in health
+    assert health.startswith("tool health: 0 calls in 8 episodes")
+    assert "3 attempts failed in the sandbox infrastructure (100.0% of attempts)" in health
+    assert "0 recovered on a retry, 1 episodes lost (12.5%)" in health
 
 
 def _tiny_evaluation(tmp_path, monkeypatch=None, stop_at_call=None, resume=False):

@@ -14,6 +14,7 @@ from stare_agent.metrics import (
     ToolHealth,
     ToolHealthAlarm,
     ToolHealthError,
+    binomial_tail,
     gate_fraction,
     policy_entropy,
     read_metrics,
@@ -309,32 +310,85 @@ def test_tool_health_counts_each_kind_of_fault_by_hand():
     ]
     health = ToolHealth.of(episodes)
     assert (health.episodes, health.calls, health.code_errors, health.timeouts) == (4, 4, 1, 1)
-    assert (health.infra_failures, health.failed_episodes, health.void_turns) == (4, 1, 1)
-    assert health.last_failure == "host lost [SandboxLost]"
+    # 4 failed attempts: 1 recovered (the second episode's), 3 of the episode lost for good
+    assert (health.infra_failures, health.recovered, health.failed_episodes) == (4, 1, 1)
+    assert health.void_turns == 1 and health.last_failure == "host lost [SandboxLost]"
     m = health.metrics()
     assert m["tools/calls_per_episode"] == 1.0
     assert m["tools/code_error_fraction"] == 0.25 and m["tools/timeout_fraction"] == 0.25
     assert m["tools/infra_error_fraction"] == 4 / 8 and m["tools/infra_failures"] == 4
-    assert m["tools/void_turn_fraction"] == 0.25
+    assert m["tools/infra_recovered"] == 1 and m["tools/infra_lost"] == 1
+    assert m["tools/infra_lost_fraction"] == 1 / 4 and m["tools/void_turn_fraction"] == 0.25
 
 
-def test_the_tool_health_alarm_stops_above_the_rate_over_its_window():
-    alarm = ToolHealthAlarm(0.05, 3, min_attempts=20)
-    alarm.observe(1, ToolHealth(calls=10, infra_failures=1))  # 1 of 11: too few attempts to judge
-    alarm.observe(2, ToolHealth(calls=40))  # 1 of 51 (2 %)
+def _step(played: int, lost: int = 0, recovered: int = 0) -> ToolHealth:
+    """One step's health as ``ToolHealth.of`` counts it: ``played`` episodes of one tool call each, of which
+    ``recovered`` were played again once after an infrastructure failure and ``lost`` failed on each of
+    their 3 attempts."""
+    finished = played - lost
+    return ToolHealth.of(
+        [
+            _trajectory([1], [([5], 1)], tool_calls=[{"error_type": None}], finish_reason="terminated")
+            for _ in range(finished - recovered)
+        ]
+        + [
+            _trajectory(
+                [1], [([5], 1)], tool_calls=[{"error_type": None}], retries=1, finish_reason="terminated"
+            )
+            for _ in range(recovered)
+        ]
+        + [
+            _trajectory([1], [], finish_reason="failed", retries=2, failed="host lost [SandboxLost]")
+            for _ in range(lost)
+        ]
+    )
+
+
+def test_a_lost_host_whose_episodes_all_recovered_does_not_stop_a_small_run():
+    """8 episodes a step; at step 1 a host is lost under every one of them and each is played again to
+    its end elsewhere: 8 failed attempts, nothing lost. (The alarm used to count those 8 of 16, then 8 of
+    24 attempts as failures and stopped the run at step 2.)"""
+    alarm = ToolHealthAlarm(0.05, 5)
+    alarm.observe(1, _step(8, recovered=8))
+    for step in range(2, 11):
+        alarm.observe(step, _step(8))
+
+
+def test_the_tool_health_alarm_stops_on_lost_episodes_beyond_chance():
+    """With L of N episodes lost in the window, the run stops when L > 0.05 N and P(Bin(N, 0.05) >= L)
+    < 0.001. By hand, P(X >= 3 | 8, 0.05) = 56 * 0.05^3 * 0.95^5 + P(X >= 4) = 0.0054164 + 0.0003717, and
+    P(X >= 4 | 8, 0.05) = 70 * 0.05^4 * 0.95^4 + 56 * 0.05^5 * 0.95^3 + ... = 0.0003563 + 0.0000150 + ...
+    = 0.0003717: 3 lost of 8 go on, 4 stop."""
+    assert binomial_tail(8, 4, 0.05) == pytest.approx(0.00037175, rel=1e-4)
+    assert binomial_tail(8, 3, 0.05) == pytest.approx(0.0057881, rel=1e-4)
+    ToolHealthAlarm(0.05, 5).observe(1, _step(8, lost=3))  # 3 of 8 (37.5 %): could be chance
     with pytest.raises(ToolHealthError) as stop:
-        alarm.observe(3, ToolHealth(calls=40, infra_failures=6, last_failure="host lost [SandboxLost]"))
+        ToolHealthAlarm(0.05, 5).observe(1, _step(8, lost=4, recovered=2))
     message = str(stop.value)
-    assert message.startswith("step 3: 7 of 97 tool calls over the last 3 steps (7.2%) failed in the sandbox")
-    assert "trainer.max_infra_error_rate=0.05 (last: host lost [SandboxLost])" in message
+    assert message.startswith(
+        "step 1: 4 of 8 episodes over the last 1 steps (50.0%) were lost to the sandbox infrastructure "
+        "(every attempt failed; 2 other failed attempts recovered on a retry): above "
+        "trainer.max_infra_error_rate=0.05 beyond chance (last: host lost [SandboxLost])"
+    )
     assert "stare-agent train --resume" in message and "\n" not in message
-    rolling = ToolHealthAlarm(0.05, 2, min_attempts=50)
-    rolling.observe(1, ToolHealth(calls=20, infra_failures=20))  # 40 attempts: not judged yet
-    with pytest.raises(ToolHealthError):
-        rolling.observe(2, ToolHealth(calls=100))  # 20 of 140 in the window
-    for step in (3, 4):  # the failing step left the window of 2
-        rolling.observe(step, ToolHealth(calls=100))
-    ToolHealthAlarm(1.0, 5).observe(1, ToolHealth(calls=0, infra_failures=50))  # 1.0: never stops
+
+    # The window of 5 steps: 1 lost a step is 1, 2, 3, 4, 5 of 8, 16, 24, 32, 40 (P from 0.34 down to
+    # 0.048, by the same sums), then 5 of 40 at every step: never stopped. A step that loses 3 makes it
+    # 1+1+1+1+3 = 7 of 40 (P = 0.0034): it goes on; the next, losing 4, 1+1+1+3+4 = 10 of 40
+    # (P = 0.00002): stopped.
+    rolling = ToolHealthAlarm(0.05, 5)
+    for step in range(1, 11):
+        rolling.observe(step, _step(8, lost=1))
+    rolling.observe(11, _step(8, lost=3))
+    with pytest.raises(ToolHealthError, match="^step 12: 10 of 40 episodes"):
+        rolling.observe(12, _step(8, lost=4))
+
+    # Everything lost stops at once, whatever the run's size; 1.0 never stops, 0.0 at the first loss.
+    with pytest.raises(ToolHealthError, match="^step 1: 3 of 3 episodes"):
+        ToolHealthAlarm(0.05, 5).observe(1, _step(3, lost=3))
+    ToolHealthAlarm(1.0, 5).observe(1, _step(8, lost=8))
+    with pytest.raises(ToolHealthError, match="^step 1: 1 of 512 episodes"):
+        ToolHealthAlarm(0.0, 5).observe(1, _step(512, lost=1))
 
 
 def test_gate_fraction_counts_trained_steps_only():
@@ -422,4 +476,4 @@ def test_tool_health_counts_a_container_killed_from_outside_as_infrastructure_ne
     assert [c["error_type"] for c in p2.info["tool_calls"]] == ["SandboxKilled"]
     health = ToolHealth.of(trajectories)
     assert (health.episodes, health.calls, health.code_errors, health.timeouts) == (3, 3, 2, 0)
-    assert (health.infra_failures, health.failed_episodes) == (1, 0)  # played again to its end
+    assert (health.infra_failures, health.recovered, health.failed_episodes) == (1, 1, 0)

@@ -389,16 +389,20 @@ def test_a_run_whose_tools_fail_in_the_infrastructure_stops_in_one_line(tmp_path
         config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
     )
     # 2 draws (dynamic sampling finds no group to keep) of 2 prompts x 2 samples, each episode lost on its
-    # try and its 2 retries: 24 attempts, and the alarm judges a window once it holds 20
+    # try and its 2 retries: 8 of 8 episodes lost (P(X >= 8 | 8, 0.05) = 0.05^8, far below 0.001)
     with pytest.raises(ToolHealthError) as stop:
         trainer.fit()
     message = str(stop.value)
     assert message.startswith(
-        "step 1: 24 of 24 tool calls over the last 1 steps (100.0%) failed in the sandbox"
+        "step 1: 8 of 8 episodes over the last 1 steps (100.0%) were lost to the sandbox infrastructure "
+        "(every attempt failed; 0 other failed attempts recovered on a retry)"
     )
-    assert "trainer.max_infra_error_rate=0.05 (last: the sandbox's host was lost" in message
+    assert "trainer.max_infra_error_rate=0.05 beyond chance (last: the sandbox's host was lost" in message
     records = read_metrics(tmp_path / "run")
     assert [r["tools/infra_error_fraction"] for r in records] == [1.0]  # logged before the stop
+    assert [
+        (r["tools/infra_lost"], r["tools/infra_recovered"], r["tools/infra_failures"]) for r in records
+    ] == [(8, 0, 24)]
     assert [r["failed_episodes"] for r in records] == [8] and "\n" not in message
 
 
