@@ -222,14 +222,14 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 for name, pool in (("local pool", local), ("ray, 1 node", one)):
                     rate, row = throughput(pool, seconds)
-                    results[name].update(rate=rate, tp_call_p50=row.p50)
+                    results[name].update(rate=rate, tp_call_p50=row.p50, tp_call_p99=row.p99)
             finally:
                 one.shutdown_fleet()
                 one.close()
         two = fleet("two_nodes", n // 2, limits, hosts=2)
         try:
             rate, row = throughput(two, seconds)
-            results["ray, 2 nodes"].update(rate=rate, tp_call_p50=row.p50)
+            results["ray, 2 nodes"].update(rate=rate, tp_call_p50=row.p50, tp_call_p99=row.p99)
         finally:
             two.shutdown_fleet()
             two.close()
@@ -285,16 +285,31 @@ def _report(results: dict[str, dict[str, float]], n: int, calls: int, leases: in
         f"{ratio(ray1['rate'], local['rate'])} / {ratio(ray2['rate'], local['rate'])} |"
     )
     print(
-        f"| call p50 under that load | {ms(local['tp_call_p50'])} | {ms(ray1['tp_call_p50'])} | "
-        f"{ms(ray2['tp_call_p50'])} | {ratio(ray1['tp_call_p50'], local['tp_call_p50'])} |"
+        f"| whole call p50 under that load | {ms(local['tp_call_p50'])} | {ms(ray1['tp_call_p50'])} | "
+        f"{ms(ray2['tp_call_p50'])} | {ratio(ray1['tp_call_p50'], local['tp_call_p50'])} "
+        f"({ray1['tp_call_p50'] - local['tp_call_p50']:+.2f} ms) |"
     )
-    # judged by the time outside the sandbox's own duration_s: the difference of the two calls' p50
-    # also carries the two sandboxes' own times, which vary by milliseconds on a loaded machine
-    added = ray1["outside_p50"] - local["outside_p50"]
     print(
-        f"\ngoal: under 1 ms added at p50 on the loopback: {'met' if added < 1.0 else 'MISSED'} "
+        f"| whole call p99 under that load | {ms(local['tp_call_p99'])} | {ms(ray1['tp_call_p99'])} | "
+        f"{ms(ray2['tp_call_p99'])} | {ratio(ray1['tp_call_p99'], local['tp_call_p99'])} "
+        f"({ray1['tp_call_p99'] - local['tp_call_p99']:+.2f} ms) |"
+    )
+    # Two verdicts, never one for both: the data path's own cost (the time outside the sandbox's
+    # duration_s, quiet and interleaved), and the whole call under load, which also carries the host
+    # process's scheduling on a busy machine (a thread of another process to wake per call).
+    added = ray1["outside_p50"] - local["outside_p50"]
+    loaded = ray1["tp_call_p50"] - local["tp_call_p50"]
+    print(
+        f"\ndata path, goal under 1 ms added at p50 on the loopback: {'met' if added < 1.0 else 'MISSED'} "
         f"({added:+.2f} ms outside the sandbox; the calls' p50 differ by "
         f"{ray1['call_p50'] - local['call_p50']:+.2f} ms)"
+    )
+    print(
+        f"whole call under load ({CALLERS} callers on {n} sandboxes): {loaded:+.2f} ms at p50, "
+        f"{ray1['tp_call_p99'] - local['tp_call_p99']:+.2f} ms at p99 over the local pool: not within 1 ms "
+        "where this is more than 1 (the host's threads compete for the same cores)"
+        if loaded > 1.0
+        else f"whole call under load: {loaded:+.2f} ms at p50 over the local pool"
     )
 
 

@@ -184,7 +184,10 @@ def diagnose_ray(
                 Check(
                     "coordinator",
                     True,
-                    f"on {where.get(node, node[:8])}{sandbox_node}; {stats.clients - 1} clients besides this doctor",
+                    f"on {where.get(node, node[:8])}{sandbox_node}; {stats.clients - 1} clients besides this "
+                    f"doctor; {stats.leased} of {stats.max_leases} leased, {stats.waiting} waiting; "
+                    f"{stats.hosts_lost} hosts lost, {stats.reclaimed} leases of gone clients taken back"
+                    + (f"; restarted, adopted {stats.adopted} hosts" if stats.restarted else ""),
                 )
             )
         finally:

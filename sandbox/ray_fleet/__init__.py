@@ -22,11 +22,15 @@ to its host, opened with a token the host issued for that lease (``stare_sandbox
 costs a fraction of a Ray actor call.
 
 Faults: a host lost mid-call (its actor killed, its node gone: its connection is closed, reset,
-or silent past TCP keepalive) or a call that does not come back within its timeout plus
-``call_margin_s`` raises :class:`SandboxLost`, a ``SandboxError``: the
-env ends the episode with ``EpisodeInfrastructureError`` and the rollout plays it again, on a
-healthy host (the coordinator drops the lost host; a node that is still alive gets a new one).
-A node that joins the cluster later gets a host within ``refresh_s`` and takes new leases.
+or silent past TCP keepalive) raises :class:`SandboxLost`, a ``SandboxError``: the env ends the
+episode with ``EpisodeInfrastructureError`` and the rollout plays it again, on a healthy host (the
+coordinator drops the lost host; a node that is still alive gets a new one). A call that does not
+come back within its timeout plus ``call_margin_s`` raises ``SandboxLost`` too, and costs its own
+sandbox only (the host is dropped when it stops answering pings). The leases of a client whose
+process died are taken back; a live client's are never taken back for idleness. The coordinator
+can die: Ray restarts it (or the next client call makes a new one), and it adopts the hosts,
+detached actors that outlive it, with their leases. A node that joins the cluster later gets a
+host within ``refresh_s`` and takes new leases.
 
 Ray is optional (``pip install 'stare-agent[ray]'``); this module imports it only when a fleet
 is built, so ``import stare_sandbox`` never needs it.

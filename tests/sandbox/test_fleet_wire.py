@@ -140,3 +140,24 @@ def test_connections_without_a_token_are_capped(server) -> None:
         assert connection.call(["ping", 1], timeout_s=10) == ("ok", [1])
     finally:
         connection.close()
+
+
+def test_lease_servers_listen_on_the_configured_port_range() -> None:
+    """``sandbox.ray.lease_ports``: a host takes the first free port of the range (a firewall that
+    opens only fixed ports), and a range with none free is an error that names it."""
+    from stare_sandbox.ray_fleet import RayFleetConfig
+
+    with pytest.raises(ValueError, match="lease_ports must be 'FIRST-LAST'"):
+        RayFleetConfig(lease_ports="20010-20000")
+    with pytest.raises(ValueError, match="lease_ports"):
+        RayFleetConfig(lease_ports="80-90")
+    ports = RayFleetConfig(lease_ports="23200-23201").port_range()
+    assert ports == range(23200, 23202)
+    with socket.create_server(("127.0.0.1", 23200)):  # the first is taken
+        first = LeaseServer("127.0.0.1", lambda lease, request: ("ok",), ports=ports)
+        try:
+            assert first.address == ("127.0.0.1", 23201)
+            with pytest.raises(OSError, match="no free port in sandbox.ray.lease_ports 23200-23201"):
+                LeaseServer("127.0.0.1", lambda lease, request: ("ok",), ports=ports)
+        finally:
+            first.close()

@@ -232,7 +232,7 @@ def test_the_ray_doctor_checks_nodes_hosts_and_the_coordinator(cluster, fleet, c
     hosts = [line for line in lines if line.startswith("[ok  ] host on ")]
     assert len(hosts) == 2 and all(": ready; `1 + 1` round trip " in line for line in hosts), lines
     assert lines[-1].startswith("[ok  ] coordinator: on ") and "sandbox node" not in lines[-1]
-    assert lines[-1].endswith("; 1 clients besides this doctor")
+    assert "; 1 clients besides this doctor; 0 of 3 leased, 0 waiting; " in lines[-1], lines[-1]
     assert len(lines) == 5 and fleet.stats().clients == 1  # it left the run's fleet as it found it
 
     missing = SandboxConfig(image="stare-sandbox:missing")  # a fleet of its own, whose hosts cannot start
