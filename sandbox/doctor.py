@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -151,11 +152,16 @@ def diagnose_ray(
                 if all(n["NodeID"] in ready | failures.keys() for n in nodes) or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
+            images: dict[str, str] = {}
+            host_checks: dict[str, int] = {}
             for node in nodes:
                 node_id = node["NodeID"]
                 name = f"host on {where[node_id]}"
                 if node_id in ready:
-                    checks.append(_check_host(fleet, name, node_id))
+                    check, image = _check_host(fleet, name, node_id)
+                    if image:
+                        images[node_id], host_checks[node_id] = image, len(checks)
+                    checks.append(check)
                 elif node_id in failures:
                     checks.append(
                         Check(
@@ -174,6 +180,8 @@ def diagnose_ray(
                             "load and Docker, or wait longer with --timeout",
                         )
                     )
+            for node_id, why in image_mismatches(images, (config or SandboxConfig()).image).items():
+                checks[host_checks[node_id]] = Check(checks[host_checks[node_id]].name, False, why)
             node = stats.coordinator_node
             sandbox_node = (
                 " (a sandbox node: every node has the resource)"
@@ -198,7 +206,8 @@ def diagnose_ray(
             ray.shutdown()
 
 
-def _check_host(fleet, name: str, node_id: str) -> Check:
+def _check_host(fleet, name: str, node_id: str) -> tuple[Check, str]:
+    """The host's check, and the id of the sandbox image on its node ("" when unknown)."""
     import time
 
     try:
@@ -206,16 +215,37 @@ def _check_host(fleet, name: str, node_id: str) -> Check:
             start = time.perf_counter()
             result = sandbox.run("1 + 1", timeout=30)
             took = time.perf_counter() - start
+            image = sandbox.inner.image_id()
     except SandboxError as exc:
-        return Check(name, False, f"ready, but a lease or `1 + 1` failed: {exc}")
+        return Check(name, False, f"ready, but a lease or `1 + 1` failed: {exc}"), ""
     if result.stdout.strip() != "2":
         return Check(
             name,
             False,
             f"`1 + 1` gave {result!r}: rebuild the image there with `stare-agent sandbox build --force`",
-        )
+        ), image
     return Check(
         name,
         True,
         f"ready; `1 + 1` round trip {took * 1000:.1f} ms ({result.duration_s * 1000:.1f} ms in the sandbox)",
-    )
+    ), image
+
+
+def image_mismatches(images: dict[str, str], image: str) -> dict[str, str]:
+    """``{node_id: why}`` for each node whose sandbox image (``images``: node id -> image id) is not
+    the one most nodes have: every node must run the same image, or the same episode would run
+    differently by where it landed. A tie names every node of the tie's other images.
+
+    >>> image_mismatches({"a": "sha256:1", "b": "sha256:1", "c": "sha256:2"}, "img:0.3")
+    {'c': 'image img:0.3 is sha256:2 here but sha256:1 on 2 other nodes: load the same image on every node (docker save / docker load)'}
+    """
+    counts = collections.Counter(images.values())
+    if len(counts) < 2:
+        return {}
+    common, n = counts.most_common(1)[0]
+    return {
+        node_id: f"image {image} is {found[:19]} here but {common[:19]} on {n} other nodes: load the same "
+        "image on every node (docker save / docker load)"
+        for node_id, found in images.items()
+        if found != common
+    }

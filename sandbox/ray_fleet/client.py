@@ -73,6 +73,13 @@ class RaySandbox(Sandbox):
         except SandboxError:
             return False
 
+    def image_id(self) -> str:
+        """The id of the sandbox image on its host's node ("" when unknown)."""
+        try:
+            return str(self._fleet.ray.get(self._host.image_id.remote(), timeout=60))
+        except (self._fleet.ray.exceptions.RayError, self._fleet.ray.exceptions.GetTimeoutError):
+            return ""
+
     def close(self) -> None:
         """Give the lease back (the sandbox is reset on its host). Idempotent."""
         self._fleet._end_lease(self, broken=False)

@@ -57,6 +57,7 @@ class SandboxHost:
         self._first_asked = threading.Event()  # the first start has its token (or failed): others follow
         self._started = 0
         backend = config.node_backend
+        self._backend, self._image = backend, sandbox_config.image
 
         def make() -> Sandbox:
             with self._lock:
@@ -150,6 +151,18 @@ class SandboxHost:
             self._pool.release(lease, broken=broken)
             with contextlib.suppress(Exception):
                 coordinator.returned.remote(self.node_id, self.name, lease_id)
+
+    def image_id(self) -> str:
+        """The id of the sandbox image on this node's daemon (``sandbox doctor`` compares nodes), or
+        "" for the local backend or an image the daemon does not have."""
+        if self._backend != "docker":
+            return ""
+        try:
+            import docker
+
+            return str(docker.from_env().images.get(self._image).id)
+        except Exception:  # noqa: BLE001 - unknown: the doctor's other checks say why
+            return ""
 
     def pool_stats(self) -> dict[str, int]:
         return dataclasses.asdict(self._pool.stats())
