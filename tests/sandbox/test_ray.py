@@ -504,7 +504,12 @@ def test_a_node_killed_mid_episode_fails_the_episode_and_a_new_node_takes_leases
     for lease in [fleet.acquire(), fleet.acquire()]:  # one on each old host, so both were leased lately
         lease.close()
     node = cluster.add_node(**NODE)  # a node that joins after the fleet started
-    _wait(lambda: len(_ready_hosts(fleet)) == 3, 180, "a host on the node that joined")
+    # ready from its first sandbox on; equally free (both of its sandboxes up) before the check below
+    _wait(
+        lambda: len(_ready_hosts(fleet)) == 3 and fleet.stats().size == 6,
+        180,
+        "a full host on the node that joined",
+    )
     (new,) = _ready_hosts(fleet) - old
 
     env = ToolEnv("modpow", format="hermes", pool=fleet, max_turns=4)
