@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stare_sandbox.config import SandboxConfig
-from stare_sandbox.errors import PoolExhausted
+from stare_sandbox.errors import PoolExhausted, SandboxClosed
 from stare_sandbox.ray_fleet.config import FleetStats, HostStats, RayFleetConfig, import_ray
 from stare_sandbox.ray_fleet.host import HOST_PREFIX, SandboxHost
 
@@ -98,6 +98,7 @@ class FleetCoordinator:
         self._adopted = 0
         self._task: asyncio.Task[None] | None = None
         self._refresh_lock: asyncio.Lock | None = None
+        self._adoption: asyncio.Event | None = None
         with contextlib.suppress(RuntimeError):  # Ray runs an asyncio actor's __init__ on its loop
             self._start()
 
@@ -106,6 +107,7 @@ class FleetCoordinator:
         where ``__init__`` runs outside it)."""
         if self._task is None:
             self._refresh_lock = asyncio.Lock()
+            self._adoption = asyncio.Event()  # set once the hosts an earlier coordinator left are adopted
             self._task = asyncio.get_running_loop().create_task(self._refresh_loop())
 
     # clients
@@ -143,8 +145,15 @@ class FleetCoordinator:
         self._waiters.append(waiter)
         self._dispatch()
         if not waiter.future.done():
-            with contextlib.suppress(asyncio.TimeoutError):
+            try:
                 await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+            except asyncio.TimeoutError:
+                pass
+            except asyncio.CancelledError:
+                if not waiter.future.cancelled():
+                    raise  # this call itself was cancelled
+        if waiter.future.cancelled():  # shutdown() ended the wait
+            raise SandboxClosed("the sandbox fleet is shutting down: build it again to lease")
         if waiter.future.done():
             return waiter.future.result()
         with contextlib.suppress(ValueError):
@@ -245,7 +254,10 @@ class FleetCoordinator:
         """Start hosts on new sandbox nodes, drop the hosts of nodes that left."""
         self._start()
         ray = import_ray()
-        assert self._refresh_lock is not None
+        assert self._refresh_lock is not None and self._adoption is not None
+        # never before adoption: a host started on a node whose old host is not adopted yet would
+        # make two, and the old one (with its leases) would be ended
+        await asyncio.wait_for(self._adoption.wait(), self.PING_TIMEOUT_S * 2)
         async with self._refresh_lock:
             nodes = await asyncio.to_thread(ray.nodes)
             alive = {
@@ -477,6 +489,9 @@ class FleetCoordinator:
             await self._adopt(ray)
         except Exception as exc:  # noqa: BLE001 - a fleet without the old hosts still works
             logger.warning("sandbox fleet coordinator could not look for hosts to adopt: %s", exc)
+        finally:
+            assert self._adoption is not None
+            self._adoption.set()
         while not self._stopped:
             try:
                 await self.refresh()
