@@ -158,9 +158,9 @@ class SandboxHost:
         if self._backend != "docker":
             return ""
         try:
-            import docker
+            from stare_sandbox.docker import docker_client
 
-            return str(docker.from_env().images.get(self._image).id)
+            return str(docker_client().images.get(self._image).id)
         except Exception:  # noqa: BLE001 - unknown: the doctor's other checks say why
             return ""
 
