@@ -449,8 +449,10 @@ class RaySandboxFleet:
 
     def _wait_for_hosts(self, min_hosts: int) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
+        # one refresh starts the hosts now; later ones are the coordinator's own, every refresh_s (a
+        # refresh per poll from every rank that starts at once would queue on its lock)
+        self._coordinator_call("refresh", wait_s=60.0)
         while True:
-            self._coordinator_call("refresh", wait_s=60.0)
             ready = sum(h.ready for h in self.stats().hosts)
             if ready >= min_hosts:
                 return
