@@ -36,6 +36,25 @@ PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "nats",
         ("mismatch/kl", "mismatch/abs_logp_mean", "mismatch/L_plus_abs_logp_mean", "mismatch/abs_logp_max"),
     ),
+    (
+        "Rollout correction (importance weights for the engine's mismatch)",
+        "",
+        (
+            "rollout_correction/weight_mean",
+            "rollout_correction/capped_frac",
+            "rollout_correction/masked_frac",
+        ),
+    ),
+    (
+        "Asynchronous rollouts: policy staleness",
+        "steps behind",
+        ("async/staleness_mean", "async/staleness_max"),
+    ),
+    (
+        "Idle time (waiting for the other side)",
+        "fraction of the step",
+        ("time/learner_idle_frac", "time/engine_idle_frac"),
+    ),
 )
 # Quantities of the update: on a step that trained nothing (``skipped``: no group with reward variance,
 # or a non-finite loss) the trainer logs no measurement of them (entropy and gate_on NaN), so such a step
@@ -52,6 +71,9 @@ UPDATE_KEYS = frozenset(
         "mismatch/abs_logp_mean",
         "mismatch/L_plus_abs_logp_mean",
         "mismatch/abs_logp_max",
+        "rollout_correction/weight_mean",
+        "rollout_correction/capped_frac",
+        "rollout_correction/masked_frac",
     }
 )
 SFT_PANEL = ("Cold-start SFT loss (sft_log.jsonl)", "loss", ("loss",))
