@@ -214,6 +214,57 @@ class VLLMSection:
             )
 
 
+PLACEMENTS = ("colocated", "separate")
+WEIGHT_SYNCS = ("auto", "tensor", "nccl")
+
+
+@dataclass
+class PlacementSection:
+    """Where a GPU rollout engine (``vllm``, ``sglang``) runs; each learner rank starts its own engine
+    (docs/engines.md, "Placement", has worked layouts for 8 and 16 GPUs). On a CPU only the defaults apply.
+
+    Attributes:
+        mode: ``colocated``: the engine shares its learner rank's GPU (``cuda:LOCAL_RANK``) and takes
+            ``memory_fraction`` of it; ``separate``: it runs on GPUs of its own (``engine_gpus``) and the
+            learner keeps its GPU whole.
+        memory_fraction: Share of each engine GPU's memory the engine takes (vLLM
+            ``gpu_memory_utilization``, SGLang ``mem_fraction_static``), in (0, 1]; null:
+            ``env.vllm.gpu_memory_utilization`` (0.4) colocated, 0.85 separate.
+        sleep_between_steps: Colocated: the engine gives its GPU memory back while the learner updates
+            (vLLM ``sleep(level=1)``: weights to CPU, KV cache dropped; SGLang
+            ``release_memory_occupation``) and takes it again before the weight sync (``wake_up`` /
+            ``resume_memory_occupation``). Needs ``trainer.max_staleness: 0``: asynchronous rollouts
+            generate during the update.
+        engine_gpus: Separate: the GPU ordinals, on each node, that generate; the node's learner ranks
+            use GPUs ``0 .. nproc_per_node - 1`` and local rank ``r`` gets
+            ``engine_gpus[r * tp : (r + 1) * tp]`` (``tp``: ``tensor_parallel_size``), so the list holds
+            ``nproc_per_node * tp`` others.
+        tensor_parallel_size: GPUs per engine (vLLM ``tensor_parallel_size``, SGLang ``tp_size``); above 1
+            with ``separate`` only.
+        weight_sync: How new weights reach the engine after each update: ``tensor`` (vLLM: a
+            safetensors file on ``/dev/shm`` its worker reloads; SGLang: ``update_weights_from_tensor``),
+            ``nccl`` (the learner rank broadcasts them over an NCCL group it shares with the engine's GPUs:
+            vLLM's ``weight_transfer_config`` NCCL backend, SGLang's ``update_weights_from_distributed``;
+            ``separate`` only), or ``auto``: ``nccl`` when separate, else ``tensor``.
+    """
+
+    mode: str = "colocated"
+    memory_fraction: float | None = None
+    sleep_between_steps: bool = False
+    engine_gpus: list[int] = field(default_factory=list)
+    tensor_parallel_size: int = 1
+    weight_sync: str = "auto"
+
+    def __post_init__(self) -> None:
+        from stare_agent.engines.placement import placement_problem
+
+        _one_of("env.placement", "mode", self.mode, PLACEMENTS)
+        _one_of("env.placement", "weight_sync", self.weight_sync, WEIGHT_SYNCS)
+        problem = placement_problem(self)
+        if problem is not None:
+            raise ConfigError(problem)
+
+
 @dataclass
 class EnvConfig:
     """The environment and the rollout: one set of env kwargs for training and evaluation.
@@ -250,6 +301,7 @@ class EnvConfig:
             settings in ``env.vllm``; about 2-3x faster on a CPU), ``sglang`` (GPU) or ``auto`` (``vllm``
             when a Python with vLLM is found, else ``transformers``).
         vllm: The vLLM engine's settings (``env.vllm.*``).
+        placement: Where a GPU engine runs and how it gets the weights (``env.placement.*``).
         continuous_batching: Submit each episode's next turn as soon as its tool call returns, into the
             engine's running batch, where the engine can (``vllm``); off: lockstep turns (one batch per
             turn of all live episodes). Off by default: on a 2-core CPU at the quickstart's scale it
@@ -276,6 +328,7 @@ class EnvConfig:
     eval_kwargs: dict[str, Any] = field(default_factory=dict)
     engine: str = "transformers"
     vllm: VLLMSection = field(default_factory=VLLMSection)
+    placement: PlacementSection = field(default_factory=PlacementSection)
     continuous_batching: bool = False
     max_response_tokens: int = 16384
     temperature: float = 1.0

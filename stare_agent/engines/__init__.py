@@ -65,11 +65,18 @@ def start_engine(
     own). ``openai``: the server at ``base_url`` serving ``model.name_or_path`` (``api_key``, default
     ``$OPENAI_API_KEY``), whose token ids ``tokenizer`` gives.
 
+    vLLM and SGLang are placed as ``env.placement`` says (``placement.place_engine``): on this rank's
+    GPU with a share of its memory (colocated) or on GPUs of their own (separate), with the weight
+    sync it names; the engine's ``placement`` attribute holds the result.
+
     Raises:
         ValueError: an unknown ``name``, or ``openai`` without ``base_url``.
+        PlacementError: ``env.placement`` cannot be met here (separate without GPUs, or with the
+            transformers engine, ...).
     """
     from dataclasses import replace
 
+    from stare_agent.engines.placement import PlacementError
     from stare_agent.engines.vllm_engine import VLLMEngineError, pick_engine
 
     env = config.env
@@ -92,9 +99,12 @@ def start_engine(
         )
         return f"openai at {base_url}, model {served.model}", served
     if chosen == "sglang":
+        from stare_agent.engines.placement import sglang_arguments
         from stare_agent.engines.sglang_engine import SGLangEngine
 
-        return "sglang (GPU server)", SGLangEngine(config.model.name_or_path)
+        placed = engine_placement(config)
+        sglang = SGLangEngine(config.model.name_or_path, **sglang_arguments(placed))
+        return f"sglang ({placed.describe()})", with_placement(sglang, placed)
     import torch
 
     if chosen == "vllm":
@@ -104,17 +114,28 @@ def start_engine(
         section = env.vllm
         if section.dtype == "bfloat16" and not torch.cuda.is_available() and not cpu_has_bf16():
             section = replace(section, dtype="float32")  # bf16 without AVX-512 BF16 is slower than fp32
+        placed = engine_placement(config)
         try:
             engine = vllm_engine.vllm_engine_from_config(
-                section, config.model.name_or_path, seed=config.trainer.seed
+                section, config.model.name_or_path, seed=config.trainer.seed, placement=placed
             )
-            return f"vllm {engine.info['vllm_version']} ({engine.info['dtype']}, worker process)", engine
+            where = f", {placed.describe()}" if placed.gpus is not None else ""
+            description = (
+                f"vllm {engine.info['vllm_version']} ({engine.info['dtype']}, worker process{where})"
+            )
+            return description, with_placement(engine, placed)
         except VLLMEngineError as exc:
             if requested != "auto":
                 raise
             print(f"[engine] vLLM did not start, using the transformers engine: {exc}")
     from stare_agent.engines.transformers_engine import TransformersEngine
 
+    if env.placement.mode == "separate":
+        raise PlacementError(
+            "env.placement.mode=separate places a vLLM or SGLang engine on GPUs of its own, but the "
+            "transformers engine samples in the learner's process: use env.engine=vllm or sglang, or "
+            "env.placement.mode=colocated"
+        )
     if model is None:
         from stare_agent.models import load_policy
 
@@ -123,6 +144,31 @@ def start_engine(
     return f"transformers ({'bf16 autocast' if autocast else 'fp32'}, in process)", TransformersEngine(
         model, tokenizer, autocast_dtype=dtype
     )
+
+
+def engine_placement(config: Any) -> Any:
+    """This rank's ``placement.EnginePlacement`` for ``env.placement`` of ``config`` (a RunConfig)."""
+    from stare_agent.engines.placement import place_engine
+
+    return place_engine(
+        config.env.placement,
+        vllm_memory_fraction=config.env.vllm.gpu_memory_utilization,
+        max_staleness=config.trainer.max_staleness,
+    )
+
+
+def with_placement(engine: Any, placed: Any) -> Any:
+    """``engine`` with its ``placement`` attribute set (the trainer reads ``placement.sleep``), and its
+    weight updates sent over NCCL from this rank's GPU where ``placed.weight_sync`` says so."""
+    engine.placement = placed
+    if placed.weight_sync == "nccl" and placed.gpus is not None:
+        import os
+
+        import torch
+
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        engine.use_nccl_weight_sync(placed.tensor_parallel_size, device)
+    return engine
 
 
 def __getattr__(name: str) -> Any:

@@ -119,6 +119,9 @@ class SGLangEngine:
         Raises:
             RolloutError: SGLang refused a bucket (its message is included).
         """
+        if self._nccl is not None:  # env.placement.weight_sync=nccl
+            self._nccl.send(named_tensors)
+            return
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         pending: list[tuple[str, torch.Tensor]] | None = None
         for bucket in weight_buckets(items, self.bucket_bytes):
@@ -135,6 +138,41 @@ class SGLangEngine:
             names = ", ".join(name for name, _ in bucket[:3])
             raise RolloutError(f"SGLang refused weights [{names}, ...]: {message}")
 
+    # ------------------------------------------------------------------ placement (env.placement)
+
+    _nccl: Any = None  # a placement.NcclWeightSync once use_nccl_weight_sync was called
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory (weights and KV cache: ``release_memory_occupation``); needs an
+        engine started with ``enable_memory_saver=True``."""
+        _checked(self.engine.release_memory_occupation(), "release_memory_occupation")
+
+    def wake_up(self) -> None:
+        """Take the GPU memory back after :meth:`sleep` (``resume_memory_occupation``)."""
+        _checked(self.engine.resume_memory_occupation(), "resume_memory_occupation")
+
+    def use_nccl_weight_sync(self, tensor_parallel_size: int, device: Any, dtype: Any = None) -> None:
+        """Send later weight updates over NCCL: this process (the learner rank, on CUDA ``device``) is
+        rank 0 of a group with the engine's ``tensor_parallel_size`` ranks (``init_weights_update_group``),
+        opened at the first update; each update is ``update_weights_from_distributed`` while we broadcast."""
+        from stare_agent.engines.placement import SYNC_GROUP, NcclWeightSync, free_port, torch_trainer_group
+
+        port, world = free_port(), 1 + tensor_parallel_size
+
+        def join() -> None:
+            _checked(self.engine.init_weights_update_group(master_address="127.0.0.1", master_port=port,
+                     rank_offset=1, world_size=world, group_name=SYNC_GROUP, backend="nccl"),
+                     "init_weights_update_group")  # fmt: skip
+
+        def receive(meta: dict[str, list[Any]]) -> None:
+            _checked(self.engine.update_weights_from_distributed(names=meta["names"], dtypes=meta["dtype_names"],
+                     shapes=meta["shapes"], group_name=SYNC_GROUP, flush_cache=True),
+                     "update_weights_from_distributed")  # fmt: skip
+
+        self._nccl = NcclWeightSync(
+            receive, lambda: torch_trainer_group(port, world, device), join, dtype=dtype, device=device
+        )
+
     def close(self) -> None:
         """Shut down SGLang's scheduler and detokenizer processes."""
         self.engine.shutdown()
@@ -144,6 +182,12 @@ class SGLangEngine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _checked(result: Any, what: str) -> None:
+    """Raise :class:`RolloutError` for an SGLang ``(success, message)`` answer that failed."""
+    if isinstance(result, tuple) and len(result) >= 2 and not result[0]:
+        raise RolloutError(f"SGLang {what} failed: {result[1]}")
 
 
 def sglang_sampling_params(params: SamplingParams, stop: Sequence[str]) -> dict[str, Any]:

@@ -165,12 +165,15 @@ def pick_engine(requested: str, python: str | os.PathLike[str] | None = None) ->
 
 
 def vllm_engine_from_config(
-    section: Any, model_name_or_path: str | os.PathLike[str], *, seed: int = 0
+    section: Any, model_name_or_path: str | os.PathLike[str], *, seed: int = 0, placement: Any = None
 ) -> VLLMEngine:
     """A :class:`VLLMEngine` with the settings of ``env.vllm`` (a ``config.VLLMSection``) for a model
-    name or directory (``embedded:...`` resolves to its converted checkpoint)."""
+    name or directory (``embedded:...`` resolves to its converted checkpoint), placed as ``placement``
+    (a ``placement.EnginePlacement``: its GPUs, memory, tensor parallelism, sleep mode, NCCL sync)."""
+    from stare_agent.engines.placement import vllm_arguments
     from stare_agent.models import resolve_policy_path
 
+    llm_kwargs, placed_env = vllm_arguments(placement) if placement is not None else ({}, {})
     return VLLMEngine(
         resolve_policy_path(model_name_or_path),
         python=section.python,
@@ -180,7 +183,8 @@ def vllm_engine_from_config(
         kv_cache_gib=section.kv_cache_gib,
         gpu_memory_utilization=section.gpu_memory_utilization,
         startup_timeout_s=section.startup_timeout_s,
-        env={str(k): str(v) for k, v in section.worker_env.items()},
+        env={**placed_env, **{str(k): str(v) for k, v in section.worker_env.items()}},
+        **llm_kwargs,
     )
 
 
@@ -604,6 +608,9 @@ class VLLMEngine:
         import torch
         from safetensors.torch import save_file
 
+        if self._nccl is not None:  # env.placement.weight_sync=nccl
+            self._update_weights_nccl(named_tensors)
+            return
         start = time.perf_counter()
         dtype = getattr(torch, self.info["dtype"])
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
@@ -625,6 +632,45 @@ class VLLMEngine:
             path.unlink(missing_ok=True)
         self.last_sync_s = time.perf_counter() - start
         self.last_sync_parts = {"write_s": written - start, "reload_s": float(reload_s)}
+
+    # ------------------------------------------------------------------ placement (env.placement)
+
+    _nccl: Any = None  # a placement.NcclWeightSync once use_nccl_weight_sync was called
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's GPU memory (``LLM.sleep``: level 1 moves the weights to CPU memory and drops
+        the KV cache) once the requests in flight finish; needs ``enable_sleep_mode=True`` on a GPU (on
+        a CPU vLLM ignores it)."""
+        self._request("sleep", {"level": level}).result()
+
+    def wake_up(self) -> None:
+        """Take the GPU memory back after :meth:`sleep` (``LLM.wake_up``)."""
+        self._request("wake_up", {}).result()
+
+    def use_nccl_weight_sync(self, tensor_parallel_size: int, device: Any) -> None:
+        """Send later weight updates over NCCL: this process (the learner rank, on CUDA ``device``) is
+        rank 0 of a group with the engine's ``tensor_parallel_size`` GPU workers, opened at the first
+        update. The engine must have been built with ``weight_transfer_config={"backend": "nccl"}``."""
+        import torch
+
+        from stare_agent.engines.placement import NcclWeightSync, free_port, vllm_trainer_group
+
+        port, world = free_port(), 1 + tensor_parallel_size
+        init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                     "world_size": world, "packed": False}  # fmt: skip
+        self._nccl = NcclWeightSync(
+            receive=lambda meta: self._request("weight_transfer_update", {"update_info": meta}),
+            open_group=lambda: vllm_trainer_group(port, world, device),
+            join=lambda: self._request("weight_transfer_init", {"init_info": init_info}),
+            dtype=getattr(torch, self.info["dtype"]),
+            device=device,
+        )
+
+    def _update_weights_nccl(self, named_tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> None:
+        start = time.perf_counter()
+        self._nccl.send(named_tensors)
+        self.last_sync_s = time.perf_counter() - start
+        self.last_sync_parts = {"broadcast_s": self.last_sync_s}
 
     # ------------------------------------------------------------------ lifetime
 

@@ -20,6 +20,8 @@ message)``; the engine keeps stepping while messages arrive (continuous batching
 - ``reload_weights(path)``: after the requests in flight finish, loads the tensors of the safetensors
   file ``path`` in place (``reload_weights`` of the model runner, checkpoint names), repacks a tied
   output head, and resets the prefix cache, whose KV entries were computed by the old weights.
+- ``sleep(level)``, ``wake_up()``, ``weight_transfer_init(init_info)``, ``weight_transfer_update(update_info)``:
+  as ``reload_weights``, after the requests in flight (``env.placement``; see ``_placement_call``).
 - ``close()``: answers and exits.
 
 It exits when the parent goes away: end of file on the connection, or the parent pid gone (checked
@@ -108,6 +110,39 @@ def _reload_weights(llm, path: str) -> float:
     return time.perf_counter() - start
 
 
+BARRIER_CALLS = ("reload_weights", "sleep", "wake_up", "weight_transfer_init", "weight_transfer_update")
+"""Calls that wait for the requests in flight to finish, and that later calls wait for."""
+
+
+def _barrier_call(llm, method: str, call: dict):
+    if method == "reload_weights":
+        return _reload_weights(llm, call["path"])
+    return _placement_call(llm, method, call)
+
+
+def _placement_call(llm, method: str, call: dict):
+    """The calls of ``env.placement`` (stare_agent/engines/placement.py), against vLLM's documented API:
+    ``sleep(level)`` / ``wake_up()`` (an engine built with ``enable_sleep_mode``), and NCCL weight
+    transfer (built with ``weight_transfer_config={"backend": "nccl"}``): ``init_weight_transfer_engine``
+    once, then per update ``start_weight_update``, ``update_weights`` (the parent broadcasts the tensors
+    meanwhile), ``finish_weight_update``, on every worker of the engine; returns the seconds it took."""
+    start = time.perf_counter()
+    if method == "sleep":
+        llm.sleep(level=int(call.get("level", 1)))
+    elif method == "wake_up":
+        llm.wake_up()
+    elif method == "weight_transfer_init":
+        llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": call["init_info"]})
+    elif method == "weight_transfer_update":
+        llm.collective_rpc("start_weight_update")
+        llm.collective_rpc("update_weights", kwargs={"update_info": call["update_info"]})
+        llm.collective_rpc("finish_weight_update")
+        llm.reset_prefix_cache()  # its KV entries were computed with the old weights
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    return time.perf_counter() - start
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())
 
@@ -131,15 +166,15 @@ def _serve(conn, llm) -> int:
             if method == "close":
                 conn.send((call_id, "ok", None))
                 return 0
-            if waiting or method == "reload_weights":
+            if waiting or method in BARRIER_CALLS:
                 waiting.append((call_id, method, call))
             else:
                 _start_call(conn, engine, in_flight, call_id, method, call)
-        while waiting and not (in_flight and waiting[0][1] == "reload_weights"):
+        while waiting and not (in_flight and waiting[0][1] in BARRIER_CALLS):
             call_id, method, call = waiting.pop(0)
-            if method == "reload_weights":  # nothing in flight: the weights may change
+            if method in BARRIER_CALLS:  # nothing in flight: the weights may change
                 try:
-                    conn.send((call_id, "ok", _reload_weights(llm, call["path"])))
+                    conn.send((call_id, "ok", _barrier_call(llm, method, call)))
                 except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
                     traceback.print_exc()
                     conn.send((call_id, "error", _one_line(exc)))

@@ -44,7 +44,20 @@ class RolloutEngine:
         if self._engine is None:
             self._engine = self._start()
             self.sync(self.version)
+        if self._asleep:
+            self._asleep = False
+            self._engine.wake_up()
         return self._engine
+
+    _asleep = False
+
+    def sleep(self) -> None:
+        """Free a colocated engine's GPU memory for the learner's update
+        (``env.placement.sleep_between_steps``); the next use of :attr:`engine` (the weight sync, a
+        skipped step's publish, the next rollouts) wakes it."""
+        if getattr(getattr(self._engine, "placement", None), "sleep", False) and not self._asleep:
+            self._engine.sleep()
+            self._asleep = True
 
     @property
     def versioned(self) -> VersionedEngine:
@@ -81,7 +94,7 @@ class RolloutEngine:
         """Stop an engine started here (a vLLM worker); a given one is the caller's."""
         if self._owned and hasattr(self._engine, "close"):
             self._engine.close()
-            self._engine = None
+            self._engine, self._asleep = None, False
 
     def _start(self) -> Any:
         from stare_agent.engines import start_engine

@@ -328,6 +328,7 @@ class Trainer:
         metrics = self._rollout_metrics(drawn, kept, rollouts.ds_metrics, rollouts.rollout_s)
         metrics["time/reward_s"] = rollouts.reward_s  # part of rollout_s
         metrics.update(self._staleness(kept))
+        self.rollout_engine.sleep()  # env.placement.sleep_between_steps: the GPU is the learner's now
         # 4-8. advantages, log-probs, gate, weights, update
         learned = self.learn(drawn, kept)
         metrics.update(learned)
