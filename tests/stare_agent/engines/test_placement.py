@@ -338,3 +338,35 @@ def test_the_cpu_vllm_worker_starts_with_the_placement_arguments_and_answers_sle
     engine.sleep()  # vLLM's CPU worker ignores sleep mode; the calls go through the worker all the same
     engine.wake_up()
     assert engine.generate([[1, 2, 3, 4]], params)[0].token_ids == before
+
+
+@pytest.mark.gpu
+def test_a_colocated_sglang_engine_sleeps_and_wakes_on_a_gpu(monkeypatch):
+    """On a GPU (benchmarks/gpu_check.sh): SGLang placed on this rank's GPU with half its memory frees
+    it while asleep and samples the same greedy tokens after waking. One GPU: the NCCL path needs two."""
+    import importlib.util
+
+    from tests.conftest import require
+
+    require(
+        "gpu",
+        None if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "no GPU or SGLang",
+    )
+    from stare_agent.models import load_tokenizer
+    from stare_envs.engine import SamplingParams
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    config = load_config(None, ["env.engine=sglang", "env.placement.memory_fraction=0.5",
+                                "env.placement.sleep_between_steps=true"])  # fmt: skip
+    description, engine = start_engine(config, None, load_tokenizer("embedded:smollm2-135m-instruct"))
+    try:
+        assert "GPU 0, 0.5 of memory" in description
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
+        before = engine.generate([[1, 2, 3, 4]], greedy)[0].token_ids
+        free_awake = torch.cuda.mem_get_info()[0]
+        engine.sleep()
+        assert torch.cuda.mem_get_info()[0] > free_awake  # memory given back
+        engine.wake_up()
+        assert engine.generate([[1, 2, 3, 4]], greedy)[0].token_ids == before
+    finally:
+        engine.close()
