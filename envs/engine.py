@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from stare_envs.errors import EnvError
 
-FinishReason = Literal["stop", "length", "eos"]
+FinishReason = Literal["stop", "length", "eos", "abort"]
 
 
 class RolloutError(EnvError, RuntimeError):
@@ -85,17 +85,24 @@ class Generation:
             mid-token); on EOS the EOS token is the last one.
         logprobs: The sampling log-prob of each token (under the distribution actually sampled from).
         finish_reason: ``"stop"`` (a stop string), ``"eos"`` (an end-of-sequence token) or ``"length"``
-            (``max_new_tokens`` reached).
-        weight_version: The policy version that sampled these tokens, as whoever hands the engine its
-            weights counts them (the trainer: the step whose update produced them, 0 for the initial
-            policy); None: not tracked. The runner records it per model turn
-            (``Trajectory.turn_versions``).
+            (``max_new_tokens`` reached); ``"abort"`` for a call ended early by the engine's
+            ``interrupt()`` (the tokens sampled so far; a weight update's wrapper,
+            ``stare_agent.train.async_rollouts.VersionedEngine``, resumes it under the new weights,
+            and the runner refuses one).
+        weight_version: The policy version that sampled these tokens (the first of them, when
+            ``version_switches`` is set), as whoever hands the engine its weights counts them (the
+            trainer: the step whose update produced them, 0 for the initial policy); None: not
+            tracked. The runner records it per model turn (``Trajectory.turn_versions``).
+        version_switches: ``(token index, version)`` pairs, in increasing index order: from that token
+            on the tokens were sampled by ``version`` (a turn interrupted by a weight update and
+            resumed under the new weights). Empty: all tokens by ``weight_version``.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
     weight_version: int | None = None
+    version_switches: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
@@ -103,10 +110,24 @@ class Generation:
                 f"engine returned {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs: "
                 "an Engine must return one log-prob per sampled token"
             )
-        if self.finish_reason not in ("stop", "length", "eos"):
+        if self.finish_reason not in ("stop", "length", "eos", "abort"):
             raise RolloutError(
-                f"finish_reason {self.finish_reason!r}: an Engine returns 'stop', 'length' or 'eos'"
+                f"finish_reason {self.finish_reason!r}: an Engine returns 'stop', 'length', 'eos' or 'abort'"
             )
+        if self.version_switches:
+            object.__setattr__(
+                self, "version_switches", tuple((int(i), int(v)) for i, v in self.version_switches)
+            )
+            starts = [i for i, _ in self.version_switches]
+            if (
+                self.weight_version is None
+                or starts != sorted(set(starts))
+                or not 0 < starts[0] <= starts[-1] < len(self.token_ids)
+            ):
+                raise RolloutError(
+                    f"version_switches {self.version_switches} for {len(self.token_ids)} tokens of version "
+                    f"{self.weight_version}: give increasing token indices inside the generation, after its first"
+                )
 
 
 @runtime_checkable

@@ -533,9 +533,16 @@ class RolloutRunner:
         when the budget ran out during the turn."""
         remaining = self.max_response_tokens - len(ep.builder)
         ids, logprobs, reason = gen.token_ids, gen.logprobs, gen.finish_reason
+        if reason == "abort":
+            raise RolloutError(
+                "the engine returned an interrupted turn (finish_reason 'abort'): only a wrapper that resumes "
+                "it (stare_agent.train.async_rollouts.VersionedEngine) may call the engine's interrupt()"
+            )
+        switches = gen.version_switches
         if len(ids) > remaining:  # the batch limit was another episode's larger budget
             ids, logprobs, reason = ids[:remaining], logprobs[:remaining], "length"
-        ep.builder.append(ids, 1, logprobs, version=gen.weight_version)
+            switches = tuple((i, v) for i, v in switches if i < remaining)
+        ep.builder.append(ids, 1, logprobs, version=gen.weight_version, version_switches=switches)
         ep.turns += 1
         ep.turn_ended_with_eos = reason == "eos"
         if reason == "length" and len(ep.builder) >= self.max_response_tokens:

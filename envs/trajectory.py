@@ -53,7 +53,12 @@ class Trajectory:
             must be JSON-serializable for :meth:`to_json`.
         turn_versions: One entry per turn span: the policy version that sampled that turn
             (``Generation.weight_version``); empty when not tracked. With asynchronous rollouts a
-            weight update can land between two turns of an episode, so its turns may differ.
+            weight update can land between two turns of an episode, so its turns may differ. With
+            ``version_switches`` a turn's entry is the version of its first token.
+        version_switches: ``(response index, version)`` pairs, in increasing index order, each inside a
+            turn span after its first token: from that token on, within its turn, the tokens were
+            sampled by ``version`` (a turn interrupted by a weight update and resumed under the new
+            weights, ``trainer.interrupt_on_sync``). Empty when no turn was; needs ``turn_versions``.
     """
 
     prompt_ids: list[int]
@@ -64,9 +69,18 @@ class Trajectory:
     reward: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
     turn_versions: list[int] = field(default_factory=list)
+    version_switches: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
+        if self.version_switches:
+            indices = [i for i, _ in self.version_switches]
+            inside = all(any(s < i < e for s, e in self.turn_spans) for i in indices)
+            if not self.turn_versions or indices != sorted(set(indices)) or not inside:
+                raise TrajectoryError(
+                    f"version switches at {indices}: give increasing response indices, each inside a turn span "
+                    "after its first token, with turn_versions"
+                )
         if self.turn_versions and len(self.turn_versions) != len(self.turn_spans):
             raise TrajectoryError(
                 f"{len(self.turn_versions)} turn versions for {len(self.turn_spans)} turn spans: give one "
@@ -120,6 +134,9 @@ class Trajectory:
         versions: list[int | None] = [None] * len(self.response_ids)
         for (start, end), v in zip(self.turn_spans, self.turn_versions, strict=False):
             versions[start:end] = [v] * (end - start)
+        for index, v in self.version_switches:
+            end = next(e for s, e in self.turn_spans if s < index < e)
+            versions[index:end] = [v] * (end - index)
         return versions
 
     @property
@@ -145,6 +162,11 @@ class Trajectory:
             "reward": self.reward,
             "info": dict(self.info),
             "turn_versions": list(self.turn_versions),
+            **(
+                {"version_switches": [[i, v] for i, v in self.version_switches]}
+                if self.version_switches
+                else {}
+            ),
         }
 
     @classmethod
@@ -159,6 +181,7 @@ class Trajectory:
             reward=float(data.get("reward", 0.0)),
             info=dict(data.get("info", {})),
             turn_versions=[int(v) for v in data.get("turn_versions", [])],
+            version_switches=[(int(i), int(v)) for i, v in data.get("version_switches", [])],
         )
 
     def to_json(self) -> str:
@@ -185,6 +208,7 @@ class TrajectoryBuilder:
         self.logprobs: list[float] = []
         self.turn_spans: list[tuple[int, int]] = []
         self.turn_versions: list[int | None] = []
+        self.version_switches: list[tuple[int, int]] = []
 
     def __len__(self) -> int:
         """Number of response tokens so far."""
@@ -202,6 +226,7 @@ class TrajectoryBuilder:
         logprobs: Sequence[float] | None = None,
         *,
         version: int | None = None,
+        version_switches: Sequence[tuple[int, int]] = (),
     ) -> None:
         """Append one segment with one mask value.
 
@@ -210,7 +235,10 @@ class TrajectoryBuilder:
             mask: 1 for a model turn (``ids`` exactly as sampled; recorded as one turn span), 0 for tokens
                 we inserted (tool output, chat-template glue).
             logprobs: Sampling log-probs, one per id; required for mask 1, must be None for mask 0.
-            version: For mask 1, the policy version that sampled the turn (None: not tracked).
+            version: For mask 1, the policy version that sampled the turn (None: not tracked); of its
+                first token when ``version_switches`` is given.
+            version_switches: For mask 1, ``(index into ids, version)`` where a later version took
+                over within the turn (``Generation.version_switches``).
         """
         ids = list(ids)
         if mask == 1:
@@ -222,6 +250,7 @@ class TrajectoryBuilder:
             start = len(self.response_ids)
             self.turn_spans.append((start, start + len(ids)))
             self.turn_versions.append(version)
+            self.version_switches += [(start + int(i), int(v)) for i, v in version_switches]
             self.logprobs.extend(float(x) for x in logprobs)
         elif mask == 0:
             if logprobs is not None:
@@ -234,6 +263,11 @@ class TrajectoryBuilder:
 
     def build(self, reward: float = 0.0, info: dict[str, Any] | None = None) -> Trajectory:
         """Freeze into a validated :class:`Trajectory` (copies the lists)."""
+        tracked = (
+            [v for v in self.turn_versions if v is not None]
+            if all(v is not None for v in self.turn_versions)
+            else []
+        )
         return Trajectory(
             prompt_ids=list(self.prompt_ids),
             response_ids=list(self.response_ids),
@@ -242,7 +276,6 @@ class TrajectoryBuilder:
             turn_spans=list(self.turn_spans),
             reward=float(reward),
             info=dict(info or {}),
-            turn_versions=[v for v in self.turn_versions if v is not None]
-            if all(v is not None for v in self.turn_versions)
-            else [],
+            turn_versions=tracked,
+            version_switches=list(self.version_switches) if tracked else [],
         )

@@ -799,6 +799,10 @@ class TrainerConfig:
             ``token_tis``). The in-process transformers engine then samples from a copy of the
             weights (one more copy in memory; vLLM and SGLang hold theirs anyway). 0: the
             synchronous trainer (each step's rollouts after the previous update).
+        interrupt_on_sync: With ``max_staleness > 0``, a weight sync ends the engine calls in flight at
+            their next token and continues them under the new weights (each token labelled with the
+            version that sampled it), instead of waiting for whole turns; engines without an
+            ``interrupt()`` wait either way (docs/training.md, "Asynchronous rollouts").
     """
 
     steps: int = 2000
@@ -812,6 +816,7 @@ class TrainerConfig:
     max_infra_error_rate: float = 0.05
     infra_error_window: int = 5
     max_staleness: int = 0
+    interrupt_on_sync: bool = True
 
     def __post_init__(self) -> None:
         _positive("trainer", self, "steps", "log_every", "keep_checkpoints", "infra_error_window")

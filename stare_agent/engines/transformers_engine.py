@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -74,6 +75,16 @@ class TransformersEngine:
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = int(pad) if pad is not None else 0
+        self._calls_lock = threading.Lock()
+        self._calls: set[threading.Event] = set()  # one per generate call in flight (interrupt())
+
+    def interrupt(self) -> None:
+        """End the ``generate`` calls in flight after their current token: each unfinished sequence
+        comes back with the tokens so far and finish reason ``"abort"`` (a weight update's wrapper
+        resumes it, ``train.async_rollouts``). Calls started later are not affected."""
+        with self._calls_lock:
+            for event in self._calls:
+                event.set()
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Sequence[str] = ()
@@ -82,7 +93,8 @@ class TransformersEngine:
 
         A sequence ends at the first of: an EOS token (included, ``"eos"``); a stop string appearing
         in its decoded continuation (tokens up to and including the one that completed it,
-        ``"stop"``); ``params.max_new_tokens`` tokens (``"length"``).
+        ``"stop"``); ``params.max_new_tokens`` tokens (``"length"``); :meth:`interrupt` (the tokens so
+        far, ``"abort"``).
 
         Randomness: with ``params.seeds`` each prompt is sampled from its own generator seeded with
         its seed, so its tokens do not depend on which prompts share the batch (up to the float
@@ -109,10 +121,16 @@ class TransformersEngine:
         stop = tuple(s for s in stop if s)
         results: list[Generation] = []
         was_training = self.model.training
+        interrupted = threading.Event()
+        with self._calls_lock:
+            self._calls.add(interrupted)
         self.model.eval()
         try:
             for start in range(0, len(prompts), self.max_batch_size):
                 end = start + self.max_batch_size
+                if interrupted.is_set():
+                    results.extend(Generation([], [], "abort") for _ in prompts[start:end])
+                    continue
                 with torch.autocast(
                     self.device.type,
                     dtype=self.autocast_dtype or torch.bfloat16,
@@ -124,9 +142,12 @@ class TransformersEngine:
                             params,
                             stop,
                             generators[start:end] if isinstance(generators, list) else generators,
+                            interrupted,
                         )
                     )
         finally:
+            with self._calls_lock:
+                self._calls.discard(interrupted)
             self.model.train(was_training)
         return results
 
@@ -137,6 +158,7 @@ class TransformersEngine:
         params: SamplingParams,
         stop: tuple[str, ...],
         generators: list[torch.Generator] | torch.Generator | None,
+        interrupted: threading.Event | None = None,
     ) -> list[Generation]:
         n = len(prompts)
         token_ids: list[list[int]] = [[] for _ in range(n)]
@@ -174,6 +196,10 @@ class TransformersEngine:
                 elif len(token_ids[seq]) < params.max_new_tokens:
                     keep.append(row)
             if not keep:
+                break
+            if interrupted is not None and interrupted.is_set():  # a weight update: stop after this token
+                for row in keep:
+                    finish[live[row]] = "abort"
                 break
             if len(keep) < len(live):  # drop finished rows from the batch and the KV cache
                 rows = torch.tensor(keep, device=self.device)

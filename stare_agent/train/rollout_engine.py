@@ -61,9 +61,15 @@ class RolloutEngine:
 
     @property
     def versioned(self) -> VersionedEngine:
-        """The engine as rollouts use it: its generations labelled with the policy version."""
+        """The engine as rollouts use it: its generations labelled with the policy version; a sync
+        ends its calls in flight and resumes them (``trainer.interrupt_on_sync``)."""
         if self._versioned is None or self._versioned.engine is not self.engine:
-            self._versioned = versioned(self.engine, self.version)
+            self._versioned = versioned(
+                self.engine,
+                self.version,
+                interrupt=self.config.trainer.interrupt_on_sync,
+                tokenizer=self.tokenizer,
+            )
         return self._versioned
 
     def sync(self, version: int) -> None:

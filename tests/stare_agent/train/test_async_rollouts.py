@@ -1,10 +1,12 @@
 """Asynchronous rollouts (trainer.max_staleness): policy versions per token, the staleness bound,
-whole groups, partial rollouts across a weight update, and resume; on scripted rollouts, whose tokens
-and log-probs do not depend on the weights, so that an asynchronous run can be compared with a
-synchronous one exactly."""
+whole groups, partial rollouts across a weight update, turns interrupted by a weight sync
+(trainer.interrupt_on_sync), closing the producer, and resume; on scripted rollouts whose log-probs
+are a model's own (``ScriptedEngine(model=...)``): of the engine's synced copy where the versions
+matter, of a frozen copy where an asynchronous run is compared with a synchronous one exactly."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -22,7 +24,13 @@ from stare_agent.config import ConfigError
 from stare_agent.engines import TransformersEngine
 from stare_agent.engines.scripted import ScriptedEngine
 from stare_agent.models import tiny_model
-from stare_agent.train.async_rollouts import RolloutProducer, VersionedEngine, versioned
+from stare_agent.train.async_rollouts import (
+    RolloutProducer,
+    RolloutProducerStillRunning,
+    RolloutsStopped,
+    VersionedEngine,
+    versioned,
+)
 from stare_agent.train.rollout_engine import resolve_rollout_correction
 from stare_agent.train.trainer import Trainer
 from stare_envs.engine import Generation, SamplingParams
@@ -163,11 +171,12 @@ def test_synchronously_the_transformers_engine_samples_from_the_learners_own_mod
 
 def test_asynchronously_the_transformers_engine_samples_from_a_synced_copy(tmp_path, problem_file):
     """The optimizer changes the learner's module in place while the producer samples: with
-    max_staleness > 0 the in-process engine samples from a copy of the weights, which a sync loads
-    once the engine call in flight has returned; that call reads the old weights to its last token
-    and is labelled with the old version, the next one the new weights and version."""
+    max_staleness > 0 the in-process engine samples from a copy of the weights, which a sync (with
+    trainer.interrupt_on_sync=false) loads once the engine call in flight has returned; that call
+    reads the old weights to its last token and is labelled with the old version, the next one the
+    new weights and version."""
     model, tokenizer = tiny_model()
-    config = make_config(tmp_path, problem_file, "trainer.max_staleness=1")
+    config = make_config(tmp_path, problem_file, "trainer.max_staleness=1", "trainer.interrupt_on_sync=false")
     trainer = Trainer(config, model=model, tokenizer=tokenizer, engine=TransformersEngine(model, tokenizer))
     own = trainer.engine
     assert isinstance(own, TransformersEngine) and own.model is not trainer.learner.module
@@ -212,6 +221,171 @@ def test_asynchronously_the_transformers_engine_samples_from_a_synced_copy(tmp_p
     assert all(torch.equal(copied[n], p) for n, p in trainer.learner.module.named_parameters())
     later = trainer.rollout_engine.versioned.generate(prompt, params, [])
     assert _sampled(later) == new and [g.weight_version for g in later] == [1]
+
+
+def _logprobs_under(model, prompt, tokens, temperature=1.0):
+    """``model``'s log-probs of ``tokens`` after ``prompt`` at ``temperature``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt) + list(tokens)])).logits[0].float() / temperature
+    rows = logits[len(prompt) - 1 : -1].log_softmax(-1)
+    return rows.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+class _SlowForwards:
+    """A forward hook that sleeps ``delay`` s per forward pass and says when ``after`` passes ran."""
+
+    def __init__(self, model, delay, after):
+        self.count, self.after, self.delay = itertools.count(), after, delay
+        self.reached = threading.Event()
+        self.handle = model.register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        if next(self.count) == self.after:
+            self.reached.set()
+        time.sleep(self.delay)
+
+
+def test_a_sync_interrupts_the_turn_in_flight_and_each_token_keeps_the_weights_that_sampled_it(
+    tmp_path, problem_file
+):
+    """With trainer.interrupt_on_sync (the default) a sync does not wait for the engine call in flight
+    (here 200 tokens): it ends the turn at its next token, loads the weights, and the turn goes on
+    from its tokens so far under them. The tokens before the switch are those the old weights sample
+    and carry the old weights' log-probs; the tokens after it carry the new weights' log-probs (of
+    no other version), and the generation says where the version changed."""
+    model, tokenizer = tiny_model()
+    trainer = Trainer(
+        make_config(tmp_path, problem_file, "trainer.max_staleness=1"),
+        model=model,
+        tokenizer=tokenizer,
+        engine=TransformersEngine(model, tokenizer),
+    )
+    own, engine = trainer.engine, trainer.rollout_engine.versioned
+    assert engine.interrupts
+    old_model = copy.deepcopy(model)
+    params = SamplingParams(temperature=1.0, max_new_tokens=200, seeds=[7])
+    prompt = [1, 2, 3]
+    whole_old = own.generate([prompt], params)[0]  # what the old weights sample, uninterrupted
+    assert len(whole_old.token_ids) == 200
+    with torch.no_grad():  # an update, in place, as the optimizer makes it
+        noise = torch.Generator().manual_seed(0)
+        for p in trainer.learner.module.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=noise))
+    slow = _SlowForwards(own.model, delay=0.05, after=20)  # 200 tokens: 10 s
+    out: list[Generation] = []
+    call = threading.Thread(target=lambda: out.extend(engine.generate([prompt], params, [])))
+    call.start()
+    assert slow.reached.wait(60)
+    t0 = time.monotonic()
+    trainer.rollout_engine.sync(1)
+    sync_s = time.monotonic() - t0
+    call.join(60)
+    slow.handle.remove()
+    assert not call.is_alive()
+    assert sync_s < 3.0  # not the ~9 s the rest of the turn takes
+    (g,) = out
+    assert len(g.token_ids) == 200 and g.finish_reason == "length"
+    assert g.weight_version == 0 and len(g.version_switches) == 1
+    k, version = g.version_switches[0]
+    assert version == 1 and 20 <= k < 200
+    assert g.token_ids[:k] == whole_old.token_ids[:k]  # the old weights' own tokens, to the switch
+    saved = torch.tensor(g.logprobs)
+    v0 = _logprobs_under(old_model, prompt, g.token_ids)
+    v1 = _logprobs_under(trainer.learner.module, prompt, g.token_ids)
+    assert torch.allclose(saved[:k], v0[:k], atol=1e-4) and not torch.allclose(saved[:k], v1[:k], atol=1e-2)
+    assert torch.allclose(saved[k:], v1[k:], atol=1e-4) and not torch.allclose(saved[k:], v0[k:], atol=1e-2)
+    assert engine.interrupted_calls == 1
+
+
+class _Blocking:
+    """An engine call that blocks in the model until ``release`` (the forward hook), on an engine
+    without ``interrupt()`` unless ``interruptible``."""
+
+    def __init__(self, interruptible):
+        model, tokenizer = tiny_model()
+        self.inner = TransformersEngine(model, tokenizer)
+        self.release, self.entered = threading.Event(), threading.Event()
+        self.passes = itertools.count()
+        model.register_forward_hook(self._hook)
+        if interruptible:
+            self.interrupt = self.inner.interrupt
+
+    def _hook(self, module, args, output):
+        if next(self.passes) == 3:
+            self.entered.set()
+        if not self.release.is_set():
+            time.sleep(0.05)
+
+    def generate(self, prompts, params, stop):
+        return self.inner.generate(prompts, params, stop)
+
+    def update_weights(self, named_tensors):
+        self.inner.update_weights(named_tensors)
+
+
+def _producing(engine):
+    params = SamplingParams(temperature=1.0, max_new_tokens=4000, seeds=[1])
+    return RolloutProducer(
+        lambda step: engine.generate([[1, 2, 3]], params, []),
+        engine,
+        first=1,
+        last=2,
+        max_staleness=1,
+        lock=threading.Lock(),
+    )
+
+
+def test_close_returns_only_once_the_producer_thread_has_ended():
+    """close ends the engine call in flight (4000 tokens: minutes) and returns once the thread has
+    ended, so that the trainer closes the engine and the sandbox pool after it, not under it."""
+    blocking = _Blocking(interruptible=True)
+    engine = VersionedEngine(blocking, version=0)
+    producer = _producing(engine)
+    assert blocking.entered.wait(60)
+    t0 = time.monotonic()
+    producer.close(timeout=20)
+    assert not producer._thread.is_alive() and time.monotonic() - t0 < 20
+    with pytest.raises(RolloutsStopped):
+        producer.take(1)
+    blocking.release.set()
+    # the engine takes calls again once the producer is gone (a new producer, an evaluation)
+    short = SamplingParams(temperature=1.0, max_new_tokens=3, seeds=[1])
+    assert len(engine.generate([[1, 2]], short, [])[0].token_ids) == 3
+
+
+def test_close_past_its_deadline_says_so_and_does_not_return_as_if_stopped():
+    """An engine call that cannot be interrupted outlives close's deadline: close raises (one line)
+    instead of returning, so that the caller does not tear the engine down under the thread."""
+    blocking = _Blocking(interruptible=False)
+    engine = VersionedEngine(blocking, version=0)
+    producer = _producing(engine)
+    assert blocking.entered.wait(60)
+    with pytest.raises(RolloutProducerStillRunning, match=r"still runs 1 s after close") as info:
+        producer.close(timeout=1)
+    assert "\n" not in str(info.value) and producer._thread.is_alive()
+    blocking.release.set()
+    producer._thread.join(120)
+    assert not producer._thread.is_alive()
+    assert len(producer.take(1)[0].token_ids) == 4000  # its call ran whole; no step after it started
+    with pytest.raises(RuntimeError, match="stopped before step 2"):
+        producer.take(2)
+
+
+def test_a_generation_is_labelled_with_the_version_at_the_start_of_its_engine_call():
+    """The label is read when the engine call starts: a version published while the call runs (a
+    step that changed nothing) labels later calls, not the one in flight."""
+    blocking = _Blocking(interruptible=True)
+    engine = VersionedEngine(blocking, version=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seeds=[1])
+    out: list[Generation] = []
+    call = threading.Thread(target=lambda: out.extend(engine.generate([[1, 2, 3]], params, [])))
+    call.start()
+    assert blocking.entered.wait(60)
+    engine.set_version(5)
+    blocking.release.set()
+    call.join(60)
+    assert [(g.weight_version, g.version_switches) for g in out] == [(4, ())]
+    assert engine.generate([[1, 2, 3]], params, [])[0].weight_version == 5
 
 
 # ---------------------------------------------------------------------- scripted runs
