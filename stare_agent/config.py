@@ -53,6 +53,7 @@ RENAMED = {
 """Keys of an older config (a run saved before 0.2.0) and their names now."""
 ALGORITHMS = ("grpo", "grpo_ds", "stare", "kl_cov", "clip_cov", "entropy_bonus", "forking_tokens")
 GATES = ("entropy", "always_on")
+SELECTIONS = ("per_mini_batch", "pre_update")
 PRECISIONS = ("auto", "bf16", "fp32", "bf16-autocast")
 SCHEDULES = ("constant", "cosine", "linear")
 SANDBOX_BACKENDS = BACKENDS
@@ -427,6 +428,10 @@ class RolloutCorrectionConfig:
         except ValueError as exc:
             raise ConfigError(f"algorithm.rollout_correction: {exc}") from None
 
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of ``rollout_correction.correction_weights`` other than ``mode``."""
+        return {"cap": self.cap, "low": self.low, "high": self.high}
+
 
 @dataclass
 class AlgorithmConfig:
@@ -479,6 +484,17 @@ class AlgorithmConfig:
             episode is then trained with the reward the env's reward config gives an episode without
             an answer.
         rollout_correction: Importance weights for the engine's sampling mismatch (see its section).
+        ppo_mini_batch_size: Prompts (groups) per optimizer step, verl's ``ppo_mini_batch_size``: the
+            step's kept groups are cut into ``ceil(groups / ppo_mini_batch_size)`` mini-batches (fewer
+            when a rank would get none), each one optimizer step, with the pre-update policy's log-probs
+            as the PPO ratio's old policy; null: the whole batch in one step (the paper's setting, rho = 1).
+        ppo_epochs: Passes over the step's mini-batches (verl's ``ppo_epochs``, TRL's ``num_iterations``).
+        selection: When STARE's surprisal ranking (L+/L-) and the other token selectors (KL-Cov, Clip-Cov,
+            forking tokens) are taken once a step has several optimizer steps: ``per_mini_batch`` ranks
+            each mini-batch, at every epoch, by the detached log-probs of the policy being updated (the
+            authors' verl loss ranks the log-probs its own micro-batch computes); ``pre_update`` ranks
+            the whole batch once by the pre-update log-probs and keeps L+/L- for every mini-batch and
+            epoch. The gate is the pre-update policy's either way. One step per batch: the same.
     """
 
     name: str = "stare"
@@ -507,10 +523,17 @@ class AlgorithmConfig:
     void_turn_filter: bool = False
     overlong_filter: bool = False
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    ppo_mini_batch_size: int | None = None
+    ppo_epochs: int = 1
+    selection: str = "per_mini_batch"
 
     def __post_init__(self) -> None:
         _one_of("algorithm", "name", self.name, ALGORITHMS)
         _one_of("algorithm", "gate", self.gate, GATES)
+        _one_of("algorithm", "selection", self.selection, SELECTIONS)
+        _positive("algorithm", self, "ppo_epochs")
+        if self.ppo_mini_batch_size is not None:
+            _positive("algorithm", self, "ppo_mini_batch_size")
         try:  # the rules of the algorithm modules, stated there once
             check_stare_options(variant=self.variant, scope=self.scope, P=self.P, W=self.W, M=self.M)
             check_loss_options(

@@ -458,6 +458,7 @@ class Learner:
         denominators = self._global_denominators(trajectories)
         rc = cfg.rollout_correction
         mismatch: dict[tuple[int, ...], dict[str, float]] = {}  # per micro-batch; a repeat rewrites its own
+        plus_weights: dict[tuple[int, ...], tuple[float, float]] = {}  # (sum, count) of the correction on L+
         bonus = cfg.name == "entropy_bonus"
 
         def micro_loss(micro: dict[str, Tensor], idx: list[int]) -> tuple[Tensor, dict[str, float]]:
@@ -473,18 +474,17 @@ class Learner:
             sampler_logp = micro["old_logprobs"].to(self.device)[:, :width]  # the engine's
             w = take(weights) if weights is not None else None
             l_plus = None if w is None else w > 1.0  # STARE's L+ (mismatch/L_plus_abs_logp_mean)
-            mismatch[tuple(idx)] = mismatch_sums(logp, sampler_logp, mask, l_plus)
+            # The engine is compared with the learner's pre-update policy (decoupled PPO's proximal
+            # policy, the ratio's `old`), not with the policy after this step's earlier mini-batches.
+            mismatch[tuple(idx)] = mismatch_sums(old, sampler_logp, mask, l_plus)
             correction: dict[str, float] = {}
             if rollout_correction != "none":
                 c, correction = correction_weights(
-                    logp,
-                    sampler_logp,
-                    mask,
-                    mode=rollout_correction,
-                    cap=rc.cap,
-                    low=rc.low,
-                    high=rc.high,
+                    old, sampler_logp, mask, mode=rollout_correction, **rc.options()
                 )
+                if l_plus is not None:  # STARE's L+ is high-surprisal, where the engine's ratio runs low
+                    on_plus = l_plus & mask.bool()
+                    plus_weights[tuple(idx)] = (float(c[on_plus].double().sum()), float(on_plus.sum()))
                 w = c if w is None else w * c
             raw, metrics = policy_loss(
                 logp,
@@ -509,6 +509,12 @@ class Learner:
 
         out = self._step(trajectories, micro_loss)
         out.update(self._mismatch_metrics(list(mismatch.values())))
+        if weights is not None and rollout_correction != "none":
+            total, count = self._all_reduce(
+                [sum(v[0] for v in plus_weights.values()), sum(v[1] for v in plus_weights.values())]
+            )
+            if count:  # STARE with its gate on
+                out["rollout_correction/weight_mean_L_plus"] = total / count
         return out
 
     def _mismatch_metrics(self, parts: list[dict[str, float]]) -> dict[str, float]:

@@ -79,7 +79,7 @@ def test_file_then_overrides(tmp_path):
             "unknown config key 'algorithm.Wx' in the overrides: valid keys of algorithm are name, variant, scope, "
             "P, W, M, H_tgt, gate, adaptive, alpha, W_max, M_min, eps_low, eps_high, "
             "clip_c, loss_agg, entropy_coef, kl_cov_k, kl_cov_coef, clip_cov_r, clip_cov_lb, clip_cov_ub, "
-            "forking_rho, void_turn_filter, overlong_filter, rollout_correction",
+            "forking_rho, void_turn_filter, overlong_filter, rollout_correction, ppo_mini_batch_size, ppo_epochs, selection",
         ),
         (
             ["trainr.steps=3"],
