@@ -1,0 +1,123 @@
+"""What the learner's step reads: the advantages of each group on its own, and STARE's surprisal from
+the learner's log-probs, never the engine's. Each test fails on a mutation the rest of the suite let
+through (advantages over the whole batch; ``Trajectory.logprobs`` fed to the selection)."""
+
+from __future__ import annotations
+
+import random
+import types
+
+import pytest
+import torch
+
+from stare_agent.algorithms.stare import stare_weights
+from stare_agent.engines.scripted import ScriptedEngine
+from stare_agent.models import tiny_model
+from stare_agent.train.batch import collate
+from stare_agent.train.rollout_phase import Group
+from stare_agent.train.trainer import Trainer
+from stare_envs.trajectory import TrajectoryBuilder
+from tests.stare_agent.train.scripted_training import scripted_policy, write_problems
+from tests.stare_agent.train.test_trainer import make_config
+
+
+def episode(rng: random.Random, prompt: list[int], reward: float, engine_logp: float = -0.5):
+    """A one-turn episode of random tokens whose engine log-probs are all ``engine_logp``."""
+    b = TrajectoryBuilder(prompt)
+    n = rng.randint(6, 12)
+    b.append([rng.randint(100, 2000) for _ in range(n)], 1, [engine_logp - 0.01 * i for i in range(n)])
+    return b.build(reward=reward)
+
+
+def groups_of(rewards: list[list[float]], seed: int = 0) -> list[Group]:
+    rng = random.Random(seed)
+    out, gid = [], 0
+    for g, rs in enumerate(rewards):
+        prompt = [rng.randint(100, 2000) for _ in range(5)]
+        trajectories = [episode(rng, prompt, r) for r in rs]
+        out.append(Group(g, None, list(rs), trajectories, list(range(gid, gid + len(rs)))))
+        gid += len(rs)
+    return out
+
+
+def test_advantages_are_normalized_within_each_group_not_over_the_batch():
+    # two groups of 3 with different means (2/3 and 1/3): over the whole batch (mean 1/2) the
+    # advantages would differ. By hand: std (n-1) of {1, 1, 0} is sqrt(1/3) = 0.57735, so
+    # (1 - 2/3) / 0.57735 = 0.57735 and (0 - 2/3) / 0.57735 = -1.1547; the second group mirrors it.
+    kept = groups_of([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    trainer = types.SimpleNamespace(
+        config=types.SimpleNamespace(
+            algorithm=types.SimpleNamespace(overlong_filter=False, void_turn_filter=False)
+        ),
+        world=1,
+        rank=0,
+    )
+    A, trajectories, sequence_ids, _ = Trainer._advantages(trainer, kept)
+    s = 3**-0.5
+    expected = [s, s, -2 * s, 2 * s, -s, -s]
+    assert A.tolist() == pytest.approx(expected, abs=1e-5)
+    assert sequence_ids.tolist() == [0, 1, 2, 3, 4, 5] and len(trajectories) == 6
+
+
+def test_advantages_of_a_rank_are_its_own_groups_rows(monkeypatch):
+    # two ranks: rank 1 owns group 1 (kept group i on rank i mod world) and its advantages only
+    kept = groups_of([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 1.0]])
+    trainer = types.SimpleNamespace(
+        config=types.SimpleNamespace(
+            algorithm=types.SimpleNamespace(overlong_filter=False, void_turn_filter=False)
+        ),
+        world=2,
+        rank=1,
+    )
+    A, trajectories, sequence_ids, _ = Trainer._advantages(trainer, kept)
+    s = 3**-0.5
+    assert A.tolist() == pytest.approx([2 * s, -s, -s], abs=1e-5)
+    assert sequence_ids.tolist() == [3, 4, 5] and trajectories == kept[1].trajectories
+
+
+@pytest.mark.parametrize("scope", ["micro_batch", "global"])
+def test_stare_ranks_surprisal_by_the_learners_log_probs_not_the_engines(tmp_path, scope):
+    # The engine's log-probs here fall along each episode (-0.5, -0.51, ...), an order that has
+    # nothing to do with the tiny random model's own (near -log V): the selection by the learner's
+    # surprisal and the one by the engine's pick different tokens, and the update must get the first.
+    problems = write_problems(tmp_path / "problems.jsonl")
+    model, tokenizer = tiny_model()
+    config = make_config(
+        tmp_path, problems, "data.prompts_per_step=3", "data.samples_per_prompt=3",
+        f"algorithm.scope={scope}", "algorithm.P=0.3",
+    )  # fmt: skip
+    trainer = Trainer(
+        config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
+    )
+    kept = groups_of([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 1.0, 1.0]], seed=3)
+    seen = {}
+    update = trainer.learner.update
+
+    def recording(trajectories, advantages, weights=None, old_logprobs=None, **kw):
+        seen["weights"] = weights.clone()
+        return update(trajectories, advantages, weights, old_logprobs, **kw)
+
+    try:
+        trajectories = [t for g in kept for t in g.trajectories]
+        A, *_ = Trainer._advantages(trainer, kept)
+        learner_logp, _ = trainer.learner.compute_logprobs_and_entropy(trajectories)
+        batch = collate(trajectories, trainer.learner.pad_id)
+        mask = batch["response_mask"]
+        A_tok = A[:, None] * mask
+        split = trainer.learner.micro_batches(trajectories) if scope == "micro_batch" else None
+
+        def weights_by(logp):
+            return stare_weights(
+                A_tok, logp, mask, gate_on=True, P=0.3, scope=scope, micro_batches=split,
+                sequence_ids=torch.arange(len(trajectories)),
+            )[0]  # fmt: skip
+
+        by_learner, by_engine = weights_by(learner_logp), weights_by(batch["old_logprobs"])
+        assert not torch.equal(by_learner, by_engine)  # the two orders select different tokens
+        trainer.learner.update = recording
+        trainer.step = 1
+        metrics = trainer.learn(kept, kept)
+    finally:
+        trainer.close()
+    assert metrics["gate_on"] == 1
+    assert torch.equal(seen["weights"], by_learner)
