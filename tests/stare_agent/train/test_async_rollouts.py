@@ -35,6 +35,7 @@ from stare_agent.train.rollout_engine import resolve_rollout_correction
 from stare_agent.train.trainer import Trainer
 from stare_envs.engine import Generation, SamplingParams
 from stare_envs.tool_env import ToolEnv
+from stare_envs.trajectory import Trajectory
 from tests.stare_agent.train.scripted_training import scripted_policy
 from tests.stare_agent.train.test_trainer import (
     LAUNCHER_VARS,
@@ -391,12 +392,29 @@ def test_a_generation_is_labelled_with_the_version_at_the_start_of_its_engine_ca
 # ---------------------------------------------------------------------- scripted runs
 
 
+def _scripted(tokenizer, cls=ScriptedEngine, **kwargs):
+    """A scripted engine whose log-probs are those of its own copy of the policy (the tiny model's
+    initial weights, synced at each update): importance weights near 1, not the e^-10 that stand-ins
+    (-0.001 to -1 against the tiny model's -10) would give against the learner's log-probs."""
+    return cls(tokenizer, scripted_policy(), model=tiny_model()[0], **kwargs)
+
+
+class FrozenScriptedEngine(ScriptedEngine):
+    """A scripted engine whose log-probs are the initial policy's whatever the updates: tokens and
+    log-probs that do not depend on which version it holds when."""
+
+    def update_weights(self, named_tensors):
+        for _ in named_tensors:
+            pass
+        self.weight_version += 1
+
+
 class RecordingEngine(ScriptedEngine):
     """A scripted engine that records, for every turn it returns, its own weight version (the number
     of updates it received) by the context it continued."""
 
-    def __init__(self, tokenizer, scripts):
-        super().__init__(tokenizer, scripts)
+    def __init__(self, tokenizer, scripts, **kwargs):
+        super().__init__(tokenizer, scripts, **kwargs)
         self.seen: dict[tuple[int, ...], set[int]] = defaultdict(set)
 
     def generate(self, prompts, params, stop):
@@ -407,11 +425,11 @@ class RecordingEngine(ScriptedEngine):
         return out
 
 
-class SeedRecordingEngine(ScriptedEngine):
-    """A scripted engine that records the sampling seeds of every call."""
+class SeedRecordingEngine(FrozenScriptedEngine):
+    """A frozen scripted engine that records the sampling seeds of every call."""
 
-    def __init__(self, tokenizer, scripts):
-        super().__init__(tokenizer, scripts)
+    def __init__(self, tokenizer, scripts, **kwargs):
+        super().__init__(tokenizer, scripts, **kwargs)
         self.seeds: list[tuple[int, ...] | None] = []
 
     def generate(self, prompts, params, stop):
@@ -424,7 +442,7 @@ def _train(tmp_path, problem_file, name, *extra, steps=3, engine=None, resume=Fa
     config = make_config(
         tmp_path / name, problem_file, f"trainer.steps={steps}", "trainer.save_rollouts=true", *extra
     )
-    engine = engine or ScriptedEngine(tokenizer, scripted_policy())
+    engine = engine or _scripted(tokenizer)
     trainer = Trainer(config, model=model, tokenizer=tokenizer, engine=engine, resume=resume)
     trainer.fit()
     return trainer, tmp_path / name / "run"
@@ -442,7 +460,7 @@ def test_an_update_mid_episode_splits_its_versions_and_every_token_keeps_its_sam
     """Step 2's episodes are played while step 1 trains; their tool call waits for step 1's update,
     so their first turn is sampled by policy 0 and their second by policy 1 (a partial rollout)."""
     _, tokenizer = tiny_model()
-    engine = RecordingEngine(tokenizer, scripted_policy())
+    engine = _scripted(tokenizer, RecordingEngine)
     calls = itertools.count(1)
     step = ToolEnv.step
 
@@ -482,6 +500,69 @@ def test_an_update_mid_episode_splits_its_versions_and_every_token_keeps_its_sam
     assert len(set().union(*problems_by_step.values())) == 6  # no group split over two steps
 
 
+class InterruptedOnce(ScriptedEngine):
+    """A scripted engine (log-probs of its synced copy of the policy) whose third generate call, step
+    2's first turns, runs until a weight sync interrupts it, having decoded 5 tokens of each turn."""
+
+    def _decode_time(self, longest, interrupted):
+        if len(self.calls) == 3:
+            assert interrupted.wait(300), "no weight sync during step 2's first turns"
+            return 5
+        return None
+
+
+@pytest.mark.slow  # a scripted training run, 20-60 s on 2 loaded cores
+def test_saved_logprobs_are_those_of_the_version_each_token_is_labelled_with(tmp_path, problem_file):
+    """An engine whose log-probs depend on the weights: every saved model token's log-prob is that of
+    the policy version its label names (version v: the checkpoint of step v, 0 the initial policy),
+    and not that of another version, also across a turn that step 1's sync interrupted after 5
+    tokens (resumed under version 1: a version switch inside the turn, per-token staleness)."""
+    from transformers import AutoModelForCausalLM
+
+    _, tokenizer = tiny_model()
+    engine = _scripted(tokenizer, InterruptedOnce)
+    _, run_dir = _train(
+        tmp_path,
+        problem_file,
+        "async",
+        "trainer.max_staleness=1",
+        "sandbox.pool_size=4",
+        "optim.lr=0.05",
+        engine=engine,
+    )
+    ckpt = run_dir / "checkpoints"
+    policies = {0: tiny_model()[0]} | {
+        v: AutoModelForCausalLM.from_pretrained(ckpt / f"step-{v:06d}" / "hf") for v in (1, 2)
+    }
+    switched = 0
+    for s in (1, 2, 3):
+        for e in _step_rollouts(run_dir, s):
+            t = Trajectory.from_dict(e)
+            switched += bool(t.version_switches)
+            versions = t.token_versions()
+            P = t.prompt_ids
+            under = {v: _logprobs_under(m, P, t.response_ids) for v, m in policies.items()}
+            for j, (m, v) in enumerate(zip(t.loss_mask, versions, strict=True)):
+                if not m:
+                    continue
+                assert v is not None and max(0, s - 2) <= v <= s - 1
+                assert t.logprobs[j] == pytest.approx(float(under[v][j]), abs=1e-4), (s, j, v)
+            sampled = [j for j, m in enumerate(t.loss_mask) if m]
+            for v in under:  # no other version gives the saved log-probs
+                own = [j for j in sampled if versions[j] == v]
+                others = [j for j in sampled if versions[j] != v]
+                if others:
+                    gap = max(abs(t.logprobs[j] - float(under[v][j])) for j in others)
+                    assert gap > 1e-3, (s, v)
+                assert own or v not in versions
+    assert switched == 4  # step 2's four episodes, each cut in its first turn
+    step2 = [Trajectory.from_dict(e) for e in _step_rollouts(run_dir, 2)]
+    assert all(t.version_switches and t.turn_versions[0] == 0 for t in step2)
+    assert all(t.version_switches[0][0] == t.turn_spans[0][0] + 5 for t in step2)
+    records = _records(run_dir)
+    assert 0.0 < records[1]["async/staleness_mean"] < 1.0  # per token: 5 tokens of each turn at version 0
+
+
 @pytest.mark.slow  # scripted training runs, 20-60 s on 2 loaded cores
 def test_synchronous_steps_sample_every_token_from_the_previous_update(tmp_path, problem_file):
     _, run_dir = _train(tmp_path, problem_file, "sync", steps=2)
@@ -506,12 +587,12 @@ def _same_run(a, b):
 def test_asynchronous_rollouts_train_like_synchronous_ones_when_the_sampler_ignores_the_weights(
     tmp_path, problem_file, draw
 ):
-    """Scripted tokens and log-probs do not depend on the weights: with the same correction, a run
-    one step stale trains bit-identically to the synchronous one (same groups, problems, seeds),
-    also when a step draws more prompts than it trains (data.prompts_per_draw)."""
+    """Scripted tokens and log-probs (the initial policy's) do not depend on the weights: with the same
+    correction, a run one step stale trains bit-identically to the synchronous one (same groups,
+    problems, seeds), also when a step draws more prompts than it trains (data.prompts_per_draw)."""
     fixed = "algorithm.rollout_correction.mode=token_tis"
     _, tokenizer = tiny_model()
-    engines = [SeedRecordingEngine(tokenizer, scripted_policy()) for _ in range(2)]
+    engines = [_scripted(tokenizer, SeedRecordingEngine) for _ in range(2)]
     sync, _ = _train(tmp_path, problem_file, "sync", fixed, *draw, steps=3, engine=engines[0])
     stale, run_dir = _train(
         tmp_path, problem_file, "async", fixed, "trainer.max_staleness=1", *draw, steps=3, engine=engines[1]
@@ -519,6 +600,8 @@ def test_asynchronous_rollouts_train_like_synchronous_ones_when_the_sampler_igno
     groups = [{(e["group"], e["trained"]) for e in _step_rollouts(run_dir, s)} for s in (1, 2, 3)]
     assert all(g == {(0, True), (1, True)} | ({(2, False)} if draw else set()) for g in groups)
     _same_run(tmp_path / "sync" / "run", tmp_path / "async" / "run")
+    for r in _records(tmp_path / "async" / "run"):  # importance weights that mean something
+        assert 0.5 < r["rollout_correction/weight_mean"] <= 2.0, r["step"]
     assert engines[0].seeds == engines[1].seeds  # each step's sampling streams, whichever thread plays it
     a, b = sync.learner.module.state_dict(), stale.learner.module.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -528,9 +611,15 @@ def test_asynchronous_rollouts_train_like_synchronous_ones_when_the_sampler_igno
 def test_a_resumed_asynchronous_run_plays_the_in_flight_steps_again(tmp_path, problem_file, monkeypatch):
     """A run that dies in step 3 (step 3's rollouts and part of step 4's played) resumes from its
     step-2 checkpoint and ends as the uninterrupted run does: the checkpoint's data position is the
-    last trained step's, so the lost rollouts are played again with the same problems and seeds."""
+    last trained step's, so the lost rollouts are played again with the same problems and seeds (with
+    log-probs that do not depend on which version the engine holds when: a frozen scripted engine)."""
     async_ = "trainer.max_staleness=1"
-    _train(tmp_path, problem_file, "whole", async_, steps=4)
+    tokenizer = tiny_model()[1]
+
+    def frozen():
+        return _scripted(tokenizer, FrozenScriptedEngine)
+
+    _train(tmp_path, problem_file, "whole", async_, steps=4, engine=frozen())
 
     learn = Trainer.learn
 
@@ -542,12 +631,12 @@ def test_a_resumed_asynchronous_run_plays_the_in_flight_steps_again(tmp_path, pr
 
     monkeypatch.setattr(Trainer, "learn", dies_in_step_3)
     with pytest.raises(KeyboardInterrupt):
-        _train(tmp_path, problem_file, "broken", async_, steps=4)
+        _train(tmp_path, problem_file, "broken", async_, steps=4, engine=frozen())
     run = tmp_path / "broken" / "run"
     state = json.loads((run / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
     assert state["data_position"] == 4  # not the producer's position
     monkeypatch.setattr(Trainer, "learn", learn)
-    _train(tmp_path, problem_file, "broken", async_, steps=4, resume=True)
+    _train(tmp_path, problem_file, "broken", async_, steps=4, engine=frozen(), resume=True)
     _same_run(tmp_path / "whole" / "run", run)
 
 
