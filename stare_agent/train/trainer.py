@@ -8,10 +8,12 @@ One step, in the paper's order (docs/algorithm.md, "One training step, in the pa
        sampling     until ``data.prompts_per_step`` groups remain; truncate to exactly that
     4. advantages   A_i = (r_i - mean_group) / (std_group + 1e-6), broadcast to mask-1 tokens
     5. log-probs    pre-update log pi(o_t) and full-vocabulary entropy H_t of every response token
-                    (STARE only; GRPO-ds takes Hbar from its update's own forward pass)
+                    (STARE and the other selectors; GRPO-ds with one step per batch takes Hbar from
+                    its update's own forward pass)
     6. gate         gate_on = Hbar < H_tgt, Hbar the masked token mean over the batch on all ranks
     7. weights      STARE: W on L+, M on L- (C2), 1 elsewhere; GRPO-ds: none
-    8. update       one optimizer step of the dual-clip surrogate x weights, token-mean
+    8. update       one optimizer step of the dual-clip surrogate x weights, token-mean (the paper's;
+                    ``algorithm.ppo_mini_batch_size`` / ``ppo_epochs``: one per mini-batch and epoch)
     9. sync         hand the new weights to the rollout engine
 
 With ``trainer.max_staleness = k > 0`` steps 1-3 of later steps run on a producer thread while
@@ -388,37 +390,69 @@ class Trainer:
 
     def learn(self, drawn: list[Group], kept: list[Group]) -> dict[str, Any]:
         """Steps 4-8 on one step's groups: ``drawn`` in draw order, ``kept`` those dynamic sampling
-        kept (in draw order). Advantages over the kept groups, log-probs, the gate, STARE weights and
-        the update; the engine is not synced. Returns the update's metrics, or ``skipped`` and
-        ``skip_reason`` when there is nothing to train. ``stare_research.replay`` calls it on saved
-        episodes, so that a replay trains exactly as the run did."""
+        kept (in draw order). Advantages over the kept groups, log-probs, the gate, the token
+        selection and the update; the engine is not synced. Returns the update's metrics, or
+        ``skipped`` and ``skip_reason`` when there is nothing to train. ``stare_research.replay`` calls
+        it on saved episodes, so that a replay trains exactly as the run did.
+
+        With ``algorithm.ppo_mini_batch_size`` / ``ppo_epochs`` the update is several optimizer steps
+        (:meth:`_mini_batch_plan`), each on its mini-batch with the pre-update log-probs as the ratio's
+        old policy; the selection is re-taken per mini-batch or kept from the pre-update pass
+        (``algorithm.selection``). One step per batch is the paper's setting and the same either way."""
         alg = self.config.algorithm
         skip = self._skip(drawn, kept)
         if skip is not None:
             return skip
         # 4. advantages over all kept groups (identical on every rank), then this rank's share
         A, trajectories, sequence_ids, adv_metrics = self._advantages(kept)
-        # 5-7. pre-update log-probs and entropy, the gate (global over ranks), the weights. GRPO-ds
-        # needs no batch statistic before its loss: its update's own forward pass gives the entropy.
+        plan = self._mini_batch_plan(kept)
+        several = len(plan) > 1 or alg.ppo_epochs > 1
+        selects = alg.name in ("stare", "kl_cov", "clip_cov", "forking_tokens")
+        # 5-7. pre-update log-probs and entropy, the gate (global over ranks), the selection. GRPO-ds
+        # with one step per batch needs no batch statistic before its loss: its update's own forward
+        # pass gives the entropy; several steps need the pre-update log-probs as the old policy.
         t1 = time.perf_counter()
-        weights, kl_coef, gated, pre_metrics = None, None, None, dict[str, float]()
+        pre = self._pre_update_pass(trajectories, A) if selects or several else None
+        gated = None
         if alg.name == "stare":
-            weights, gated, pre_metrics = self._stare(drawn, kept, trajectories, A, sequence_ids)
-        elif alg.name in ("kl_cov", "clip_cov", "forking_tokens"):  # the field's other entropy controls
-            weights, kl_coef, pre_metrics = self._entropy_control(trajectories, A, sequence_ids)
+            assert pre is not None
+            gated = self._stare_gate(drawn, kept, pre)
+        selection, pre_metrics = None, dict[str, float]()
+        if selects:
+            assert pre is not None
+            selection = self._select(pre, trajectories, sequence_ids, gated)
+            pre_metrics = {**selection.metrics, **self._diagnose(pre, **selection.diagnosed)}
         t_logprob = time.perf_counter() - t1
-        # 8. update
+        # 8. update: one optimizer step per mini-batch, algorithm.ppo_epochs passes
         t2 = time.perf_counter()
-        update_metrics = self.learner.update(
-            trajectories,
-            A,
-            weights,
-            rollout_correction=self.rollout_engine.correction_mode(),
-            kl_coef=kl_coef,
-        )
+        updates = []
+        for epoch in range(alg.ppo_epochs):
+            for j, rows in enumerate(plan):
+                if not several:
+                    part, A_part, old = trajectories, A, None  # on-policy: old = logp.detach(), rho = 1
+                    chosen = selection
+                else:
+                    assert pre is not None
+                    part, A_part = [trajectories[i] for i in rows], A[rows]
+                    old = _rows(pre.logprobs, rows, part)
+                    chosen = self._select_mini_batch(
+                        pre, selection, rows, part, A[rows], sequence_ids, gated, key=(epoch, j)
+                    )
+                updates.append(
+                    self.learner.update(
+                        part,
+                        A_part,
+                        chosen.weights if chosen is not None else None,
+                        old_logprobs=old,
+                        rollout_correction=self.rollout_engine.correction_mode(),
+                        kl_coef=chosen.kl_coef if chosen is not None else None,
+                    )
+                )
+        update_metrics = _combine_updates(updates, epochs=alg.ppo_epochs, mini_batches=len(plan))
         t_update = time.perf_counter() - t2
         if gated is None:  # not STARE: the gate STARE would have seen, logged for comparison
-            gated = self._gate_after_update(update_metrics["entropy"])
+            Hbar = update_metrics["entropy"] if pre is None else self._gate(drawn, kept, pre)[1]
+            gated = self._gate_after_update(Hbar)
         gate_on, Hbar, gate_metrics = gated
         return {
             **adv_metrics,
@@ -439,7 +473,21 @@ class Trainer:
             "time/update_s": t_update,
         }
 
-    # ------------------------------------------------------------------ steps 4-8
+    def _mini_batch_plan(self, kept: list[Group]) -> list[list[int]]:
+        """This rank's rows (indices into its trajectories) of each mini-batch, whole groups each.
+
+        ``algorithm.ppo_mini_batch_size = S`` cuts the K kept groups into ``n = ceil(K / S)``
+        mini-batches, fewer when a rank would get none (``n <= K // world``): each rank splits its own
+        groups (kept group i on rank i mod world) into n consecutive near-equal parts, so mini-batch j
+        is about S groups over all ranks and every rank takes the same n optimizer steps. Null: one."""
+        S = self.config.algorithm.ppo_mini_batch_size
+        mine = [g for i, g in enumerate(kept) if i % self.world == self.rank]
+        offsets = np.cumsum([0] + [len(g.trajectories) for g in mine])
+        n = 1 if S is None else max(1, min(-(-len(kept) // S), len(kept) // self.world))
+        return [
+            [r for gi in part for r in range(int(offsets[gi]), int(offsets[gi + 1]))]
+            for part in np.array_split(np.arange(len(mine)), n)
+        ]
 
     def _skip(self, drawn: list[Group], kept: list[Group]) -> dict[str, Any] | None:
         """The metrics of a step with nothing to train, said on rank 0 (dynamic sampling fell short
@@ -504,31 +552,19 @@ class Trainer:
         sequence_ids = torch.tensor([gid for i in mine for gid in kept[i].global_ids])
         return A_all[rows], trajectories, sequence_ids, adv_metrics
 
-    def _stare(
-        self,
-        drawn: list[Group],
-        kept: list[Group],
-        trajectories: list[Trajectory],
-        A: torch.Tensor,
-        sequence_ids: torch.Tensor,
-    ) -> tuple[torch.Tensor, tuple[bool, float, dict[str, float]], dict[str, float]]:
-        """5-7 for STARE: pre-update log-probs and entropy ([B, L-1], column t scores token t+1), the
-        gate (global over ranks; the optional adaptive W/M steps on its Hbar), and the weights on
-        mask-1 tokens over the whole batch on all ranks: (weights, (gate_on, Hbar, gate metrics),
-        metrics). The micro_batch scope selects inside each of the learner's own micro-batches, as
-        the authors' code does, so the split must be the learner's."""
+    def _stare_gate(
+        self, drawn: list[Group], kept: list[Group], pre: PreUpdate
+    ) -> tuple[bool, float, dict[str, float]]:
+        """6 for STARE: the gate on the pre-update pass (global over ranks; ``always_on`` for the
+        paper's open-loop ablation); the optional adaptive W/M steps on its Hbar, once per step:
+        (gate_on, Hbar, gate metrics)."""
         alg = self.config.algorithm
-        pre = self._pre_update_pass(trajectories, A)
         gate_on, Hbar, gate_metrics = self._gate(drawn, kept, pre)
         if alg.gate == "always_on":  # the paper's open-loop ablation
             gate_on = True
         if alg.adaptive:
             self.controller.update(Hbar)
-        weights, L_plus, L_minus, metrics = self._stare_weights(
-            pre, gate_on, Hbar, trajectories, sequence_ids
-        )
-        metrics.update(self._diagnose(pre, weights=weights, L_plus=L_plus, L_minus=L_minus, Hbar=Hbar))
-        return weights, (gate_on, Hbar, gate_metrics), metrics
+        return gate_on, Hbar, gate_metrics
 
     def _pre_update_pass(self, trajectories: list[Trajectory], A: torch.Tensor) -> PreUpdate:
         """5. The pre-update policy's log-probs and entropy of this rank's rows (and the moments when a
@@ -601,17 +637,30 @@ class Trainer:
             self.controller.update(Hbar)
         return gate_on, Hbar, gate_metrics
 
-    def _entropy_control(
-        self, trajectories: list[Trajectory], A: torch.Tensor, sequence_ids: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, float]]:
-        """(weights, KL-Cov coefficients, metrics) of ``kl_cov``, ``clip_cov`` or ``forking_tokens``
-        from the pre-update policy's log-probs and entropy (``algorithms.entropy_control``), selected
-        per ``algorithm.scope`` like STARE's L+."""
+    def _select(
+        self,
+        pre: PreUpdate,
+        trajectories: list[Trajectory],
+        sequence_ids: torch.Tensor,
+        gated: tuple[bool, float, dict[str, float]] | None,
+        key: tuple[int, int] | None = None,
+    ) -> Selection:
+        """7. The token selection of ``algorithm.name`` on ``pre``'s rows (``trajectories``), per
+        ``algorithm.scope``: STARE's weights (``gated`` is its gate), KL-Cov's coefficients, or
+        Clip-Cov's / forking tokens' weights (``algorithms.entropy_control``). The micro_batch scope
+        selects inside each of the learner's own micro-batches of ``trajectories``, as the authors'
+        code does, so the split must be the learner's. ``key``: (epoch, mini-batch) of a re-selection,
+        which Clip-Cov's draw is seeded with besides the run's seed and the step."""
         alg = self.config.algorithm
-        pre = self._pre_update_pass(trajectories, A)
+        ids = sequence_ids.to(pre.logprobs.device)
+        if alg.name == "stare":
+            assert gated is not None
+            gate_on, Hbar, _ = gated
+            weights, L_plus, L_minus, metrics = self._stare_weights(pre, gate_on, Hbar, trajectories, ids)
+            diagnosed = {"weights": weights, "L_plus": L_plus, "L_minus": L_minus, "Hbar": Hbar}
+            return Selection(weights, None, metrics, diagnosed)
         scope = cast("Scope", alg.scope)
         split = self.learner.micro_batches(trajectories) if alg.scope == "micro_batch" else None
-        ids = sequence_ids.to(pre.logprobs.device)
         if alg.name == "kl_cov":
             kl_coef, metrics = kl_cov_coefficients(
                 pre.advantages,
@@ -623,11 +672,10 @@ class Trainer:
                 micro_batches=split,
                 sequence_ids=ids,
             )
-            return None, kl_coef, {**metrics, **self._diagnose(pre)}
+            return Selection(None, kl_coef, metrics, {})
         if alg.name == "clip_cov":  # the same draw on every rank: seeded by the run's seed and the step
-            draw = torch.Generator().manual_seed(
-                zlib.crc32(f"clip_cov {self.config.trainer.seed} {self.step}".encode())
-            )
+            label = f"clip_cov {self.config.trainer.seed} {self.step}" + ("" if key is None else f" {key}")
+            draw = torch.Generator().manual_seed(zlib.crc32(label.encode()))
             weights, metrics = clip_cov_weights(
                 pre.advantages,
                 pre.logprobs,
@@ -644,7 +692,31 @@ class Trainer:
             weights, metrics = forking_token_weights(
                 pre.entropy, pre.mask, rho=alg.forking_rho, scope=scope, micro_batches=split, sequence_ids=ids
             )
-        return weights, None, {**metrics, **self._diagnose(pre, weights=weights)}
+        return Selection(weights, None, metrics, {"weights": weights})
+
+    def _select_mini_batch(
+        self,
+        pre: PreUpdate,
+        selection: Selection | None,
+        rows: list[int],
+        part: list[Trajectory],
+        A_part: torch.Tensor,
+        sequence_ids: torch.Tensor,
+        gated: tuple[bool, float, dict[str, float]] | None,
+        *,
+        key: tuple[int, int],
+    ) -> Selection | None:
+        """The selection mini-batch ``key = (epoch, j)`` trains with: ``pre_update`` slices the whole
+        batch's; with ``per_mini_batch`` the mini-batch is selected anew from the policy being updated
+        (at (0, 0) that is the pre-update policy, whose pass is at hand)."""
+        if selection is None:
+            return None
+        if self.config.algorithm.selection == "pre_update":
+            return Selection(
+                _rows(selection.weights, rows, part), _rows(selection.kl_coef, rows, part), {}, {}
+            )
+        now = _pre_update_rows(pre, rows, part) if key == (0, 0) else self._pre_update_pass(part, A_part)
+        return self._select(now, part, sequence_ids[rows], gated, key)
 
     # ------------------------------------------------------------------ the run's record
 
@@ -839,6 +911,98 @@ class StopAtStepBoundary:
                 file=sys.stderr,
                 flush=True,
             )
+
+
+@dataclasses.dataclass
+class Selection:
+    """Step 7's result on some rows: token weights [B, T] (None: 1), KL-Cov's coefficients (None:
+    none), the metrics, and what the diagnostics hooks read of it (``PreUpdate`` fields)."""
+
+    weights: torch.Tensor | None
+    kl_coef: torch.Tensor | None
+    metrics: dict[str, float]
+    diagnosed: dict[str, Any]
+
+
+def _rows(t: torch.Tensor | None, rows: list[int], part: list[Trajectory]) -> torch.Tensor | None:
+    """The [B, L-1] token tensor ``t`` of a rank's batch cut to ``rows``, aligned with
+    ``collate(part)`` (``part`` the trajectories of those rows: collate pads to the longest)."""
+    if t is None:
+        return None
+    width = max(x.num_tokens for x in part) - 1
+    return t[torch.as_tensor(rows, device=t.device), :width]
+
+
+def _pre_update_rows(pre: PreUpdate, rows: list[int], part: list[Trajectory]) -> PreUpdate:
+    """``pre`` (before its weights) cut to ``rows``."""
+    width = max(x.num_tokens for x in part) - 1
+    index = torch.as_tensor(rows, device=pre.logprobs.device)
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return t[index.to(t.device), :width]
+
+    return dataclasses.replace(
+        pre,
+        advantages=cut(pre.advantages),
+        logprobs=cut(pre.logprobs),
+        entropy=cut(pre.entropy),
+        mask=cut(pre.mask),
+        moments=None if pre.moments is None else cut(pre.moments),
+    )
+
+
+def _combine_updates(updates: list[dict[str, float]], *, epochs: int, mini_batches: int) -> dict[str, Any]:
+    """The step's metrics from its optimizer steps' (``Learner.update``, epoch-major): one step's as
+    they are; for several, token-weighted means (``tokens`` and ``micro_batches`` of one epoch,
+    ``lr`` the last, ``skipped`` 1 when every step was dropped), ``ppo/*`` counts, the clip fraction
+    and approximate KL of the last and the largest, and ``ppo/per_mini_batch``: each step's
+    ``epoch``, ``mini_batch``, loss, clip fractions, approximate KL, ratio mean and gradient norm."""
+    if len(updates) == 1:
+        return updates[0]
+    weight = [u["tokens"] for u in updates]
+    total = sum(weight) or 1.0
+    keys = [k for k in updates[0] if all(isinstance(u.get(k), int | float) for u in updates)]
+    out: dict[str, Any] = {
+        k: sum(u[k] * n for u, n in zip(updates, weight, strict=True)) / total for k in keys
+    }
+    out.update(
+        tokens=sum(u["tokens"] for u in updates[:mini_batches]),
+        micro_batches=sum(u["micro_batches"] for u in updates[:mini_batches]),
+        lr=updates[-1]["lr"],
+        skipped=float(all(u["skipped"] for u in updates)),
+    )
+    out["ppo/optimizer_steps"] = float(len(updates))
+    out["ppo/mini_batches"] = float(mini_batches)
+    out["ppo/epochs"] = float(epochs)
+    out["ppo/steps_skipped"] = float(sum(u["skipped"] for u in updates))
+    per_step = [
+        {
+            "epoch": i // mini_batches,
+            "mini_batch": i % mini_batches,
+            **{k: u[k] for k in PER_MINI_BATCH if k in u},
+        }
+        for i, u in enumerate(updates)
+    ]
+    for key in ("actor/pg_clipfrac", "actor/ppo_kl"):
+        values = [u[key] for u in updates if key in u]
+        if values:
+            out[f"{key}_last"] = values[-1]
+            out[f"{key}_max"] = max(values, key=abs)
+    out["ppo/per_mini_batch"] = per_step  # a list: metrics.jsonl keeps it, trackers take the scalars
+    return out
+
+
+PER_MINI_BATCH = (
+    "loss",
+    "grad_norm",
+    "skipped",
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/ppo_kl",
+    "actor/ratio_mean",
+    "tokens",
+)
+"""``Learner.update`` metrics logged for each optimizer step of a step (``ppo/per_mini_batch``)."""
 
 
 def _budget_cut(trajectory: Trajectory) -> bool:
