@@ -409,28 +409,52 @@ class RolloutCorrectionConfig:
             in-process transformers engine: the ratio is exactly 1) or that replays scripts;
             ``none``; ``token_tis`` / ``seq_tis`` (truncated importance sampling per token / per
             sequence); ``token_mis`` / ``seq_mis`` (masked: tokens / sequences whose ratio leaves
-            [low, high] are taken out of the loss).
-        cap: C of truncated IS, the largest weight (Yao et al. 2025: 2).
+            [low, high] are taken out of the loss; ``seq_mis`` with ``low=0, high=3`` is TRL's
+            default ``sequence_mask``); ``token_mask`` (AReaL's: a token whose ratio passes ``cap``
+            is taken out instead of truncated); ``geo_rs`` (verl's: a sequence whose geometric-mean
+            ratio leaves [geo_low, geo_high] is taken out, no weight); ``geo_rs_token_tis`` /
+            ``geo_rs_seq_tis`` (that rejection times token / sequence TIS); ``bypass`` (weight 1, the
+            uncorrected loss as with ``none``, but the ``rollout_correction/*`` metrics are logged
+            and a veto applies; not verl's bypass_mode, which trains on the engine's log-probs as the
+            PPO ratio's old policy).
+        cap: C of truncated IS, the largest weight (Yao et al. 2025: 2); ``token_mask``'s bound (AReaL: 5).
         low: Masked IS keeps ratios from ``low`` ...
         high: ... to ``high``.
+        geo_low: The ``geo_rs`` modes keep a sequence whose geometric-mean ratio, exp of its tokens'
+            mean log ratio, is from ``geo_low`` ...
+        geo_high: ... to ``geo_high`` (verl: 0.999 and 1.001).
+        token_veto_threshold: A sequence with any token ratio below it is taken out whole, with any
+            mode but ``none`` (verl's ``rollout_token_veto_threshold``; e.g. 1e-4); null: off.
+        batch_normalize: Divide the weights by their mean over the micro-batch's model tokens (verl's
+            ``rollout_is_batch_normalize``): the loss keeps its scale; the estimate is self-normalized.
     """
 
     mode: str = "auto"
     cap: float = 2.0
     low: float = 0.5
     high: float = 2.0
+    geo_low: float = 0.999
+    geo_high: float = 1.001
+    token_veto_threshold: float | None = None
+    batch_normalize: bool = False
 
     def __post_init__(self) -> None:
-        try:
-            check_rollout_correction(
-                mode="none" if self.mode == "auto" else self.mode, cap=self.cap, low=self.low, high=self.high
-            )
+        try:  # auto may resolve to none, where the options do nothing (the ratio is 1): check them as if not
+            check_rollout_correction(mode="token_tis" if self.mode == "auto" else self.mode, **self.options())
         except ValueError as exc:
             raise ConfigError(f"algorithm.rollout_correction: {exc}") from None
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of ``rollout_correction.correction_weights`` other than ``mode``."""
-        return {"cap": self.cap, "low": self.low, "high": self.high}
+        return {
+            "cap": self.cap,
+            "low": self.low,
+            "high": self.high,
+            "geo_low": self.geo_low,
+            "geo_high": self.geo_high,
+            "token_veto_threshold": self.token_veto_threshold,
+            "batch_normalize": self.batch_normalize,
+        }
 
 
 @dataclass

@@ -15,7 +15,18 @@ Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
 VARIANTS: tuple[str, ...] = get_args(Variant)
 SCOPES: tuple[str, ...] = get_args(Scope)
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
-ROLLOUT_CORRECTION_MODES = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis")
+ROLLOUT_CORRECTION_MODES = (
+    "none",
+    "token_tis",
+    "seq_tis",
+    "token_mis",
+    "seq_mis",
+    "token_mask",
+    "geo_rs",
+    "geo_rs_token_tis",
+    "geo_rs_seq_tis",
+    "bypass",
+)
 
 ENGINE_NAMES = ("auto", "transformers", "vllm", "sglang", "openai")
 """What ``stare_agent.engines.start_engine`` starts: ``env.engine``'s choices (``stare_agent.config.ENGINES``),
@@ -67,7 +78,17 @@ def check_loss_options(*, agg: str, eps_low: float, eps_high: float, clip_c: flo
         )
 
 
-def check_rollout_correction(*, mode: str, cap: float, low: float, high: float) -> None:
+def check_rollout_correction(
+    *,
+    mode: str,
+    cap: float,
+    low: float,
+    high: float,
+    geo_low: float = 0.999,
+    geo_high: float = 1.001,
+    token_veto_threshold: float | None = None,
+    batch_normalize: bool = False,
+) -> None:
     """Validate the rollout-correction options once (the config and ``correction_weights`` use it)."""
     if mode not in ROLLOUT_CORRECTION_MODES:
         raise ValueError(
@@ -80,4 +101,19 @@ def check_rollout_correction(*, mode: str, cap: float, low: float, high: float) 
     if not 0.0 <= low < 1.0 < high:
         raise ValueError(
             f"need 0 <= low < 1 < high for masked IS (got low={low}, high={high}): e.g. 0.5 and 2"
+        )
+    if not 0.0 < geo_low < 1.0 < geo_high:
+        raise ValueError(
+            f"need 0 < geo_low < 1 < geo_high for geometric-mean rejection (got geo_low={geo_low}, "
+            f"geo_high={geo_high}): a per-token mean ratio, so close to 1: verl's 0.999 and 1.001"
+        )
+    if token_veto_threshold is not None and not 0.0 < token_veto_threshold < 1.0:
+        raise ValueError(
+            f"rollout correction token_veto_threshold={token_veto_threshold} must lie in (0, 1) (a token "
+            "ratio below it rejects its sequence) or be null (off): e.g. 1e-4"
+        )
+    if mode == "none" and (token_veto_threshold is not None or batch_normalize):
+        raise ValueError(
+            "rollout correction mode none applies nothing, so token_veto_threshold and batch_normalize "
+            "would do nothing: pick a mode (bypass for the veto alone) or drop them"
         )
