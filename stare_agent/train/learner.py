@@ -75,6 +75,8 @@ from stare_envs.trajectory import Trajectory
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_TAG = "learner"
+SUMMED_METRICS = frozenset({"rollout_correction/seq_rejected"})
+"""Micro-batch metrics that are counts: summed over micro-batches and ranks, not token-weighted."""
 ADAPTER_DIRNAME = "adapter"
 
 
@@ -508,6 +510,10 @@ class Learner:
             return raw * self._loss_scale(mask, denominators), metrics
 
         out = self._step(trajectories, micro_loss)
+        if "rollout_correction/seq_rejected" in out:  # of the batch's sequences on all ranks
+            out["rollout_correction/seq_rejected_frac"] = out["rollout_correction/seq_rejected"] / max(
+                denominators["seqs"], 1.0
+            )
         out.update(self._mismatch_metrics(list(mismatch.values())))
         if weights is not None and rollout_correction != "none":
             total, count = self._all_reduce(
@@ -609,12 +615,15 @@ class Learner:
                 n = float(micro["response_mask"].sum())
                 tokens += n
                 for key, value in metrics.items():
-                    weighted[key] = weighted.get(key, 0.0) + value * n
+                    weighted[key] = weighted.get(key, 0.0) + (value if key in SUMMED_METRICS else value * n)
         finite = self._all_reduce([0.0 if finite else 1.0])[0] == 0.0
         keys = sorted(weighted)
         loss_sum, tokens_sum, *sums = self._all_reduce([total_loss, tokens, *(weighted[k] for k in keys)])
         grad_norm = self._apply_or_skip(finite)
-        out = {key: value / max(tokens_sum, 1.0) for key, value in zip(keys, sums, strict=True)}
+        out = {
+            key: value if key in SUMMED_METRICS else value / max(tokens_sum, 1.0)
+            for key, value in zip(keys, sums, strict=True)
+        }
         out.update(
             loss=loss_sum / self.world_size,
             grad_norm=grad_norm,

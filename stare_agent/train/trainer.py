@@ -73,7 +73,7 @@ from stare_agent.train.async_rollouts import RolloutProducer
 from stare_agent.train.batch import collate
 from stare_agent.train.deepspeed_setup import load_training_policy
 from stare_agent.train.diagnostics import Diagnostics, PreUpdate
-from stare_agent.train.learner import Learner
+from stare_agent.train.learner import SUMMED_METRICS, Learner
 from stare_agent.train.rollout_engine import RolloutEngine
 from stare_agent.train.rollout_phase import Group, RolloutPhase, Rollouts, problem_stream
 from stare_envs.registry import check_env_id
@@ -965,6 +965,8 @@ def _combine_updates(updates: list[dict[str, float]], *, epochs: int, mini_batch
     out: dict[str, Any] = {
         k: sum(u[k] * n for u, n in zip(updates, weight, strict=True)) / total for k in keys
     }
+    for key in SUMMED_METRICS & set(keys):  # counts: each sequence once, in the first epoch
+        out[key] = sum(u[key] for u in updates[:mini_batches])
     out.update(
         tokens=sum(u["tokens"] for u in updates[:mini_batches]),
         micro_batches=sum(u["micro_batches"] for u in updates[:mini_batches]),

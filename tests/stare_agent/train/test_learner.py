@@ -622,3 +622,47 @@ def test_a_training_process_does_not_import_peft_or_transformers_trainer_utils()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _engine_shifted(learner, batch, shifts):
+    """``batch`` with engine log-probs equal to the learner's plus ``shifts[i]`` nats on every model
+    token of trajectory i (so each token's ratio pi_old / mu is exp(-shift))."""
+    logp, _ = learner.compute_logprobs_and_entropy(batch)
+    out = []
+    for t, lp, shift in zip(batch, logp, shifts, strict=True):
+        n = len(t.prompt_ids)
+        values = [float(lp[n - 1 + i]) + shift if m else 0.0 for i, m in enumerate(t.loss_mask)]
+        out.append(dataclasses.replace(t, logprobs=values))
+    return out
+
+
+def test_sequences_rejected_are_counted_over_micro_batches_and_the_l_plus_weight_is_its_mean(
+    learner, batch, monkeypatch
+):
+    # seq_mis keeps a sequence whose ratio exp(sum_t log ratio) is in [0.5, 2]. Trajectories 0 and 3
+    # are shifted by 0.3 nats on each of their >= 5 model tokens: ratio <= exp(-1.5) = 0.22, out;
+    # the others are not shifted: ratio 1, in. In micro-batches of about one trajectory each, the
+    # step's count is 2 of 5 sequences, summed (not a token-weighted mean of per-micro-batch counts).
+    shifted = _engine_shifted(learner, batch, [0.3, 0.0, 0.0, 0.3, 0.0])
+    advantages = [1.0, -0.5, 0.25, -1.5, 0.75]
+    start = _params(learner)
+    monkeypatch.setattr(learner.ds_config, "micro_batch_tokens", 30)
+    try:
+        out = learner.update(shifted, advantages, rollout_correction="seq_mis")
+        assert out["micro_batches"] >= 4
+        assert out["rollout_correction/seq_rejected"] == 2.0
+        assert out["rollout_correction/seq_rejected_frac"] == pytest.approx(2 / 5)
+        _restore(learner, start)
+        # STARE's weights on every model token of trajectories 0 and 1 (L+): token TIS gives
+        # exp(-0.3) on trajectory 0's tokens and 1 on trajectory 1's, so their mean on L+ is the
+        # token-weighted mean of the two.
+        B, L = len(batch), max(t.num_tokens for t in batch)
+        mask = collate(batch, 0)["response_mask"]
+        weights = torch.ones(B, L - 1)
+        weights[:2] = torch.where(mask[:2].bool(), 1.1, 1.0)
+        n0, n1 = int(mask[0].sum()), int(mask[1].sum())
+        tis = learner.update(shifted, advantages, weights, rollout_correction="token_tis")
+        expected = (n0 * math.exp(-0.3) + n1) / (n0 + n1)
+        assert tis["rollout_correction/weight_mean_L_plus"] == pytest.approx(expected, abs=1e-5)
+    finally:
+        _restore(learner, start)

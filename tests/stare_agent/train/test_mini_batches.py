@@ -173,3 +173,8 @@ def test_combined_metrics_weigh_by_tokens_and_keep_each_step():
         (1, 0),
         (1, 1),
     ]
+    # a count (sequences the rollout correction took out) adds up over one epoch's mini-batches
+    counted = [
+        dict(update(10, 0.0, 0.0), **{"rollout_correction/seq_rejected": float(k)}) for k in (1, 2, 1, 2)
+    ]
+    assert _combine_updates(counted, epochs=2, mini_batches=2)["rollout_correction/seq_rejected"] == 3.0
