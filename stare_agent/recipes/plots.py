@@ -41,9 +41,17 @@ PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "",
         (
             "rollout_correction/weight_mean",
+            "rollout_correction/weight_mean_L_plus",
             "rollout_correction/capped_frac",
             "rollout_correction/masked_frac",
+            "rollout_correction/seq_rejected_frac",
+            "rollout_correction/eff_sample_size",
         ),
+    ),
+    (
+        "PPO mini-batches: ratio away from 1",
+        "",
+        ("actor/pg_clipfrac_max", "actor/pg_clipfrac_last", "actor/ppo_kl_max"),
     ),
     (
         "Asynchronous rollouts: policy staleness",
@@ -72,8 +80,14 @@ UPDATE_KEYS = frozenset(
         "mismatch/L_plus_abs_logp_mean",
         "mismatch/abs_logp_max",
         "rollout_correction/weight_mean",
+        "rollout_correction/weight_mean_L_plus",
         "rollout_correction/capped_frac",
         "rollout_correction/masked_frac",
+        "rollout_correction/seq_rejected_frac",
+        "rollout_correction/eff_sample_size",
+        "actor/pg_clipfrac_max",
+        "actor/pg_clipfrac_last",
+        "actor/ppo_kl_max",
     }
 )
 SFT_PANEL = ("Cold-start SFT loss (sft_log.jsonl)", "loss", ("loss",))

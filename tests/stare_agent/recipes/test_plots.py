@@ -51,3 +51,20 @@ def test_a_run_without_them_gets_none_of_those_panels(tmp_path):
     with StepLogger(tmp_path / "bare", backends=()) as log:
         log.log(1, {"entropy": 0.05, "reward_mean": 0.5})
     assert not {CORRECTION, STALENESS, IDLE} & set(_panels(tmp_path / "bare"))
+
+
+def test_a_run_with_ppo_mini_batches_gets_their_panel_and_its_per_step_list_is_no_trouble(tmp_path):
+    PPO = "PPO mini-batches: ratio away from 1"
+    with StepLogger(tmp_path, backends=()) as log:
+        for step in (1, 2):
+            log.log(step, {
+                "entropy": 0.05, "reward_mean": 0.5, "accuracy": 0.5, "skipped": 0,
+                "actor/pg_clipfrac_max": 0.1 * step, "actor/ppo_kl_max": -0.01,
+                "ppo/per_mini_batch": [{"epoch": 0, "mini_batch": 0, "actor/pg_clipfrac": 0.0}],
+            })  # fmt: skip
+    panels = _panels(tmp_path)
+    assert _labels(panels[PPO]) == ["actor/pg_clipfrac_max", "actor/ppo_kl_max"]
+    assert list(panels[PPO].get_lines()[0].get_ydata()) == [0.1, 0.2]
+    with StepLogger(tmp_path / "one_step", backends=()) as log:
+        log.log(1, {"entropy": 0.05, "reward_mean": 0.5, "actor/pg_clipfrac": 0.0})
+    assert PPO not in _panels(tmp_path / "one_step")
