@@ -1,4 +1,5 @@
-"""Synchronous vs asynchronous rollouts (``trainer.max_staleness``), side by side in one run.
+"""Synchronous vs asynchronous rollouts (``trainer.max_staleness``), and a weight sync that waits for
+the turns in flight vs one that interrupts them (``trainer.interrupt_on_sync``), side by side in one run.
 
 Both modes are a real ``Trainer`` (the tiny random model, real DeepSpeed on CPU, local sandboxes) on
 addition problems whose episodes are scripted (turn 0 runs code, turn 1 boxes what it printed; every
@@ -11,16 +12,30 @@ under a latency model of a GPU engine:
 default 8 ms) are assumptions, not measurements: they are the order of magnitude of a 7B model's
 batched decode step on one H100 under vLLM (about 10-20 ms), scaled down so that one rollout of a
 step takes about as long as one update of the tiny model on two CPU cores, the case where
-overlapping them matters most. The tool calls run for real in local sandboxes.
+overlapping them matters most. The tool calls run for real in local sandboxes. The engine's
+log-probs are its own synced copy of the tiny model's (``ScriptedEngine(model=...)``), so the
+token-TIS weights of both modes are near 1, as with a real engine. Its ``interrupt()`` ends a call
+early, as a real engine's does: the tokens "decoded" so far come back, and the rest of the turn is
+a new call (``call_ms`` again, the prefill).
+
+Modes: ``max_staleness=0`` (synchronous), then ``max_staleness=--staleness`` (default 2) with
+``interrupt_on_sync=false`` (a sync waits for the generate call in flight) and ``true`` (it ends the
+call at its next token and the turn resumes under the new weights). With ``k = 1`` a sync that waits
+costs nothing overall: the learner needs the step the producer is still playing anyway; with
+``k >= 2`` the producer may be playing a step the learner does not need yet, and a sync that waits
+for its turn is pure learner idle time.
 
 Per mode the table shows medians over the steps after the first (which pays one-off setup) of:
 ``step`` (time/step_s), ``rollout`` (playing the step's episodes, time/rollout_s; under
 max_staleness=1 it overlaps the previous update), ``train`` (log-probs, update and weight sync),
-the means of ``learner idle`` (time/learner_idle_frac: waiting for rollouts) and ``engine idle``
-(time/engine_idle_frac: no generate call in flight, tool calls and waiting for weights included),
-and the mean staleness of the trained tokens (async/staleness_mean, in updates). The last line
-compares the asynchronous step with the bounds the synchronous run gives: rollout + train (no
-overlap) and max(rollout, train) (perfect overlap).
+``sync`` (time/sync_s: handing the weights over, waiting for the calls in flight included), the
+medians of ``learner idle`` (time/learner_idle_frac: waiting for rollouts), ``sync wait``
+(time/sync_s / time/step_s) and their sum ``idle in all`` (the learner waits for the engine either
+way), the mean ``engine idle`` (time/engine_idle_frac: no generate call in flight, tool calls and
+waiting for weights included), the mean staleness of the trained tokens (async/staleness_mean, in
+updates; per token, so a turn resumed under new weights counts fresher) and the engine calls a
+sync interrupted. The last lines compare the asynchronous steps with the bounds the synchronous run
+gives (rollout + train: no overlap; max(rollout, train): perfect overlap), and the two syncs.
 
 ``--quickstart``: the same two modes on the real engine instead: ``configs/quickstart.yaml`` (the
 embedded SmolLM2-135M-Instruct, the vLLM worker of ``.venv-vllm``, the sandbox its ``auto`` backend
@@ -32,8 +47,8 @@ sandboxes (``sandbox.pool_size=32``; the config's 40 is its evaluation's size). 
 checkpoints. Here the engine, the sandboxes and the learner share the machine's cores: the overlap
 buys only what the hardware lets run at once.
 
-Run: ``.venv/bin/python benchmarks/async_rollouts.py [--steps 8] [--call-ms 50] [--decode-ms 8]``;
-``.venv/bin/python benchmarks/async_rollouts.py --quickstart [--steps 6]``.
+Run: ``.venv/bin/python benchmarks/async_rollouts.py [--steps 8] [--call-ms 50] [--decode-ms 8]
+[--staleness 2]``; ``.venv/bin/python benchmarks/async_rollouts.py --quickstart [--steps 6]``.
 """
 
 from __future__ import annotations
@@ -77,26 +92,29 @@ def scripted_policy() -> Any:
 
 def latency_engine(tokenizer: Any, call_ms: float, decode_ms: float) -> Any:
     """A scripted engine whose generate takes as long as the latency model says (sleeping: the GIL
-    is free for the learner meanwhile, as it is while a GPU engine decodes)."""
+    is free for the learner meanwhile, as it is while a GPU engine decodes), with the log-probs of
+    its own copy of the tiny model (synced at each update), interruptible."""
     from stare_agent.engines.scripted import ScriptedEngine
+    from stare_agent.models import tiny_model
 
-    class LatencyEngine(ScriptedEngine):
-        def generate(self, prompts, params, stop):  # type: ignore[no-untyped-def]
-            out = super().generate(prompts, params, stop)
-            longest = max((len(g.token_ids) for g in out), default=0)
-            time.sleep((call_ms + decode_ms * longest) / 1000)
-            return out
-
-    return LatencyEngine(tokenizer, scripted_policy())
+    return ScriptedEngine(
+        tokenizer,
+        scripted_policy(),
+        model=tiny_model(tokenizer)[0],
+        latency=(call_ms / 1000, decode_ms / 1000),
+    )
 
 
-def run_mode(max_staleness: int, steps: int, call_ms: float, decode_ms: float, work: Path) -> list[dict]:
-    """One scripted run of ``steps`` steps; its metrics.jsonl rows."""
+def run_mode(
+    max_staleness: int, steps: int, call_ms: float, decode_ms: float, work: Path, interrupt: bool = True
+) -> list[dict]:
+    """One scripted run of ``steps`` steps; its metrics.jsonl rows (the last with the engine calls a
+    sync interrupted, ``interrupted_calls``)."""
     from stare_agent.config import load_config
     from stare_agent.models import tiny_model
     from stare_agent.train.trainer import Trainer
 
-    run_dir = work / f"staleness-{max_staleness}"
+    run_dir = work / f"staleness-{max_staleness}-{'interrupt' if interrupt else 'wait'}"
     config = load_config(
         None,
         [
@@ -114,16 +132,20 @@ def run_mode(max_staleness: int, steps: int, call_ms: float, decode_ms: float, w
             f"trainer.run_dir={run_dir}",
             "deepspeed.micro_batch_tokens=512",
             "algorithm.H_tgt=100.0",
-            # the same loss in both modes: the scripted sampler's log-probs are stand-ins
+            # the same loss in all modes (auto would be none synchronously)
             "algorithm.rollout_correction.mode=token_tis",
             f"trainer.max_staleness={max_staleness}",
+            f"trainer.interrupt_on_sync={str(interrupt).lower()}",
             "logger.backends=[]",
         ],
     )
     model, tokenizer = tiny_model()
     engine = latency_engine(tokenizer, call_ms, decode_ms)
-    Trainer(config, model=model, tokenizer=tokenizer, engine=engine).fit()
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    trainer = Trainer(config, model=model, tokenizer=tokenizer, engine=engine)
+    trainer.fit()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    rows[-1]["interrupted_calls"] = trainer.rollout_engine.versioned.interrupted_calls
+    return rows
 
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
@@ -160,16 +182,24 @@ def run_quickstart(max_staleness: int, steps: int, work: Path) -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> dict[str, float]:
+    interrupted = rows[-1].get("interrupted_calls", 0)
     rows = rows[1:] if len(rows) > 1 else rows
     rows = [r for r in rows if "time/step_s" in r]  # a step that trained nothing has no timings
     train = [r["time/logprob_s"] + r["time/update_s"] for r in rows]
+    sync_wait = [r.get("time/sync_s", 0.0) / r["time/step_s"] for r in rows]
     return {
         "step": statistics.median(r["time/step_s"] for r in rows),
         "rollout": statistics.median(r["time/rollout_s"] for r in rows),
         "train": statistics.median(train),
-        "learner idle": statistics.mean(r["time/learner_idle_frac"] for r in rows),
+        "sync": statistics.median(r.get("time/sync_s", 0.0) for r in rows),
+        "learner idle": statistics.median(r["time/learner_idle_frac"] for r in rows),
+        "sync wait": statistics.median(sync_wait),
+        "idle in all": statistics.median(
+            r["time/learner_idle_frac"] + w for r, w in zip(rows, sync_wait, strict=True)
+        ),
         "engine idle": statistics.mean(r["time/engine_idle_frac"] for r in rows),
         "staleness": statistics.mean(r["async/staleness_mean"] for r in rows),
+        "interrupted": float(interrupted),
     }
 
 
@@ -178,18 +208,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--call-ms", type=float, default=50.0)
     parser.add_argument("--decode-ms", type=float, default=8.0)
+    parser.add_argument("--staleness", type=int, default=2, help="max_staleness of the asynchronous modes")
     parser.add_argument(
         "--quickstart", action="store_true", help="the quickstart config on the real vLLM engine (heavy)"
     )
     args = parser.parse_args()
+    k = args.staleness
     with tempfile.TemporaryDirectory(prefix="async-rollouts-") as tmp:
         work = Path(tmp)
         (work / "problems.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
         if args.quickstart:
-            results = {k: summarize(run_quickstart(k, args.steps, work)) for k in (0, 1)}
+            results = {f"{s}": summarize(run_quickstart(s, args.steps, work)) for s in (0, 1)}
         else:
+            modes = {"0": (0, True), f"{k}, sync waits": (k, False), f"{k}, sync interrupts": (k, True)}
             results = {
-                k: summarize(run_mode(k, args.steps, args.call_ms, args.decode_ms, work)) for k in (0, 1)
+                name: summarize(run_mode(s, args.steps, args.call_ms, args.decode_ms, work, interrupt))
+                for name, (s, interrupt) in modes.items()
             }
     setting = (
         "configs/quickstart.yaml from the embedded model, vLLM, data.dynamic_sampling=false"
@@ -200,19 +234,33 @@ def main() -> None:
         f"\n{args.steps} steps per mode (medians over steps 2..{args.steps}), {setting}; {machine()}; "
         f"{load_note()} at the end\n"
     )
-    print("| max_staleness | step s | rollout s | train s | learner idle | engine idle | staleness |")
-    print("|---|---|---|---|---|---|---|")
-    for k, r in results.items():
+    print(
+        "| max_staleness | step s | rollout s | train s | sync s | learner idle | sync wait | idle in all | "
+        "engine idle | staleness | interrupted calls |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
         print(
-            f"| {k} | {r['step']:.2f} | {r['rollout']:.2f} | {r['train']:.2f} | {r['learner idle']:.0%} | "
-            f"{r['engine idle']:.0%} | {r['staleness']:.2f} |"
+            f"| {name} | {r['step']:.2f} | {r['rollout']:.2f} | {r['train']:.2f} | {r['sync']:.2f} | "
+            f"{r['learner idle']:.0%} | {r['sync wait']:.0%} | {r['idle in all']:.0%} | {r['engine idle']:.0%} | "
+            f"{r['staleness']:.2f} | {r['interrupted']:.0f} |"
         )
-    sync, stale = results[0], results[1]
+    sync = results["0"]
     print(
         f"\nsync bounds: rollout + train = {sync['rollout'] + sync['train']:.2f} s, max(rollout, train) = "
-        f"{max(sync['rollout'], sync['train']):.2f} s; async step {stale['step']:.2f} s "
-        f"({sync['step'] / stale['step']:.2f}x the synchronous step)"
+        f"{max(sync['rollout'], sync['train']):.2f} s"
     )
+    for name, r in results.items():
+        if name != "0":
+            print(f"{name}: step {r['step']:.2f} s ({sync['step'] / r['step']:.2f}x the synchronous step)")
+    if not args.quickstart:
+        wait, cut = results[f"{k}, sync waits"], results[f"{k}, sync interrupts"]
+        ratio = wait["idle in all"] / cut["idle in all"] if cut["idle in all"] > 0 else float("inf")
+        print(
+            f"interrupting: learner idle in all {wait['idle in all']:.0%} -> {cut['idle in all']:.0%} "
+            f"({ratio:.1f}x less), step {wait['step']:.2f} s -> {cut['step']:.2f} s "
+            f"({wait['step'] / cut['step']:.2f}x)"
+        )
 
 
 if __name__ == "__main__":
