@@ -249,14 +249,14 @@ class _SlowForwards:
 def test_a_sync_interrupts_the_turn_in_flight_and_each_token_keeps_the_weights_that_sampled_it(
     tmp_path, problem_file
 ):
-    """With trainer.interrupt_on_sync (the default) a sync does not wait for the engine call in flight
+    """With trainer.interrupt_on_sync a sync does not wait for the engine call in flight
     (here 200 tokens): it ends the turn at its next token, loads the weights, and the turn goes on
     from its tokens so far under them. The tokens before the switch are those the old weights sample
     and carry the old weights' log-probs; the tokens after it carry the new weights' log-probs (of
     no other version), and the generation says where the version changed."""
     model, tokenizer = tiny_model()
     trainer = Trainer(
-        make_config(tmp_path, problem_file, "trainer.max_staleness=1"),
+        make_config(tmp_path, problem_file, "trainer.max_staleness=1", "trainer.interrupt_on_sync=true"),
         model=model,
         tokenizer=tokenizer,
         engine=TransformersEngine(model, tokenizer),
@@ -526,6 +526,7 @@ def test_saved_logprobs_are_those_of_the_version_each_token_is_labelled_with(tmp
         problem_file,
         "async",
         "trainer.max_staleness=1",
+        "trainer.interrupt_on_sync=true",
         "sandbox.pool_size=4",
         "optim.lr=0.05",
         engine=engine,
