@@ -848,8 +848,9 @@ class TrainerConfig:
             synchronous trainer (each step's rollouts after the previous update).
         interrupt_on_sync: With ``max_staleness > 0``, a weight sync ends the engine calls in flight at
             their next token and continues them under the new weights (each token labelled with the
-            version that sampled it), instead of waiting for whole turns; engines without an
-            ``interrupt()`` wait either way (docs/training.md, "Asynchronous rollouts"). Off by
+            version that sampled it), instead of waiting for whole turns (the transformers, vLLM
+            and SGLang engines can; an engine without ``interrupt()`` waits either way;
+            docs/training.md, "Asynchronous rollouts"). Off by
             default: on this project's CPU benchmark the step ran 0.83-0.88x as fast with it (each cut
             turn is prefilled again and the rollouts were the bottleneck; docs/benchmarks.md); it pays
             where an update is long against a step's rollout and a turn long against the update.

@@ -8,7 +8,18 @@ Written against SGLang's documented offline API:
   "abort", "matched": <token id or stop string>}``;
 - ``Engine.update_weights_from_tensor(named_tensors=[(name, tensor), ...], flush_cache=...)``
   loads new weights into the running engine; we send them in buckets of bounded size and flush
-  the KV/prefix cache once, after the last bucket.
+  the KV/prefix cache once, after the last bucket;
+- interrupting (:meth:`SGLangEngine.interrupt`, for a weight sync): each request gets a ``rid`` of
+  ours (``Engine.generate(rid=[...])``), and an interrupt calls the tokenizer manager's
+  ``abort_request(rid)`` for each request in flight, what the HTTP server's ``/abort_request`` does
+  (AReaL and slime abort with ``{"abort_all": true}`` there; we abort our own rids, so nothing
+  another caller submitted is touched and an interrupt cannot reach a later call). SGLang ends an
+  aborted request at its next scheduler step and answers it with the tokens and log-probs so far
+  and ``finish_reason = {"type": "abort", ...}``; ``generate`` returns those as ``"abort"``. The
+  abort is scheduled on the engine's own event loop (``loop.call_soon_threadsafe``), which runs
+  ``generate`` on the calling thread, since the tokenizer manager's ZeroMQ socket is not thread safe.
+  No SGLang server runs on our CI: this path is tested with a recording fake only
+  (``tests/stare_agent/engines/test_sglang_engine.py``).
 
 Log-probs are SGLang's: ``log_softmax(logits / temperature)`` of the sampled token, before top-k /
 top-p truncation (for temperature 0, SGLang samples greedily and reports ``log_softmax(logits)``).
@@ -21,6 +32,8 @@ SGLang is imported lazily: constructing :class:`SGLangEngine` without it raises
 
 from __future__ import annotations
 
+import threading
+import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -86,6 +99,23 @@ class SGLangEngine:
         self.bucket_bytes = bucket_bytes
         self.sampling_overrides = dict(sampling_overrides or {})
         self.engine = sglang.Engine(model_path=str(model_path), **engine_kwargs)
+        self._init_interrupts()
+
+    def _init_interrupts(self) -> None:
+        self._calls_lock = threading.Lock()
+        self._in_flight: set[str] = set()  # rids of the requests of the generate calls in flight
+        self._aborted: set[str] = set()  # of those, the ones interrupt() aborted
+
+    def interrupt(self) -> None:
+        """End the ``generate`` calls in flight at SGLang's next scheduler step: each unfinished request
+        comes back with its tokens so far and finish reason ``"abort"`` (a weight update's wrapper
+        resumes it, ``train.async_rollouts``). Calls started later are not affected. Returns at once."""
+        with self._calls_lock:
+            rids = sorted(self._in_flight - self._aborted)
+            self._aborted.update(rids)
+        manager = self.engine.tokenizer_manager
+        for rid in rids:  # on the loop generate runs (its thread); a rid already done is ignored
+            self.engine.loop.call_soon_threadsafe(manager.abort_request, rid)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Sequence[str] = ()
@@ -99,16 +129,28 @@ class SGLangEngine:
         if not prompts:
             return []
         sampling = request_sampling_params(params, stop, len(prompts), self.sampling_overrides)
-        outputs = self.engine.generate(
-            input_ids=[list(p) for p in prompts], sampling_params=sampling, return_logprob=True
-        )
+        rids = [f"stare-{uuid.uuid4().hex}" for _ in prompts]  # ours, for interrupt()
+        with self._calls_lock:
+            self._in_flight.update(rids)
+        try:
+            outputs = self.engine.generate(
+                input_ids=[list(p) for p in prompts], sampling_params=sampling, return_logprob=True, rid=rids
+            )
+        finally:
+            with self._calls_lock:
+                self._in_flight.difference_update(rids)
+                aborted = {rid for rid in rids if rid in self._aborted}
+                self._aborted.difference_update(rids)
         if isinstance(outputs, Mapping):
             outputs = [outputs]
         if len(outputs) != len(prompts):
             raise RolloutError(
                 f"SGLang returned {len(outputs)} outputs for {len(prompts)} prompts: report this bug"
             )
-        return [to_generation(out, self.eos_token_ids) for out in outputs]
+        return [
+            to_generation(out, self.eos_token_ids, interrupted=rid in aborted)
+            for out, rid in zip(outputs, rids, strict=True)
+        ]
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
@@ -230,18 +272,25 @@ def request_sampling_params(
     return [{**base, "sampling_seed": seed, **(overrides or {})} for seed in seeds]
 
 
-def to_generation(output: Mapping[str, Any], eos_token_ids: frozenset[int] | None = None) -> Generation:
+def to_generation(
+    output: Mapping[str, Any], eos_token_ids: frozenset[int] | None = None, *, interrupted: bool = False
+) -> Generation:
     """Convert one SGLang output dict into a :class:`Generation`.
 
+    ``interrupted``: :meth:`SGLangEngine.interrupt` aborted this request, so an abort is its tokens so
+    far (finish reason ``"abort"``; none when SGLang had not scheduled it yet).
+
     Raises:
-        RolloutError: the request was aborted or came back without log-probs.
+        RolloutError: SGLang aborted a request we did not interrupt, or it came back without log-probs.
     """
     meta = output["meta_info"]
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type")
-    if kind == "abort":
+    if kind == "abort" and not interrupted:
         raise RolloutError(f"SGLang aborted a request: {finish.get('message', finish)}")
     entries = meta.get("output_token_logprobs")
+    if entries is None and kind == "abort":  # aborted while waiting: no tokens
+        entries = []
     if entries is None:
         raise RolloutError("SGLang returned no output_token_logprobs: call generate with return_logprob=True")
     token_ids = [int(entry[1]) for entry in entries]
@@ -253,6 +302,8 @@ def to_generation(output: Mapping[str, Any], eos_token_ids: frozenset[int] | Non
         matched = finish.get("matched")
         is_token = isinstance(matched, int) and not isinstance(matched, bool)
         reason = "eos" if is_token and (eos_token_ids is None or matched in eos_token_ids) else "stop"
+    elif kind == "abort":
+        reason = "abort"
     else:
         raise RolloutError(f"unknown SGLang finish_reason {finish!r}: update stare_agent's SGLang engine")
     return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)

@@ -15,7 +15,8 @@ The engine implements the ``Engine`` protocol of :mod:`stare_envs.rollout` as
   "processed_logprobs"``: after temperature and top-k/top-p); for temperature 0 (greedy) those of the
   model's own distribution, ``log_softmax(logits)``;
 - finish reason ``"stop"`` (the token that completed a stop string is the last one), ``"eos"`` (the
-  EOS token is the last one) or ``"length"``;
+  EOS token is the last one), ``"length"``, or ``"abort"``: :meth:`VLLMEngine.interrupt` ended it (the
+  tokens so far; the worker streams each request's tokens and aborts it between engine steps);
 - randomness: prompt ``i`` is one vLLM request seeded with ``params.seeds[i]``, else
   ``stream_seed(params.seed, i)``, else unseeded; vLLM draws each seeded request from its own
   generator, so an episode's tokens do not depend on its batch companions.
@@ -591,11 +592,22 @@ class VLLMEngine:
                 finish = "eos" if stop_reason in self.eos_token_ids else "stop"
             else:  # None: vLLM stopped on the tokenizer's EOS; an int: on another EOS id
                 finish = "eos"
+        elif reason == "abort":  # ended by interrupt(): the tokens so far
+            finish = "abort"
         else:
-            raise VLLMEngineError(
-                f"vLLM ended a request with finish_reason {reason!r} (aborted?): see {self.log_path}"
-            )
+            raise VLLMEngineError(f"vLLM ended a request with finish_reason {reason!r}: see {self.log_path}")
         return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=finish)
+
+    def interrupt(self) -> None:
+        """End the requests in flight (``generate`` and ``submit`` calls) at the worker's next engine
+        step: each comes back with its tokens and log-probs so far and finish reason ``"abort"`` (a
+        weight update's wrapper resumes it, ``train.async_rollouts``). Requests sent later are not
+        affected; with none in flight it does nothing. Returns at once, without waiting for the worker.
+        """
+        if self._closed or self._conn is None:
+            return  # nothing in flight: a closed engine's calls have failed already
+        with contextlib.suppress(VLLMEngineError):  # a dead worker: its calls fail with the cause
+            self._request("interrupt", {})
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> None:
         """Load new weights in place (the engine keeps running) and reset the prefix cache.

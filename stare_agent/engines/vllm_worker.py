@@ -16,7 +16,13 @@ message)``; the engine keeps stepping while messages arrive (continuous batching
   ``(token_ids, logprobs, finish_reason, stop_reason)``. A batch is one message so that the engine
   never steps on part of it: which requests share an engine step changes the float rounding of
   bf16 kernels, so a batch split by the timing of the socket would make seeded tokens differ from
-  run to run.
+  run to run. Requests stream their tokens (``RequestOutputKind.DELTA``, which changes no sampled
+  token or log-prob): the worker keeps each request's tokens and log-probs so far, for ``interrupt``.
+- ``interrupt()``: at once, ahead of any call held behind a weight reload, aborts every request in
+  flight (``LLMEngine.abort_request``, which gives no output of its own) and answers each with its
+  tokens and log-probs so far and finish reason ``"abort"``; answers the number aborted. Requests
+  submitted after it are not affected: the socket keeps the order, so with nothing in flight it does
+  nothing. It is read between engine steps, so it ends a generation within one step.
 - ``reload_weights(path)``: after the requests in flight finish, loads the tensors of the safetensors
   file ``path`` in place (``reload_weights`` of the model runner, checkpoint names), repacks a tied
   output head, and resets the prefix cache, whose KV entries were computed by the old weights.
@@ -30,6 +36,7 @@ every second, also during a long ``generate``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -67,17 +74,25 @@ def _sampling_params(s: dict):
         from vllm.sampling_params import StructuredOutputsParams
 
         s = {**s, "structured_outputs": StructuredOutputsParams(**s["structured_outputs"])}
-    return SamplingParams(**s, output_kind=RequestOutputKind.FINAL_ONLY)
+    # DELTA: each step's new tokens, kept by the worker (_take), so an interrupted request has its own
+    return SamplingParams(**s, output_kind=RequestOutputKind.DELTA)
 
 
-def _result(out) -> tuple:
+def _take(out, partial: tuple[list[int], list[float]]) -> None:
+    """Append the tokens and log-probs of one step's (DELTA) output of a request to ``partial``."""
     completion = out.outputs[0]
     ids = [int(t) for t in completion.token_ids]
     entries = completion.logprobs or []
     if len(entries) != len(ids):
         raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(entries)} log-prob entries")
-    logprobs = [float(entry[token].logprob) for entry, token in zip(entries, ids, strict=True)]
-    return ids, logprobs, completion.finish_reason, completion.stop_reason
+    partial[0].extend(ids)
+    partial[1].extend(float(entry[token].logprob) for entry, token in zip(entries, ids, strict=True))
+
+
+def _result(out, partial: tuple[list[int], list[float]]) -> tuple:
+    """The answer to a finished request: every token and log-prob it streamed, and why it stopped."""
+    completion = out.outputs[0]
+    return partial[0], partial[1], completion.finish_reason, completion.stop_reason
 
 
 def _repack_tied_head(worker) -> bool:
@@ -150,11 +165,13 @@ def _one_line(exc: BaseException) -> str:
 def _serve(conn, llm) -> int:
     """Answer the parent's calls while stepping the engine over every request in flight.
 
-    Calls run in the order they arrive, except that a submitted request joins the batch at once: a
-    weight reload waits until the requests before it finish, and the calls after it wait for it.
+    Calls run in the order they arrive, except that a submitted request joins the batch at once and
+    an ``interrupt`` acts at once: a weight reload waits until the requests before it finish, and the
+    calls after it wait for it.
     """
     engine = llm.llm_engine
-    in_flight: set[str] = set()  # call ids of submitted requests (vLLM reports them by this id)
+    # call id of each submitted request (vLLM reports them by this id) -> its tokens, log-probs so far
+    in_flight: dict[str, tuple[list[int], list[float]]] = {}
     waiting: list[tuple] = []  # calls held behind a weight reload, in order
     while True:
         # Take every message that has arrived; block only when there is nothing to step.
@@ -166,7 +183,9 @@ def _serve(conn, llm) -> int:
             if method == "close":
                 conn.send((call_id, "ok", None))
                 return 0
-            if waiting or method in BARRIER_CALLS:
+            if method == "interrupt":
+                conn.send((call_id, "ok", _interrupt(conn, engine, in_flight)))
+            elif waiting or method in BARRIER_CALLS:
                 waiting.append((call_id, method, call))
             else:
                 _start_call(conn, engine, in_flight, call_id, method, call)
@@ -190,16 +209,42 @@ def _serve(conn, llm) -> int:
                 conn.send((int(rid), "error", _one_line(exc)))
             raise
         for out in outputs:
-            if out.finished and out.request_id in in_flight:
-                in_flight.discard(out.request_id)
-                try:
-                    answer: tuple = (int(out.request_id), "ok", _result(out))
-                except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
-                    answer = (int(out.request_id), "error", _one_line(exc))
-                conn.send(answer)
+            partial = in_flight.get(out.request_id)
+            if partial is None:
+                continue  # an aborted request's last step
+            try:
+                _take(out, partial)
+                if not out.finished:
+                    continue
+                answer: tuple = (int(out.request_id), "ok", _result(out, partial))
+            except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+                answer = (int(out.request_id), "error", _one_line(exc))
+                with contextlib.suppress(Exception):
+                    engine.abort_request([out.request_id])
+            del in_flight[out.request_id]
+            conn.send(answer)
 
 
-def _start_call(conn, engine, in_flight: set[str], call_id: int | None, method: str, call: dict) -> None:
+def _interrupt(conn, engine, in_flight: dict[str, tuple[list[int], list[float]]]) -> int:
+    """Abort every request in flight; answer each with its tokens so far and ``"abort"``."""
+    if not in_flight:
+        return 0
+    aborted = list(in_flight)
+    engine.abort_request(aborted)
+    for rid in aborted:
+        ids, logprobs = in_flight.pop(rid)
+        conn.send((int(rid), "ok", (ids, logprobs, "abort", None)))
+    return len(aborted)
+
+
+def _start_call(
+    conn,
+    engine,
+    in_flight: dict[str, tuple[list[int], list[float]]],
+    call_id: int | None,
+    method: str,
+    call: dict,
+) -> None:
     """Add every request of a submitted batch to the running batch, or answer an unknown method."""
     if method != "submit":
         conn.send((call_id, "error", f"unknown method {method!r}"))
@@ -211,7 +256,7 @@ def _start_call(conn, engine, in_flight: set[str], call_id: int | None, method: 
             traceback.print_exc()
             conn.send((request_id, "error", _one_line(exc)))
             continue
-        in_flight.add(str(request_id))
+        in_flight[str(request_id)] = ([], [])
 
 
 def _tokens_prompt(prompt: list[int]):

@@ -18,9 +18,9 @@ engine's log-probs, which the loss uses as the behaviour policy (decoupled PPO w
 ``algorithm.rollout_correction``). Groups are played whole within one step's production, so an
 advantage is only ever taken over one group's samples.
 
-Interrupting a turn (``trainer.interrupt_on_sync``, engines with ``interrupt()``: transformers and
-the scripted engine's latency model; vLLM and SGLang not yet, so a sync waits for them), as AReaL,
-slime and verl's fully-async trainer do: an update does not wait for the turns in flight (minutes for a batch at a 16K budget) but asks
+Interrupting a turn (``trainer.interrupt_on_sync``, engines with ``interrupt()``: transformers, vLLM,
+SGLang and the scripted engine's latency model), as AReaL, slime and verl's fully-async trainer do:
+an update does not wait for the turns in flight (minutes for a batch at a 16K budget) but asks
 the engine to end them at their next token (``finish_reason == "abort"``, the tokens so far), loads
 the weights, and continues each cut turn from its prompt plus those tokens under the new weights
 (prefilled again, so no KV entry of the old weights is reused). The turn's tokens keep their

@@ -7,6 +7,7 @@ elsewhere they are skipped with the reason.
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import pytest
 import torch
@@ -74,8 +75,8 @@ class FakeSGLang:
         self.tokenizer = tokenizer
         self.seeds: dict[tuple[int, ...], int] = {}  # prompt ids -> seed: one entry per episode turn
 
-    def generate(self, input_ids, sampling_params, return_logprob):
-        assert return_logprob and isinstance(sampling_params, list)
+    def generate(self, input_ids, sampling_params, return_logprob, rid):
+        assert return_logprob and isinstance(sampling_params, list) and len(rid) == len(input_ids)
         outputs = []
         for ids, params in zip(input_ids, sampling_params, strict=True):
             second_turn = self.tokenizer.decode(ids).endswith("</interpreter>\n")
@@ -105,9 +106,7 @@ def test_seeded_requests_get_one_stream_per_episode_and_turn_in_any_batch():
     problems = [Problem(f"p{i}", f"What is {i} + 1?", str(i + 1)) for i in range(3)]
 
     def play(batches: list[list[int]]) -> dict[tuple[int, ...], int]:
-        engine = object.__new__(SGLangEngine)  # no sglang here: the fake stands in for sglang.Engine
-        engine.eos_token_ids, engine.sampling_overrides = None, {}
-        engine.engine = FakeSGLang(tokenizer)
+        engine = _fake_engine(FakeSGLang(tokenizer))
         runner = RolloutRunner(tokenizer, engine, max_response_tokens=64, sampling=SamplingParams(seed=100))
         for batch in batches:
             envs = [CodeInterpreterEnv(problems, format="retool", sandbox_backend="local") for _ in batch]
@@ -122,6 +121,108 @@ def test_seeded_requests_get_one_stream_per_episode_and_turn_in_any_batch():
     together = play([[0, 1, 2]])
     assert len(together) == 6 and len(set(together.values())) == 6  # 3 episodes x 2 turns: 6 streams
     assert play([[0], [1], [2]]) == together
+
+
+class InterruptibleSGLang:
+    """Stands in for ``sglang.Engine`` (no SGLang server runs here): ``generate`` decodes one token per
+    10 ms on its event loop until ``max_new_tokens`` or until the tokenizer manager's
+    ``abort_request(rid)`` (scheduled with ``loop.call_soon_threadsafe``, as SGLang's loop runs on the
+    calling thread) aborts the request; it records every rid, abort and callback thread."""
+
+    def __init__(self) -> None:
+        import queue
+        import threading
+
+        self.callbacks: queue.Queue = queue.Queue()
+        self.rids: list[list[str]] = []
+        self.aborts: list[str] = []
+        self.threads: set[str] = set()
+        self.started = threading.Event()
+        engine = self
+
+        class Loop:
+            def call_soon_threadsafe(self, callback, *args):
+                engine.callbacks.put((callback, args))
+
+        class Manager:
+            def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+                assert not abort_all and rid
+                engine.aborts.append(rid)
+                engine.threads.add(threading.current_thread().name)
+
+        self.loop, self.tokenizer_manager = Loop(), Manager()
+
+    def generate(self, input_ids, sampling_params, return_logprob, rid):
+        import queue
+        import time
+
+        assert return_logprob and len(rid) == len(input_ids) and len(set(rid)) == len(rid)
+        self.rids.append(list(rid))
+        self.started.set()
+        limit = sampling_params["max_new_tokens"]
+        tokens: dict[str, list[int]] = {r: [] for r in rid}
+        done: dict[str, dict] = {}
+        while len(done) < len(rid):
+            try:
+                while True:  # the loop runs the callbacks scheduled on it
+                    callback, args = self.callbacks.get_nowait()
+                    callback(*args)
+            except queue.Empty:
+                pass
+            for r in rid:
+                if r in done:
+                    continue
+                if r in self.aborts:
+                    done[r] = {
+                        "type": "abort",
+                        "message": "Abort before prefill" if not tokens[r] else "abort",
+                    }
+                elif len(tokens[r]) == limit:
+                    done[r] = {"type": "length", "length": limit}
+                else:
+                    tokens[r].append(100 + len(tokens[r]))
+            time.sleep(0.01)
+        return [
+            {"meta_info": {"id": r, "finish_reason": done[r],
+                           "output_token_logprobs": [(-0.25, t, None) for t in tokens[r]]}}
+            for r in rid
+        ]  # fmt: skip
+
+
+def _fake_engine(fake) -> SGLangEngine:
+    engine = object.__new__(SGLangEngine)  # no sglang here: the fake stands in for sglang.Engine
+    engine.eos_token_ids, engine.sampling_overrides, engine.engine = None, {}, fake
+    engine._init_interrupts()
+    return engine
+
+
+def test_an_interrupt_aborts_the_requests_in_flight_by_rid_on_the_engines_loop():
+    from concurrent.futures import ThreadPoolExecutor
+
+    fake = InterruptibleSGLang()
+    engine = _fake_engine(fake)
+    engine.interrupt()  # nothing in flight: nothing to abort, nothing scheduled for a later call
+    assert fake.callbacks.empty() and fake.aborts == []
+    with ThreadPoolExecutor(1, thread_name_prefix="rollouts") as pool:
+        long = pool.submit(engine.generate, [[1, 2], [3]], SamplingParams(max_new_tokens=100_000))
+        assert fake.started.wait(10)
+        time.sleep(0.1)
+        engine.interrupt()
+        engine.interrupt()  # twice: each request is aborted once
+        cut = long.result(timeout=10)
+    assert [g.finish_reason for g in cut] == ["abort", "abort"]
+    assert all(0 < len(g.token_ids) < 100_000 and g.logprobs == [-0.25] * len(g.token_ids) for g in cut)
+    assert sorted(fake.aborts) == sorted(fake.rids[0])  # the call's own rids, not abort_all
+    assert fake.threads == {"rollouts_0"}  # on the thread that runs generate (SGLang's loop)
+    # A later call runs whole, and an abort nobody asked for is still an error.
+    (whole,) = engine.generate([[1, 2]], SamplingParams(max_new_tokens=5))
+    assert (whole.finish_reason, whole.token_ids) == ("length", [100, 101, 102, 103, 104])
+    assert not set(fake.rids[1]) & set(fake.aborts)
+    with pytest.raises(RolloutError, match="SGLang aborted a request: out of memory"):
+        to_generation(sglang_output([], {"type": "abort", "message": "out of memory"}))
+    # interrupted before SGLang scheduled it: no tokens (and maybe no log-prob list)
+    empty = to_generation({"meta_info": {"finish_reason": {"type": "abort"}}}, interrupted=True)
+    assert (empty.token_ids, empty.finish_reason) == ([], "abort")
 
 
 def test_weight_buckets_bound_bytes_and_keep_order():

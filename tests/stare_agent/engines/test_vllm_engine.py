@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -325,7 +326,8 @@ def test_the_worker_adds_a_whole_batch_before_it_steps_the_engine(monkeypatch):
 
     monkeypatch.setattr(vllm_worker, "_tokens_prompt", lambda prompt: prompt)
     monkeypatch.setattr(vllm_worker, "_sampling_params", lambda sampling: sampling)
-    monkeypatch.setattr(vllm_worker, "_result", lambda out: f"tokens of {out.request_id}")
+    monkeypatch.setattr(vllm_worker, "_take", lambda out, partial: None)
+    monkeypatch.setattr(vllm_worker, "_result", lambda out, partial: f"tokens of {out.request_id}")
     requests = [(7, [1, 2], {}), (8, [3], {"bad": True}), (9, [4, 5], {})]
     conn = Conn([(None, "submit", {"requests": requests}), (10, "nap", {})])
     engine = Engine()
@@ -336,6 +338,136 @@ def test_the_worker_adds_a_whole_batch_before_it_steps_the_engine(monkeypatch):
         (8, "error", "ValueError: bad sampling"),
         (9, "ok", "tokens of 9"),
         (10, "error", "unknown method 'nap'"),
+    ]
+
+
+def _long_turn(engine, tokenizer) -> tuple[list[int], SamplingParams]:
+    """A prompt and seeded sampling that run far longer than the tests wait (EOS ignored)."""
+    engine.sampling_overrides = {"ignore_eos": True}
+    return _chat(tokenizer, "Tell me a long story."), SamplingParams(
+        temperature=1.0, max_new_tokens=1500, seeds=(7,)
+    )
+
+
+def test_an_interrupt_ends_a_generation_with_the_prefix_of_the_uninterrupted_one(engine, tokenizer):
+    prompt, params = _long_turn(engine, tokenizer)
+    try:
+        running = engine.submit(prompt, params)
+        time.sleep(3.0)  # some tokens decoded, most not
+        asked = time.perf_counter()
+        engine.interrupt()
+        cut = running.result(timeout=30)
+        waited = time.perf_counter() - asked
+        assert cut.finish_reason == "abort" and 0 < len(cut.token_ids) < params.max_new_tokens
+        assert waited < 2.0, f"the interrupt took {waited:.2f} s: it acts between engine steps"
+        # The same seed, uninterrupted, for as many tokens: the same tokens with the same log-probs.
+        (whole,) = engine.generate(
+            [prompt], SamplingParams(**{**vars(params), "max_new_tokens": len(cut.token_ids)})
+        )
+        assert whole.finish_reason == "length"
+        assert whole.token_ids == cut.token_ids
+        assert whole.logprobs == cut.logprobs
+    finally:
+        engine.sampling_overrides = {}
+
+
+def test_an_interrupt_without_a_call_in_flight_does_nothing_and_later_calls_run_whole(engine, tokenizer):
+    prompt, _ = _long_turn(engine, tokenizer)
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, seeds=(3,))
+    try:
+        (before,) = engine.generate([prompt], params)
+        engine.interrupt()  # nothing in flight
+        (after,) = engine.generate([prompt], params)  # sent right behind it: not affected
+        assert (after.finish_reason, after.token_ids, after.logprobs) == (
+            "length",
+            before.token_ids,
+            before.logprobs,
+        )
+        # after an interrupt that cut a call, the next call runs whole
+        running = engine.submit(prompt, SamplingParams(temperature=1.0, max_new_tokens=1500, seeds=(3,)))
+        time.sleep(1.0)
+        engine.interrupt()
+        assert running.result(timeout=30).finish_reason == "abort"
+        (again,) = engine.generate([prompt], params)
+        assert (again.finish_reason, again.token_ids, again.logprobs) == (
+            "length",
+            before.token_ids,
+            before.logprobs,
+        )
+    finally:
+        engine.sampling_overrides = {}
+
+
+def test_the_worker_answers_an_interrupt_with_each_requests_tokens_so_far(monkeypatch):
+    """The worker's side, on a fake engine: an interrupt that arrives mid-generation aborts the
+    requests in flight and answers each with what it streamed, ahead of a reload held behind them."""
+    from stare_agent.engines import vllm_worker
+
+    class Conn:
+        """Delivers ``messages[n]`` after engine step n, and ``later`` once the worker waits for one."""
+
+        def __init__(self, messages: dict[int, list[tuple]], later: list[tuple]) -> None:
+            self.schedule, self.inbox, self.later, self.answers = messages, list(messages.pop(0)), later, []
+
+        def poll(self, timeout: float) -> bool:
+            return bool(self.inbox)
+
+        def recv(self) -> tuple:
+            if not self.inbox:
+                self.inbox, self.later = self.later, []
+            if not self.inbox:
+                raise EOFError
+            return self.inbox.pop(0)
+
+        def send(self, answer: tuple) -> None:
+            self.answers.append(answer)
+
+    class Engine:
+        def __init__(self) -> None:
+            self.running: list[str] = []
+            self.aborted: list[str] = []
+            self.steps = 0
+
+        def add_request(self, request_id: str, prompt: list[int], sampling: dict) -> None:
+            self.running.append(request_id)
+
+        def abort_request(self, request_ids: list[str]) -> None:
+            self.aborted += request_ids
+            self.running = [r for r in self.running if r not in request_ids]
+
+        def step(self) -> list:
+            self.steps += 1
+            conn.inbox += conn.schedule.pop(self.steps, [])
+            token = (self.steps, -0.5 * self.steps)
+            return [
+                type("Out", (), {"finished": False, "request_id": r, "token": token})() for r in self.running
+            ]
+
+    monkeypatch.setattr(vllm_worker, "_tokens_prompt", lambda prompt: prompt)
+    monkeypatch.setattr(vllm_worker, "_sampling_params", lambda sampling: sampling)
+    monkeypatch.setattr(
+        vllm_worker,
+        "_take",
+        lambda out, partial: (partial[0].append(out.token[0]), partial[1].append(out.token[1])),
+    )
+    monkeypatch.setattr(vllm_worker, "_reload_weights", lambda llm, path: 0.25)
+    conn = Conn(
+        {
+            0: [(None, "submit", {"requests": [(1, [5], {}), (2, [6], {})]})],
+            2: [(3, "reload_weights", {"path": "w"}), (4, "interrupt", {})],  # read after step 2
+        },
+        later=[(5, "interrupt", {}), (6, "close", {})],  # nothing in flight any more
+    )
+    engine = Engine()
+    assert vllm_worker._serve(conn, type("LLM", (), {"llm_engine": engine})()) == 0
+    assert engine.aborted == ["1", "2"] and engine.steps == 2
+    assert conn.answers == [
+        (1, "ok", ([1, 2], [-0.5, -1.0], "abort", None)),
+        (2, "ok", ([1, 2], [-0.5, -1.0], "abort", None)),
+        (4, "ok", 2),
+        (3, "ok", 0.25),  # the reload, once nothing is in flight
+        (5, "ok", 0),
+        (6, "ok", None),
     ]
 
 
