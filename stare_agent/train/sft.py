@@ -29,7 +29,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from stare_agent import run_dirs
+from stare_agent import perf, run_dirs
 from stare_agent.config import RunConfig
 from stare_agent.metrics import StepLogger
 from stare_agent.train.deepspeed_setup import load_training_policy
@@ -147,6 +147,9 @@ def _sft(config: RunConfig, run_dir: Path, output_dir: Path, model: Any, tokeniz
     if rank == 0:
         config.save(run_dir, SFT_CONFIG_FILENAME)
     rng = random.Random(config.trainer.seed)
+    # perf/tokens_per_s and perf/mfu per step: 6N per token of the batch (prompt included) plus
+    # attention, over the step's seconds, against the matmul bound in the learner's precision
+    peak = perf.peak_flops(perf.precision_dtype(learner.precision), str(learner.device)) if rank == 0 else 0.0
     losses: list[float] = []
     skipped = step = 0
     bar = tqdm(total=total_steps, desc="SFT steps", unit="step", disable=rank != 0)
@@ -164,7 +167,9 @@ def _sft(config: RunConfig, run_dir: Path, output_dir: Path, model: Any, tokeniz
             for b in range(steps_per_epoch):
                 batch = order[b * sft_cfg.batch_size : (b + 1) * sft_cfg.batch_size]
                 mine = [trajectories[i] for i in batch[rank::world]]
+                t_step = time.perf_counter()
                 metrics = learner.sft_step(mine)
+                step_s = time.perf_counter() - t_step
                 step += 1
                 skipped += int(metrics["skipped"])
                 if not metrics["skipped"]:
@@ -175,6 +180,13 @@ def _sft(config: RunConfig, run_dir: Path, output_dir: Path, model: Any, tokeniz
                         {
                             "epoch": epoch,
                             **{k: metrics[k] for k in ("loss", "grad_norm", "lr", "skipped", "tokens")},
+                            **perf.learner_perf(
+                                learner.module.config,
+                                [trajectories[i].num_tokens for i in batch],
+                                step_s,
+                                peak,
+                                world=world,
+                            ),
                         },
                     )
                 bar.update(1)

@@ -349,6 +349,23 @@ class Trainer:
         metrics["time/learner_idle_frac"] = t_wait / step_s  # waiting for rollouts
         engine_busy = self.rollout_engine.versioned.busy_s() - busy0
         metrics["time/engine_idle_frac"] = max(0.0, 1.0 - engine_busy / step_s)
+        # perf/*: the learner's model FLOPs (6N per trained token, 2N per forward-only one, plus
+        # attention; stare_agent.perf) over time/logprob_s + time/update_s before the sync, against
+        # the matmul bound; the engine's sampled tokens per busy second when it played this step
+        from stare_agent import perf
+
+        updates, passes = perf.learner_passes(self.config.algorithm, learned)
+        peak = perf.peak_flops(perf.precision_dtype(self.learner.precision), str(self.learner.device))
+        lens = [t.num_tokens for g in kept for t in g.trajectories]
+        learner_s = learned["time/logprob_s"] + learned["time/update_s"]
+        cfg, world = self.learner.module.config, self.world
+        metrics.update(
+            perf.learner_perf(cfg, lens, learner_s, peak, updates=updates, forward_passes=passes, world=world)
+        )
+        if not self.max_staleness and engine_busy > 0:
+            metrics["perf/rollout_tokens_per_s"] = (
+                sum(t.num_sampled_tokens for t in self._played) / engine_busy
+            )
         return metrics
 
     def _next_rollouts(self) -> Rollouts:
