@@ -575,7 +575,7 @@ def _lend(engine, monkeypatch) -> list:
 
     calls: list = []
 
-    def from_config(section, model_name_or_path, *, seed=0):
+    def from_config(section, model_name_or_path, *, seed=0, placement=None):
         calls.append((section, model_name_or_path, _Borrowed(engine)))
         return calls[-1][2]
 
@@ -615,6 +615,58 @@ def test_trainer_with_env_engine_vllm_syncs_it_after_each_update(
     finally:
         trainer.close()
     assert borrowed.closed  # an engine the trainer started is closed with it
+
+
+@pytest.mark.slow  # a DeepSpeed learner of the 135M model and a 1500-token turn on the vLLM worker
+def test_async_trainer_sync_interrupts_the_vllm_turn_in_flight(engine, tokenizer, tmp_path, monkeypatch):
+    """``env.engine=vllm``, ``trainer.max_staleness=1``, ``trainer.interrupt_on_sync=true``: the trainer's
+    weight sync ends the vLLM turn in flight (not the ~minute the rest of it takes), loads the weights,
+    and the turn goes on under them; the tokens before the switch are the old weights' own."""
+    import threading
+
+    from stare_agent.config import load_config
+    from stare_agent.models import load_policy
+    from stare_agent.train.trainer import Trainer
+    from tests.stare_agent.parity_env import PARITY_RUN
+
+    _lend(engine, monkeypatch)
+    config = load_config(
+        None,
+        [*PARITY_RUN, "env.engine=vllm", "env.vllm.dtype=float32", "data.prompts_per_step=1",
+         "sandbox.pool_size=4", "deepspeed.precision=fp32", f"trainer.run_dir={tmp_path}", "logger.backends=[]",
+         "trainer.max_staleness=1", "trainer.interrupt_on_sync=true"],
+    )  # fmt: skip
+    policy, _ = load_policy("embedded:smollm2-135m-instruct")
+    trainer = Trainer(config, model=policy, tokenizer=tokenizer)
+    versioned = trainer.rollout_engine.versioned
+    prompt, params = _long_turn(engine, tokenizer)
+    try:
+        assert versioned.interrupts
+        (old,) = engine.generate([prompt], SamplingParams(**{**vars(params), "max_new_tokens": 40}))
+        with torch.no_grad():  # an update, in place, as the optimizer makes it
+            noise = torch.Generator().manual_seed(0)
+            for p in trainer.learner.module.parameters():
+                p.add_(0.05 * p.std() * torch.randn(p.shape, generator=noise))
+        out: list = []
+        call = threading.Thread(target=lambda: out.extend(versioned.generate([prompt], params, [])))
+        call.start()
+        time.sleep(4.0)  # the turn is decoding
+        engine.sampling_overrides = {"ignore_eos": True, "max_tokens": 40}  # for the resumed rest only
+        t0 = time.monotonic()
+        trainer.rollout_engine.sync(1)
+        sync_s = time.monotonic() - t0
+        call.join(120)
+        assert not call.is_alive()
+        (g,) = out
+        assert versioned.interrupted_calls == 1 and sync_s < 20.0
+        assert g.weight_version == 0 and len(g.version_switches) == 1
+        k, version = g.version_switches[0]
+        assert version == 1 and 0 < k < params.max_new_tokens
+        n = min(k, len(old.token_ids))
+        assert g.token_ids[:n] == old.token_ids[:n]  # the old weights' own tokens up to the switch
+    finally:
+        engine.sampling_overrides = {}
+        trainer.close()
 
 
 def test_eval_cli_with_engine_vllm(engine, tmp_path, monkeypatch, capsys):
