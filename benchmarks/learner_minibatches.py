@@ -12,16 +12,14 @@ micro_batch_tokens 4096). Rows: GRPO-ds and STARE-O1 (``selection=per_mini_batch
 
 Each row runs in a process of its own (peak memory is per process): seconds are the median of the
 repeats after one warm-up step, the parameters restored after each; peak memory is the process's peak
-resident set above what it held once the model was loaded (CPU), or ``torch.cuda.max_memory_allocated``
-(GPU). Rows of one repeat are interleaved by running the children in turn.
+resident set over the timed steps (``VmHWM``, reset after the warm-up) above its resident set then
+(CPU), or ``torch.cuda.max_memory_allocated`` above the memory allocated then (GPU). Rows of one repeat are interleaved by running the children in turn.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -44,9 +42,19 @@ ROWS = [
 ]
 
 
-def rss_mib() -> float:
-    with open("/proc/self/statm", encoding="utf-8") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def status_mib(field: str) -> float:
+    """``VmRSS`` or ``VmHWM`` (the peak resident set) of this process, MiB."""
+    with open("/proc/self/status", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak() -> None:
+    """Start ``VmHWM`` afresh from the current resident set (Linux >= 4.0: ``clear_refs`` 5)."""
+    with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
+        f.write("5")
 
 
 def child(name: str, groups_per_mini_batch: int, selection: str, n: int, repeats: int) -> dict:
@@ -94,23 +102,25 @@ def child(name: str, groups_per_mini_batch: int, selection: str, n: int, repeats
     ]
     start = {k: v.clone() for k, v in trainer.learner.module.state_dict().items()}
     cuda = torch.cuda.is_available()
-    base = rss_mib()
     times, metrics = [], {}
+    base = 0.0
     try:
-        for i in range(repeats + 1):  # the first is a warm-up
+        for i in range(repeats + 1):  # the first is a warm-up (optimizer state, allocator pools)
+            if i == 1:
+                base = torch.cuda.memory_allocated() / 2**20 if cuda else status_mib("VmRSS")
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                else:
+                    reset_peak()
             trainer.step = 1
             t0 = time.perf_counter()
             metrics = trainer.learn(groups, groups)
             if i:
                 times.append(time.perf_counter() - t0)
             trainer.learner.module.load_state_dict(start)
+        peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else status_mib("VmHWM")) - base
     finally:
         trainer.close()
-    peak = (
-        torch.cuda.max_memory_allocated() / 2**20
-        if cuda
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
-    )
     return {
         "seconds": statistics.median(times),
         "peak_mib": peak,
@@ -150,7 +160,7 @@ def main() -> None:
     first = next(iter(results.values()))
     print(
         f"\n{args.trajectories} trajectories ({groups} groups of 4, {first['tokens']} tokens), {first['precision']}, "
-        f"micro_batch_tokens 4096; seconds: median of {args.repeats} after a warm-up; peak: above the loaded model"
+        f"micro_batch_tokens 4096; seconds: median of {args.repeats} after a warm-up; peak: above the memory held then"
     )
     print(
         f"| {'algorithm':<9} | {'selection':<14} | {'mini-batches':>12} | {'learn (s)':>9} | {'x one step':>10} | {'peak (MiB)':>10} |"
