@@ -11,6 +11,21 @@ from typing import Any
 
 from stare_agent.metrics import MetricsError, read_metrics
 
+MISMATCH_KEYS = (
+    "mismatch/kl",
+    "mismatch/abs_logp_mean",
+    "mismatch/L_plus_abs_logp_mean",
+    "mismatch/abs_logp_max",
+)
+CORRECTION_KEYS = (
+    "rollout_correction/weight_mean",
+    "rollout_correction/weight_mean_L_plus",
+    "rollout_correction/capped_frac",
+    "rollout_correction/masked_frac",
+    "rollout_correction/seq_rejected_frac",
+    "rollout_correction/eff_sample_size",
+)
+PPO_KEYS = ("actor/pg_clipfrac_max", "actor/pg_clipfrac_last", "actor/ppo_kl_max")
 # (title, y label, metric keys): one panel each, in reading order of an RL step. A key ending in
 # "@" stands for every logged key that starts with it (eval/avg@4, eval/avg@32, ...).
 PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -31,28 +46,9 @@ PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "tools/void_turn_fraction",
         ),
     ),
-    (
-        "Engine vs learner log-probs (rollout mismatch)",
-        "nats",
-        ("mismatch/kl", "mismatch/abs_logp_mean", "mismatch/L_plus_abs_logp_mean", "mismatch/abs_logp_max"),
-    ),
-    (
-        "Rollout correction (importance weights for the engine's mismatch)",
-        "",
-        (
-            "rollout_correction/weight_mean",
-            "rollout_correction/weight_mean_L_plus",
-            "rollout_correction/capped_frac",
-            "rollout_correction/masked_frac",
-            "rollout_correction/seq_rejected_frac",
-            "rollout_correction/eff_sample_size",
-        ),
-    ),
-    (
-        "PPO mini-batches: ratio away from 1",
-        "",
-        ("actor/pg_clipfrac_max", "actor/pg_clipfrac_last", "actor/ppo_kl_max"),
-    ),
+    ("Engine vs learner log-probs (rollout mismatch)", "nats", MISMATCH_KEYS),
+    ("Rollout correction (importance weights for the engine's mismatch)", "", CORRECTION_KEYS),
+    ("PPO mini-batches: ratio away from 1", "", PPO_KEYS),
     (
         "Asynchronous rollouts: policy staleness",
         "steps behind",
@@ -75,19 +71,9 @@ UPDATE_KEYS = frozenset(
         "frac_reweighted",
         "stare/L_plus",
         "stare/L_minus",
-        "mismatch/kl",
-        "mismatch/abs_logp_mean",
-        "mismatch/L_plus_abs_logp_mean",
-        "mismatch/abs_logp_max",
-        "rollout_correction/weight_mean",
-        "rollout_correction/weight_mean_L_plus",
-        "rollout_correction/capped_frac",
-        "rollout_correction/masked_frac",
-        "rollout_correction/seq_rejected_frac",
-        "rollout_correction/eff_sample_size",
-        "actor/pg_clipfrac_max",
-        "actor/pg_clipfrac_last",
-        "actor/ppo_kl_max",
+        *MISMATCH_KEYS,
+        *CORRECTION_KEYS,
+        *PPO_KEYS,
     }
 )
 SFT_PANEL = ("Cold-start SFT loss (sft_log.jsonl)", "loss", ("loss",))

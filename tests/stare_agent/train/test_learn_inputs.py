@@ -40,36 +40,28 @@ def groups_of(rewards: list[list[float]], seed: int = 0) -> list[Group]:
     return out
 
 
+def bare_trainer(world: int, rank: int) -> types.SimpleNamespace:
+    """What ``Trainer._advantages`` reads of a trainer: no filter, this rank of ``world``."""
+    algorithm = types.SimpleNamespace(overlong_filter=False, void_turn_filter=False)
+    return types.SimpleNamespace(config=types.SimpleNamespace(algorithm=algorithm), world=world, rank=rank)
+
+
 def test_advantages_are_normalized_within_each_group_not_over_the_batch():
     # two groups of 3 with different means (2/3 and 1/3): over the whole batch (mean 1/2) the
     # advantages would differ. By hand: std (n-1) of {1, 1, 0} is sqrt(1/3) = 0.57735, so
     # (1 - 2/3) / 0.57735 = 0.57735 and (0 - 2/3) / 0.57735 = -1.1547; the second group mirrors it.
     kept = groups_of([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    trainer = types.SimpleNamespace(
-        config=types.SimpleNamespace(
-            algorithm=types.SimpleNamespace(overlong_filter=False, void_turn_filter=False)
-        ),
-        world=1,
-        rank=0,
-    )
-    A, trajectories, sequence_ids, _ = Trainer._advantages(trainer, kept)
+    A, trajectories, sequence_ids, _ = Trainer._advantages(bare_trainer(world=1, rank=0), kept)
     s = 3**-0.5
     expected = [s, s, -2 * s, 2 * s, -s, -s]
     assert A.tolist() == pytest.approx(expected, abs=1e-5)
     assert sequence_ids.tolist() == [0, 1, 2, 3, 4, 5] and len(trajectories) == 6
 
 
-def test_advantages_of_a_rank_are_its_own_groups_rows(monkeypatch):
+def test_advantages_of_a_rank_are_its_own_groups_rows():
     # two ranks: rank 1 owns group 1 (kept group i on rank i mod world) and its advantages only
     kept = groups_of([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 1.0]])
-    trainer = types.SimpleNamespace(
-        config=types.SimpleNamespace(
-            algorithm=types.SimpleNamespace(overlong_filter=False, void_turn_filter=False)
-        ),
-        world=2,
-        rank=1,
-    )
-    A, trajectories, sequence_ids, _ = Trainer._advantages(trainer, kept)
+    A, trajectories, sequence_ids, _ = Trainer._advantages(bare_trainer(world=2, rank=1), kept)
     s = 3**-0.5
     assert A.tolist() == pytest.approx([2 * s, -s, -s], abs=1e-5)
     assert sequence_ids.tolist() == [3, 4, 5] and trajectories == kept[1].trajectories
