@@ -25,6 +25,8 @@ def test_an_rl_step_logs_learner_mfu_tokens_per_s_and_the_rollout_rate(tmp_path,
     # the scripted engine plays without a model, so its rate is only positive and finite
     for key in ("perf/tokens_per_s", "perf/rollout_tokens_per_s"):
         assert math.isfinite(record[key]) and record[key] > 0
+    # model FLOPs: share_prompts skips work they count, so a real model's batch may read above 1
+    # (docs/benchmarks.md); the tiny model's step, all overhead, stays far below
     assert 0 < record["perf/mfu"] <= 1
     seconds = record["time/logprob_s"] + record["time/update_s"] - record["time/sync_s"]
     tokens = record["perf/tokens_per_s"] * seconds  # whole trained tokens, prompts included
