@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
+from stare_agent.errors import StareError
 from stare_envs.engine import (
     ContinuousEngine,
     FinishReason,
@@ -53,11 +54,11 @@ T = TypeVar("T")
 _STOP_WINDOW_MARGIN = 8
 
 
-class RolloutsStopped(RuntimeError):
+class RolloutsStopped(StareError, RuntimeError):
     """The engine calls were stopped (:meth:`VersionedEngine.stop`, by :meth:`RolloutProducer.close`)."""
 
 
-class RolloutProducerStillRunning(RuntimeError):
+class RolloutProducerStillRunning(StareError, RuntimeError):
     """:meth:`RolloutProducer.close` passed its deadline with the producer's thread still running."""
 
 
