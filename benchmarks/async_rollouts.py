@@ -45,10 +45,13 @@ trains its 4 groups x 4 samples (zero advantages included: the same forward, bac
 sync), and its draw of 8 prompts x 4 samples is played in full either way, in one wave of 32
 sandboxes (``sandbox.pool_size=32``; the config's 40 is its evaluation's size). No evaluations or
 checkpoints. Here the engine, the sandboxes and the learner share the machine's cores: the overlap
-buys only what the hardware lets run at once.
+buys only what the hardware lets run at once. ``--quickstart-interrupt``: that setting at
+``--staleness`` (default 2) on the vLLM engine, a sync that waits against one that interrupts the
+vLLM requests in flight (``trainer.interrupt_on_sync``).
 
 Run: ``.venv/bin/python benchmarks/async_rollouts.py [--steps 8] [--call-ms 50] [--decode-ms 8]
-[--staleness 2]``; ``.venv/bin/python benchmarks/async_rollouts.py --quickstart [--steps 6]``.
+[--staleness 2]``; ``.venv/bin/python benchmarks/async_rollouts.py --quickstart [--steps 6]``;
+``.venv/bin/python benchmarks/async_rollouts.py --quickstart-interrupt [--steps 5]``.
 """
 
 from __future__ import annotations
@@ -151,12 +154,13 @@ def run_mode(
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 
-def run_quickstart(max_staleness: int, steps: int, work: Path) -> list[dict]:
-    """One run of the quickstart config's RL (real model, vLLM, sandboxes); its metrics.jsonl rows."""
+def run_quickstart(max_staleness: int, steps: int, work: Path, interrupt: bool = False) -> list[dict]:
+    """One run of the quickstart config's RL (real model, vLLM, sandboxes); its metrics.jsonl rows
+    (the last with ``interrupted_calls``)."""
     from stare_agent.config import load_config
     from stare_agent.train.trainer import Trainer
 
-    run_dir = work / f"quickstart-staleness-{max_staleness}"
+    run_dir = work / f"quickstart-staleness-{max_staleness}-{'interrupt' if interrupt else 'wait'}"
     config = load_config(
         QUICKSTART,
         [
@@ -168,17 +172,22 @@ def run_quickstart(max_staleness: int, steps: int, work: Path) -> list[dict]:
             "trainer.eval_every=0",
             f"trainer.run_dir={run_dir}",
             f"trainer.max_staleness={max_staleness}",
+            f"trainer.interrupt_on_sync={str(interrupt).lower()}",
             "logger.backends=[]",
         ],
     )
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
-    Trainer(config).fit()
+    trainer = Trainer(config)
+    trainer.fit()
+    interrupted = trainer.rollout_engine.versioned.interrupted_calls
     print(
         f"[max_staleness={max_staleness}] {time.perf_counter() - t0:.0f} s with setup, load average "
         f"{load0:.1f} -> {os.getloadavg()[0]:.1f}",
         flush=True,
     )
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    rows[-1]["interrupted_calls"] = interrupted
+    return rows
 
 
 def summarize(rows: list[dict]) -> dict[str, float]:
@@ -212,6 +221,11 @@ def main() -> None:
     parser.add_argument(
         "--quickstart", action="store_true", help="the quickstart config on the real vLLM engine (heavy)"
     )
+    parser.add_argument(
+        "--quickstart-interrupt",
+        action="store_true",
+        help="the quickstart config on vLLM at --staleness: a sync that waits vs one that interrupts (heavy)",
+    )
     args = parser.parse_args()
     k = args.staleness
     with tempfile.TemporaryDirectory(prefix="async-rollouts-") as tmp:
@@ -219,6 +233,11 @@ def main() -> None:
         (work / "problems.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
         if args.quickstart:
             results = {f"{s}": summarize(run_quickstart(s, args.steps, work)) for s in (0, 1)}
+        elif args.quickstart_interrupt:
+            results = {
+                f"{k}, sync waits": summarize(run_quickstart(k, args.steps, work, interrupt=False)),
+                f"{k}, sync interrupts": summarize(run_quickstart(k, args.steps, work, interrupt=True)),
+            }
         else:
             modes = {"0": (0, True), f"{k}, sync waits": (k, False), f"{k}, sync interrupts": (k, True)}
             results = {
@@ -227,7 +246,7 @@ def main() -> None:
             }
     setting = (
         "configs/quickstart.yaml from the embedded model, vLLM, data.dynamic_sampling=false"
-        if args.quickstart
+        if args.quickstart or args.quickstart_interrupt
         else f"call {args.call_ms:g} ms + {args.decode_ms:g} ms/token"
     )
     print(
@@ -245,14 +264,17 @@ def main() -> None:
             f"{r['learner idle']:.0%} | {r['sync wait']:.0%} | {r['idle in all']:.0%} | {r['engine idle']:.0%} | "
             f"{r['staleness']:.2f} | {r['interrupted']:.0f} |"
         )
-    sync = results["0"]
-    print(
-        f"\nsync bounds: rollout + train = {sync['rollout'] + sync['train']:.2f} s, max(rollout, train) = "
-        f"{max(sync['rollout'], sync['train']):.2f} s"
-    )
-    for name, r in results.items():
-        if name != "0":
-            print(f"{name}: step {r['step']:.2f} s ({sync['step'] / r['step']:.2f}x the synchronous step)")
+    if "0" in results:
+        sync = results["0"]
+        print(
+            f"\nsync bounds: rollout + train = {sync['rollout'] + sync['train']:.2f} s, max(rollout, train) = "
+            f"{max(sync['rollout'], sync['train']):.2f} s"
+        )
+        for name, r in results.items():
+            if name != "0":
+                print(
+                    f"{name}: step {r['step']:.2f} s ({sync['step'] / r['step']:.2f}x the synchronous step)"
+                )
     if not args.quickstart:
         wait, cut = results[f"{k}, sync waits"], results[f"{k}, sync interrupts"]
         ratio = wait["idle in all"] / cut["idle in all"] if cut["idle in all"] > 0 else float("inf")
