@@ -46,7 +46,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import numpy as np
 import torch
@@ -453,7 +453,7 @@ class Trainer:
                     part, A_part = [trajectories[i] for i in rows], A[rows]
                     old = _rows(pre.logprobs, rows, part)
                     chosen = self._select_mini_batch(
-                        pre, selection, rows, part, A[rows], sequence_ids, gated, key=(epoch, j)
+                        pre, selection, rows, part, A_part, sequence_ids, gated, key=(epoch, j)
                     )
                 updates.append(
                     self.learner.update(
@@ -941,8 +941,12 @@ class Selection:
     diagnosed: dict[str, Any]
 
 
+@overload
+def _rows(t: torch.Tensor, rows: list[int], part: list[Trajectory]) -> torch.Tensor: ...
+@overload
+def _rows(t: torch.Tensor | None, rows: list[int], part: list[Trajectory]) -> torch.Tensor | None: ...
 def _rows(t: torch.Tensor | None, rows: list[int], part: list[Trajectory]) -> torch.Tensor | None:
-    """The [B, L-1] token tensor ``t`` of a rank's batch cut to ``rows``, aligned with
+    """The [B, L-1, ...] token tensor ``t`` of a rank's batch cut to ``rows``, aligned with
     ``collate(part)`` (``part`` the trajectories of those rows: collate pads to the longest)."""
     if t is None:
         return None
@@ -951,20 +955,14 @@ def _rows(t: torch.Tensor | None, rows: list[int], part: list[Trajectory]) -> to
 
 
 def _pre_update_rows(pre: PreUpdate, rows: list[int], part: list[Trajectory]) -> PreUpdate:
-    """``pre`` (before its weights) cut to ``rows``."""
-    width = max(x.num_tokens for x in part) - 1
-    index = torch.as_tensor(rows, device=pre.logprobs.device)
-
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        return t[index.to(t.device), :width]
-
+    """``pre`` (before its weights) cut to ``rows``, as :func:`_rows` cuts each of its tensors."""
     return dataclasses.replace(
         pre,
-        advantages=cut(pre.advantages),
-        logprobs=cut(pre.logprobs),
-        entropy=cut(pre.entropy),
-        mask=cut(pre.mask),
-        moments=None if pre.moments is None else cut(pre.moments),
+        advantages=_rows(pre.advantages, rows, part),
+        logprobs=_rows(pre.logprobs, rows, part),
+        entropy=_rows(pre.entropy, rows, part),
+        mask=_rows(pre.mask, rows, part),
+        moments=_rows(pre.moments, rows, part),
     )
 
 
