@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from stare_agent import run_dirs
+from stare_agent import perf, run_dirs
 from stare_agent.algorithms import (
     AdaptiveController,
     broadcast_to_tokens,
@@ -352,8 +352,6 @@ class Trainer:
         # perf/*: the learner's model FLOPs (6N per trained token, 2N per forward-only one, plus
         # attention; stare_agent.perf) over time/logprob_s + time/update_s before the sync, against
         # the matmul bound; the engine's sampled tokens per busy second when it played this step
-        from stare_agent import perf
-
         updates, passes = perf.learner_passes(self.config.algorithm, learned)
         peak = perf.peak_flops(perf.precision_dtype(self.learner.precision), str(self.learner.device))
         lens = [t.num_tokens for g in kept for t in g.trajectories]
