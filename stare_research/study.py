@@ -490,18 +490,23 @@ def summarize(
     for seed, records in by_seed.items():
         numbers = run_numbers(records)
         if baseline is not None and seed in baseline:
-            base = run_numbers(baseline[seed]).get("entropy_auc")
-            if base is not None and "entropy_auc" in numbers:
-                numbers["entropy_auc_vs_baseline"] = numbers["entropy_auc"] - base
+            base_numbers = run_numbers(baseline[seed])
+            for key in ("entropy_auc", "kept_entropy_auc"):
+                base = base_numbers.get(key)
+                if base is not None and key in numbers:
+                    numbers[f"{key}_vs_baseline"] = numbers[key] - base
         for name, value in numbers.items():
             per_seed.setdefault(name, []).append(value)
     return {name: _stats(v) for name, v in per_seed.items()}
 
 
 def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
-    """One run's numbers: entropy at the last step and its area under the curve per step (trapezoid
-    over the logged steps, divided by the steps it spans), its mean over the first and over the last
-    ``EDGE_STEPS`` logged steps and its standard deviation over the steps (step-to-step noise), best
+    """One run's numbers: entropy (``entropy``, the gate's reading) at the last step and its area under
+    the curve per step (trapezoid over the logged steps, divided by the steps it spans), its mean over
+    the first and over the last ``EDGE_STEPS`` logged steps and its standard deviation over the steps
+    (step-to-step noise); whether the gate read the whole draw (``research.gate_batch=drawn``, which
+    logs the kept batch's H-bar as ``stare/entropy_kept``) and the kept batch's late mean and AUC
+    (the gate's reading itself where the gate reads the kept batch), best
     and final held-out accuracy (sampled ``eval/avg@k`` and greedy ``eval_greedy/avg@1``, over the
     trained steps: not the start's step 0), the mean over steps of the fraction of tokens STARE
     reweighted, of its mean token weight (how far its update is from GRPO-ds's), of ``|L+|`` and of
@@ -517,9 +522,16 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     H = [(r["step"], float(r["entropy"])) for r in records if _finite(r.get("entropy"))]
     if H:
         out["entropy_final"] = H[-1][1]
-        span = H[-1][0] - H[0][0]
-        area = sum((s1 - s0) * (h0 + h1) / 2 for (s0, h0), (s1, h1) in zip(H, H[1:], strict=False))
-        out["entropy_auc"] = area / span if span else H[0][1]
+        out["entropy_auc"] = _auc(H)
+    # `entropy` is the gate's reading: the kept batch's (the paper's H-bar), or under
+    # research.gate_batch=drawn the whole draw's, which logs the kept batch's as `stare/entropy_kept`
+    drawn = any(_finite(r.get(KEPT_KEY)) for r in records)
+    kept = [(r["step"], float(r[KEPT_KEY])) for r in records if _finite(r.get(KEPT_KEY))] if drawn else H
+    if H:
+        out["gate_reads_whole_draw"] = float(drawn)
+    if kept:
+        out["kept_entropy_late"] = _mean([h for _, h in kept][-EDGE_STEPS:])
+        out["kept_entropy_auc"] = _auc(kept)
     for tag, prefix in (("sampled", "eval/avg@"), ("greedy", "eval_greedy/avg@")):
         acc = [
             float(r[k]) for r in records if r["step"] > 0 for k in r if k.startswith(prefix) and _finite(r[k])
@@ -564,6 +576,7 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
 
 EDGE_STEPS = 5  # "early" and "late" entropy: the mean over this many steps at each end of a run
 BANK_KEY, BANK_EVALS = "eval/bank_entropy", 2  # "late" bank entropy: the mean of its last 2 evaluations
+KEPT_KEY = "stare/entropy_kept"  # the kept batch's H-bar, logged where the gate reads the whole draw
 DYNAMICS_COLUMNS = (
     ("entropy_early", f"entropy, first {EDGE_STEPS} steps"),
     ("entropy_late", f"entropy, last {EDGE_STEPS} steps"),
@@ -591,6 +604,17 @@ COLUMNS = (
     ("seconds_per_step", "s/step"),
     ("logprob_seconds", "log-prob pass s/step"),
 )
+# Both sampled-entropy estimators side by side, printed when a variant's gate reads the whole draw
+# (research.gate_batch=drawn): the tables above give each run's gate reading, the whole draw's for
+# those variants and the kept batch's for the others; the kept batch is the estimator every run logs.
+ESTIMATOR_COLUMNS = (
+    ("gate_reads_whole_draw", "the gate reads"),
+    ("entropy_late", f"gate's reading, last {EDGE_STEPS} steps"),
+    ("entropy_auc", "gate's reading AUC/step"),
+    ("kept_entropy_late", f"kept batch (the paper's H-bar), last {EDGE_STEPS} steps"),
+    ("kept_entropy_auc", "kept-batch AUC/step"),
+    ("kept_entropy_auc_vs_baseline", "kept-batch AUC - GRPO-ds's, same seed"),
+)
 
 
 def format_table(
@@ -601,7 +625,9 @@ def format_table(
 ) -> str:
     """The markdown tables, mean +- 95 % t interval (sample SD) over seeds per variant, after a line on the start (the
     calibration, and ``start``: its held-out accuracy over the seeds' held-out sets): the main one
-    (``COLUMNS``), then the entropy's dynamics and STARE's reach (``DYNAMICS_COLUMNS``). Without
+    (``COLUMNS``), then the entropy's dynamics and STARE's reach (``DYNAMICS_COLUMNS``), both on each
+    run's gate reading; where a variant's gate reads the whole draw, a third table sets that reading
+    beside the kept batch's and compares with GRPO-ds on the kept batch (``ESTIMATOR_COLUMNS``). Without
     ``calibration`` (a table redone from a CSV) the line gives the start's held-out numbers alone."""
     held_out = "".join(
         f", held-out accuracy ({tag}) {n['mean']:.3f}"
@@ -623,7 +649,19 @@ def format_table(
         if calibration is not None
         else f"Start (the study's step 0){held_out or ': no evaluation logged'}."
     ]
-    for columns in (COLUMNS, DYNAMICS_COLUMNS):
+    tables = [COLUMNS, DYNAMICS_COLUMNS]
+    drawn = [v for v, numbers in summary.items() if numbers.get("gate_reads_whole_draw", {}).get("mean")]
+    if drawn:
+        tables.append(ESTIMATOR_COLUMNS)
+    for columns in tables:
+        if columns is ESTIMATOR_COLUMNS:
+            lines += [
+                "",
+                "Entropy above is each run's gate reading: the kept batch's sampled entropy (the paper's "
+                f"H-bar), but the whole draw's for {', '.join(drawn)} (research.gate_batch=drawn), whose "
+                "AUC - GRPO-ds's therefore compares two estimators. Both side by side, and the difference "
+                "from GRPO-ds on the kept batch, the estimator every run logs:",
+            ]
         lines += [
             "",
             "| variant | seeds | " + " | ".join(title for _, title in columns) + " |",
@@ -631,20 +669,20 @@ def format_table(
         ]
         for variant, numbers in summary.items():
             seeds = max((n["n"] for n in numbers.values()), default=0)
-            cells = []
-            for key, _ in columns:
-                n = numbers.get(key)
-                cells.append(
-                    "-"
-                    if n is None
-                    else f"{n['mean']:g}"
-                    if key == "steps"  # mean over seeds
-                    else f"{format_ci(n)} (SD {n['sd']:.3f})"
-                    if n["n"] > 1
-                    else f"{n['mean']:.3f}"
-                )
+            cells = [_cell(key, numbers.get(key)) for key, _ in columns]
             lines.append(f"| {variant} | {seeds} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _cell(key: str, n: dict[str, float] | None) -> str:
+    """One table cell: the mean over seeds, with its interval and SD over more than one seed."""
+    if n is None:
+        return "-"
+    if key == "steps":  # mean over seeds
+        return f"{n['mean']:g}"
+    if key == "gate_reads_whole_draw":
+        return "whole draw" if n["mean"] == 1 else "kept batch" if n["mean"] == 0 else "mixed"
+    return f"{format_ci(n)} (SD {n['sd']:.3f})" if n["n"] > 1 else f"{n['mean']:.3f}"
 
 
 def _read_starts(root: Path) -> dict[int, dict[str, float]]:
@@ -670,6 +708,13 @@ def _finite(x: Any) -> TypeGuard[int | float]:
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
+
+
+def _auc(H: list[tuple[int, float]]) -> float:
+    """Area under (step, entropy) by the trapezoid rule, per step of the span it covers."""
+    span = H[-1][0] - H[0][0]
+    area = sum((s1 - s0) * (h0 + h1) / 2 for (s0, h0), (s1, h1) in zip(H, H[1:], strict=False))
+    return area / span if span else H[0][1]
 
 
 def _std(xs: list[float]) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 
@@ -270,3 +271,65 @@ def test_the_tables_of_a_study_csv_are_redone_with_todays_intervals(tmp_path):
     (tmp_path / "bad.csv").write_text("name,value\nx,1\n")
     with pytest.raises(ConfigError, match="is not a study CSV \\(needs variant, seed, step columns\\)"):
         tables_from_csv(tmp_path / "bad.csv")
+
+
+def _drawn_gate_csv(path):
+    """GRPO-ds and a drawn-gate variant, one seed, H_tgt 0.35. The drawn gate reads the whole draw
+    (`entropy` 0.5, 0.3: off, then on), and logs the kept batch's H-bar (`stare/entropy_kept` 0.1, 0.3),
+    on which the gate would have been on at both steps."""
+    header = ["variant", "seed", "step", "entropy", "stare/entropy_kept", "gate_on", "H_tgt"]
+    rows = [
+        ("grpo-ds", 0, 1, 0.2, "", 1, 0.35), ("grpo-ds", 0, 2, 0.4, "", 0, 0.35),
+        ("stare-o1-w3-drawn", 0, 1, 0.5, 0.1, 0, 0.35), ("stare-o1-w3-drawn", 0, 2, 0.3, 0.3, 1, 0.35),
+    ]  # fmt: skip
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(rows)
+    return path
+
+
+def test_the_study_tables_give_a_drawn_gates_own_reading_in_its_entropy_columns(tmp_path):
+    """`--tables-of` reads `entropy` for every run, and under research.gate_batch=drawn that IS the
+    drawn gate's estimator (the whole draw's sampled entropy): the shipped closed-loop CSVs' drawn runs
+    turned the gate on exactly when it was below H_tgt, which their kept-batch H-bar does not give."""
+    from stare_research.tables import read_runs
+
+    table = tables_from_csv(_drawn_gate_csv(tmp_path / "study.csv"))
+    # whole draw 0.5, 0.3: late mean 0.4, AUC 0.4, minus GRPO-ds's AUC 0.3 (its kept batch's: 0.2, 0.4)
+    assert "| stare-o1-w3-drawn | 1 | 2 | 0.400 | 0.400 | 0.100 |" in table
+    # entropy over the first 5 and the last 5 steps, its SD over steps, no bank, the gate on at 1 of 2
+    assert "| stare-o1-w3-drawn | 1 | 0.400 | 0.400 | 0.100 | - | 0.500 |" in table
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "research"
+    checked = 0
+    for name in ("closed_loop.csv", "closed_loop_sft48.csv"):
+        for (variant, _), records in read_runs(docs / name).items():
+            trained = [r for r in records if r["step"] > 0 and not r.get("skipped") and "gate_on" in r]
+            if variant != "stare-o1-w3-drawn":
+                continue
+            assert all(int(r["gate_on"]) == int(r["entropy"] < r["H_tgt"]) for r in trained)
+            assert any(int(r["gate_on"]) != int(r["stare/entropy_kept"] < r["H_tgt"]) for r in trained)
+            checked += 1
+    assert checked == 2
+
+
+def test_the_study_tables_set_both_estimators_side_by_side_where_a_gate_reads_the_whole_draw(tmp_path):
+    table = tables_from_csv(_drawn_gate_csv(tmp_path / "study.csv"))
+    assert "but the whole draw's for stare-o1-w3-drawn (research.gate_batch=drawn)" in table
+    assert (
+        "| variant | seeds | the gate reads | gate's reading, last 5 steps | gate's reading AUC/step "
+        "| kept batch (the paper's H-bar), last 5 steps | kept-batch AUC/step "
+        "| kept-batch AUC - GRPO-ds's, same seed |"
+    ) in table
+    assert "| grpo-ds | 1 | kept batch | 0.300 | 0.300 | 0.300 | 0.300 | - |" in table
+    # kept batch 0.1, 0.3: late 0.2, AUC 0.2, minus GRPO-ds's 0.3 on the same estimator: -0.1 (the
+    # gate's reading says +0.1: two estimators)
+    assert "| stare-o1-w3-drawn | 1 | whole draw | 0.400 | 0.400 | 0.200 | 0.200 | -0.100 |" in table
+
+
+def test_the_study_tables_of_kept_gates_alone_have_no_estimator_table(tmp_path):
+    path = tmp_path / "study.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([["variant", "seed", "step", "entropy"], ["grpo-ds", 0, 1, 0.2]])
+    assert "the gate reads" not in tables_from_csv(path)
