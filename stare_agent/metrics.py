@@ -259,21 +259,29 @@ def policy_entropy(
     """Mean full-vocabulary entropy of ``model`` over the model-written (mask-1) tokens of trajectories.
 
     The same quantity as the STARE gate's Hbar, for a policy outside training (e.g. before/after tables).
+    The LM head runs on model tokens only, and a batch's common prompt prefix (the system prompt) once.
     """
     import torch
 
-    from stare_agent.algorithms import causal_lm_logprobs_and_entropy
-    from stare_agent.train.batch import collate
+    from stare_agent.algorithms.logprobs import (
+        causal_lm_logprobs_and_entropy,
+        shared_prompt_logprobs_and_entropy,
+    )
+    from stare_agent.train.batch import collate, shared_prefix_length
 
     total, count = 0.0, 0.0
     device = next(model.parameters()).device
     with torch.no_grad():
         for start in range(0, len(trajectories), batch_size):
-            batch = collate(list(trajectories[start : start + batch_size]), pad_id, device)
+            rows = list(trajectories[start : start + batch_size])
+            batch = collate(rows, pad_id, device)
             mask = batch["response_mask"]
-            _, entropy = causal_lm_logprobs_and_entropy(
-                model, batch["input_ids"], batch["attention_mask"], score_mask=mask.bool()
-            )  # the LM head and softmax on model tokens only
+            ids, attention, scored = batch["input_ids"], batch["attention_mask"], mask.bool()
+            shared = shared_prefix_length(rows)
+            if shared:
+                _, entropy = shared_prompt_logprobs_and_entropy(model, ids, attention, shared, scored)
+            else:
+                _, entropy = causal_lm_logprobs_and_entropy(model, ids, attention, score_mask=scored)
             total += float((entropy.float() * mask).sum())
             count += float(mask.sum())
     return total / count if count else float("nan")

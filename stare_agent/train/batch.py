@@ -155,6 +155,40 @@ def pack(
     return batch
 
 
+MIN_SHARED_PREFIX = 16
+"""Fewest tokens of a common prompt prefix that a micro-batch runs once (:func:`shared_prefix_length`):
+below it the separate pass costs more than the repeated tokens."""
+
+
+def shared_prefix_length(trajectories: Sequence[Trajectory]) -> int:
+    """Tokens at the start of every prompt of ``trajectories`` that they all share: the whole prompt
+    when all prompts are one (the samples of a GRPO group), else their common prefix (SFT traces and
+    other prompts share the chat template's system prompt) when it has at least
+    :data:`MIN_SHARED_PREFIX` tokens; 0 otherwise and for fewer than two trajectories. Never more than
+    the shortest prompt, so no token the model wrote (and no scored position) lies inside the prefix.
+
+    Example:
+        >>> from stare_envs.trajectory import TrajectoryBuilder
+        >>> def traj(prompt):
+        ...     b = TrajectoryBuilder(prompt); b.append([9], 1, [0.0]); return b.build(reward=0.0)
+        >>> system = list(range(20))
+        >>> shared_prefix_length([traj(system + [1, 2]), traj(system + [1, 3])])
+        21
+        >>> shared_prefix_length([traj([1, 2, 3]), traj([1, 2, 3])]), shared_prefix_length([traj([1, 2, 3]), traj([1, 2, 4])])
+        (3, 0)
+    """
+    if len(trajectories) < 2:
+        return 0
+    first = trajectories[0].prompt_ids
+    n = min(len(t.prompt_ids) for t in trajectories)
+    for t in trajectories[1:]:
+        prompt = t.prompt_ids
+        n = next((i for i in range(n) if prompt[i] != first[i]), n)
+    if all(len(t.prompt_ids) == n for t in trajectories):
+        return n  # one prompt
+    return n if n >= MIN_SHARED_PREFIX else 0
+
+
 def split_by_token_budget(
     trajectories: Sequence[Trajectory], max_tokens: int, *, padded: bool = True
 ) -> list[list[int]]:

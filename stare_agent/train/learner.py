@@ -68,7 +68,7 @@ from stare_agent.config import (
     precision_line,
     resolve_precision,
 )
-from stare_agent.train.batch import bucket_by_length, collate, split_by_token_budget
+from stare_agent.train.batch import bucket_by_length, collate, shared_prefix_length, split_by_token_budget
 from stare_agent.train.deepspeed_setup import deepspeed_config, init_distributed
 from stare_envs.trajectory import Trajectory
 
@@ -266,7 +266,8 @@ class Learner:
 
     @property
     def shares_prompts(self) -> bool:
-        """Whether trajectories of one prompt run it once: ``deepspeed.share_prompts`` with
+        """Whether the rows of a micro-batch run their common prompt prefix once
+        (:func:`~stare_agent.train.batch.shared_prefix_length`): ``deepspeed.share_prompts`` with
         ``score_response_only``, below ZeRO-3 and without gradient checkpointing (which drops caches)."""
         ds = self.ds_config
         return (
@@ -365,10 +366,11 @@ class Learner:
         )
 
     def _collate(self, trajectories: Sequence[Trajectory], idx: list[int]) -> dict[str, Tensor]:
-        micro = collate([trajectories[i] for i in idx], self.pad_id, self.device)
-        prompt = trajectories[idx[0]].prompt_ids
-        if self.shares_prompts and len(idx) > 1 and all(trajectories[i].prompt_ids == prompt for i in idx):
-            micro["shared_prompt_length"] = torch.tensor(len(prompt))
+        rows = [trajectories[i] for i in idx]
+        micro = collate(rows, self.pad_id, self.device)
+        shared = shared_prefix_length(rows) if self.shares_prompts else 0
+        if shared:
+            micro["shared_prompt_length"] = torch.tensor(shared)
         return micro
 
     @torch.no_grad()

@@ -157,10 +157,27 @@ def test_logger_backends_are_validated():
         load_config(None, ["logger.backends=[mlflow]"])
 
 
-def test_policy_entropy_is_the_masked_mean_of_the_naive_entropy():
+@pytest.mark.parametrize("shared", [False, True])
+def test_policy_entropy_is_the_masked_mean_of_the_naive_entropy(shared, monkeypatch):
+    """Also when the batch's rows share a system prompt, which then runs once."""
+    import stare_agent.algorithms.logprobs as logprobs
+
     model, tokenizer = tiny_model()
-    trajs = [_trajectory([1, 2, 3], [([10, 11], 1), ([12], 0), ([13], 1)]), _trajectory([4], [([20], 1)])]
-    got = policy_entropy(model, trajs, pad_id=0, batch_size=1)
+    system = list(range(30, 50)) if shared else []
+    trajs = [
+        _trajectory(system + [1, 2, 3], [([10, 11], 1), ([12], 0), ([13], 1)]),
+        _trajectory(system + [4], [([20], 1)]),
+    ]
+    prefixes: list[int] = []
+    run_once = logprobs.shared_prompt_logprobs_and_entropy
+
+    def spy(model, ids, attention, prompt_length, *args, **kwargs):
+        prefixes.append(prompt_length)
+        return run_once(model, ids, attention, prompt_length, *args, **kwargs)
+
+    monkeypatch.setattr(logprobs, "shared_prompt_logprobs_and_entropy", spy)
+    got = policy_entropy(model, trajs, pad_id=0, batch_size=8)
+    assert prefixes == ([20] if shared else [])
     values = []
     with torch.no_grad():
         for t in trajs:

@@ -288,6 +288,49 @@ def test_fast_learner_path_takes_the_same_step_as_the_old_one(learner, batch, st
         torch.testing.assert_close(delta_new[name], d, atol=1e-5 * scale + 2.4e-7, rtol=0, msg=name)
 
 
+def test_sft_traces_of_different_problems_run_their_common_system_prompt_once(learner, monkeypatch):
+    """SFT traces (and other prompts) share the chat template's system prompt: with share_prompts a
+    micro-batch runs that common prefix once, not only a whole prompt its rows share, and the step
+    equals the one that runs every row whole, to float rounding."""
+    g = torch.Generator().manual_seed(7)
+    system = torch.randint(100, 5000, (24,), generator=g).tolist()
+    batch = [
+        Trajectory(system + t.prompt_ids, *astuple_rest(t))
+        for t in (_trajectory(40 + i, 3 + i, 4, 2, 3) for i in range(4))
+    ]
+    assert len({tuple(t.prompt_ids) for t in batch}) == 4  # four problems
+    prefixes: list[int] = []
+
+    def spy(model, input_ids, attention_mask, prompt_length, *args, **kwargs):
+        prefixes.append(prompt_length)
+        return shared_prompt_logprobs_and_entropy(
+            model, input_ids, attention_mask, prompt_length, *args, **kwargs
+        )
+
+    monkeypatch.setattr("stare_agent.train.learner.shared_prompt_logprobs_and_entropy", spy)
+    start = _params(learner)
+    ds = learner.ds_config
+
+    def one_step(share: bool) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        ds.share_prompts = share
+        try:
+            metrics = learner.sft_step(batch)
+            return metrics, {k: v - start[k] for k, v in _params(learner).items()}
+        finally:
+            _restore(learner, start)
+            ds.share_prompts = True
+
+    old, delta_old = one_step(False)
+    assert prefixes == []
+    new, delta_new = one_step(True)
+    assert prefixes == [24]  # the system prompt, once for the four rows
+    assert new["loss"] == pytest.approx(old["loss"], rel=1e-5)
+    assert sum(int((d != 0).sum()) for d in delta_old.values()) > 0
+    for name, d in delta_old.items():
+        scale = float(d.abs().max()) + 1e-12
+        torch.testing.assert_close(delta_new[name], d, atol=1e-5 * scale + 2.4e-7, rtol=0, msg=name)
+
+
 def test_checkpoint_round_trip(learner, batch, tmp_path):
     start = _params(learner)
     learner.update(batch, [1.0, -1.0, 0.5, -0.5, 0.25])
