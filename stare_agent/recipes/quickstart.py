@@ -7,7 +7,8 @@
 3. baseline  tool-use evaluation on held-out procedural problems
 4. SFT       ReTool traces made by running solution code in the sandbox; cold-start SFT
 5. RL        a few STARE-O1 steps
-6. after     the same evaluation; a before/after table and where everything was written
+6. after     the same evaluation after SFT and after RL; a table of the three, with RL's own change
+             and the whole gain as paired intervals over the same problems, and where everything went
 """
 
 from __future__ import annotations
@@ -76,11 +77,12 @@ def _quickstart(config: RunConfig, run_dir: Path, start: float) -> dict[str, Any
             if eval_name:
                 print(f"[engine] before/after evaluation: {eval_name}")
         phase("model", t0)
-        result = _run(config, run_dir, model, tokenizer, engine, eval_engine, times, phase)
+        result = _run(config, run_dir, model, tokenizer, engine, eval_engine, phase)
     finally:
         for e in {id(engine): engine, id(eval_engine): eval_engine}.values():
             if hasattr(e, "close"):
                 e.close()
+    result["times_s"] = times
     result["engine"] = engine_name
     result["eval_engine"] = eval_name
     result["total_s"] = time.perf_counter() - start
@@ -126,11 +128,44 @@ def _run(
     tokenizer: Any,
     engine: Any,
     eval_engine: Any,
-    times: dict[str, float],
     phase: Any,
 ) -> dict[str, Any]:
-    """Steps 3 to 6 with one rollout engine (and ``eval_engine`` for the evaluations); the before/after
+    """Steps 3 to 6 with one rollout engine (and ``eval_engine`` for the evaluations); the table's
     numbers."""
+    import torch
+
+    from stare_envs.problems import eval_problems
+
+    data = config.data
+    autocast = torch.bfloat16 if run_precision(config) == "bf16-autocast" else None
+    problems = eval_problems(
+        data.eval or "mixed", seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
+    )
+    # One pool of warm sandboxes for the three evaluations and the RL episodes (opening 40 takes ~20 s)
+    t0 = time.perf_counter()
+    pool = open_sandboxes(config.sandbox)
+    phase("sandboxes", t0)
+    try:
+        return _stages(
+            config, run_dir, model, tokenizer, engine, eval_engine, phase, problems, autocast, pool
+        )
+    finally:
+        pool.close()
+
+
+def _stages(
+    config: RunConfig,
+    run_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    engine: Any,
+    eval_engine: Any,
+    phase: Any,
+    problems: list[Any],
+    autocast: Any,
+    pool: Any,
+) -> dict[str, Any]:
+    """Steps 3 to 6 on ``pool``."""
     import torch
 
     from stare_agent.evaluation import evaluate_config
@@ -140,58 +175,54 @@ def _run(
     from stare_agent.train.checkpoints import latest_checkpoint
     from stare_agent.train.sft import sft
     from stare_agent.train.trainer import Trainer
-    from stare_envs.problems import eval_problems
 
     data = config.data
-    autocast = torch.bfloat16 if run_precision(config) == "bf16-autocast" else None
-    problems = eval_problems(
-        data.eval or "mixed", seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
-    )
-    pool = open_sandboxes(config.sandbox)
-    try:
 
-        def run_eval(tag: str, model_path: str) -> dict[str, float]:
-            """Evaluate the policy in memory, whose weights are those of ``model_path`` (its hash goes
-            into the summary's settings)."""
-            t = time.perf_counter()
-            if eval_engine is not engine and getattr(eval_engine, "model", None) is not model:
-                eval_engine.update_weights(model.named_parameters())  # a worker of its own
-            report = evaluate_config(
-                config,
-                engine=eval_engine,
-                tokenizer=tokenizer,
-                pool=pool,
-                batch_size=max(config.sandbox.pool_size, 1),
-                problems=problems,
-                out_dir=run_dir / f"eval_{tag}",
-                keep_trajectories=True,
-                settings={"model": model_settings(model_path)},
-            )
-            metrics = dict(report.metrics)
-            device = next(model.parameters()).device.type
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast is not None):
-                metrics["entropy"] = policy_entropy(model, report.trajectories, tokenizer.pad_token_id or 0)
-            phase(f"eval {tag}", t)
-            return metrics
+    def run_eval(tag: str, model_path: str) -> dict[str, Any]:
+        """Evaluate the policy in memory, whose weights are those of ``model_path`` (its hash goes
+        into the summary's settings); its metrics and ``solved``, each problem's score."""
+        t = time.perf_counter()
+        if eval_engine is not engine and getattr(eval_engine, "model", None) is not model:
+            eval_engine.update_weights(model.named_parameters())  # a worker of its own
+        report = evaluate_config(
+            config,
+            engine=eval_engine,
+            tokenizer=tokenizer,
+            pool=pool,
+            batch_size=max(config.sandbox.pool_size, 1),
+            problems=problems,
+            out_dir=run_dir / f"eval_{tag}",
+            keep_trajectories=True,
+            settings={"model": model_settings(model_path)},
+        )
+        metrics: dict[str, Any] = dict(report.metrics)
+        metrics["solved"] = [sum(p.correct) / max(len(p.correct), 1) for p in report.problems]
+        device = next(model.parameters()).device.type
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast is not None):
+            metrics["entropy"] = policy_entropy(model, report.trajectories, tokenizer.pad_token_id or 0)
+        phase(f"eval {tag}", t)
+        return metrics
 
-        # 3. baseline
-        before = run_eval("before", config.model.name_or_path)
-    finally:
-        pool.close()
+    # 3. baseline
+    before = run_eval("before", config.model.name_or_path)
 
-    # 4. cold-start SFT (trains `model` in place and exports it)
+    # 4. cold-start SFT (trains `model` in place and exports it), and its own evaluation: the table
+    # tells what SFT did apart from what RL did
     t0 = time.perf_counter()
     sft_summary = sft(config, model=model, tokenizer=tokenizer)
     own_copy = getattr(engine, "model", None) is not model  # vLLM: give it the SFT weights
     if own_copy:
         engine.update_weights(model.named_parameters())
     phase("sft", t0)
+    after_sft = run_eval("sft", sft_summary["output_dir"])
 
     # 5. STARE-O1 RL, starting from the SFT model; the trainer syncs an engine with its own copy after
     # every update (the transformers engine: the trainer's own, on the module it trains)
     t0 = time.perf_counter()
     rl_config = replace(config, model=replace(config.model, name_or_path=sft_summary["output_dir"]))
-    trained = Trainer(rl_config, model=model, tokenizer=tokenizer, engine=engine if own_copy else None).fit()
+    trained = Trainer(
+        rl_config, model=model, tokenizer=tokenizer, engine=engine if own_copy else None, pool=pool
+    ).fit()
     if trained["stopped_by"]:  # Ctrl-C / SIGTERM: the checkpoint is saved (the trainer said where); no eval
         if trained["stopped_by"] == "SIGINT":
             raise KeyboardInterrupt
@@ -201,12 +232,8 @@ def _run(
     gate_activity, skipped_steps = gate_fraction(steps)
 
     # 6. after
-    pool = open_sandboxes(config.sandbox)
-    try:
-        last = latest_checkpoint(run_dir)  # the trainer saves the last step's policy
-        after = run_eval("after", str(last / "hf") if last else f"{run_dir} (RL policy, no checkpoint)")
-    finally:
-        pool.close()
+    last = latest_checkpoint(run_dir)  # the trainer saves the last step's policy
+    after = run_eval("after", str(last / "hf") if last else f"{run_dir} (RL policy, no checkpoint)")
     dashboard = plot_dashboard(run_dir)
     checkpoint = latest_checkpoint(run_dir)
     result = {
@@ -214,6 +241,7 @@ def _run(
         "problems": len(problems),
         "samples": data.eval_samples,
         "before": before,
+        "after_sft": after_sft,
         "after": after,
         "gate_activity": gate_activity,
         "skipped_steps": skipped_steps,
@@ -222,7 +250,6 @@ def _run(
         "H_tgt": config.algorithm.H_tgt,
         "rl_steps": len(steps),
         "sft": sft_summary,
-        "times_s": times,
         "run_dir": str(run_dir),
         "dashboard": str(dashboard),
         "checkpoint_hf": str(checkpoint / "hf") if checkpoint else None,
@@ -238,25 +265,23 @@ def save_result(result: dict[str, Any], run_dir: Path) -> Path:
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """The before/after table and the paths, as plain text."""
+    """The table of the three evaluations (before, after SFT, after RL), the changes with their paired
+    intervals, and the paths, as plain text."""
     k = result["samples"]
-    b, a = result["before"], result["after"]
+    columns = (result["before"], result.get("after_sft") or {}, result["after"])
+
+    def row(name: str, key: str, spec: str) -> tuple[str, ...]:
+        return (name, *(_number(c.get(key), spec) for c in columns))
+
     rows = [
-        (f"tool-use accuracy (avg@{k})", _number(b[f"avg@{k}"], ".3f"), _number(a[f"avg@{k}"], ".3f")),
-        (f"pass@{k}", _number(b[f"pass@{k}"], ".3f"), _number(a[f"pass@{k}"], ".3f")),
-        (
-            "tool calls per episode",
-            _number(b["tool_calls_per_episode"], ".2f"),
-            _number(a["tool_calls_per_episode"], ".2f"),
-        ),
-        (
-            "entropy, greedy eval rollouts (nats/token)",
-            _number(b["entropy"], ".3f"),
-            _number(a["entropy"], ".3f"),
-        ),
-        ("STARE gate on (fraction of trained RL steps)", "-", _number(result["gate_activity"], ".2f")),
+        row(f"tool-use accuracy (avg@{k})", f"avg@{k}", ".3f"),
+        row(f"pass@{k}", f"pass@{k}", ".3f"),
+        row("tool calls per episode", "tool_calls_per_episode", ".2f"),
+        row("entropy, greedy eval rollouts (nats/token)", "entropy", ".3f"),
+        ("STARE gate on (fraction of trained RL steps)", "-", "-", _number(result["gate_activity"], ".2f")),
         (
             "RL steps that trained nothing (skipped)",
+            "-",
             "-",
             f"{result.get('skipped_steps', 0)} of {result.get('rl_steps')}",
         ),
@@ -266,9 +291,10 @@ def format_table(result: dict[str, Any]) -> str:
         f"\n{result['problems']} held-out procedural problems x {k} samples, sandbox: {result['backend']}, "
         f"engine: {result.get('engine', 'transformers')}"
         + (f", evaluated by {result['eval_engine']}" if result.get("eval_engine") else ""),
-        f"{'':<{width}}  {'before':>8}  {'after':>8}",
-        *(f"{name:<{width}}  {x:>8}  {y:>8}" for name, x, y in rows),
+        f"{'':<{width}}  {'before':>8}  {'SFT':>8}  {'SFT+RL':>8}",
+        *(f"{name:<{width}}  {x:>8}  {y:>8}  {z:>8}" for name, x, y, z in rows),
         _rl_entropy_line(result),
+        *_change_lines(result),
         "",
         f"total time: {result['total_s'] / 60:.1f} min  ("
         + ", ".join(f"{name} {secs:.0f} s" for name, secs in result["times_s"].items())
@@ -278,6 +304,31 @@ def format_table(result: dict[str, Any]) -> str:
         f"HF checkpoint: {result['checkpoint_hf']}",
     ]
     return "\n".join(lines)
+
+
+def _change_lines(result: dict[str, Any]) -> list[str]:
+    """RL's own change in accuracy (SFT -> SFT+RL) and the whole gain (before -> SFT+RL), each with its
+    95 % interval paired over the same problems (``intervals.paired_difference_interval``)."""
+    from stare_agent.intervals import paired_difference_interval
+
+    lines = []
+    for name, first, second in (
+        ("RL's change in accuracy (SFT -> SFT+RL)", result.get("after_sft"), result["after"]),
+        ("whole gain in accuracy (before -> SFT+RL)", result["before"], result["after"]),
+    ):
+        a, b = (first or {}).get("solved"), second.get("solved")
+        if not a or not b or len(a) != len(b):
+            continue
+        lo, hi = paired_difference_interval(a, b)
+        gained = sum(1 for x, y in zip(a, b, strict=True) if y > x)
+        lost = sum(1 for x, y in zip(a, b, strict=True) if y < x)
+        change = (sum(b) - sum(a)) / len(a)
+        verdict = " - not measurable here: the interval holds 0" if lo <= 0 <= hi else ""
+        lines.append(
+            f"{name}: {change:+.3f}, 95 % interval [{lo:+.3f}, {hi:+.3f}] paired over the {len(a)} problems "
+            f"({gained} better, {lost} worse){verdict}"
+        )
+    return lines
 
 
 def _number(value: float | None, spec: str) -> str:

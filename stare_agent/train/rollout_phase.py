@@ -102,6 +102,7 @@ class RolloutPhase:
         world: int = 1,
         process_group: Any = None,
         stream: ProblemStream | None = None,
+        pool: Any = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -110,7 +111,8 @@ class RolloutPhase:
         self.process_group = process_group
         self.stream = stream if stream is not None else problem_stream(config)
         self._envs: list[ToolEnv] = []
-        self._pool: Any = None
+        self._pool: Any = pool
+        self._owns_pool = pool is None  # a caller's pool stays open at close()
 
     def play(self, step: int) -> Rollouts:
         """Steps 1-3 of step ``step``, on whichever thread plays them."""
@@ -239,18 +241,18 @@ class RolloutPhase:
         return self._envs
 
     def pool(self) -> Any:
-        """The sandbox pool the episodes (and evaluations) lease from, opened on first use; None when
-        the env's tools run no code."""
+        """The sandbox pool the episodes (and evaluations) lease from: the caller's, or one opened on
+        first use; None when the env's tools run no code."""
         env = self.config.env
         if self._pool is None and env_needs_sandbox(env.id, **env.env_kwargs()):
             self._pool = open_sandboxes(self.config.sandbox)
         return self._pool
 
     def close(self) -> None:
-        """Close the envs and the sandbox pool."""
+        """Close the envs and the sandbox pool this phase opened (a caller's stays open)."""
         for env in self._envs:
             env.close()
         self._envs = []
-        if self._pool is not None:
+        if self._pool is not None and self._owns_pool:
             self._pool.close()
             self._pool = None

@@ -99,6 +99,9 @@ class Trainer:
             engine in tests); it receives the new weights after every update.
         diagnostics: Hooks that read the run (``stare_agent.train.diagnostics``): their metrics are
             logged with each step and each evaluation.
+        pool: A sandbox pool the episodes lease from (``stare_agent.resources.open_sandboxes``), owned
+            and closed by the caller, e.g. one shared with evaluations around the run; default: the
+            trainer opens its own on first use and closes it.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class Trainer:
         overwrite: bool = False,
         engine: Any = None,
         diagnostics: Sequence[Diagnostics] = (),
+        pool: Any = None,
     ) -> None:
         # Held until close(): one live process per run directory (rank 0's; the others write nothing
         # of their own there), checked before anything loads.
@@ -122,7 +126,7 @@ class Trainer:
             run_dirs.check_training(
                 self.run_dir, resume=resume, overwrite=overwrite, steps=config.trainer.steps
             )
-            self._build(config, model, tokenizer, resume, engine, diagnostics)
+            self._build(config, model, tokenizer, resume, engine, diagnostics, pool)
         except BaseException:
             self._claim.close()
             raise
@@ -135,6 +139,7 @@ class Trainer:
         resume: bool,
         engine: Any,
         diagnostics: Sequence[Diagnostics],
+        pool: Any,
     ) -> None:
         self.config = config
         self.diagnostics = list(diagnostics)
@@ -178,6 +183,7 @@ class Trainer:
             world=self.world,
             process_group=group,
             stream=stream,
+            pool=pool,
         )
         self._producer: RolloutProducer[Rollouts] | None = None
         self._rollout_lock = threading.Lock()  # one step's rollouts, or an evaluation, at a time

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from stare_agent.intervals import bootstrap_interval, wilson_interval
+from stare_agent.intervals import bootstrap_interval, paired_difference_interval, wilson_interval
 
 
 def test_wilson_interval_by_hand():
@@ -31,3 +31,38 @@ def test_bootstrap_interval_by_hand():
     scores = [i / 10 for i in range(10)]
     assert bootstrap_interval(scores, seed=1) == bootstrap_interval(scores, seed=1)
     assert all(math.isnan(x) for x in bootstrap_interval([]))
+
+
+def test_paired_difference_interval_is_newcombes_method_10_worked_by_hand():
+    # (a, b, c, d) = (12, 9, 2, 4), n = 27: 12 right both times, 9 only after, 2 only before, 4 never.
+    # p1 = 14/27 = 0.51852 (before), p2 = 21/27 = 0.77778 (after), D = 7/27 = 0.25926.
+    # Wilson 95 % (z^2 = 3.84146, 1 + z^2/n = 1.14228):
+    #   21/27: centre (0.77778 + 0.07114) / 1.14228 = 0.74318, half 1.71587 * sqrt(0.0064014 + 0.0013174)
+    #          = 0.15075 -> (0.59243, 0.89393)
+    #   14/27: centre (0.51852 + 0.07114) / 1.14228 = 0.51621, half 1.71587 * sqrt(0.0092468 + 0.0013174)
+    #          = 0.17636 -> (0.33985, 0.69257)
+    # phi = (12*4 - 9*2) / sqrt(21 * 6 * 14 * 13) = 30 / 151.433 = 0.19811
+    # lower: D - sqrt(0.18535^2 - 2 phi 0.18535 * 0.17405 + 0.17405^2) = 0.25926 - 0.22780 = 0.03146
+    # upper: D + sqrt(0.11615^2 - 2 phi 0.11615 * 0.17867 + 0.17867^2) = 0.25926 + 0.19284 = 0.45210
+    before = [1] * 12 + [0] * 9 + [1] * 2 + [0] * 4
+    after = [1] * 12 + [1] * 9 + [0] * 2 + [0] * 4
+    lo, hi = paired_difference_interval(before, after)
+    assert lo == pytest.approx(0.03146, abs=2e-4) and hi == pytest.approx(0.45210, abs=2e-4)
+    # the other way round: the same interval, negated
+    lo2, hi2 = paired_difference_interval(after, before)
+    assert (lo2, hi2) == pytest.approx((-hi, -lo), abs=1e-12)
+
+
+def test_paired_difference_interval_of_unchanged_outcomes_holds_zero_and_is_narrower_than_wilsons():
+    same = [1] * 30 + [0] * 10
+    lo, hi = paired_difference_interval(same, same)
+    assert lo < 0 < hi
+    w_lo, w_hi = wilson_interval(30, 40)
+    assert hi - lo < w_hi - w_lo  # the problems' shared difficulty cancels
+
+
+def test_paired_difference_interval_of_fractional_scores_bootstraps_the_differences():
+    before, after = [0.0, 0.25, 0.5, 0.5], [0.5, 0.25, 0.75, 1.0]
+    assert paired_difference_interval(before, after) == bootstrap_interval([0.5, 0.0, 0.25, 0.5])
+    with pytest.raises(ValueError, match="the same problems"):
+        paired_difference_interval([1, 0], [1])

@@ -10,6 +10,7 @@ def _result(rl_entropy):
     return {
         "samples": 1,
         "before": {**side, "avg@1": 0.0, "pass@1": 0.0, "entropy": 0.95},
+        "after_sft": {**side, "avg@1": 0.25, "pass@1": 0.25, "entropy": 0.1},
         "after": side,
         "gate_activity": 1.0,
         "skipped_steps": 0,
@@ -29,7 +30,7 @@ def _result(rl_entropy):
 
 def test_table_reports_greedy_and_sampled_entropy_under_distinct_names():
     table = format_table(_result([0.28, float("nan"), 0.25]))
-    assert "entropy, greedy eval rollouts (nats/token)       0.950     0.080" in table
+    assert "entropy, greedy eval rollouts (nats/token)       0.950     0.100     0.080" in table
     # the skipped middle step (NaN) is passed over: first and last trained step
     assert (
         "entropy, sampled RL rollouts (gate's H-bar): 0.280 at the first RL step -> 0.250 at the last (H_tgt = 0.3)"
@@ -40,10 +41,12 @@ def test_table_reports_greedy_and_sampled_entropy_under_distinct_names():
 
 def test_table_counts_the_gate_over_trained_steps_and_says_how_many_were_skipped():
     table = format_table({**_result([0.28, float("nan"), 0.25]), "skipped_steps": 1})
-    assert "STARE gate on (fraction of trained RL steps)         -      1.00" in table
-    assert "RL steps that trained nothing (skipped)              -    1 of 3" in table
+    assert "STARE gate on (fraction of trained RL steps)         -         -      1.00" in table
+    assert "RL steps that trained nothing (skipped)              -         -    1 of 3" in table
     none_trained = {**_result([float("nan")] * 3), "skipped_steps": 3, "gate_activity": None}
-    assert "STARE gate on (fraction of trained RL steps)         -         -" in format_table(none_trained)
+    assert "STARE gate on (fraction of trained RL steps)         -         -         -" in format_table(
+        none_trained
+    )
 
 
 def test_quickstart_json_is_strict_json_and_reads_back(tmp_path):
@@ -58,6 +61,34 @@ def test_quickstart_json_is_strict_json_and_reads_back(tmp_path):
     assert loaded["rl_entropy"] == [0.28, None, 0.25] and loaded["after"]["pass@1"] is None
     table = format_table(loaded)  # the table of a quickstart.json read back: null shown as "-"
     assert "pass@1" in table and "0.280 at the first RL step -> 0.250 at the last" in table
+
+
+def test_table_gives_rl_its_own_change_and_the_whole_gain_with_paired_intervals():
+    """SFT and RL apart: the change RL made on the same problems, with Newcombe's paired interval, and
+    a plain "not measurable" where that interval holds 0."""
+    from stare_agent.intervals import paired_difference_interval
+
+    before, sft, rl = [0] * 8, [1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]
+    result = _result([0.28])
+    result["before"] = {**result["before"], "solved": before}
+    result["after_sft"] = {**result["after_sft"], "avg@1": 0.25, "solved": sft}
+    result["after"] = {**result["after"], "avg@1": 0.5, "solved": rl}
+    table = format_table(result)
+    assert "tool-use accuracy (avg@1)                        0.000     0.250     0.500" in table
+    lo, hi = paired_difference_interval(sft, rl)
+    assert lo <= 0 <= hi  # 2 gained of 8 problems: not enough to tell
+    assert (
+        f"RL's change in accuracy (SFT -> SFT+RL): +0.250, 95 % interval [{lo:+.3f}, {hi:+.3f}] paired over "
+        "the 8 problems (2 better, 0 worse) - not measurable here: the interval holds 0"
+    ) in table
+    lo, hi = paired_difference_interval(before, rl)
+    assert (
+        lo > 0
+        and f"whole gain in accuracy (before -> SFT+RL): +0.500, 95 % interval [{lo:+.3f}, {hi:+.3f}]"
+        in table
+    )
+    assert "(4 better, 0 worse)\n" in table + "\n"
+    assert "RL's change" not in format_table(_result([0.28]))  # no per-problem scores: no interval
 
 
 def test_table_says_when_no_rl_step_trained():
@@ -116,7 +147,7 @@ def test_a_signal_during_rl_ends_the_quickstart_without_its_after_evaluation(tmp
 
     def evaluate_config(config, **kwargs):
         evaluated.append(kwargs["out_dir"].name)
-        return types.SimpleNamespace(metrics={"avg@1": 0.0}, trajectories=[])
+        return types.SimpleNamespace(metrics={"avg@1": 0.0}, trajectories=[], problems=[])
 
     class StoppedTrainer:
         def __init__(self, *args, **kwargs):
@@ -135,5 +166,5 @@ def test_a_signal_during_rl_ends_the_quickstart_without_its_after_evaluation(tmp
     config = load_config(quickstart.CONFIG, [f"trainer.run_dir={tmp_path}", "data.eval_limit=1"])
     engine = types.SimpleNamespace(model=model)
     with pytest.raises(KeyboardInterrupt):
-        quickstart._run(config, tmp_path, model, tokenizer, engine, engine, {}, lambda name, t0: None)
-    assert evaluated == ["eval_before"]
+        quickstart._run(config, tmp_path, model, tokenizer, engine, engine, lambda name, t0: None)
+    assert evaluated == ["eval_before", "eval_sft"]  # none of the interrupted RL policy

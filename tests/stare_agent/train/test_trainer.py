@@ -46,6 +46,34 @@ def make_config(tmp_path, problem_file, *extra):
     return load_config(None, overrides(str(tmp_path / "run"), str(problem_file), 2) + list(extra))
 
 
+def test_a_callers_sandbox_pool_serves_the_episodes_and_stays_open(tmp_path, problem_file):
+    """``Trainer(pool=...)``: the episodes lease from the caller's pool (the quickstart shares one with
+    its evaluations) and the trainer leaves it open; without one it opens and closes its own."""
+    from stare_sandbox import open_pool
+
+    config = make_config(tmp_path, problem_file, "trainer.steps=1")
+    model, tokenizer = tiny_model()
+    pool = open_pool(2, "local", config.sandbox.limits)
+    closed: list[bool] = []
+    close = pool.close
+    pool.close = lambda: closed.append(True) or close()  # type: ignore[method-assign]
+    try:
+        trainer = Trainer(
+            config,
+            model=model,
+            tokenizer=tokenizer,
+            engine=ScriptedEngine(tokenizer, scripted_policy()),
+            pool=pool,
+        )
+        assert trainer.rollouts.pool() is pool
+        assert trainer.fit()["steps"] == 1
+        assert not closed
+        with pool.lease() as sandbox:  # still serves
+            assert sandbox.run("print(6 * 7)").stdout.strip() == "42"
+    finally:
+        close()
+
+
 def test_problem_stream_is_reproducible_and_resumable(problem_file):
     a = ProblemStream(str(problem_file), seed=3)
     first = [p.id for p in a.take(9)]
