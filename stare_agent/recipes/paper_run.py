@@ -180,6 +180,12 @@ def plan(
             *rl_overrides,
         )
         config = _load(ARMS[arm], overrides)
+        shared = [s.name for s in steps if _run_dir(s) == config.trainer.run_dir]
+        if shared:
+            raise ConfigError(
+                f"{arm} and {shared[0]} would both write trainer.run_dir={config.trainer.run_dir}: leave "
+                "trainer.run_dir out of --set (each arm gets a directory of its own under --runs)"
+            )
         steps.append(_train_step(arm, config, overrides, nproc, resume, overwrite, taken))
     if taken:
         raise ConfigError(
@@ -187,6 +193,12 @@ def plan(
             "or pass --overwrite to delete them first"
         )
     return steps
+
+
+def _run_dir(step: Step) -> str | None:
+    """The last ``trainer.run_dir=`` override of a step: the directory it writes."""
+    given = [o.partition("=")[2] for o in step.overrides if o.startswith("trainer.run_dir=")]
+    return given[-1] if given else None
 
 
 def _pool_override(config: RunConfig, nproc: int) -> tuple[str, ...]:

@@ -183,6 +183,8 @@ def test_bad_arms_and_overrides_are_refused_before_anything_runs(tmp_path):
         plan(runs=tmp_path, rl_overrides=["algorithm.Wx=1"])
     with pytest.raises(ConfigError, match="--gpus 3 must be even"):
         plan(runs=tmp_path, gpus=3, placement="separate")
+    with pytest.raises(ConfigError, match="grpo-ds and stare-o1 would both write trainer.run_dir=x: leave"):
+        plan(["stare-o1", "grpo-ds"], runs=tmp_path, rl_overrides=["trainer.run_dir=x"])
 
 
 def test_no_gpu_is_one_line_of_error_naming_the_way_on():
