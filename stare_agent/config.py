@@ -35,10 +35,15 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from stare_agent.errors import StareError
 from stare_agent.options import (
     ENGINE_NAMES,
+    check_adaptive_entropy_options,
     check_adaptive_options,
+    check_entroadv_options,
+    check_first_order_options,
     check_loss_options,
     check_rollout_correction,
+    check_stapo_options,
     check_stare_options,
+    check_steer_options,
 )
 from stare_envs.tool_env import LIMITS, broken_limit
 from stare_sandbox.config import BACKENDS, Backend, SandboxConfig
@@ -51,7 +56,31 @@ RENAMED = {
     "algorithm.L_plus_rule": "research.L_plus_rule",
 }
 """Keys of an older config (a run saved before 0.2.0) and their names now."""
-ALGORITHMS = ("grpo", "grpo_ds", "stare", "kl_cov", "clip_cov", "entropy_bonus", "forking_tokens")
+ALGORITHMS = (
+    "grpo",
+    "grpo_ds",
+    "stare",
+    "kl_cov",
+    "clip_cov",
+    "entropy_bonus",
+    "forking_tokens",
+    "steer",
+    "stapo",
+    "entroadv",
+    "adaptive_entropy",
+    "first_order",
+)
+SELECTING_ALGORITHMS = (
+    "stare",
+    "kl_cov",
+    "clip_cov",
+    "forking_tokens",
+    "steer",
+    "stapo",
+    "entroadv",
+    "first_order",
+)
+"""The algorithms that select or weight tokens from a pre-update log-prob pass of the batch."""
 GATES = ("entropy", "always_on")
 SELECTIONS = ("per_mini_batch", "pre_update")
 PRECISIONS = ("auto", "bf16", "fp32", "bf16-autocast")
@@ -467,7 +496,11 @@ class AlgorithmConfig:
             or one of the field's other entropy controls, each on GRPO-ds's loss
             (stare_agent/algorithms/entropy_control.py): ``entropy_bonus`` (``entropy_coef``),
             ``kl_cov`` and ``clip_cov`` (Cui et al. 2025, arXiv 2505.22617), ``forking_tokens`` (Wang et
-            al. 2025, arXiv 2506.01939). Their top fractions are taken per ``scope``.
+            al. 2025, arXiv 2506.01939); or one of the field's token-weighting methods
+            (stare_agent/algorithms/token_weighting.py): ``steer`` (Hao et al. 2025, arXiv 2510.10150),
+            ``stapo`` (Liu et al. 2026, arXiv 2602.15620), ``entroadv`` (Cheng et al. 2025, arXiv
+            2506.14758), ``adaptive_entropy`` (Skywork-OR1, arXiv 2505.22312), ``first_order`` (ours,
+            after OPEFO, arXiv 2605.11491). Their selections are taken per ``scope``.
         variant: ``O1`` amplifies L+ only (the paper's default); ``C2`` also attenuates L-.
         scope: Where L+/L- are selected: ``micro_batch`` (inside each micro-batch on each rank, as the
             authors' released code does) or ``global`` (exact top-k over the whole batch on all ranks).
@@ -498,6 +531,23 @@ class AlgorithmConfig:
         clip_cov_ub: ``clip_cov``: upper bound of the covariance of the candidates (Cui et al.: 5).
         forking_rho: ``forking_tokens``: fraction of model tokens, highest entropy first, that get the
             policy gradient (Wang et al.: 0.2).
+        steer_w_min: ``steer``: the weight of the largest |Omega| (the authors' code and scripts: 0.8).
+        steer_w_max: ``steer``: the weight of the smallest |Omega| (the authors' code and scripts: 1.2).
+        stapo_tau_p: ``stapo``: the probability below which a positive-advantage token may be silenced
+            (Liu et al. §4.1: 0.002).
+        stapo_q: ``stapo``: the quantile of those tokens' entropy below which they are silenced (Liu et
+            al. §4.1: 0.75).
+        entroadv_alpha: ``entroadv``: alpha, the entropy term's scale (Cheng et al. §4: 0.4 for GRPO).
+        entroadv_kappa: ``entroadv``: kappa > 1, the term is at most |A| / kappa (Cheng et al. §4: 2).
+        adaptive_entropy_target: ``adaptive_entropy``: the target entropy; null: ``H_tgt`` (ours, so
+            that it aims where STARE's gate does; Skywork-OR1's released scripts use 0.2).
+        adaptive_entropy_delta: ``adaptive_entropy``: the coefficient's step per step (Skywork-OR1's
+            released scripts: 1e-4).
+        adaptive_entropy_init: ``adaptive_entropy``: the coefficient at the start (Skywork-OR1: 0).
+        adaptive_entropy_max: ``adaptive_entropy``: the coefficient's cap (Skywork-OR1's released
+            scripts: 0.005; its floor is 0).
+        first_order_lambda_max: ``first_order``: the bound on lambda, the weights lie in
+            [1 - lambda_max, 1 + lambda_max] (ours: 0.1, STARE's W - 1 and 1 - M; OPEFO's are unpublished).
         void_turn_filter: SimpleTIR's void-turn filter (Xue et al. 2025): an episode that ended on a turn
             with neither a tool call nor an answer (``Trajectory.void_turn``, the one definition the tool
             health metrics count) keeps its reward in its group's advantage statistics but is masked out
@@ -544,6 +594,17 @@ class AlgorithmConfig:
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
     forking_rho: float = 0.2
+    steer_w_min: float = 0.8
+    steer_w_max: float = 1.2
+    stapo_tau_p: float = 0.002
+    stapo_q: float = 0.75
+    entroadv_alpha: float = 0.4
+    entroadv_kappa: float = 2.0
+    adaptive_entropy_target: float | None = None
+    adaptive_entropy_delta: float = 1e-4
+    adaptive_entropy_init: float = 0.0
+    adaptive_entropy_max: float = 0.005
+    first_order_lambda_max: float = 0.1
     void_turn_filter: bool = False
     overlong_filter: bool = False
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
@@ -567,6 +628,16 @@ class AlgorithmConfig:
                 check_adaptive_options(
                     W=self.W, M=self.M, alpha=self.alpha, W_max=self.W_max, M_min=self.M_min
                 )
+            check_steer_options(w_min=self.steer_w_min, w_max=self.steer_w_max)
+            check_stapo_options(tau_p=self.stapo_tau_p, q=self.stapo_q)
+            check_entroadv_options(alpha=self.entroadv_alpha, kappa=self.entroadv_kappa)
+            check_adaptive_entropy_options(
+                target=self.adaptive_entropy_target,
+                delta=self.adaptive_entropy_delta,
+                init=self.adaptive_entropy_init,
+                max_coef=self.adaptive_entropy_max,
+            )
+            check_first_order_options(lambda_max=self.first_order_lambda_max)
         except ValueError as exc:
             raise ConfigError(f"algorithm: {exc}") from None
         if not self.H_tgt > 0:

@@ -117,3 +117,50 @@ def check_rollout_correction(
             "rollout correction mode none applies nothing, so token_veto_threshold and batch_normalize "
             "would do nothing: pick a mode (bypass for the veto alone) or drop them"
         )
+
+
+def check_steer_options(*, w_min: float, w_max: float) -> None:
+    """Validate STEER's weight range once (``steer_weights`` and the config use it)."""
+    if not 0.0 < w_min <= w_max:
+        raise ValueError(
+            f"STEER needs 0 < w_min <= w_max (got {w_min}, {w_max}): its released scripts use 0.8 and 1.2"
+        )
+
+
+def check_stapo_options(*, tau_p: float, q: float) -> None:
+    """Validate STAPO's thresholds once (``stapo_weights`` and the config use it)."""
+    if not (0.0 < tau_p <= 1.0 and 0.0 < q <= 1.0):
+        raise ValueError(
+            f"STAPO needs 0 < tau_p <= 1 (a probability) and 0 < q <= 1 (a quantile) (got {tau_p}, {q}): "
+            "the paper uses 0.002 and 0.75"
+        )
+
+
+def check_entroadv_options(*, alpha: float, kappa: float) -> None:
+    """Validate the entropy advantage's coefficients once (``entroadv_advantages`` and the config use it)."""
+    if not (alpha > 0.0 and kappa > 1.0):
+        raise ValueError(
+            f"EntroAdv needs alpha > 0 and kappa > 1 (so that no advantage changes sign) (got {alpha}, {kappa}): "
+            "the paper uses 0.4 (GRPO) and 2"
+        )
+
+
+def check_first_order_options(*, lambda_max: float) -> None:
+    """Validate the first-order weighting's bound once (``first_order_weights`` and the config use it)."""
+    if not 0.0 <= lambda_max < 1.0:
+        raise ValueError(
+            f"first-order lambda_max={lambda_max} must lie in [0, 1) (weights 1 +- lambda stay > 0): e.g. 0.1"
+        )
+
+
+def check_adaptive_entropy_options(
+    *, target: float | None, delta: float, init: float, max_coef: float
+) -> None:
+    """Validate the adaptive entropy coefficient once (``AdaptiveEntropyCoefficient`` and the config use it)."""
+    if target is not None and not target > 0.0:
+        raise ValueError(f"adaptive entropy target={target} must be > 0 (nats) or null (H_tgt): e.g. 0.2")
+    if not (delta >= 0.0 and 0.0 <= init <= max_coef):
+        raise ValueError(
+            f"adaptive entropy needs delta >= 0 and 0 <= init <= max (got {delta}, {init}, {max_coef}): "
+            "Skywork-OR1's scripts use 1e-4, 0 and 0.005"
+        )

@@ -37,27 +37,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from stare_agent.algorithms.token_weighting import first_order_entropy_effect
 
-def first_order_entropy_effect(logp: Tensor, entropy: Tensor, moments: Tensor) -> Tensor:
-    """``c_t = p_o (log p_o + H_t) - (sum_j p_j^2 log p_j + H_t sum_j p_j^2)``, so that ``dH_t = -eta A_t c_t``.
-
-    Args:
-        logp: [...] log p_o of the sampled tokens (detached here).
-        entropy: [...] H_t.
-        moments: [..., 2] ``(sum_j p_j^2, sum_j p_j^2 log p_j)`` of each position.
-
-    Returns:
-        c [...] in float64 (a difference of nearly equal terms for a near-certain token).
-
-    Example:
-        >>> p = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
-        >>> H = -(p * p.log()).sum()
-        >>> m = torch.stack([(p * p).sum(), (p * p * p.log()).sum()])
-        >>> round(float(first_order_entropy_effect(p[0].log(), H, m)), 4)
-        0.1408
-    """
-    lp, H, m = logp.detach().double(), entropy.detach().double(), moments.detach().double()
-    return lp.exp() * (lp + H) - (m[..., 1] + H * m[..., 0])
+__all__ = [
+    "first_order_entropy_effect",
+    "first_order_response",
+    "logit_grad_norm",
+    "mechanism_metrics",
+    "raising_tokens",
+]
 
 
 def logit_grad_norm(logp: Tensor, moments: Tensor) -> Tensor:

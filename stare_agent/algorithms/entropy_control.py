@@ -63,7 +63,7 @@ from torch import Tensor
 from stare_agent.algorithms.selection import (
     POSITION_BITS,
     gather_cat,
-    is_distributed,
+    scope_group,
     selection_blocks,
     sequence_keys,
     top_k,
@@ -146,7 +146,7 @@ def clip_cov_weights(
         raise ValueError(f"Clip-Cov needs lb < ub (got {lb}, {ub}): the paper uses 1 and 5")
     mask = response_mask.bool()
     B, T = mask.shape
-    comm = _comm(scope, process_group)
+    comm = scope_group(scope, process_group)
     seq_key = sequence_keys(B, sequence_ids, mask.device, comm)
     selected = torch.zeros_like(mask)
     candidates = torch.zeros_like(mask)
@@ -165,7 +165,7 @@ def clip_cov_weights(
         selected[rows] = block.view_as(cand)
     weights = torch.where(selected, 0.0, 1.0).to(logprobs.dtype)
     metrics = _selection_metrics("clip_cov", selected, response_mask, cov, process_group)
-    everyone = _comm("global", process_group)
+    everyone = scope_group("global", process_group)
     metrics["clip_cov/frac_candidates"] = float(_count(candidates, everyone)) / max(
         float(_count(mask, everyone)), 1.0
     )
@@ -197,14 +197,14 @@ def forking_token_weights(
             f"entropy {tuple(entropy.shape)} and response_mask {tuple(mask.shape)} must be one [B, T]"
         )
     B = mask.shape[0]
-    comm = _comm(scope, process_group)
+    comm = scope_group(scope, process_group)
     seq_key = sequence_keys(B, sequence_ids, mask.device, comm)
     H = entropy.detach().float() if entropy.dtype not in (torch.float32, torch.float64) else entropy.detach()
     selected = torch.zeros_like(mask)
     for rows in selection_blocks(B, scope, micro_batches, None, mask.device):
         selected[rows] = top_k(H[rows], mask[rows], seq_key[rows], rho, comm)
     weights = torch.where(selected | ~mask, 1.0, 0.0).to(entropy.dtype)
-    everyone = _comm("global", process_group)
+    everyone = scope_group("global", process_group)
     n_sel, n = _count(selected, everyone), _count(mask, everyone)
     h_min = H[selected].min() if selected.any() else torch.tensor(math.inf, device=H.device)
     h_min = h_min.to(torch.float64).reshape(1)
@@ -247,7 +247,7 @@ def _cov_top(
 ) -> tuple[Tensor, Tensor]:
     mask = response_mask.bool()
     B = mask.shape[0]
-    comm = _comm(scope, process_group)
+    comm = scope_group(scope, process_group)
     seq_key = sequence_keys(B, sequence_ids, mask.device, comm)
     selected = torch.zeros_like(mask)
     cov = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
@@ -255,13 +255,6 @@ def _cov_top(
         cov[rows] = token_covariance(advantages, logprobs, rows, mask, comm)
         selected[rows] = top_k(cov[rows], mask[rows], seq_key[rows], k, comm, count=_floor_count(k))
     return selected, cov
-
-
-def _comm(scope: str, process_group: Any) -> Any:
-    """The process group of a selection: all ranks for ``global`` under torch.distributed, else none."""
-    if scope != "global" or not is_distributed():
-        return None
-    return process_group if process_group is not None else dist.group.WORLD
 
 
 def _count(mask: Tensor, comm: Any) -> Tensor:
@@ -274,7 +267,7 @@ def _count(mask: Tensor, comm: Any) -> Tensor:
 def _selection_metrics(
     prefix: str, selected: Tensor, response_mask: Tensor, cov: Tensor, process_group: Any
 ) -> dict[str, float]:
-    everyone = _comm("global", process_group)
+    everyone = scope_group("global", process_group)
     mask = response_mask.bool()
     stats = torch.stack([selected.sum().double(), mask.sum().double(), cov[selected].sum()]).reshape(3)
     if everyone is not None:

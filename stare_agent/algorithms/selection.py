@@ -93,6 +93,13 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def scope_group(scope: str, process_group: Any) -> Any:
+    """The process group of a selection: all ranks for ``global`` under torch.distributed, else none."""
+    if scope != "global" or not is_distributed():
+        return None
+    return process_group if process_group is not None else dist.group.WORLD
+
+
 def gather_cat(x: Tensor, process_group: Any) -> Tensor:
     """Concatenate a 1-D tensor of any length over all ranks in rank order (identity without process_group)."""
     if process_group is None:

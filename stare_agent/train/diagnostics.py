@@ -29,16 +29,16 @@ class PreUpdate:
 
     Attributes:
         step: The step being trained.
-        algorithm: ``algorithm.name`` (``stare``, ``kl_cov``, ``clip_cov`` or ``forking_tokens``: the
-            algorithms with a pre-update pass; GRPO-ds and the entropy bonus have none).
-        advantages: Token advantages A_t (0 on mask-0 entries).
+        algorithm: ``algorithm.name``, one of ``config.SELECTING_ALGORITHMS`` (the algorithms with a
+            pre-update pass; GRPO-ds and the entropy bonuses have none).
+        advantages: Token advantages A_t (0 on mask-0 entries); EntroAdv's shaped ones for ``entroadv``.
         logprobs: Pre-update log pi(o_t).
         entropy: Full-vocabulary entropy H_t.
         moments: ``(sum_j p_j^2, sum_j p_j^2 log p_j)`` [B, T, 2] when a hook asked for them
             (``needs_moments``), else None.
         mask: 1 = model-generated token.
-        weights: The token weights of the update (STARE's, Clip-Cov's or forking tokens'); None for
-            KL-Cov (weights 1).
+        weights: The token weights of the update (STARE's, Clip-Cov's, forking tokens', STEER's,
+            STAPO's or the first-order ones); None for KL-Cov and EntroAdv (weights 1).
         L_plus, L_minus: STARE's selections (also when its gate is off); None for the others.
         Hbar: The gate's batch entropy (STARE), else None.
         process_group: The data-parallel group to reduce a batch-wide metric over (None: one process

@@ -421,6 +421,7 @@ class Learner:
         *,
         rollout_correction: str = "none",
         kl_coef: Tensor | None = None,
+        entropy_coef: float | None = None,
     ) -> dict[str, float]:
         """One optimizer step of the dual-clip policy loss (GRPO-ds; STARE when ``weights`` are given).
 
@@ -438,6 +439,10 @@ class Learner:
             kl_coef: KL-Cov's per-token coefficients [B, L-1] (``entropy_control.kl_cov_coefficients``,
                 same alignment): ``kl_coef_t * |logp_t - logp_old_t|`` joins the token's loss; None
                 adds nothing.
+            entropy_coef: This step's entropy-bonus coefficient beta (the adaptive entropy
+                coefficient's, ``token_weighting.AdaptiveEntropyCoefficient``): above 0 the loss
+                subtracts beta times the token-mean entropy, with its gradient; None:
+                ``algorithm.entropy_coef`` when ``algorithm.name=entropy_bonus``, else no bonus.
 
         Returns:
             Metrics: ``loss`` (the whole batch's), ``grad_norm``, ``lr``, ``skipped`` (1 when the step
@@ -463,7 +468,10 @@ class Learner:
         rc = cfg.rollout_correction
         mismatch: dict[tuple[int, ...], dict[str, float]] = {}  # per micro-batch; a repeat rewrites its own
         plus_weights: dict[tuple[int, ...], tuple[float, float]] = {}  # (sum, count) of the correction on L+
-        bonus = cfg.name == "entropy_bonus"
+        if entropy_coef is None:
+            bonus, beta = cfg.name == "entropy_bonus", cfg.entropy_coef
+        else:
+            bonus, beta = entropy_coef > 0, entropy_coef
 
         def micro_loss(micro: dict[str, Tensor], idx: list[int]) -> tuple[Tensor, dict[str, float]]:
             logp, entropy = self._forward_entropy_grad(micro) if bonus else self._forward(micro)
@@ -477,7 +485,8 @@ class Learner:
             mask = micro["response_mask"]
             sampler_logp = micro["old_logprobs"].to(self.device)[:, :width]  # the engine's
             w = take(weights) if weights is not None else None
-            l_plus = None if w is None else w > 1.0  # STARE's L+ (mismatch/L_plus_abs_logp_mean)
+            # STARE's L+ (mismatch/L_plus_abs_logp_mean); other weights above 1 are no L+
+            l_plus = w > 1.0 if w is not None and cfg.name == "stare" else None
             # The engine is compared with the learner's pre-update policy (decoupled PPO's proximal
             # policy, the ratio's `old`), not with the policy after this step's earlier mini-batches.
             mismatch[tuple(idx)] = mismatch_sums(old, sampler_logp, mask, l_plus)
@@ -503,7 +512,7 @@ class Learner:
                 norm_length=self.norm_length,
                 kl_coef=take(kl_coef) if kl_coef is not None else None,
                 entropy=entropy if bonus else None,
-                entropy_coef=cfg.entropy_coef,
+                entropy_coef=beta,
             )
             n = mask.sum()
             scored = torch.where(mask.bool(), entropy.detach().double(), 0.0).sum()

@@ -56,16 +56,21 @@ from tqdm.auto import tqdm
 from stare_agent import perf, run_dirs
 from stare_agent.algorithms import (
     AdaptiveController,
+    AdaptiveEntropyCoefficient,
     broadcast_to_tokens,
     clip_cov_weights,
+    entroadv_advantages,
     entropy_gate,
+    first_order_weights,
     forking_token_weights,
     gate,
     grpo_advantages,
     kl_cov_coefficients,
+    stapo_weights,
     stare_weights,
+    steer_weights,
 )
-from stare_agent.config import RunConfig
+from stare_agent.config import SELECTING_ALGORITHMS, RunConfig
 from stare_agent.metrics import StepLogger, ToolHealth, ToolHealthAlarm, rollout_metrics
 from stare_agent.resources import eval_source
 from stare_agent.train import checkpoints
@@ -194,6 +199,7 @@ class Trainer:
                 f"({c['duplicates']} repeats dropped, answer-format instructions removed from {c['unwrapped']})"
             )
         self.controller = AdaptiveController.from_config(config.algorithm)
+        self.entropy_controller = AdaptiveEntropyCoefficient.from_config(config.algorithm)  # adaptive_entropy
         self.step = 0
         self._played: list[Trajectory] = []  # this step's episodes, failed ones included (tool health)
         self._tool_health = ToolHealth()
@@ -428,16 +434,17 @@ class Trainer:
         A, trajectories, sequence_ids, adv_metrics = self._advantages(kept)
         plan = self._mini_batch_plan(kept)
         several = len(plan) > 1 or alg.ppo_epochs > 1
-        selects = alg.name in ("stare", "kl_cov", "clip_cov", "forking_tokens")
+        selects = alg.name in SELECTING_ALGORITHMS
         # 5-7. pre-update log-probs and entropy, the gate (global over ranks), the selection. GRPO-ds
         # with one step per batch needs no batch statistic before its loss: its update's own forward
         # pass gives the entropy; several steps need the pre-update log-probs as the old policy.
         t1 = time.perf_counter()
         pre = self._pre_update_pass(trajectories, A) if selects or several else None
         gated = None
-        if alg.name == "stare":
+        if alg.name in ("stare", "first_order"):  # the closed loop's gate on the pre-update pass
             assert pre is not None
             gated = self._stare_gate(drawn, kept, pre)
+        beta = self.entropy_controller.beta if alg.name == "adaptive_entropy" else None
         selection, pre_metrics = None, dict[str, float]()
         if selects:
             assert pre is not None
@@ -459,6 +466,8 @@ class Trainer:
                     chosen = self._select_mini_batch(
                         pre, selection, rows, part, A_part, sequence_ids, gated, key=(epoch, j)
                     )
+                if chosen is not None and chosen.advantages is not None:  # EntroAdv's shaped A_t
+                    A_part = chosen.advantages
                 updates.append(
                     self.learner.update(
                         part,
@@ -467,6 +476,7 @@ class Trainer:
                         old_logprobs=old,
                         rollout_correction=self.rollout_engine.correction_mode(),
                         kl_coef=chosen.kl_coef if chosen is not None else None,
+                        entropy_coef=beta,
                     )
                 )
         update_metrics = _combine_updates(updates, epochs=alg.ppo_epochs, mini_batches=len(plan))
@@ -475,6 +485,12 @@ class Trainer:
             Hbar = update_metrics["entropy"] if pre is None else self._gate(drawn, kept, pre)[1]
             gated = self._gate_after_update(Hbar)
         gate_on, Hbar, gate_metrics = gated
+        if beta is not None:  # the adaptive entropy coefficient steps on this step's entropy
+            gate_metrics = {
+                **gate_metrics,
+                "adaptive_entropy/beta": beta,
+                **self.entropy_controller.update(Hbar),
+            }
         return {
             **adv_metrics,
             **gate_metrics,
@@ -602,8 +618,11 @@ class Trainer:
 
     @property
     def _with_moments(self) -> bool:
-        """Whether the pre-update pass also returns the moments: a diagnostics hook needs them."""
-        return any(hook.needs_moments for hook in self.diagnostics)
+        """Whether the pre-update pass also returns the moments: the first-order weighting reads them
+        (its c_t), or a diagnostics hook needs them."""
+        return self.config.algorithm.name == "first_order" or any(
+            hook.needs_moments for hook in self.diagnostics
+        )
 
     def _gate(
         self, drawn: list[Group], kept: list[Group], pre: PreUpdate
@@ -665,13 +684,16 @@ class Trainer:
         sequence_ids: torch.Tensor,
         gated: tuple[bool, float, dict[str, float]] | None,
         key: tuple[int, int] | None = None,
+        old_logprobs: torch.Tensor | None = None,
     ) -> Selection:
         """7. The token selection of ``algorithm.name`` on ``pre``'s rows (``trajectories``), per
-        ``algorithm.scope``: STARE's weights (``gated`` is its gate), KL-Cov's coefficients, or
-        Clip-Cov's / forking tokens' weights (``algorithms.entropy_control``). The micro_batch scope
+        ``algorithm.scope``: STARE's weights (``gated`` is its gate), KL-Cov's coefficients,
+        Clip-Cov's / forking tokens' weights (``algorithms.entropy_control``), or the field's
+        token weights or EntroAdv's advantages (:meth:`_token_weighting`). The micro_batch scope
         selects inside each of the learner's own micro-batches of ``trajectories``, as the authors'
         code does, so the split must be the learner's. ``key``: (epoch, mini-batch) of a re-selection,
-        which Clip-Cov's draw is seeded with besides the run's seed and the step."""
+        which Clip-Cov's draw is seeded with besides the run's seed and the step; ``old_logprobs``: the
+        ratio's old policy on those rows when it is not ``pre``'s (STEER's pi_old)."""
         alg = self.config.algorithm
         ids = sequence_ids.to(pre.logprobs.device)
         if alg.name == "stare":
@@ -682,6 +704,8 @@ class Trainer:
             return Selection(weights, None, metrics, diagnosed)
         scope = cast("Scope", alg.scope)
         split = self.learner.micro_batches(trajectories) if alg.scope == "micro_batch" else None
+        if alg.name in ("steer", "stapo", "entroadv", "first_order"):
+            return self._token_weighting(pre, scope, split, gated, old_logprobs)
         if alg.name == "kl_cov":
             kl_coef, metrics = kl_cov_coefficients(
                 pre.advantages,
@@ -715,6 +739,60 @@ class Trainer:
             )
         return Selection(weights, None, metrics, {"weights": weights})
 
+    def _token_weighting(
+        self,
+        pre: PreUpdate,
+        scope: Scope,
+        split: list[list[int]] | None,
+        gated: tuple[bool, float, dict[str, float]] | None,
+        old_logprobs: torch.Tensor | None,
+    ) -> Selection:
+        """7 for the field's token-weighting methods (``algorithms.token_weighting``): STEER's, STAPO's
+        or the first-order weights (``gated``: the closed loop's gate), or EntroAdv's advantages."""
+        alg = self.config.algorithm
+        if alg.name == "entroadv":
+            shaped, metrics = entroadv_advantages(
+                pre.advantages, pre.entropy, pre.mask, alpha=alg.entroadv_alpha, kappa=alg.entroadv_kappa
+            )
+            return Selection(None, None, metrics, {"advantages": shaped}, advantages=shaped)
+        if alg.name == "steer":
+            weights, metrics = steer_weights(
+                pre.advantages,
+                pre.logprobs,
+                pre.entropy,
+                pre.mask,
+                old_logprobs=old_logprobs,
+                w_min=alg.steer_w_min,
+                w_max=alg.steer_w_max,
+                scope=scope,
+                micro_batches=split,
+            )
+        elif alg.name == "stapo":
+            weights, metrics = stapo_weights(
+                pre.advantages,
+                pre.logprobs,
+                pre.entropy,
+                pre.mask,
+                tau_p=alg.stapo_tau_p,
+                q=alg.stapo_q,
+                scope=scope,
+                micro_batches=split,
+            )
+        else:
+            assert gated is not None and pre.moments is not None  # first_order: the gate, the moments
+            weights, metrics = first_order_weights(
+                pre.advantages,
+                pre.logprobs,
+                pre.entropy,
+                pre.moments,
+                pre.mask,
+                gate_on=gated[0],
+                lambda_max=alg.first_order_lambda_max,
+                scope=scope,
+                micro_batches=split,
+            )
+        return Selection(weights, None, metrics, {"weights": weights})
+
     def _select_mini_batch(
         self,
         pre: PreUpdate,
@@ -734,10 +812,14 @@ class Trainer:
             return None
         if self.config.algorithm.selection == "pre_update":
             return Selection(
-                _rows(selection.weights, rows, part), _rows(selection.kl_coef, rows, part), {}, {}
+                _rows(selection.weights, rows, part),
+                _rows(selection.kl_coef, rows, part),
+                {},
+                {},
+                advantages=_rows(selection.advantages, rows, part),
             )
         now = _pre_update_rows(pre, rows, part) if key == (0, 0) else self._pre_update_pass(part, A_part)
-        return self._select(now, part, sequence_ids[rows], gated, key)
+        return self._select(now, part, sequence_ids[rows], gated, key, _rows(pre.logprobs, rows, part))
 
     # ------------------------------------------------------------------ the run's record
 
@@ -855,13 +937,15 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Write ``run_dir/checkpoints/step-N`` atomically (``checkpoints.save_checkpoint``): the
         learner (model, optimizer, scheduler), the HF model + tokenizer, the data position, the W/M
-        controller and every RNG state; keeps the newest ``trainer.keep_checkpoints``."""
+        controller, the adaptive entropy coefficient and every RNG state; keeps the newest
+        ``trainer.keep_checkpoints``."""
         state = {
             "step": self.step,
             # after the last trained step's draws: the rollouts of later steps in flight are played
             # again on resume, with the same seeds
             "data_position": self._consumed_position,
             "controller": self.controller.state_dict(),
+            "entropy_controller": self.entropy_controller.state_dict(),
         }
         return checkpoints.save_checkpoint(
             self.run_dir, self.learner, state, keep=self.config.trainer.keep_checkpoints
@@ -876,6 +960,8 @@ class Trainer:
         self.rollouts.stream.position = self._consumed_position = int(state["data_position"])
         self.rollout_engine.version = self.step
         self.controller.load_state_dict(state["controller"])
+        if "entropy_controller" in state:  # checkpoints saved before it have none: keep its start
+            self.entropy_controller.load_state_dict(state["entropy_controller"])
         return True
 
     def close(self) -> None:
@@ -937,12 +1023,14 @@ class StopAtStepBoundary:
 @dataclasses.dataclass
 class Selection:
     """Step 7's result on some rows: token weights [B, T] (None: 1), KL-Cov's coefficients (None:
-    none), the metrics, and what the diagnostics hooks read of it (``PreUpdate`` fields)."""
+    none), the metrics, what the diagnostics hooks read of it (``PreUpdate`` fields), and token
+    advantages [B, T] to train with instead of the GRPO ones (EntroAdv's; None: GRPO's)."""
 
     weights: torch.Tensor | None
     kl_coef: torch.Tensor | None
     metrics: dict[str, float]
     diagnosed: dict[str, Any]
+    advantages: torch.Tensor | None = None
 
 
 @overload

@@ -79,7 +79,10 @@ def test_file_then_overrides(tmp_path):
             "unknown config key 'algorithm.Wx' in the overrides: valid keys of algorithm are name, variant, scope, "
             "P, W, M, H_tgt, gate, adaptive, alpha, W_max, M_min, eps_low, eps_high, "
             "clip_c, loss_agg, entropy_coef, kl_cov_k, kl_cov_coef, clip_cov_r, clip_cov_lb, clip_cov_ub, "
-            "forking_rho, void_turn_filter, overlong_filter, rollout_correction, ppo_mini_batch_size, ppo_epochs, selection",
+            "forking_rho, steer_w_min, steer_w_max, stapo_tau_p, stapo_q, entroadv_alpha, entroadv_kappa, "
+            "adaptive_entropy_target, adaptive_entropy_delta, adaptive_entropy_init, adaptive_entropy_max, "
+            "first_order_lambda_max, void_turn_filter, overlong_filter, rollout_correction, ppo_mini_batch_size, "
+            "ppo_epochs, selection",
         ),
         (
             ["trainr.steps=3"],
@@ -94,7 +97,8 @@ def test_file_then_overrides(tmp_path):
         (["algorithm.W=0.5"], "algorithm: STARE W=0.5 must be >= 1 (it amplifies L+): e.g. W=1.1"),
         (
             ["algorithm.name=ppo"],
-            "algorithm.name='ppo' is not valid: use one of grpo, grpo_ds, stare, kl_cov, clip_cov, entropy_bonus, forking_tokens",
+            "algorithm.name='ppo' is not valid: use one of grpo, grpo_ds, stare, kl_cov, clip_cov, entropy_bonus, "
+            "forking_tokens, steer, stapo, entroadv, adaptive_entropy, first_order",
         ),
         (["deepspeed.zero_stage=4"], "deepspeed.zero_stage=4 is not valid: use one of 0, 1, 2, 3"),
         (
