@@ -56,6 +56,13 @@ from stare_agent.algorithms.entropy_control import (
     forking_token_weights,
     kl_cov_coefficients,
 )
+from stare_agent.algorithms.token_weighting import (
+    AdaptiveEntropyCoefficient,
+    entroadv_advantages,
+    first_order_weights,
+    stapo_weights,
+    steer_weights,
+)
 from stare_agent.config import AlgorithmConfig
 from stare_agent.intervals import format_ci, mean_sd_ci
 from stare_research.config import ResearchSection
@@ -73,7 +80,9 @@ _RESEARCH = ResearchSection()  # and its research section
 class LabConfig:
     """One lab run. ``algorithm``: ``grpo_ds``, ``stare``, ``random`` (the random-subset control), or one
     of the field's other entropy controls (``algorithms.entropy_control``): ``entropy_bonus``,
-    ``kl_cov``, ``clip_cov``, ``forking_tokens``. ``minibatches`` > 1 splits each kept batch into that
+    ``kl_cov``, ``clip_cov``, ``forking_tokens``; or one of its token-weighting methods
+    (``algorithms.token_weighting``): ``steer``, ``stapo``, ``entroadv``, ``adaptive_entropy``,
+    ``first_order`` (which reads the gate as STARE does). ``minibatches`` > 1 splits each kept batch into that
     many optimizer steps (verl's ``ppo_mini_batch``), each against the pre-update log-probs, so that
     the PPO clip (``eps_high``) and KL-Cov's ``|logp - logp_old|`` act; 1 is the paper's one step.
     The algorithm's fields default to ``AlgorithmConfig``'s (see there); ``entropy_coef`` is the
@@ -116,6 +125,17 @@ class LabConfig:
     clip_cov_lb: float = _ALG.clip_cov_lb
     clip_cov_ub: float = _ALG.clip_cov_ub
     forking_rho: float = _ALG.forking_rho
+    steer_w_min: float = _ALG.steer_w_min
+    steer_w_max: float = _ALG.steer_w_max
+    stapo_tau_p: float = _ALG.stapo_tau_p
+    stapo_q: float = _ALG.stapo_q
+    entroadv_alpha: float = _ALG.entroadv_alpha
+    entroadv_kappa: float = _ALG.entroadv_kappa
+    adaptive_entropy_target: float | None = _ALG.adaptive_entropy_target  # None: H_tgt
+    adaptive_entropy_delta: float = _ALG.adaptive_entropy_delta
+    adaptive_entropy_init: float = _ALG.adaptive_entropy_init
+    adaptive_entropy_max: float = _ALG.adaptive_entropy_max
+    first_order_lambda_max: float = _ALG.first_order_lambda_max
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -144,6 +164,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "clip-cov": {"algorithm": "clip_cov"},
     "clip-cov-r2%": {"algorithm": "clip_cov", "clip_cov_r": 0.02},
     "forking": {"algorithm": "forking_tokens"},
+    # the field's token-weighting methods (issue 44; algorithms.token_weighting)
+    "steer": {"algorithm": "steer"},
+    "stapo": {"algorithm": "stapo"},
+    "entroadv": {"algorithm": "entroadv"},
+    "adaptive-entropy": {"algorithm": "adaptive_entropy"},
+    "first-order": {"algorithm": "first_order"},
 }
 
 
@@ -183,6 +209,12 @@ def run(cfg: LabConfig, *, log_every: int = 1) -> list[dict[str, float]]:
     target = torch.arange(cfg.contexts) % cfg.modulus
     accuracy = torch.zeros(cfg.contexts, dtype=torch.float64)  # drift task: each context's running accuracy
     control = torch.Generator().manual_seed(10_000 + cfg.seed)
+    entropy_ctl = AdaptiveEntropyCoefficient(  # algorithm adaptive_entropy: its state across steps
+        coef=cfg.adaptive_entropy_init,
+        target=cfg.H_tgt if cfg.adaptive_entropy_target is None else cfg.adaptive_entropy_target,
+        delta=cfg.adaptive_entropy_delta,
+        max_coef=cfg.adaptive_entropy_max,
+    )
     records: list[dict[str, float]] = []
     for step in range(1, cfg.steps + 1):
         drawn: list[Group] = []
@@ -200,7 +232,7 @@ def run(cfg: LabConfig, *, log_every: int = 1) -> list[dict[str, float]]:
             rec["policy_entropy"] = policy.entropy()
         rec["drawn_entropy"] = float(torch.cat([g.entropy for g in drawn]).mean())
         if kept:
-            rec.update(_update(cfg, policy, opt, kept, rec["drawn_entropy"], control))
+            rec.update(_update(cfg, policy, opt, kept, rec["drawn_entropy"], control, entropy_ctl))
         if cfg.task == "drift":  # a context that is solved half the time gets the next target
             for g in drawn:
                 accuracy[g.context] += DRIFT_EMA * (sum(g.rewards) / len(g.rewards) - accuracy[g.context])
@@ -230,6 +262,7 @@ def _update(
     kept: Sequence[Group],
     drawn_entropy: float,
     control: torch.Generator,
+    entropy_ctl: AdaptiveEntropyCoefficient,
 ) -> dict[str, float]:
     """Advantages, log-probs, gate, weights, loss and one optimizer step on the kept groups."""
     G, T = cfg.samples, cfg.positions
@@ -288,7 +321,10 @@ def _update(
     elif cfg.algorithm == "forking_tokens":
         weights, metrics = forking_token_weights(entropy, mask, rho=cfg.forking_rho)
         out["frac_selected"] = metrics["forking/frac_selected"]
-    if cfg.minibatches == 1 and cfg.algorithm != "entropy_bonus":  # the bonus needs H's gradient
+    elif cfg.algorithm in ("steer", "stapo", "entroadv", "first_order"):
+        A_tok, weights = _token_weighting(cfg, A_tok, logp, entropy, moments, mask, gate_on, out)
+    beta = {"entropy_bonus": cfg.entropy_coef, "adaptive_entropy": entropy_ctl.beta}.get(cfg.algorithm)
+    if cfg.minibatches == 1 and not beta:  # a bonus needs H's gradient
         loss, _ = policy_loss(
             logp, logp.detach(), A_tok, mask, weights, eps_high=cfg.eps_high, kl_coef=kl_coef
         )
@@ -296,9 +332,45 @@ def _update(
         loss.backward()
         opt.step()
     else:
-        _minibatch_steps(cfg, policy, opt, contexts, tokens, logp.detach(), A_tok, mask, weights, kl_coef)
+        _minibatch_steps(
+            cfg, policy, opt, contexts, tokens, logp.detach(), A_tok, mask, weights, kl_coef, beta or None
+        )
+    if cfg.algorithm == "adaptive_entropy":  # steps on the kept batch's entropy, after the update
+        out["entropy_coef"] = beta or 0.0
+        entropy_ctl.update(Hbar)
     out["gate_on"] = float(gate_on)
     return out
+
+
+def _token_weighting(
+    cfg: LabConfig,
+    A_tok: torch.Tensor,
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    moments: torch.Tensor,
+    mask: torch.Tensor,
+    gate_on: bool,
+    out: dict[str, float],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The field's token-weighting methods on the kept batch (global scope): (advantages, weights),
+    their selection's share or mean weight written to ``out``."""
+    weights = None
+    if cfg.algorithm == "steer":
+        weights, _ = steer_weights(A_tok, logp, entropy, mask, w_min=cfg.steer_w_min, w_max=cfg.steer_w_max)
+    elif cfg.algorithm == "stapo":
+        weights, metrics = stapo_weights(A_tok, logp, entropy, mask, tau_p=cfg.stapo_tau_p, q=cfg.stapo_q)
+        out["frac_selected"] = metrics["stapo/frac_silenced"]
+    elif cfg.algorithm == "entroadv":
+        A_tok, _ = entroadv_advantages(
+            A_tok, entropy, mask, alpha=cfg.entroadv_alpha, kappa=cfg.entroadv_kappa
+        )
+    elif cfg.algorithm == "first_order":
+        weights, _ = first_order_weights(
+            A_tok, logp, entropy, moments, mask, gate_on=gate_on, lambda_max=cfg.first_order_lambda_max
+        )
+    if weights is not None:
+        out["mean_weight"] = float(weights[mask].double().mean())
+    return A_tok, weights
 
 
 def _minibatch_steps(
@@ -312,14 +384,15 @@ def _minibatch_steps(
     mask: torch.Tensor,
     weights: torch.Tensor | None,
     kl_coef: torch.Tensor | None,
+    entropy_coef: float | None = None,
 ) -> None:
     """``cfg.minibatches`` optimizer steps over consecutive row blocks of the kept batch, each a
-    token-mean over its block against the pre-update ``logp_old`` (the entropy bonus with the
-    gradient of each position's full entropy)."""
+    token-mean over its block against the pre-update ``logp_old`` (an entropy bonus of coefficient
+    ``entropy_coef`` with the gradient of each position's full entropy; None: no bonus)."""
     for rows in torch.arange(len(tokens)).chunk(cfg.minibatches):
         log_p = policy.logits(contexts[rows], tokens[rows]).log_softmax(-1)  # [b, T, V]
         logp = log_p.gather(-1, tokens[rows, :, None]).squeeze(-1)
-        entropy = -(log_p.exp() * log_p).sum(-1) if cfg.algorithm == "entropy_bonus" else None
+        entropy = -(log_p.exp() * log_p).sum(-1) if entropy_coef is not None else None
         loss, _ = policy_loss(
             logp,
             logp_old[rows],
@@ -329,7 +402,7 @@ def _minibatch_steps(
             eps_high=cfg.eps_high,
             kl_coef=kl_coef[rows] if kl_coef is not None else None,
             entropy=entropy,
-            entropy_coef=cfg.entropy_coef,
+            entropy_coef=entropy_coef or 0.0,
         )
         opt.zero_grad()
         loss.backward()

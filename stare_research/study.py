@@ -54,6 +54,16 @@ VARIANTS |= {
     "clip-cov": ("algorithm.name=clip_cov",),
     "forking-tokens": ("algorithm.name=forking_tokens",),
 }
+# The field's token-weighting methods (docs/algorithm.md), at their sources' defaults (the first-order
+# weighting's are ours): ablation arms named with --variants, not run by default. STAPO is the sharp
+# contrast to STARE: it silences the rare positive-advantage tokens STARE's L+ amplifies.
+VARIANTS |= {
+    "steer": ("algorithm.name=steer",),
+    "stapo": ("algorithm.name=stapo",),
+    "entroadv": ("algorithm.name=entroadv",),
+    "adaptive-entropy": ("algorithm.name=adaptive_entropy",),
+    "first-order": ("algorithm.name=first_order",),
+}
 # The closed loop's best chance by the dynamics lab (docs/research/lab.md): O1 at W = 3 with the gate read on the
 # whole draw (ours, not the paper's: the paper reads the kept groups).
 VARIANTS |= {

@@ -52,14 +52,26 @@ def test_every_kind_of_variant_runs(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["clip-higher-0.4", "entropy-bonus-0.01", "kl-cov", "clip-cov-r2%", "forking"]
+    "name",
+    ["clip-higher-0.4", "entropy-bonus-0.01", "kl-cov", "clip-cov-r2%", "forking"]
+    + ["steer", "stapo", "entroadv", "adaptive-entropy", "first-order"],
 )
 def test_the_other_entropy_controls_run_with_minibatches(name):
     records = run(replace(SMALL, minibatches=2, **VARIANTS[name]))
     assert len(records) == SMALL.steps and 0 <= records[-1]["reward"] <= 1
-    if name in ("kl-cov", "clip-cov-r2%", "forking"):
+    if name in ("kl-cov", "clip-cov-r2%", "forking", "stapo"):
         assert any("frac_selected" in r for r in records)
         assert all(0 <= r["frac_selected"] <= 1 for r in records if "frac_selected" in r)
+
+
+def test_the_token_weightings_that_change_nothing_are_grpo_ds_bit_for_bit():
+    # the first-order weighting with its gate off (all weights 1), the adaptive entropy coefficient
+    # that never leaves its start c = 0 (no bonus)
+    grpo = run(replace(SMALL, algorithm="grpo_ds", H_tgt=1e-6))
+    gate_off = run(replace(SMALL, algorithm="first_order", H_tgt=1e-6))
+    frozen = run(replace(SMALL, algorithm="adaptive_entropy", H_tgt=1e-6, adaptive_entropy_delta=0.0))
+    assert grpo == [{k: v for k, v in r.items() if k != "mean_weight"} for r in gate_off]
+    assert grpo == [{k: v for k, v in r.items() if k != "entropy_coef"} for r in frozen]
 
 
 def test_one_minibatch_of_kl_cov_is_grpo_ds():

@@ -224,6 +224,7 @@ def test_the_other_entropy_controls_are_arms_named_on_demand():
     from stare_research.study import PAPER_VARIANTS, VARIANTS
 
     others = {"entropy-bonus", "kl-cov", "clip-cov", "forking-tokens"}
+    others |= {"steer", "stapo", "entroadv", "adaptive-entropy", "first-order"}  # token weightings (issue 44)
     assert others <= set(VARIANTS) and not others & set(PAPER_VARIANTS)
     for name in others:
         assert load_config(None, list(VARIANTS[name])).algorithm.name == name.replace("-", "_")
