@@ -819,11 +819,13 @@ class DeepSpeedConfig:
             (sorted by length before the token-budget split) so that little of each micro-batch is
             padding. Same loss and gradient up to float rounding (STARE's ``micro_batch`` scope keeps
             the batch-order split); false: consecutive trajectories, as before.
-        share_prompts: Trajectories of the same prompt (the samples of a GRPO group) run their prompt
-            through the model once and their own tokens on top of its keys and values, forward and
-            backward: G samples of a P-token prompt with R-token responses cost P + G * R tokens
-            instead of G * (P + R). Same values and gradients up to float rounding; needs
-            ``score_response_only``; off under ZeRO-3 and gradient checkpointing; false: as before.
+        share_prompts: The rows of a micro-batch run their common prompt prefix through the model once
+            and their own tokens on top of its keys and values, forward and backward: the samples of a
+            GRPO group their whole prompt (G samples of a P-token prompt with R-token responses cost
+            P + G * R tokens instead of G * (P + R)), SFT traces and other prompts their common prefix
+            of at least 16 tokens (the chat template's system prompt). Same values and gradients up to
+            float rounding; needs ``score_response_only``; off under ZeRO-3 and gradient
+            checkpointing; false: as before.
         dist_backend: ``auto`` (NCCL on GPU, gloo on CPU), ``nccl`` or ``gloo``.
         config: Path of a DeepSpeed JSON config merged over the generated one (see above); null: none.
     """

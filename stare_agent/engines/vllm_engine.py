@@ -718,8 +718,11 @@ class VLLMEngine:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # At interpreter exit module globals (contextlib, shutil) may already be None: nothing to say then
+        try:
             self.close()
+        except Exception:
+            pass
 
 
 def vllm_sampling_params(

@@ -488,6 +488,19 @@ def test_stop_string_keeps_its_completing_token_and_eos_is_returned(engine, toke
         engine.generate([[]], greedy)
 
 
+def test_an_engine_collected_at_interpreter_exit_says_nothing(monkeypatch, capsys):
+    """At exit a module's globals may be None already; ``__del__`` then must not print "Exception
+    ignored in VLLMEngine.__del__" (seen after every quickstart)."""
+    engine = VLLMEngine.__new__(VLLMEngine)
+
+    def close(self):
+        raise AttributeError("'NoneType' object has no attribute 'rmtree'")
+
+    monkeypatch.setattr(VLLMEngine, "close", close)
+    monkeypatch.setattr(vllm_engine, "contextlib", None)
+    engine.__del__()
+
+
 def test_worker_env_of_the_config_reaches_the_worker(monkeypatch):
     from stare_agent.config import load_config
     from stare_agent.engines import vllm_engine
