@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import signal
 import time
@@ -61,27 +62,37 @@ def _quickstart(config: RunConfig, run_dir: Path, start: float) -> dict[str, Any
     backend = resolve_backend(config.sandbox.backend, config.sandbox.limits, build=True)
     config = replace(config, sandbox=replace(config.sandbox, backend=backend))
     print(f"[sandbox] backend: {backend}")
+    # One pool of warm sandboxes serves the three evaluations and the RL episodes; its 40 containers
+    # (~20 s) start while the model loads and the engine starts
+    opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sandboxes")
+    pool_opening = opener.submit(open_sandboxes, config.sandbox)
+    opener.shutdown(wait=False)
     phase("sandbox", t0)
-
-    # 2. model
-    t0 = time.perf_counter()
-    seed_all(config.trainer.seed)
-    model, tokenizer = load_policy(config.model.name_or_path)
-    autocast = run_precision(config) == "bf16-autocast"
-    engine_name, engine = start_engine(config, model, tokenizer, autocast=autocast)
-    print(f"[engine] {engine_name}")
-    eval_name, eval_engine = None, engine
+    engine = eval_engine = None
     try:
+        # 2. model
+        t0 = time.perf_counter()
+        seed_all(config.trainer.seed)
+        model, tokenizer = load_policy(config.model.name_or_path)
+        autocast = run_precision(config) == "bf16-autocast"
+        engine_name, engine = start_engine(config, model, tokenizer, autocast=autocast)
+        print(f"[engine] {engine_name}")
+        eval_name, eval_engine = None, engine
         if config.data.eval_fp32:
             eval_name, eval_engine = fp32_eval_engine(config, model, tokenizer, engine)
             if eval_name:
                 print(f"[engine] before/after evaluation: {eval_name}")
         phase("model", t0)
-        result = _run(config, run_dir, model, tokenizer, engine, eval_engine, phase)
+        t0 = time.perf_counter()
+        pool = pool_opening.result()
+        phase("sandboxes", t0)  # what was left to wait for
+        result = _run(config, run_dir, model, tokenizer, engine, eval_engine, phase, pool)
     finally:
         for e in {id(engine): engine, id(eval_engine): eval_engine}.values():
-            if hasattr(e, "close"):
-                e.close()
+            close = getattr(e, "close", None)  # None before the engine started
+            if close is not None:
+                close()
+        _close_when_open(pool_opening)
     result["times_s"] = times
     result["engine"] = engine_name
     result["eval_engine"] = eval_name
@@ -89,6 +100,15 @@ def _quickstart(config: RunConfig, run_dir: Path, start: float) -> dict[str, Any
     save_result(result, run_dir)
     print(format_table(result))
     return result
+
+
+def _close_when_open(opening: concurrent.futures.Future[Any]) -> None:
+    """Close the pool ``opening`` opens, once open; a pool that failed to open raised where it was used."""
+    try:
+        pool = opening.result()
+    except Exception:
+        return
+    pool.close()
 
 
 def run_precision(config: RunConfig) -> str:
@@ -129,9 +149,10 @@ def _run(
     engine: Any,
     eval_engine: Any,
     phase: Any,
+    pool: Any,
 ) -> dict[str, Any]:
-    """Steps 3 to 6 with one rollout engine (and ``eval_engine`` for the evaluations); the table's
-    numbers."""
+    """Steps 3 to 6 with one rollout engine (and ``eval_engine`` for the evaluations) and ``pool``; the
+    table's numbers."""
     import torch
 
     from stare_envs.problems import eval_problems
@@ -141,16 +162,7 @@ def _run(
     problems = eval_problems(
         data.eval or "mixed", seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
     )
-    # One pool of warm sandboxes for the three evaluations and the RL episodes (opening 40 takes ~20 s)
-    t0 = time.perf_counter()
-    pool = open_sandboxes(config.sandbox)
-    phase("sandboxes", t0)
-    try:
-        return _stages(
-            config, run_dir, model, tokenizer, engine, eval_engine, phase, problems, autocast, pool
-        )
-    finally:
-        pool.close()
+    return _stages(config, run_dir, model, tokenizer, engine, eval_engine, phase, problems, autocast, pool)
 
 
 def _stages(

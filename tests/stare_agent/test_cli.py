@@ -88,6 +88,50 @@ def test_sft_then_train_then_plot(tmp_path, model_dir):
     assert (run / "plots" / "dashboard.png").is_file()
 
 
+@pytest.mark.slow  # the whole quickstart on the tiny model: ~40 s on 2 cores
+def test_quickstart_runs_whole_on_one_pool_and_tables_sft_and_rl_apart(tmp_path, model_dir):
+    """`stare-agent quickstart` end to end at toy sizes: the pool opened beside the model serves the
+    three evaluations and RL, and the table gives before / SFT / SFT+RL with RL's paired change."""
+    run = tmp_path / "run"
+    done = cli(
+        "quickstart",
+        "--config",
+        "configs/quickstart.yaml",
+        f"model.name_or_path={model_dir}",
+        f"trainer.run_dir={run}",
+        "sandbox.backend=local",
+        "sandbox.pool_size=4",
+        "env.engine=transformers",
+        "env.max_response_tokens=16",
+        "deepspeed.precision=fp32",
+        "data.eval_limit=4",
+        "sft.procedural_rows=4",
+        "sft.batch_size=2",
+        "sft.epochs=1",
+        "trainer.steps=1",
+        "data.prompts_per_step=2",
+        "data.samples_per_prompt=2",
+        "data.prompts_per_draw=2",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((run / "quickstart.json").read_text())
+    for column in ("before", "after_sft", "after"):
+        assert len(result[column]["solved"]) == 4, column
+    assert list(result["times_s"]) == [
+        "sandbox",
+        "model",
+        "sandboxes",
+        "eval before",
+        "sft",
+        "eval sft",
+        "rl",
+        "eval after",
+    ]
+    assert "before       SFT    SFT+RL" in done.stdout
+    assert "RL's change in accuracy (SFT -> SFT+RL): +0.000, 95 % interval [" in done.stdout
+    assert (run / "eval_sft" / "summary.json").is_file()
+
+
 @pytest.mark.slow  # a `stare-agent sft` of two rows: 15 s on 2 loaded cores
 def test_sft_on_a_cpu_without_native_bf16_runs_fp32_and_says_so(tmp_path, model_dir):
     """The quickstart config asks for bf16-autocast; where oneDNN may not use AVX-512 BF16 or AMX (capped

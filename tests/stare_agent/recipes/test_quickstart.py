@@ -157,7 +157,6 @@ def test_a_signal_during_rl_ends_the_quickstart_without_its_after_evaluation(tmp
             return {"steps": 1, "skipped_steps": 0, "stopped_by": "SIGINT"}
 
     pool = types.SimpleNamespace(close=lambda: None)
-    monkeypatch.setattr(quickstart, "open_sandboxes", lambda section: pool)
     monkeypatch.setattr(stare_agent.evaluation, "evaluate_config", evaluate_config)
     monkeypatch.setattr(stare_agent.metrics, "policy_entropy", lambda *args: 0.0)
     monkeypatch.setattr(stare_agent.train.sft, "sft", lambda *a, **k: {"output_dir": str(tmp_path / "sft")})
@@ -166,5 +165,5 @@ def test_a_signal_during_rl_ends_the_quickstart_without_its_after_evaluation(tmp
     config = load_config(quickstart.CONFIG, [f"trainer.run_dir={tmp_path}", "data.eval_limit=1"])
     engine = types.SimpleNamespace(model=model)
     with pytest.raises(KeyboardInterrupt):
-        quickstart._run(config, tmp_path, model, tokenizer, engine, engine, lambda name, t0: None)
+        quickstart._run(config, tmp_path, model, tokenizer, engine, engine, lambda name, t0: None, pool)
     assert evaluated == ["eval_before", "eval_sft"]  # none of the interrupted RL policy
