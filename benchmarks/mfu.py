@@ -137,6 +137,17 @@ def learner_rows(args: argparse.Namespace) -> list[Row]:
 
 
 def decode_rows(args: argparse.Namespace) -> list[Row] | str:
+    """Today's worker first, then one run per ``--decode-env`` variant, in this process's order."""
+    rows: list[Row] = []
+    for name, env in [("", {}), *args.decode_env]:
+        got = _decode_rows(args, env, name)
+        if isinstance(got, str):
+            return got
+        rows += got
+    return rows
+
+
+def _decode_rows(args: argparse.Namespace, worker_env: dict[str, str], name: str) -> list[Row] | str:
     from stare_agent.engines.vllm_engine import VLLMEngine, find_vllm_python
     from stare_agent.models import load_tokenizer, resolve_policy_path
     from stare_envs.engine import SamplingParams
@@ -159,6 +170,7 @@ def decode_rows(args: argparse.Namespace) -> list[Row] | str:
         max_model_len=2048,
         kv_cache_gib=config.env.vllm.kv_cache_gib,
         sampling_overrides={"ignore_eos": True},
+        env=worker_env,
     )
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=None, max_new_tokens=args.new_tokens)
     rows = []
@@ -175,7 +187,7 @@ def decode_rows(args: argparse.Namespace) -> list[Row] | str:
             lens = [len(p) + n for p, n in zip(prompts, new, strict=True)]
             rows.append(
                 (
-                    f"vLLM decoding, batch {batch} ({args.new_tokens} new)",
+                    f"vLLM decoding, batch {batch} ({args.new_tokens} new)" + (f", {name}" if name else ""),
                     precision,
                     sum(new),
                     statistics.median(seconds),
@@ -196,6 +208,14 @@ def _prompt(tokenizer, i: int) -> list[int]:
     )
 
 
+def _decode_env(text: str) -> tuple[str, dict[str, str]]:
+    name, _, assignments = text.partition("=")
+    env = dict(a.split("=", 1) for a in assignments.split(",") if "=" in a)
+    if not name or not env:
+        raise argparse.ArgumentTypeError(f"{text!r}: write NAME=KEY=VALUE[,KEY=VALUE]")
+    return name, env
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -205,6 +225,15 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument(
         "--quick", action="store_true", help="8 trajectories, 4 traces, 1 repeat, batch 1 and 16"
+    )
+    parser.add_argument(
+        "--decode-env",
+        action="append",
+        default=[],
+        type=_decode_env,
+        metavar="NAME=KEY=VALUE[,KEY=VALUE]",
+        help="decode again with these worker environment variables (beside today's worker), e.g. "
+        "'spin=OMP_WAIT_POLICY=ACTIVE'",
     )
     parser.add_argument("--skip-learner", action="store_true")
     parser.add_argument("--skip-decoding", action="store_true")

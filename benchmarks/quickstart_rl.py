@@ -1,0 +1,140 @@
+"""Does the quickstart's RL part show anything? RL settings from one SFT model, side by side in one run.
+
+From the SFT model of a quickstart run (``RUN/sft_model``), each setting runs the quickstart's RL part
+(``stare-agent train --config configs/quickstart.yaml model.name_or_path=RUN/sft_model`` plus the
+setting's overrides, each in its own process and run directory), then the SFT model and every RL
+policy are evaluated the quickstart's way (greedy, vLLM fp32) on the first ``--problems`` held-out
+problems. Per setting: accuracy, RL's change against the SFT model with Newcombe's paired 95 %
+interval over the same problems (``stare_agent.intervals.paired_difference_interval``), how many RL
+steps trained anything, the sampled entropy of the RL rollouts (the gate's H-bar, first and last
+trained step), and the RL wall seconds (process start included).
+
+Criterion, stated before the numbers: a setting shows what RL does when the lower end of its interval
+is above 0; the quickstart takes the cheapest such setting, and if none has one its table says RL's
+change is not measurable (it prints the interval either way).
+
+Run: ``.venv/bin/python benchmarks/quickstart_rl.py --run runs/quickstart --problems 200``
+(``--setting NAME=OVERRIDES`` replaces the default settings; ``--list`` prints them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "quickstart.yaml"
+EVAL = "--engine vllm env.vllm.dtype=float32"
+SETTINGS = {
+    "paper lr 1e-6, 3 steps": "optim.lr=1e-6 trainer.steps=3",
+    "lr 1e-5, 3 steps": "optim.lr=1e-5 trainer.steps=3",
+    "lr 1e-5, 6 steps": "optim.lr=1e-5 trainer.steps=6",
+}
+
+
+def cli(*args: str) -> list[str]:
+    return [str(Path(sys.executable).with_name("stare-agent")), *args]
+
+
+def train(sft_model: str, overrides: str, run_dir: Path) -> dict:
+    """The quickstart's RL part from ``sft_model`` with ``overrides``; its steps and seconds."""
+    command = cli(
+        "train",
+        "--config",
+        str(CONFIG),
+        f"model.name_or_path={sft_model}",
+        f"trainer.run_dir={run_dir}",
+        *shlex.split(overrides),
+    )
+    t0 = time.perf_counter()
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"`{shlex.join(command)}` failed:\n{done.stderr[-2000:]}")
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    steps = [s for s in steps if "step" in s and "summary" not in s]
+    entropy = [s["entropy"] for s in steps if s.get("entropy") is not None and s.get("skipped", 0) == 0]
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
+    return {
+        "seconds": time.perf_counter() - t0,
+        "steps": len(steps),
+        "trained": sum(1 for s in steps if s.get("skipped", 0) == 0 and s.get("kept_groups", 0) > 0),
+        "entropy": (entropy[0], entropy[-1]) if entropy else None,
+        "model": str(checkpoints[-1] / "hf"),
+    }
+
+
+def evaluate(model: str, problems: int, out: Path) -> list[float]:
+    """Each problem's score, greedy, the quickstart's way."""
+    command = cli(
+        "eval", "--config", str(CONFIG), "--model", model, "--out", str(out), "--limit", str(problems)
+    )
+    done = subprocess.run([*command, *shlex.split(EVAL)], cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"`{shlex.join(command)}` failed:\n{done.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (out / "results.jsonl").open()]
+    return [sum(r["correct"]) / max(len(r["correct"]), 1) for r in rows]
+
+
+def main() -> None:
+    from stare_agent.intervals import paired_difference_interval
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", default=str(REPO / "runs" / "quickstart"), help="a quickstart run directory")
+    parser.add_argument("--problems", type=int, default=200)
+    parser.add_argument("--setting", action="append", default=[], metavar="NAME=OVERRIDES")
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args()
+    settings = dict(SETTINGS)
+    if args.setting:
+        settings = dict(spec.partition("=")[::2] for spec in args.setting)
+    if args.list:
+        print("\n".join(f"{name}: {o}" for name, o in settings.items()))
+        return
+    sft_model = str(Path(args.run) / "sft_model")
+    if not Path(sft_model, "config.json").is_file():
+        sys.exit(f"no SFT model at {sft_model}: run `stare-agent quickstart` first, or pass --run DIR")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="quickstart-rl-") as tmp:
+        print(f"[SFT model] eval on {args.problems} problems", flush=True)
+        base = evaluate(sft_model, args.problems, Path(tmp) / "eval-sft")
+        for i, (name, overrides) in enumerate(settings.items()):
+            print(f"[{name}] stare-agent train {overrides}", flush=True)
+            rl = train(sft_model, overrides, Path(tmp) / f"rl{i}")
+            scores = evaluate(rl["model"], args.problems, Path(tmp) / f"eval{i}")
+            rows.append((name, overrides, rl, scores))
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        "?",
+    )
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    print(
+        f"\n{sft_model}: {len(base)} held-out problems, greedy, vLLM fp32; {cpu}, {os.cpu_count()} cores"
+        + (f", ONEDNN_MAX_CPU_ISA={cap}" if cap else "")
+    )
+    print(f"SFT model: accuracy {sum(base) / len(base):.3f}\n")
+    print(
+        "| setting | overrides | accuracy | RL's change, 95 % paired interval | better / worse | "
+        "steps trained | H-bar first -> last | RL seconds |"
+    )
+    print("|---|---|---:|---|---:|---:|---|---:|")
+    for name, overrides, rl, scores in rows:
+        lo, hi = paired_difference_interval(base, scores)
+        change = (sum(scores) - sum(base)) / len(base)
+        better = sum(1 for x, y in zip(base, scores, strict=True) if y > x)
+        worse = sum(1 for x, y in zip(base, scores, strict=True) if y < x)
+        H = f"{rl['entropy'][0]:.3f} -> {rl['entropy'][1]:.3f}" if rl["entropy"] else "-"
+        print(
+            f"| {name} | `{overrides}` | {sum(scores) / len(scores):.3f} | {change:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
+            f"{better} / {worse} | {rl['trained']} of {rl['steps']} | {H} | {rl['seconds']:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
