@@ -673,9 +673,9 @@ class DataConfig:
         eval_top_p: Nucleus mass of validation (the paper: 0.7).
         eval_greedy: Also validate with greedy decoding at every evaluation, one sample per problem,
             logged as ``eval_greedy/...`` beside the sampled ``eval/...``.
-        eval_fp32: The quickstart's before/after evaluation decodes in fp32 whatever the rollout
-            engine's precision (a second vLLM worker in fp32 beside a bf16 one, or the transformers
-            engine without bf16 autocast): a greedy argmax flips with bf16 rounding in a few
+        eval_fp32: The quickstart's evaluations (before, after SFT, after RL) decode in fp32 whatever
+            the rollout engine's precision (a second vLLM worker in fp32 beside a bf16 one, or the
+            transformers engine without bf16 autocast): a greedy argmax flips with bf16 rounding in a few
             episodes, which would move the table by a problem or two. The trainer's periodic
             evaluation and ``stare-agent eval`` decode with the rollout engine's precision.
         difficulty: Difficulty (1-3) of procedurally generated problems.

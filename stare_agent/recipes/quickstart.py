@@ -32,7 +32,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 def quickstart(
     config_path: str | Path = CONFIG, overrides: tuple[str, ...] | list[str] = (), *, overwrite: bool = False
 ) -> dict[str, Any]:
-    """Run the main job (see the module docstring); returns the before/after numbers and paths.
+    """Run the main job (see the module docstring); returns the table's numbers and paths.
     ``overwrite``: delete an earlier quickstart's results in ``trainer.run_dir`` first (without it such
     a directory is refused: ``stare_agent.run_dirs``)."""
     start = time.perf_counter()
@@ -81,7 +81,7 @@ def _quickstart(config: RunConfig, run_dir: Path, start: float) -> dict[str, Any
         if config.data.eval_fp32:
             eval_name, eval_engine = fp32_eval_engine(config, model, tokenizer, engine)
             if eval_name:
-                print(f"[engine] before/after evaluation: {eval_name}")
+                print(f"[engine] the table's evaluations: {eval_name}")
         phase("model", t0)
         t0 = time.perf_counter()
         pool = pool_opening.result()
@@ -122,7 +122,7 @@ def run_precision(config: RunConfig) -> str:
 
 
 def fp32_eval_engine(config: RunConfig, model: Any, tokenizer: Any, engine: Any) -> tuple[str | None, Any]:
-    """The engine of the before/after table under ``data.eval_fp32``, as ``(description, engine)``.
+    """The engine of the table's evaluations under ``data.eval_fp32``, as ``(description, engine)``.
 
     Greedy decoding takes an argmax, which bf16 rounding flips in a few episodes (one SFT model of the
     quickstart: 0.800 in fp32, 0.750 in bf16; ``benchmarks/eval_engines.py``), so the table decodes in fp32
@@ -155,31 +155,6 @@ def _run(
     table's numbers."""
     import torch
 
-    from stare_envs.problems import eval_problems
-
-    data = config.data
-    autocast = torch.bfloat16 if run_precision(config) == "bf16-autocast" else None
-    problems = eval_problems(
-        data.eval or "mixed", seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
-    )
-    return _stages(config, run_dir, model, tokenizer, engine, eval_engine, phase, problems, autocast, pool)
-
-
-def _stages(
-    config: RunConfig,
-    run_dir: Path,
-    model: Any,
-    tokenizer: Any,
-    engine: Any,
-    eval_engine: Any,
-    phase: Any,
-    problems: list[Any],
-    autocast: Any,
-    pool: Any,
-) -> dict[str, Any]:
-    """Steps 3 to 6 on ``pool``."""
-    import torch
-
     from stare_agent.evaluation import evaluate_config
     from stare_agent.metrics import policy_entropy, read_metrics
     from stare_agent.provenance import model_settings
@@ -187,8 +162,13 @@ def _stages(
     from stare_agent.train.checkpoints import latest_checkpoint
     from stare_agent.train.sft import sft
     from stare_agent.train.trainer import Trainer
+    from stare_envs.problems import eval_problems
 
     data = config.data
+    autocast = torch.bfloat16 if run_precision(config) == "bf16-autocast" else None
+    problems = eval_problems(
+        data.eval or "mixed", seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
+    )
 
     def run_eval(tag: str, model_path: str) -> dict[str, Any]:
         """Evaluate the policy in memory, whose weights are those of ``model_path`` (its hash goes
