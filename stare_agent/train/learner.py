@@ -14,7 +14,8 @@ batch, however many micro-batches the token budget ``deepspeed.micro_batch_token
 - The work is cut without changing the result beyond float rounding (each switch in ``deepspeed``,
   on by default, false for the old path): the LM head and softmax run on scored tokens only
   (``score_response_only``), micro-batches group similar lengths (``bucket_by_length``), and the
-  samples of one prompt run it once (``share_prompts``); see :meth:`Learner.compute_batches`.
+  rows of a micro-batch run their common prompt prefix once (``share_prompts``: the samples of one
+  prompt all of it, other prompts the system prompt); see :meth:`Learner.compute_batches`.
 - A step whose loss or gradient norm is NaN/inf is never applied: gradients are dropped, the
   optimizer, scheduler and parameters are left untouched, and the metrics say ``skipped = 1``.
 
@@ -242,7 +243,8 @@ class Learner:
         - with :attr:`shares_prompts`, the trajectories of one prompt (a GRPO group) form micro-batches
           of their own, whose prompt runs once (:func:`shared_prompt_logprobs_and_entropy`);
         - the others, with ``deepspeed.bucket_by_length``, go by similar length
-          (:func:`~stare_agent.train.batch.bucket_by_length`), else in batch order (:meth:`micro_batches`).
+          (:func:`~stare_agent.train.batch.bucket_by_length`), else in batch order (:meth:`micro_batches`),
+          and with :attr:`shares_prompts` run their common prefix (the system prompt) once.
         """
         budget = self.ds_config.micro_batch_tokens
         rest = list(range(len(trajectories)))
