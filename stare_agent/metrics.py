@@ -259,7 +259,8 @@ def policy_entropy(
     """Mean full-vocabulary entropy of ``model`` over the model-written (mask-1) tokens of trajectories.
 
     The same quantity as the STARE gate's Hbar, for a policy outside training (e.g. before/after tables).
-    The LM head runs on model tokens only, and a batch's common prompt prefix (the system prompt) once.
+    The LM head runs on model tokens only, a batch's common prompt prefix (the system prompt) once, and
+    the batches take trajectories of similar length (longest first), so little of them is padding.
     """
     import torch
 
@@ -271,9 +272,10 @@ def policy_entropy(
 
     total, count = 0.0, 0.0
     device = next(model.parameters()).device
+    by_length = sorted(trajectories, key=lambda t: -t.num_tokens)  # a mean over tokens: order-free
     with torch.no_grad():
-        for start in range(0, len(trajectories), batch_size):
-            rows = list(trajectories[start : start + batch_size])
+        for start in range(0, len(by_length), batch_size):
+            rows = by_length[start : start + batch_size]
             batch = collate(rows, pad_id, device)
             mask = batch["response_mask"]
             ids, attention, scored = batch["input_ids"], batch["attention_mask"], mask.bool()

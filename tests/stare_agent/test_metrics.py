@@ -190,6 +190,30 @@ def test_policy_entropy_is_the_masked_mean_of_the_naive_entropy(shared, monkeypa
     assert got == pytest.approx(sum(values) / len(values), rel=1e-5)
 
 
+def test_policy_entropy_batches_trajectories_of_similar_length(monkeypatch):
+    """Long and short trajectories alternate; batches of 2 take the two long ones together, then the
+    two short ones (4 x 9 padded tokens, not 4 x 14), and the mean is the same as in batch order."""
+    import stare_agent.train.batch as batch_module
+
+    model, _ = tiny_model()
+    trajs = [_trajectory([1, 2, 3], [(list(range(10, 10 + n)), 1)]) for n in (11, 2, 11, 2)]
+    widths: list[tuple[int, int]] = []
+    collate = batch_module.collate
+
+    def spy(rows, *args, **kwargs):
+        out = collate(rows, *args, **kwargs)
+        widths.append(tuple(out["input_ids"].shape))
+        return out
+
+    monkeypatch.setattr(batch_module, "collate", spy)
+    got = policy_entropy(model, trajs, pad_id=0, batch_size=2)
+    assert widths == [(2, 14), (2, 5)]
+    in_order = policy_entropy(model, trajs[:1] + trajs[2:3], pad_id=0) * 22 + policy_entropy(
+        model, trajs[1:2] + trajs[3:], pad_id=0
+    ) * 4
+    assert got == pytest.approx(in_order / 26, rel=1e-6)
+
+
 def _log_steps(run_dir, steps, **extra):
     with StepLogger(run_dir, backends=()) as log:
         for step in steps:
