@@ -816,9 +816,10 @@ class DeepSpeedConfig:
             padding, whose log-probs no loss and no STARE statistic reads (the learner's scores are 0
             there). Same values up to float rounding; false: the whole sequence, as before.
         bucket_by_length: Group trajectories of similar length into the learner's micro-batches
-            (sorted by length before the token-budget split) so that little of each micro-batch is
-            padding. Same loss and gradient up to float rounding (STARE's ``micro_batch`` scope keeps
-            the batch-order split); false: consecutive trajectories, as before.
+            (sorted by length before the token-budget split, and a micro-batch cut again where its
+            padding costs more than another pass, e.g. a group's one long sample alone) so that little
+            of each micro-batch is padding. Same loss and gradient up to float rounding (STARE's
+            ``micro_batch`` scope keeps the batch-order split); false: consecutive trajectories, as before.
         share_prompts: The rows of a micro-batch run their common prompt prefix through the model once
             and their own tokens on top of its keys and values, forward and backward: the samples of a
             GRPO group their whole prompt (G samples of a P-token prompt with R-token responses cost

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -232,12 +233,46 @@ def split_by_token_budget(
     return micro
 
 
-def bucket_by_length(trajectories: Sequence[Trajectory], max_tokens: int) -> list[list[int]]:
+MICRO_BATCH_OVERHEAD = 64
+"""Tokens that one more micro-batch costs beyond its own (the per-pass work that does not scale with
+its tokens: reading every weight, launching every layer): :func:`bucket_by_length` cuts a micro-batch
+in two only where that saves more padded tokens than this."""
+
+
+def _least_padded_parts(widths: Sequence[int], shared: int) -> list[int]:
+    """Start indices of the consecutive parts of rows of ``widths`` (longest first) that run the fewest
+    tokens: a part of k >= 2 rows runs ``shared + k * (longest - shared)`` (its common prefix once, the
+    rest padded to its longest row), a single row its own width, each part :data:`MICRO_BATCH_OVERHEAD`
+    more. Exact, by dynamic programming over the cut points (ties keep fewer parts)."""
+    n = len(widths)
+    cost = [0.0] + [math.inf] * n
+    start = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            k, width = j - i, widths[i]
+            tokens = width if k == 1 else shared + k * (width - shared)
+            c = cost[i] + tokens + MICRO_BATCH_OVERHEAD
+            if c < cost[j]:
+                cost[j], start[j] = c, i
+    starts, j = [], n
+    while j > 0:
+        starts.append(start[j])
+        j = start[j]
+    return starts[::-1]
+
+
+def bucket_by_length(
+    trajectories: Sequence[Trajectory], max_tokens: int, *, share_prompts: bool = False
+) -> list[list[int]]:
     """Micro-batches of at most ``max_tokens`` padded tokens, trajectories of similar length together.
 
     The batch is sorted by length (longest first, ties in batch order), then split greedily like
     :func:`split_by_token_budget`: each micro-batch is padded to a width close to all of its rows,
-    instead of to the longest of whatever happens to lie next to it in the batch.
+    instead of to the longest of whatever happens to lie next to it in the batch. A micro-batch is then
+    cut further where its padding costs more than running another micro-batch
+    (:data:`MICRO_BATCH_OVERHEAD`): a GRPO group of three 200-token samples and one 1,000-token one runs
+    the long one alone instead of padding the others to 1,000. With ``share_prompts`` the cost counts
+    the rows' common prompt prefix once (:func:`shared_prefix_length`), as the learner runs it.
 
     Returns:
         Lists of indices into ``trajectories`` (each index once), e.g. ``[[2, 0], [1]]``.
@@ -259,4 +294,12 @@ def bucket_by_length(trajectories: Sequence[Trajectory], max_tokens: int) -> lis
     except ValueError:
         split_by_token_budget(trajectories, max_tokens, padded=True)  # the same error, in batch order
         raise
-    return [[order[j] for j in micro] for micro in split]
+    parts = []
+    for micro in split:
+        rows = [trajectories[order[j]] for j in micro]
+        shared = shared_prefix_length(rows) if share_prompts else 0
+        starts = _least_padded_parts([t.num_tokens for t in rows], shared)
+        parts += [
+            [order[j] for j in micro[a:b]] for a, b in zip(starts, [*starts[1:], len(micro)], strict=True)
+        ]
+    return parts

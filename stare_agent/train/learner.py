@@ -244,7 +244,9 @@ class Learner:
           of their own, whose prompt runs once (:func:`shared_prompt_logprobs_and_entropy`);
         - the others, with ``deepspeed.bucket_by_length``, go by similar length
           (:func:`~stare_agent.train.batch.bucket_by_length`), else in batch order (:meth:`micro_batches`),
-          and with :attr:`shares_prompts` run their common prefix (the system prompt) once.
+          and with :attr:`shares_prompts` run their common prefix (the system prompt) once;
+        - by similar length, a micro-batch is cut again where padding its rows to the longest costs
+          more than another pass (a group's one long sample runs alone).
         """
         budget = self.ds_config.micro_batch_tokens
         rest = list(range(len(trajectories)))
@@ -256,12 +258,15 @@ class Learner:
             rest = [g[0] for g in groups.values() if len(g) == 1]
             for group in (g for g in groups.values() if len(g) > 1):
                 split += [
-                    [group[j] for j in m] for m in bucket_by_length([trajectories[i] for i in group], budget)
+                    [group[j] for j in m]
+                    for m in bucket_by_length([trajectories[i] for i in group], budget, share_prompts=True)
                 ]
         if not rest:
             return split
         if self.ds_config.bucket_by_length:
-            tail = bucket_by_length([trajectories[i] for i in rest], budget)
+            tail = bucket_by_length(
+                [trajectories[i] for i in rest], budget, share_prompts=self.shares_prompts
+            )
         else:
             tail = split_by_token_budget([trajectories[i] for i in rest], budget, padded=True)
         return split + [[rest[j] for j in m] for m in tail]

@@ -104,6 +104,37 @@ def test_bucket_by_length_puts_similar_lengths_together():
         bucket_by_length(trajectories, 8)
 
 
+def test_bucket_by_length_runs_a_long_outlier_alone_when_padding_costs_more_than_a_micro_batch():
+    """Each part costs its padded tokens plus MICRO_BATCH_OVERHEAD (64). Lengths 300, 60, 50, 40 (no
+    common prompt): together 4 x 300 + 64 = 1264; [300] + [60, 50, 40]: 300 + 64 + 3 x 60 + 64 = 608;
+    [300] + [60] + [50, 40]: 364 + 124 + 164 = 652. So the outlier runs alone. Lengths 90, 60, 50, 40:
+    together 424; [90] + [60, 50, 40] = 154 + 244 = 398: cut too; 70, 60, 50, 40: 344 < 134 + 244."""
+    assert bucket_by_length([_of_length(n) for n in (60, 300, 40, 50)], 10_000) == [[1], [0, 3, 2]]
+    assert bucket_by_length([_of_length(n) for n in (90, 60, 50, 40)], 10_000) == [[0], [1, 2, 3]]
+    assert bucket_by_length([_of_length(n) for n in (70, 60, 50, 40)], 10_000) == [[0, 1, 2, 3]]
+
+
+def test_bucket_by_length_counts_a_shared_prompt_once():
+    """A GRPO group: one 100-token prompt, responses of 100, 20, 20, 20 tokens (widths 200, 120, 120,
+    120). With the prompt counted once (share_prompts): together 100 + 4 x 100 + 64 = 564; [200] +
+    [120 x 3]: 200 + 64 + (100 + 3 x 20 + 64) = 488: cut. Responses 60, 20, 20, 20 (widths 160, 120 x 3):
+    together 100 + 4 x 60 + 64 = 404 against 224 + 224 = 448: kept together; counting the prompt per
+    row instead, 4 x 160 + 64 = 704 against 224 + 3 x 120 + 64 = 648: cut. Sharing the prompt makes
+    padding cheaper, so it cuts less."""
+
+    def group(responses: list[int]) -> list[Trajectory]:
+        out = []
+        for n in responses:
+            b = TrajectoryBuilder(list(range(100)))
+            b.append([7] * n, 1, [-0.5] * n)
+            out.append(b.build())
+        return out
+
+    assert bucket_by_length(group([100, 20, 20, 20]), 10_000, share_prompts=True) == [[0], [1, 2, 3]]
+    assert bucket_by_length(group([60, 20, 20, 20]), 10_000, share_prompts=True) == [[0, 1, 2, 3]]
+    assert bucket_by_length(group([60, 20, 20, 20]), 10_000) == [[0], [1, 2, 3]]
+
+
 def test_errors_name_the_fix():
     with pytest.raises(ValueError, match="raise the token budget to at least"):
         split_by_token_budget([_of_length(11)], 10)

@@ -288,6 +288,38 @@ def test_fast_learner_path_takes_the_same_step_as_the_old_one(learner, batch, st
         torch.testing.assert_close(delta_new[name], d, atol=1e-5 * scale + 2.4e-7, rtol=0, msg=name)
 
 
+def test_a_group_cut_to_spare_padding_takes_the_same_step(learner, monkeypatch):
+    """A GRPO group whose one long sample would pad the others runs it in a micro-batch of its own
+    (bucket_by_length, MICRO_BATCH_OVERHEAD); the update equals the one with the group whole."""
+    import stare_agent.train.batch as batch_module
+
+    prompt = _trajectory(60, 5, 1, 0, 0).prompt_ids
+    shapes = [(30, 4, 20), (2, 0, 1), (3, 0, 0), (2, 1, 1)]
+    group = [Trajectory(prompt, *astuple_rest(_trajectory(61 + k, 5, *s))) for k, s in enumerate(shapes)]
+    advantages = [1.0, -0.5, 0.25, -0.75]
+    start = _params(learner)
+
+    def one_step(overhead: int) -> tuple[list[list[int]], dict[str, float], dict[str, torch.Tensor]]:
+        monkeypatch.setattr(batch_module, "MICRO_BATCH_OVERHEAD", overhead)
+        try:
+            split = learner.compute_batches(group)
+            metrics = learner.update(group, advantages)
+            return split, metrics, {k: v - start[k] for k, v in _params(learner).items()}
+        finally:
+            _restore(learner, start)
+
+    default = batch_module.MICRO_BATCH_OVERHEAD
+    whole_split, whole, delta_whole = one_step(10_000)  # a micro-batch costs more than any padding
+    cut_split, cut, delta_cut = one_step(default)
+    assert whole_split == [[0, 3, 1, 2]]  # longest first, ties in batch order
+    # 5 + 4 x 54 + 64 = 285 padded-token units together; 59 + 64 + (5 + 3 x 4 + 64) = 204 cut
+    assert cut_split == [[0], [3, 1, 2]]  # the 59-token sample alone; the others are 8-9 tokens
+    assert cut["tokens"] == whole["tokens"] and cut["loss"] == pytest.approx(whole["loss"], rel=1e-5)
+    for name, d in delta_whole.items():
+        scale = float(d.abs().max()) + 1e-12
+        torch.testing.assert_close(delta_cut[name], d, atol=1e-5 * scale + 2.4e-7, rtol=0, msg=name)
+
+
 def test_sft_traces_of_different_problems_run_their_common_system_prompt_once(learner, monkeypatch):
     """SFT traces (and other prompts) share the chat template's system prompt: with share_prompts a
     micro-batch runs that common prefix once, not only a whole prompt its rows share, and the step
