@@ -16,9 +16,9 @@ Design (written before the first real run):
    config: DeepSpeed at the config's ZeRO stage and precision, torch AdamW with the config's betas,
    eps and weight decay, gradient clipping at ``optim.grad_clip``). Warm Adam: the first ``--warm``
    kept batches go through ``Learner.update`` with GRPO-ds's loss at the run's own lr (1e-30, below
-   float32 resolution: the weights are checked to be bit-identical afterwards), so m and v hold
-   ``--warm`` GRPO-ds gradients of the start and the weights are the start. That optimizer state
-   (and the lr schedule's) is kept.
+   float32 resolution: checked, at most 1e-20 per weight; the measured steps start from the saved start
+   weights themselves), so m and v hold ``--warm`` GRPO-ds gradients of the start. That optimizer
+   state (and the lr schedule's) is kept.
 3. On each of the next ``--batches`` kept batches, from the SAME start weights and the SAME warm
    optimizer state (restored before every step), ONE real ``Learner.update`` per arm and per lr
    (``--lrs``, default 1e-6, the paper's, and 1e-5, the closed loop's):
@@ -31,9 +31,11 @@ Design (written before the first real run):
    ``algorithm.scope`` (``micro_batch``: inside the learner's own micro-batches, as the trainer
    selects), the run's advantages (``grpo_advantages`` over the kept groups), ``policy_loss`` inside
    ``Learner.update``: the arms differ in their weights only.
-4. After each step the held-out bank's entropy ``H_bank`` (``stare_research.entropy_bank.bank_entropy``,
-   the study's ``eval/bank_entropy``, float32) is measured: ``dH = H_after - H_start``. The paired
-   LEVER EFFECT of an arm is ``dH_arm - dH_grpo_ds`` (same batch, same lr, same start, same Adam state).
+4. After each step the held-out bank's entropy ``H_bank`` is measured (fp32 logits, every token's
+   entropy summed in fp64: ``benchmarks/entropy_response.bank_entropy_by_rows``; the study's
+   ``eval/bank_entropy``, which sums in fp32, is logged at the start beside it): ``dH = H_after -
+   H_start``. The paired LEVER EFFECT of an arm is ``dH_arm - dH_grpo_ds`` (same batch, same lr, same
+   start, same Adam state).
 5. First order, preconditioned by Adam: the real displacement ``dtheta = theta_after - theta_start``
    of each step is known exactly, and ``h = grad H_bank`` at the start (one backward through the bank,
    fp32, ``benchmarks/entropy_response.bank_entropy_by_rows``), so an arm's first-order prediction is
@@ -100,6 +102,7 @@ CSV_FIELDS = (
     "warm",
     "M",
     "W",
+    "sgd_per_lr",
 )
 
 
@@ -174,6 +177,13 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
             ]
             lever = compare(meas, pred)
             lever["criterion_met"] = criterion_met(lever["measured"])
+            if all(by[(b, a)].get("sgd_per_lr") not in (None, "") for b in batches for a in (arm, "grpo_ds")):
+                lever["sgd_per_lr"] = interval(
+                    [
+                        float(by[(b, arm)]["sgd_per_lr"]) - float(by[(b, "grpo_ds")]["sgd_per_lr"])
+                        for b in batches
+                    ]
+                )
             per[f"{arm} - grpo_ds"] = lever
         out[f"{lr:g}"] = per
     return out
@@ -232,6 +242,17 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                 f"| {lr} | {arm} | {_fmt(c['measured'])} | {c['measured']['above_0']}/{n} | "
                 f"{_fmt(c['predicted'])} | {_ratio(c)} | {c['sign_agree']}/{n} | {verdict} |"
             )
+    first = next(iter(summary.values()), None)
+    if first is not None and "sgd_per_lr" in first["c2_lever - grpo_ds"]:
+        n = first["batches"]
+        lines += [
+            "",
+            "| lever, first order along the SGD direction (the clipped gradient), per unit lr | mean ± 95 % | batches > 0 |",
+            "|---|---:|---:|",
+        ]
+        for arm in ARMS[1:]:
+            c = first[f"{arm} - grpo_ds"]["sgd_per_lr"]
+            lines.append(f"| {arm} | {_fmt(c)} | {c['above_0']}/{n} |")
     lines.append("")
     for lr, per in summary.items():
         c = per["c2_lever - grpo_ds"]
@@ -388,6 +409,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         ap.error(
             f"--warm {args.warm} --batches {args.batches}: both must be >= 1 (Adam is warmed, then measured)"
         )
+    if args.from_run is not None and not (args.from_run / "config.yaml").is_file():
+        raise SystemExit(
+            f"--from-run {args.from_run}: no config.yaml: pass a run directory (trainer.run_dir)"
+        )
     if args.quick:
         args.batches, args.warm = min(args.batches, 2), min(args.warm, 1)
     torch.set_num_threads(args.threads)
@@ -415,7 +440,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         from stare_agent.models import tiny_model
 
         config = load_research_config(
-            None, ["deepspeed.precision=fp32", "optim.lr=1e-30", "optim.weight_decay=0"]
+            None,
+            [
+                "deepspeed.precision=fp32",
+                "optim.lr=1e-30",
+                "optim.weight_decay=0",
+                "algorithm.rollout_correction.mode=none",
+            ],
         )
         model, tok = tiny_model()
         data, bank = quick_data(tok, args.warm + args.batches)
@@ -473,16 +504,45 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     h = [p.grad.detach().clone() for p in params]
     module.zero_grad(set_to_none=True)
     h_norm = math.sqrt(sum(float(x.double().pow(2).sum()) for x in h))
+
+    def H_bank() -> float:
+        """The bank's entropy as dH is measured: fp32 logits, each token's entropy summed in fp64 (the
+        study's metric sums in fp32, whose rounding is a visible step on the tiny model)."""
+        with torch.no_grad():
+            return bank_entropy_by_rows(module, b_ids, b_attn, b_score)
+
+    H_measure = H_bank()
     log(
         f"bank: {len(bank)} episodes, {int(b_score.sum())} tokens, H_bank {H_start:.6f} (study's metric), "
-        f"{H_grad:.6f} (the gradient's pass), |h| {h_norm:.4g}"
+        f"{H_grad:.6f} (the gradient's pass), {H_measure:.6f} (without gradient: dH's reference), |h| {h_norm:.4g}"
+    )
+
+    # the measurement's floor: H_bank after a random displacement 1 % of the norm of an Adam step of the
+    # smallest lr (lr sqrt(#params)), minus its first-order change: float rounding, not the step
+    start = [p.detach().clone() for p in params]
+    n_params = sum(p.numel() for p in params)
+    gen = torch.Generator().manual_seed(0)
+    floor = []
+    for _ in range(2):
+        noise = [torch.randn(p.shape, generator=gen) for p in params]
+        scale = (
+            0.01 * min(args.lrs) * math.sqrt(n_params) / math.sqrt(sum(float(x.pow(2).sum()) for x in noise))
+        )
+        with torch.no_grad():
+            for p, x in zip(params, noise, strict=True):
+                p.add_(x.to(p.dtype), alpha=scale)
+        floor.append(abs(H_bank() - H_measure - displacement_response(h, params, start)))
+        with torch.no_grad():
+            for p, s in zip(params, start, strict=True):
+                p.copy_(s)
+    log(
+        f"measurement floor (|measured - first order| of a random displacement 1 % of a step): {max(floor):.2g}"
     )
 
     def advantages(batch: dict[str, Any]) -> torch.Tensor:
         return grpo_advantages(batch["rewards"], group_index=batch["group_index"])[0]
 
     # warm Adam at the run's lr (1e-30 for a draws run: the weights do not move)
-    start = [p.detach().clone() for p in params]
     warm_metrics = []
     for batch in data[: args.warm]:
         out = learner.update(batch["episodes"], advantages(batch))
@@ -492,12 +552,31 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         log(
             f"warm step on the run's step {batch['step']}: loss {out['loss']:.6g}, grad norm {out['grad_norm']:.6g}"
         )
+    # the measured steps start from `start` itself (restored before each); the warm steps' gradients were
+    # taken at start + at most `warm_moved` per weight (an Adam step of 1e-30 moves only weights near 0)
+    warm_moved = max(float((p.detach() - s).abs().max()) for p, s in zip(params, start, strict=True))
     moved = sum(not torch.equal(p, s) for p, s in zip(params, start, strict=True))
-    if moved:
+    log(
+        f"after warming: {moved} parameter tensors not bit-identical to the start, max |change| {warm_moved:.3g}"
+    )
+    if warm_moved > 1e-20:
         raise SystemExit(
-            f"warming Adam moved {moved} parameter tensors (lr {config.optim.lr:g}): the start must not move; "
+            f"warming Adam moved a weight by {warm_moved:.3g} (lr {config.optim.lr:g}): the start must not move; "
             "use a run at optim.lr=1e-30 (the draws run)"
         )
+    # -<h, g> of the gradient the optimizer steps on (after clipping): an SGD step's first-order dH per unit lr
+    captured: dict[str, float] = {}
+    adam_step = opt.step
+
+    def capturing_step(*a: Any, **k: Any) -> Any:
+        captured["sgd_per_lr"] = -sum(
+            float((hp.double() * p.grad.double()).sum())
+            for hp, p in zip(h, params, strict=True)
+            if p.grad is not None
+        )
+        return adam_step(*a, **k)
+
+    opt.step = capturing_step  # type: ignore[method-assign]
     warm_opt = copy.deepcopy(opt.state_dict())
     warm_sched = copy.deepcopy(learner.scheduler.state_dict())
 
@@ -513,11 +592,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "start": str(config.model.name_or_path),
         "H_start": H_start,
         "H_start_grad_pass": H_grad,
+        "H_start_measure": H_measure,
+        "measurement_floor": max(floor),
         "h_norm": h_norm,
         "bank_episodes": len(bank),
         "bank_tokens": int(b_score.sum()),
         "warm": args.warm,
         "warm_steps": warm_metrics,
+        "warm_moved_max": warm_moved,
+        "warm_moved_tensors": moved,
         "M": args.M,
         "W": args.W,
         "P": alg.P,
@@ -562,7 +645,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "tokens": int(mask.sum()),
             "n_L_minus": int(L_minus.sum()),
             "n_L_plus": int(L_plus.sum()),
-            "H_start": H_start,
+            "H_start": H_measure,
             "warm": args.warm,
             "M": args.M,
             "W": args.W,
@@ -573,8 +656,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 restore()
                 for group in opt.param_groups:
                     group["lr"] = lr
+                captured.clear()
                 out = learner.update(trajectories, A, weights)
-                H_after = bank_entropy(module, bank, pad)
+                H_after = H_bank()
                 with torch.no_grad():
                     disp = math.sqrt(
                         sum(
@@ -597,12 +681,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "lr": lr,
                     "arm": arm,
                     "H_after": H_after,
-                    "dH": H_after - H_start,
+                    "dH": H_after - H_measure,
                     "predicted": displacement_response(h, params, start),
                     "grad_norm": out["grad_norm"],
                     "loss": out["loss"],
                     "disp_norm": disp,
                     "lever_disp_norm": lever_disp,
+                    "sgd_per_lr": captured.get("sgd_per_lr", math.nan),
                 }
                 records.append(rec)
             by_arm = {r["arm"]: r for r in records[-3:]}
@@ -618,7 +703,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         log(f"batch {i} took {time.time() - tb:.0f} s")
 
     restore()
-    H_check = bank_entropy(module, bank, pad)
+    H_check = H_bank()
     meta["H_start_after_restore"] = H_check
     meta["wall_s"] = time.time() - t0
     meta["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -626,7 +711,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     save()
     (args.out / "summary.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
     log(
-        f"restored start: H_bank {H_check:.6f} ({'bit-identical' if H_check == H_start else 'DIFFERS'} to the first)"
+        f"restored start: H_bank {H_check:.6f} ({'bit-identical' if H_check == H_measure else 'DIFFERS'} to the first)"
     )
     print()
     print(table(summary, meta))
