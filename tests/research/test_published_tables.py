@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.adam_lever import tables_of_csv
 from stare_research.study import tables_from_csv
 from stare_research.tables import closed_loop_table, read_runs
 
@@ -19,6 +20,8 @@ REPRINTED = (
     ("study.md", "closed_loop.csv", closed_loop_table),
     ("study.md", "closed_loop_sft48.csv", closed_loop_table),
     ("study.md", "closed_loop_sft48_x2.csv", closed_loop_table),
+    # `python benchmarks/adam_lever.py --from-csv CSV`
+    ("study.md", "adam_lever_sft48.csv", tables_of_csv),
 )
 
 # Tables with no shipped data: (page, header row) -> (how many such tables, why).
