@@ -52,8 +52,8 @@ def main() -> None:
             resolve_policy_path(name), dtype=dtype, max_model_len=2048, kv_cache_gib=1, env=env
         )
         try:
-            assert engine._process is not None
-            pid = engine._process.pid
+            pid = engine.worker_pid
+            assert pid is not None, f"the vLLM worker exited: see {engine.log_path}"
             engine.generate(prompts[:1], SamplingParams(max_new_tokens=4), [])  # warm-up
             start = time.perf_counter()
             engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=128, seed=0), [])

@@ -303,6 +303,17 @@ class VLLMEngine:
         self._start(kwargs, worker_env, startup_timeout_s)
         _live.add(self)
 
+    @property
+    def worker_pid(self) -> int | None:
+        """The process id of the worker process this engine started, which runs ``vllm.LLM``
+        (read-only), e.g. to read its CPU time from ``/proc/<pid>/stat``
+        (``benchmarks/vllm_wait_policy.py``). None when there is no worker process: it exited (the
+        next call raises its exit as the error) or :meth:`close` stopped it."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            return None
+        return process.pid
+
     # ------------------------------------------------------------------ the worker
 
     def _start(self, kwargs: dict[str, Any], worker_env: dict[str, str], timeout_s: float) -> None:

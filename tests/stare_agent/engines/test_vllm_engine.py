@@ -14,6 +14,7 @@ STARE_REQUIRE names vllm (CI), where they fail with the fix.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -501,6 +502,25 @@ def test_an_engine_collected_at_interpreter_exit_says_nothing(monkeypatch, capsy
     engine.__del__()
 
 
+def test_worker_pid_is_the_live_worker_process_and_none_without_one():
+    """``worker_pid``, on an engine whose worker is a stand-in process (no vLLM): the process's id while
+    it runs, None before a worker started, once it exited, and after close(); read-only."""
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine._process = None
+    assert engine.worker_pid is None
+    engine._process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert engine.worker_pid == engine._process.pid
+        with pytest.raises(AttributeError):
+            engine.worker_pid = 1
+    finally:
+        engine._process.kill()
+        engine._process.wait(timeout=30)
+    assert engine.worker_pid is None  # exited
+    engine._process = None  # as close() leaves it
+    assert engine.worker_pid is None
+
+
 def test_worker_env_of_the_config_reaches_the_worker(monkeypatch):
     from stare_agent.config import load_config
     from stare_agent.engines import vllm_engine
@@ -720,6 +740,7 @@ def test_stuck_or_dead_worker_is_one_line_with_the_cause_and_fix(engine, tokeniz
     # Last in the module: it stops the shared engine's worker for good.
     import signal
 
+    assert engine.worker_pid == engine._process.pid  # the real worker, alive
     engine._process.send_signal(signal.SIGSTOP)  # alive but answering nothing
     engine.call_timeout_s = 2.0
     future = engine.submit(_chat(tokenizer, "Hi!"), SamplingParams(max_new_tokens=4))
@@ -727,6 +748,7 @@ def test_stuck_or_dead_worker_is_one_line_with_the_cause_and_fix(engine, tokeniz
         future.result(timeout=60)
     assert "\n" not in str(info.value)
     assert engine._process.wait(timeout=30) is not None  # the reader stopped it
+    assert engine.worker_pid is None
     # Any later call: the worker's exit, with its cause and the fix.
     for call in (engine.generate, lambda prompts, params: engine.submit(prompts[0], params)):
         with pytest.raises(VLLMEngineError, match=r"the vLLM worker exited with code -?\d+ during") as info:
