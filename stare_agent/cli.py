@@ -248,6 +248,22 @@ def _quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def _paper_run(args: argparse.Namespace) -> int:
+    from stare_agent.recipes.paper_run import run
+
+    return run(
+        args.arms,
+        gpus=args.gpus,
+        placement=args.placement,
+        runs=args.runs,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        dry_run=args.dry_run,
+        sft_overrides=args.sft_set,
+        rl_overrides=args.set,
+    )
+
+
 def _plot(args: argparse.Namespace) -> int:
     from stare_agent.config import ConfigError
     from stare_agent.recipes.plots import plot_dashboard
@@ -288,6 +304,12 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
+
+
+# `stare-agent paper-run`'s arms and placements (stare_agent.recipes.paper_run.ARMS and PLACEMENTS, which
+# import the config loader: the parser is built without it, for the slim install).
+PAPER_ARMS = ("stare-o1", "grpo-ds", "stare-c2")
+PAPER_PLACEMENTS = ("colocated", "separate")
 
 
 # The fields most runs set, listed by `stare-agent train --help` (all of them: docs/configuration.md).
@@ -496,6 +518,47 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=5 sandbox.backend=local"
     )
     p.set_defaults(func=_quickstart)
+
+    p = sub.add_parser(
+        "paper-run",
+        help="the paper's tool-use run on one 8-GPU node: cold-start SFT of Qwen2.5-7B, then the RL arms",
+        description="The paper's tool-use run on one node (docs/scaling.md): cold-start SFT of Qwen2.5-7B "
+        "on ReTool's traces, then STARE-O1 (and the other arms asked for) for 2,000 steps at 64 prompts x 8 "
+        "samples, each under torchrun on this node's GPUs. Earlier results in --runs are refused unless "
+        "--resume or --overwrite says what to do with them.",
+    )
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        default=["stare-o1"],
+        metavar="ARM",
+        help=f"any of {', '.join(PAPER_ARMS)}, run in the order given (default stare-o1)",
+    )
+    p.add_argument("--gpus", type=positive_int, default=8, help="GPUs of this node to use (default 8)")
+    p.add_argument(
+        "--placement",
+        choices=PAPER_PLACEMENTS,
+        default="colocated",
+        help="colocated: an engine on each learner GPU, asleep during the update; separate: half the "
+        "GPUs learn, half generate (docs/engines.md, Placement)",
+    )
+    p.add_argument("--runs", default="runs", help="directory of the SFT's and the arms' run directories")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep a finished SFT, continue each run from its last checkpoint, skip finished runs",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="delete the earlier SFT's and runs' results first"
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the commands and run nothing")
+    p.add_argument(
+        "--sft-set", action="append", default=[], metavar="KEY=VALUE", help="an override of the SFT config"
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="an override of every arm's config"
+    )
+    p.set_defaults(func=_paper_run)
 
     _add_plugin_commands(sub)
     return parser

@@ -1,6 +1,6 @@
 """The paper's headline run on one 8-GPU node, in one command: cold-start SFT, then RL.
 
-``bash scripts/launch_paper_run.sh`` (``python -m stare_agent.recipes.paper_run``) runs, one after the other:
+``stare-agent paper-run`` (``bash scripts/launch_paper_run.sh`` wraps it) runs, one after the other:
 
 1. ``stare-agent sft --config configs/sft_retool_qwen2.5_7b.yaml``: Qwen2.5-7B (base) on ReTool's
    2,000 cold-start traces;
@@ -33,7 +33,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import signal
@@ -353,80 +352,99 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage errors in one line of cause and fix (exit code 2), as ``stare-agent``'s."""
+def run(
+    arms: Sequence[str] = ("stare-o1",),
+    *,
+    gpus: int = GPUS,
+    placement: str = "colocated",
+    runs: str | os.PathLike[str] = "runs",
+    resume: bool = False,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    sft_overrides: Sequence[str] = (),
+    rl_overrides: Sequence[str] = (),
+) -> int:
+    """``stare-agent paper-run``: check this node's GPUs (not for a dry run), :func:`plan` the steps,
+    then print them (``dry_run``) or :func:`launch` them. Returns the exit status (0).
 
-    def error(self, message: str) -> Any:  # argparse's signature: NoReturn
-        self.exit(2, f"error: {self.prog}: {message}: see `{self.prog} --help`\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from stare_agent.cli import positive_int
-
-    p = _Parser(
-        prog="launch_paper_run.sh",
-        description="The paper's tool-use run on one node: cold-start SFT of Qwen2.5-7B, then STARE-O1 "
-        "(and the other arms asked for) for 2,000 steps at 64 prompts x 8 samples.",
+    Raises:
+        ConfigError: what :func:`plan` refuses.
+        LaunchError: too few GPUs, or a step that failed (the command that continues is named).
+    """
+    if not dry_run:
+        check_gpus(gpus)
+    steps = plan(
+        arms,
+        gpus=gpus,
+        placement=placement,
+        runs=runs,
+        resume=resume,
+        overwrite=overwrite,
+        sft_overrides=sft_overrides,
+        rl_overrides=rl_overrides,
     )
-    p.add_argument("--arms", nargs="+", default=["stare-o1"], help=f"any of {', '.join(ARMS)} (in order)")
-    p.add_argument("--gpus", type=positive_int, default=GPUS, help="GPUs of this node to use (default 8)")
-    p.add_argument(
-        "--placement",
-        choices=PLACEMENTS,
-        default="colocated",
-        help="colocated: an engine on each learner GPU, asleep during the update; separate: half the "
-        "GPUs learn, half generate (docs/engines.md, Placement)",
+    if dry_run:
+        print(render(steps), end="")
+        return 0
+    again = continue_command(
+        arms,
+        gpus=gpus,
+        placement=placement,
+        runs=runs,
+        sft_overrides=sft_overrides,
+        rl_overrides=rl_overrides,
     )
-    p.add_argument("--runs", default="runs", help="directory of the SFT's and the arms' run directories")
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="keep a finished SFT, continue each run from its last checkpoint, skip finished runs",
+    return launch(steps, resume_hint=again)
+
+
+def continue_command(
+    arms: Sequence[str] = ("stare-o1",),
+    *,
+    gpus: int = GPUS,
+    placement: str = "colocated",
+    runs: str | os.PathLike[str] = "runs",
+    sft_overrides: Sequence[str] = (),
+    rl_overrides: Sequence[str] = (),
+) -> str:
+    """The ``stare-agent paper-run`` command of these options (the ones not at their defaults), to
+    which a failed launch's message adds ``--resume``.
+
+    >>> continue_command(["stare-o1", "grpo-ds"], gpus=4, rl_overrides=["trainer.seed=3"])
+    'stare-agent paper-run --arms stare-o1 grpo-ds --gpus 4 --set trainer.seed=3'
+    """
+    argv = ["stare-agent", "paper-run"]
+    if list(arms) != ["stare-o1"]:
+        argv += ["--arms", *arms]
+    if gpus != GPUS:
+        argv += ["--gpus", str(gpus)]
+    if placement != "colocated":
+        argv += ["--placement", placement]
+    if str(runs) != "runs":
+        argv += ["--runs", str(runs)]
+    for override in sft_overrides:
+        argv += ["--sft-set", override]
+    for override in rl_overrides:
+        argv += ["--set", override]
+    return shlex.join(argv)
+
+
+__all__ = [
+    "ARMS",
+    "LaunchError",
+    "Step",
+    "check_gpus",
+    "continue_command",
+    "launch",
+    "placement_overrides",
+    "plan",
+    "run",
+]
+
+
+if __name__ == "__main__":  # the launcher's old entry: it runs as one subcommand of the CLI now
+    print(
+        "error: python -m stare_agent.recipes.paper_run is now a subcommand: run "
+        "`stare-agent paper-run` (or `python -m stare_agent.cli paper-run`) with the same options",
+        file=sys.stderr,
     )
-    p.add_argument(
-        "--overwrite", action="store_true", help="delete the earlier SFT's and runs' results first"
-    )
-    p.add_argument("--dry-run", action="store_true", help="print the commands and run nothing")
-    p.add_argument(
-        "--sft-set", action="append", default=[], metavar="KEY=VALUE", help="an override of the SFT config"
-    )
-    p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="an override of every arm's config"
-    )
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        if not args.dry_run:
-            check_gpus(args.gpus)
-        steps = plan(
-            args.arms,
-            gpus=args.gpus,
-            placement=args.placement,
-            runs=args.runs,
-            resume=args.resume,
-            overwrite=args.overwrite,
-            sft_overrides=args.sft_set,
-            rl_overrides=args.set,
-        )
-        if args.dry_run:
-            print(render(steps), end="")
-            return 0
-        return launch(steps, resume_hint=_resume_hint(argv))
-    except StareError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-
-def _resume_hint(argv: Sequence[str] | None) -> str:
-    given = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--resume", "--overwrite")]
-    return shlex.join(["bash", "scripts/launch_paper_run.sh", *given])
-
-
-__all__ = ["ARMS", "LaunchError", "Step", "check_gpus", "launch", "main", "placement_overrides", "plan"]
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(2)

@@ -1,7 +1,8 @@
-"""The paper run's launcher (scripts/launch_paper_run.sh, stare_agent.recipes.paper_run) on a CPU: the
-commands its dry run prints load through the project's config loader with the paper's settings, earlier
-runs are refused unless resumed or overwritten, and a machine without the GPUs gets one line of error.
-Nothing here starts a GPU process: the 8-GPU run itself is not tested here."""
+"""The paper run's launcher (`stare-agent paper-run`, stare_agent.recipes.paper_run, and its wrapper
+scripts/launch_paper_run.sh) on a CPU: the commands its dry run prints load through the project's config
+loader with the paper's settings, earlier runs are refused unless resumed or overwritten, and bad input
+or a machine without the GPUs gets the CLI's one line of error. Nothing here starts a GPU process: the
+8-GPU run itself is not tested here."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 
 from stare_agent import cli
 from stare_agent.config import ConfigError, RunConfig, load_config
-from stare_agent.recipes.paper_run import LaunchError, Step, check_gpus, launch, main, plan
+from stare_agent.recipes import paper_run
+from stare_agent.recipes.paper_run import LaunchError, Step, check_gpus, continue_command, launch, plan
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "scripts" / "launch_paper_run.sh"
@@ -30,6 +32,11 @@ def _script(*args: str, **environ: str) -> subprocess.CompletedProcess:
         timeout=300,
         env={**env, "PYTHON": sys.executable, **environ},
     )
+
+
+def main(argv: list[str]) -> int:
+    """``stare-agent paper-run ARGV`` through the CLI's own entry (its parser and its error handling)."""
+    return cli.main(["paper-run", *argv])
 
 
 def _loaded(line: str) -> tuple[list[str], RunConfig]:
@@ -208,6 +215,68 @@ def test_too_few_gpus_is_one_line_of_error_and_enough_pass(monkeypatch):
     assert check_gpus(8, visible=8) == 8
 
 
+def test_the_subcommand_refuses_earlier_results_and_bad_input_in_the_clis_one_line(capsys, tmp_path):
+    """`stare-agent paper-run` errors are the CLI's: exit code 2, one line of cause and fix on stderr,
+    nothing on stdout (the launcher's own argparse entry once printed them its own way)."""
+    _run(tmp_path, "stare_o1", 50)
+    cases = [
+        (["--dry-run", "--runs", str(tmp_path)], f"error: earlier results: {tmp_path}/stare_o1_retool"),
+        (["--dry-run", "--arms", "stare-o3"], "error: --arms stare-o3: name one or more of stare-o1, "),
+        (["--dry-run", "--resume", "--overwrite"], "error: --resume continues the runs and --overwrite"),
+        (["--placement", "sideways"], "error: stare-agent paper-run: argument --placement: invalid choice"),
+        (["--gpus", "0"], "error: stare-agent paper-run: argument --gpus: 0 must be >= 1"),
+    ]
+    for argv, expected in cases:
+        try:
+            code = main(argv)
+        except SystemExit as exit_:  # argparse's usage errors, through the CLI's parser
+            code = exit_.code
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "", argv
+        assert len(err.splitlines()) == 1 and err.startswith(expected), err
+    assert main(["--dry-run", "--runs", str(tmp_path), "--resume"]) == 0
+    _, rl_line = capsys.readouterr().out.splitlines()  # the run of step 50 is continued
+    argv = shlex.split(rl_line)
+    assert argv[argv.index("--config") + 2] == "--resume"
+
+
+def test_the_clis_arms_and_placements_are_the_recipes():
+    """The parser is built without the config loader (the slim install), so it names them itself."""
+    assert cli.PAPER_ARMS == tuple(paper_run.ARMS)
+    assert cli.PAPER_PLACEMENTS == paper_run.PLACEMENTS
+    assert cli.build_parser().parse_args(["paper-run"]).gpus == paper_run.GPUS
+    assert "paper-run" in cli.build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001
+
+
+def test_the_old_module_entry_points_to_the_subcommand():
+    done = subprocess.run(
+        [sys.executable, "-m", "stare_agent.recipes.paper_run", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "error: python -m stare_agent.recipes.paper_run is now a subcommand: run `stare-agent paper-run` "
+        "(or `python -m stare_agent.cli paper-run`) with the same options"
+    ]
+
+
+def test_a_failed_launch_names_the_subcommand_that_continues_it(monkeypatch, tmp_path):
+    assert continue_command() == "stare-agent paper-run"
+    assert continue_command(
+        ["grpo-ds"], gpus=4, placement="separate", runs=tmp_path / "r x", sft_overrides=["sft.epochs=2"]
+    ) == shlex.join(
+        ["stare-agent", "paper-run", "--arms", "grpo-ds", "--gpus", "4", "--placement", "separate"]
+        + ["--runs", str(tmp_path / "r x"), "--sft-set", "sft.epochs=2"]
+    )
+    hints: list[str] = []
+    monkeypatch.setattr(paper_run, "check_gpus", lambda needed: needed)
+    monkeypatch.setattr(paper_run, "launch", lambda steps, *, resume_hint: hints.append(resume_hint) or 0)
+    assert main(["--runs", str(tmp_path), "--set", "trainer.seed=3"]) == 0
+    assert hints == [f"stare-agent paper-run --runs {tmp_path} --set trainer.seed=3"]
+
+
 def test_the_steps_run_in_order_and_the_first_failure_stops_the_launch(tmp_path, capsys, monkeypatch):
     """A stand-in for torchrun records each command line and fails the one named in FAIL."""
     log = tmp_path / "calls.txt"
@@ -224,14 +293,14 @@ def test_the_steps_run_in_order_and_the_first_failure_stops_the_launch(tmp_path,
     ]
     monkeypatch.setenv("FAIL", "configs/c.yaml")
     with pytest.raises(LaunchError) as failed:
-        launch(steps, [sys.executable, str(fake)], resume_hint="bash scripts/launch_paper_run.sh")
+        launch(steps, [sys.executable, str(fake)], resume_hint="stare-agent paper-run")
     assert log.read_text().splitlines() == [
         "--standalone --nproc_per_node 4 -m stare_agent.cli train --config configs/b.yaml --resume y=2",
         "--standalone --nproc_per_node 8 -m stare_agent.cli train --config configs/c.yaml",
     ]
     assert str(failed.value) == (
         "grpo-ds (train) exited with status 3: fix the cause printed above, then continue with "
-        "bash scripts/launch_paper_run.sh --resume"
+        "stare-agent paper-run --resume"
     )
     out = capsys.readouterr().out
     assert "[sft] skipped: finished" in out and "[stare-o1] done" in out
