@@ -25,7 +25,13 @@ Design (written before the first real run):
 
    - ``grpo_ds``: every weight 1 (``weights=None``, GRPO-ds's loss);
    - ``c2_lever``: C2's lever alone, M = ``--M`` (0.9) on L-, W = 1 on L+, the gate forced on;
-   - ``lplus_lever``: O1's lever alone, W = ``--W`` (3) on L+, the gate forced on.
+   - ``lplus_lever``: O1's lever alone, W = ``--W`` (3) on L+, the gate forced on;
+   - ``c2_placebo`` (added after the first real run, plan written before its own run): the same M on a
+     seeded uniformly random subset of T- of exactly |L-| tokens, drawn inside each selection block of
+     L- (each micro-batch in the ``micro_batch`` scope, :func:`random_subset`), W = 1 elsewhere; the
+     seed is ``--placebo-seed * 1_000_003 + the run's step`` (fixed per batch, recorded as
+     ``placebo_seed``). ONE draw per batch: the placebo's numbers are one random subset per batch,
+     not an expectation over subsets.
 
    The weights are ``stare_weights`` of the pre-update log-probs with the run's ``algorithm.P`` and
    ``algorithm.scope`` (``micro_batch``: inside the learner's own micro-batches, as the trainer
@@ -53,6 +59,21 @@ Pre-stated criterion (before any real number was seen): C2's sign survives real 
 lr if the paired lever effect of M 0.9 on L- (``dH_c2_lever - dH_grpo_ds``) has a 95 % t interval over
 the batches entirely above 0. The same reading is reported for W 3 on L+ (its sign either way).
 
+Pre-stated placebo criterion (written before the placebo arm's first real run, issue 44): the surprisal
+selection matters for the lever at a given lr if C2-lever minus placebo (``dH_c2_lever -
+dH_c2_placebo``, same batch) has a 95 % t interval over the batches entirely above 0; if the interval
+holds 0, the lever's effect is not shown to depend on which T- tokens are chosen.
+
+``--merge RECORDS_JSON`` measures only ``--arms`` (arms the earlier records lack) on the earlier run's
+batches and merges: the same start and bank (H_bank at the start equal to 1e-12), the same warm Adam
+state made the same way (the same ``--warm`` batches through ``Learner.update``), the same batches
+(step, tokens, |L-|, |L+| checked per batch), the same ``--lrs`` and ``M``; GRPO-ds is re-measured on
+the first batch at every lr and must reproduce its recorded dH to 1e-9 (printed as ``CHECK``), else
+the run stops without merging. Only the new arm's records are added; the earlier ones are kept as
+recorded. The new arm's ``lever_disp_norm`` is NaN on batches without a GRPO-ds step in this run.
+The check catches a changed learner: after 58e2ed8 (micro-batches cut at other rows) the warm gradients
+differ from the first run's, so the placebo run of the study ran this file on the tree of 58e2ed8's parent.
+
 Output in ``--out``: ``records.json`` (meta and one record per batch x lr x arm, written after every
 batch, so a stopped run keeps what it measured), ``records.csv`` (the same records, the table's data:
 ``--from-csv`` reprints the table from it), ``summary.json``.
@@ -60,6 +81,9 @@ batch, so a stopped run keeps what it measured), ``records.csv`` (the same recor
     .venv/bin/python benchmarks/adam_lever.py --quick --out /tmp/adam_lever_quick
     .venv/bin/python benchmarks/adam_lever.py --from-run runs/closed_loop_sft48/runs/draws --warm 4 \\
         --batches 10 --out runs/adam_lever_sft48
+    .venv/bin/python benchmarks/adam_lever.py --from-run runs/closed_loop_sft48/runs/draws --warm 4 \
+        --batches 13 --arms c2_placebo --merge runs/adam_lever_sft48/records.json \
+        --out runs/adam_lever_sft48_placebo          # the placebo arm alone, merged with the earlier run
     .venv/bin/python benchmarks/adam_lever.py --from-csv docs/research/adam_lever_sft48.csv   # the table
 """
 
@@ -82,7 +106,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stare_agent.intervals import mean_sd_ci  # noqa: E402
 
-ARMS = ("grpo_ds", "c2_lever", "lplus_lever")
+ARMS = ("grpo_ds", "c2_lever", "lplus_lever", "c2_placebo")
+# the placebo's paired comparison: C2's lever (surprisal-selected L-) minus the same M on a random subset
+PLACEBO_PAIR = "c2_lever - c2_placebo"
 CSV_FIELDS = (
     "batch",
     "step",
@@ -103,7 +129,10 @@ CSV_FIELDS = (
     "M",
     "W",
     "sgd_per_lr",
+    "placebo_seed",
 )
+# columns a CSV written before the placebo arm lacks
+OPTIONAL_FIELDS = ("placebo_seed",)
 
 
 # ------------------------------------------------------------------------------------ pure part
@@ -118,6 +147,33 @@ def displacement_response(
     for hp, p, p0 in zip(h, params, start, strict=True):
         total += float((hp.double() * (p.detach().double() - p0.double())).sum())
     return total
+
+
+def random_subset(
+    L_minus: torch.Tensor, T_minus: torch.Tensor, blocks: Sequence[torch.Tensor], seed: int
+) -> torch.Tensor:
+    """The placebo's tokens: inside each selection block (rows ``blocks[i]``, the scope of L-), exactly
+    as many tokens as L- holds there, drawn uniformly without replacement from that block's T- with a
+    ``torch.Generator`` seeded by ``seed`` (CPU, so the draw is the same on any device). One draw: the
+    placebo arm is one random subset per batch, not an expectation over subsets."""
+    if L_minus.shape != T_minus.shape:
+        raise ValueError(f"L- {tuple(L_minus.shape)} and T- {tuple(T_minus.shape)} must have one shape")
+    L_minus, T_minus = L_minus.bool(), T_minus.bool()
+    if (L_minus & ~T_minus).any():
+        raise ValueError("L- must lie inside T-")
+    gen = torch.Generator().manual_seed(int(seed))
+    out = torch.zeros_like(T_minus)
+    for rows in blocks:
+        rows = rows.to(T_minus.device)
+        k = int(L_minus[rows].sum())
+        cand = T_minus[rows].nonzero()  # [n, 2]: (row within the block, position), row-major order
+        if k == 0:
+            continue
+        pick = cand[torch.randperm(len(cand), generator=gen)[:k].to(cand.device)]
+        sub = torch.zeros_like(T_minus[rows])
+        sub[pick[:, 0], pick[:, 1]] = True
+        out[rows] = sub
+    return out
 
 
 def interval(xs: Sequence[float]) -> dict[str, float]:
@@ -156,35 +212,42 @@ def criterion_met(stats: dict[str, float]) -> bool:
     return stats["n"] >= 2 and not math.isnan(stats["ci95"]) and stats["low"] > 0
 
 
+def arms_of(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The arms the records hold, in ``ARMS`` order (GRPO-ds first: every lever is paired with it)."""
+    have = {r["arm"] for r in records}
+    if "grpo_ds" not in have:
+        raise ValueError("the records hold no grpo_ds arm: every lever is paired with it")
+    return [a for a in ARMS if a in have]
+
+
 def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per lr: each arm's own dH against ``<h, dtheta>``, and each lever's paired effect (arm minus
     GRPO-ds on the same batch) against ``<h, dtheta_arm - dtheta_grpo_ds>``."""
     out: dict[str, Any] = {}
     lrs = sorted({float(r["lr"]) for r in records})
+    present = arms_of(records)
     for lr in lrs:
         by = {(int(r["batch"]), r["arm"]): r for r in records if float(r["lr"]) == lr}
-        batches = sorted({b for b, arm in by if all((b, a) in by for a in ARMS)})
+        batches = sorted({b for b, arm in by if all((b, a) in by for a in present)})
         if not batches:
             continue
         per: dict[str, Any] = {"batches": len(batches)}
-        for arm in ARMS:
+        for arm in present:
             rows = [by[(b, arm)] for b in batches]
             per[arm] = compare([float(r["dH"]) for r in rows], [float(r["predicted"]) for r in rows])
-        for arm in ARMS[1:]:
-            meas = [float(by[(b, arm)]["dH"]) - float(by[(b, "grpo_ds")]["dH"]) for b in batches]
-            pred = [
-                float(by[(b, arm)]["predicted"]) - float(by[(b, "grpo_ds")]["predicted"]) for b in batches
-            ]
+        pairs = [(arm, "grpo_ds") for arm in present[1:]]
+        if "c2_lever" in present and "c2_placebo" in present:
+            pairs.append(("c2_lever", "c2_placebo"))
+        for arm, base in pairs:
+            meas = [float(by[(b, arm)]["dH"]) - float(by[(b, base)]["dH"]) for b in batches]
+            pred = [float(by[(b, arm)]["predicted"]) - float(by[(b, base)]["predicted"]) for b in batches]
             lever = compare(meas, pred)
             lever["criterion_met"] = criterion_met(lever["measured"])
-            if all(by[(b, a)].get("sgd_per_lr") not in (None, "") for b in batches for a in (arm, "grpo_ds")):
+            if all(by[(b, a)].get("sgd_per_lr") not in (None, "") for b in batches for a in (arm, base)):
                 lever["sgd_per_lr"] = interval(
-                    [
-                        float(by[(b, arm)]["sgd_per_lr"]) - float(by[(b, "grpo_ds")]["sgd_per_lr"])
-                        for b in batches
-                    ]
+                    [float(by[(b, arm)]["sgd_per_lr"]) - float(by[(b, base)]["sgd_per_lr"]) for b in batches]
                 )
-            per[f"{arm} - grpo_ds"] = lever
+            per[f"{arm} - {base}"] = lever
         out[f"{lr:g}"] = per
     return out
 
@@ -222,7 +285,7 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     ]
     for lr, per in summary.items():
         n = per["batches"]
-        for arm in ARMS:
+        for arm in (a for a in ARMS if a in per):
             c = per[arm]
             lines.append(
                 f"| {lr} | {arm} | {_fmt(c['measured'])} | {c['measured']['above_0']}/{n} | "
@@ -235,7 +298,7 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     ]
     for lr, per in summary.items():
         n = per["batches"]
-        for arm in ARMS[1:]:
+        for arm in (a for a in ARMS[1:] if a in per):
             c = per[f"{arm} - grpo_ds"]
             verdict = "yes" if c["criterion_met"] else "no"
             lines.append(
@@ -250,15 +313,45 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> str:
             "| lever, first order along the SGD direction (the clipped gradient), per unit lr | mean ± 95 % | batches > 0 |",
             "|---|---:|---:|",
         ]
-        for arm in ARMS[1:]:
+        for arm in (a for a in ARMS[1:] if a in first):
             c = first[f"{arm} - grpo_ds"]["sgd_per_lr"]
             lines.append(f"| {arm} | {_fmt(c)} | {c['above_0']}/{n} |")
+    if first is not None and PLACEBO_PAIR in first:
+        lines += [
+            "",
+            f"Placebo: c2_placebo is M {meta['M']:g} on ONE seeded uniformly random subset of T- per batch, of "
+            "exactly |L-| tokens in each micro-batch (one draw, not an expectation over subsets)",
+            "",
+            "| lr | C2's lever minus placebo (paired) | measured | batches > 0 | first order | measured / predicted, per batch (of means) | signs agree | 95 % interval above 0 |",
+            "|---|---|---:|---:|---:|---:|---:|---|",
+        ]
+        for lr, per in summary.items():
+            n = per["batches"]
+            c = per[PLACEBO_PAIR]
+            verdict = "yes" if c["criterion_met"] else "no"
+            lines.append(
+                f"| {lr} | c2_lever - c2_placebo | {_fmt(c['measured'])} | {c['measured']['above_0']}/{n} | "
+                f"{_fmt(c['predicted'])} | {_ratio(c)} | {c['sign_agree']}/{n} | {verdict} |"
+            )
     lines.append("")
     for lr, per in summary.items():
         c = per["c2_lever - grpo_ds"]
         verdict = "MET" if c["criterion_met"] else "NOT met"
         lines.append(
             f"criterion at lr {lr}: C2's lever {_fmt(c['measured'])} "
+            f"[{c['measured']['low']:+.2e}, {c['measured']['high']:+.2e}]: {verdict}"
+        )
+    for lr, per in summary.items():
+        if PLACEBO_PAIR not in per:
+            continue
+        c = per[PLACEBO_PAIR]
+        verdict = (
+            "MET (the surprisal selection matters)"
+            if c["criterion_met"]
+            else "NOT met (the lever's effect is not shown to depend on which T- tokens are chosen)"
+        )
+        lines.append(
+            f"placebo criterion at lr {lr}: C2's lever minus placebo {_fmt(c['measured'])} "
             f"[{c['measured']['low']:+.2e}, {c['measured']['high']:+.2e}]: {verdict}"
         )
     return "\n".join(lines)
@@ -287,7 +380,7 @@ def write_csv(records: Sequence[dict[str, Any]], path: Path) -> None:
 def read_csv(path: Path) -> list[dict[str, Any]]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    if not rows or set(CSV_FIELDS) - set(rows[0]):
+    if not rows or set(CSV_FIELDS) - set(OPTIONAL_FIELDS) - set(rows[0]):
         raise SystemExit(f"{path}: not a records.csv of this benchmark (columns {', '.join(CSV_FIELDS)})")
     return rows
 
@@ -392,6 +485,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
     ap.add_argument("--M", type=float, default=0.9, help="C2's weight on L- (c2_lever)")
     ap.add_argument("--W", type=float, default=3.0, help="the weight on L+ (lplus_lever)")
+    ap.add_argument(
+        "--arms", nargs="+", choices=ARMS, default=list(ARMS), help="the arms measured (default: all)"
+    )
+    ap.add_argument(
+        "--placebo-seed",
+        type=int,
+        default=0,
+        help="c2_placebo's subset of a batch is drawn with seed placebo_seed * 1_000_003 + the run's step",
+    )
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        default=None,
+        help="a records.json of an earlier run of the same start: measure only --arms (not in it) on its "
+        "batches, re-measure grpo_ds on the first batch as a check (|dH - recorded| <= 1e-9 at every lr, "
+        "else stop), and write the merged records to --out",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--from-csv", type=Path, default=None, help="reprint the table of a records.csv and exit")
@@ -415,6 +525,36 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         )
     if args.quick:
         args.batches, args.warm = min(args.batches, 2), min(args.warm, 1)
+    if "grpo_ds" not in args.arms and args.merge is None:
+        ap.error(
+            "--arms must include grpo_ds (every lever is paired with it), or --merge an earlier run's records"
+        )
+    if args.merge is not None:
+        earlier = json.loads(args.merge.read_text())
+        old_meta, old_records = earlier["meta"], earlier["records"]
+        have = {r["arm"] for r in old_records}
+        if set(args.arms) & have:
+            ap.error(
+                f"--merge {args.merge} already holds arms {sorted(set(args.arms) & have)}: leave them out of --arms"
+            )
+        old_lrs = sorted({float(r["lr"]) for r in old_records})
+        clash = {
+            "--from-run": (
+                str(args.from_run) if args.from_run else "quick (tiny random model)",
+                old_meta.get("run"),
+            ),
+            "--warm": (args.warm, old_meta.get("warm")),
+            "--M": (args.M, old_meta.get("M")),
+            "--lrs": (sorted(args.lrs), old_lrs),
+            "--batches": (args.batches, 1 + max(int(r["batch"]) for r in old_records)),
+        }
+        bad = {k: v for k, v in clash.items() if v[0] != v[1]}
+        if bad:
+            ap.error(
+                f"--merge {args.merge}: this run differs from the earlier one in "
+                + ", ".join(f"{k} {a} (earlier {b})" for k, (a, b) in bad.items())
+            )
+        args.merge_data = earlier
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -424,6 +564,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.entropy_response import bank_entropy_by_rows, episode_rows
     from stare_agent.algorithms.advantages import broadcast_to_tokens, grpo_advantages
+    from stare_agent.algorithms.selection import selection_blocks
     from stare_agent.algorithms.stare import stare_weights
     from stare_agent.config import CONFIG_FILENAME
     from stare_agent.train.batch import collate
@@ -614,12 +755,33 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "precision": learner.precision,
         "machine": machine_line(),
         "command": " ".join(["python", *sys.argv]),
+        "arms": list(args.arms),
+        "placebo_seed": args.placebo_seed,
     }
     records: list[dict[str, Any]] = []
+    merge = getattr(args, "merge_data", None)
+    if merge is not None:
+        recorded = {(int(r["batch"]), float(r["lr"]), r["arm"]): r for r in merge["records"]}
+        if abs(H_measure - float(merge["meta"]["H_start_measure"])) > 1e-12:
+            raise SystemExit(
+                f"--merge: H_bank at the start {H_measure!r} is not the earlier run's "
+                f"{merge['meta']['H_start_measure']!r}: not the same start or bank; not merged"
+            )
+        meta["merge"] = {
+            "from": str(args.merge),
+            "earlier_command": merge["meta"].get("command"),
+            "check": [],
+        }
 
     def save() -> None:
-        (args.out / "records.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-        write_csv(records, args.out / "records.csv")
+        out_records = (
+            records if merge is None else [*merge["records"], *(r for r in records if not r.get("check"))]
+        )
+        out_meta = meta if merge is None else {**merge["meta"], "placebo_run": meta}
+        (args.out / "records.json").write_text(
+            json.dumps({"meta": out_meta, "records": out_records}, indent=1)
+        )
+        write_csv(out_records, args.out / "records.csv")
 
     for i, batch in enumerate(data[args.warm : args.warm + args.batches]):
         tb = time.time()
@@ -638,7 +800,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             )  # fmt: skip
         w_c2, _, L_minus, _ = levers["C2"]
         w_plus, L_plus, _, _ = levers["O1"]
-        arms = {"grpo_ds": None, "c2_lever": w_c2, "lplus_lever": w_plus}
+        # the placebo: the same M on a seeded uniformly random subset of T-, |L-| tokens in each block of
+        # L-'s own scope; 1 elsewhere (C2's L+ weight is 1 here)
+        T_minus = mask.bool() & (A_tok < 0)
+        seed = args.placebo_seed * 1_000_003 + int(batch["step"])
+        blocks = selection_blocks(mask.shape[0], alg.scope, split, None, mask.device)
+        placebo = random_subset(L_minus, T_minus, blocks, seed)
+        w_placebo = torch.ones_like(w_c2)
+        w_placebo[placebo] = args.M
+        all_arms = {"grpo_ds": None, "c2_lever": w_c2, "lplus_lever": w_plus, "c2_placebo": w_placebo}
+        run_arms = [a for a in ARMS if a in args.arms or (a == "grpo_ds" and merge is not None and i == 0)]
+        arms = {a: all_arms[a] for a in run_arms}
         common = {
             "batch": i,
             "step": batch["step"],
@@ -649,7 +821,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "warm": args.warm,
             "M": args.M,
             "W": args.W,
+            "placebo_seed": seed,
         }
+        if merge is not None:
+            old = recorded.get((i, float(args.lrs[0]), "grpo_ds"))
+            same = old is not None and all(
+                int(old[k]) == common[k] for k in ("step", "tokens", "n_L_minus", "n_L_plus")
+            )
+            if not same:
+                raise SystemExit(
+                    f"--merge: batch {i} is not the earlier run's (step, tokens, |L-|, |L+|): "
+                    f"{[common[k] for k in ('step', 'tokens', 'n_L_minus', 'n_L_plus')]} against "
+                    f"{None if old is None else [old[k] for k in ('step', 'tokens', 'n_L_minus', 'n_L_plus')]}; not merged"
+                )
         for lr in args.lrs:
             after_grpo: list[torch.Tensor] | None = None
             for arm, weights in arms.items():
@@ -666,9 +850,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                             for p, s in zip(params, start, strict=True)
                         )
                     )
-                    if after_grpo is None:
+                    if arm == "grpo_ds":
                         after_grpo = [p.detach().clone() for p in params]
                         lever_disp = 0.0
+                    elif after_grpo is None:  # no grpo_ds step on this batch (a --merge run)
+                        lever_disp = math.nan
                     else:
                         lever_disp = math.sqrt(
                             sum(
@@ -689,15 +875,41 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "lever_disp_norm": lever_disp,
                     "sgd_per_lr": captured.get("sgd_per_lr", math.nan),
                 }
+                if merge is not None and arm == "grpo_ds":
+                    # the check: the same start, warm state and step reproduce the recorded dH
+                    old = recorded[(i, float(lr), "grpo_ds")]
+                    diff = abs(rec["dH"] - float(old["dH"]))
+                    check = {
+                        "batch": i,
+                        "lr": lr,
+                        "dH": rec["dH"],
+                        "recorded_dH": float(old["dH"]),
+                        "abs_diff": diff,
+                        "bit_identical": rec["dH"] == float(old["dH"]),
+                        "grad_norm_identical": rec["grad_norm"] == float(old["grad_norm"]),
+                    }
+                    meta["merge"]["check"].append(check)
+                    rec["check"] = True
+                    log(
+                        f"CHECK grpo_ds batch {i} lr {lr:g}: dH {rec['dH']!r} recorded {float(old['dH'])!r}, "
+                        f"|diff| {diff:.3g} ({'bit-identical' if check['bit_identical'] else 'not bit-identical'}), "
+                        f"grad norm {'identical' if check['grad_norm_identical'] else 'DIFFERS'}"
+                    )
+                    if not diff <= 1e-9:
+                        save()
+                        raise SystemExit(
+                            f"--merge: grpo_ds does not reproduce its recorded dH on batch {i} at lr {lr:g} "
+                            f"(|diff| {diff:.3g} > 1e-9): the single-arm run is not the same measurement; not merged"
+                        )
                 records.append(rec)
-            by_arm = {r["arm"]: r for r in records[-3:]}
+            by_arm = {r["arm"]: r for r in records if r["batch"] == i and r["lr"] == lr}
             log(
                 f"batch {i} (step {batch['step']}, {common['tokens']} tokens, |L-| {common['n_L_minus']}, "
                 f"|L+| {common['n_L_plus']}) lr {lr:g}: "
                 + ", ".join(
                     f"{a} dH {r['dH']:+.3e} (1st order {r['predicted']:+.3e})" for a, r in by_arm.items()
                 )
-                + f"; |dtheta| {by_arm['grpo_ds']['disp_norm']:.3g}"
+                + f"; |dtheta| {next(iter(by_arm.values()))['disp_norm']:.3g}"
             )
         save()
         log(f"batch {i} took {time.time() - tb:.0f} s")
@@ -707,9 +919,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     meta["H_start_after_restore"] = H_check
     meta["wall_s"] = time.time() - t0
     meta["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    summary = summarize(records)
     save()
-    (args.out / "summary.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
+    saved = json.loads((args.out / "records.json").read_text())
+    summary = summarize(saved["records"])
+    (args.out / "summary.json").write_text(json.dumps({"meta": saved["meta"], "summary": summary}, indent=1))
     log(
         f"restored start: H_bank {H_check:.6f} ({'bit-identical' if H_check == H_measure else 'DIFFERS'} to the first)"
     )

@@ -16,8 +16,12 @@ from benchmarks.adam_lever import (
     displacement_response,
     interval,
     main,
+    random_subset,
     summarize,
+    tables,
 )
+from stare_agent.algorithms.selection import selection_blocks
+from stare_agent.algorithms.stare import stare_weights
 
 
 def test_displacement_response_is_the_inner_product_with_the_real_displacement():
@@ -75,6 +79,80 @@ def test_summarize_pairs_each_lever_with_grpo_ds_on_the_same_batch():
     assert s["grpo_ds"]["measured"]["mean"] == pytest.approx(-0.015)
 
 
+def _c2_selection(seed: int = 0):
+    """A batch of 6 rows in 2 micro-batches with STARE's own C2 selection: (T-, L-, the blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = 6, 40
+    mask = torch.ones(B, T)
+    mask[:, 30:] = 0
+    A = torch.tensor([1.0, -1.0, -0.5, 0.7, -2.0, -0.3])[:, None].expand(B, T) * mask
+    logp = -torch.rand(B, T, generator=g) * 5
+    split = [[0, 2, 4], [1, 3, 5]]
+    _, _, L_minus, _ = stare_weights(
+        A,
+        logp,
+        mask,
+        gate_on=True,
+        variant="C2",
+        P=0.1,
+        W=1.0,
+        M=0.9,
+        scope="micro_batch",
+        micro_batches=split,
+    )
+    T_minus = mask.bool() & (A < 0)
+    return T_minus, L_minus, selection_blocks(B, "micro_batch", split, None, mask.device)
+
+
+def test_random_subset_has_L_minus_size_per_block_inside_T_minus_and_is_seeded():
+    T_minus, L_minus, blocks = _c2_selection()
+    assert int(L_minus.sum()) > 0
+    sub = random_subset(L_minus, T_minus, blocks, seed=7)
+    assert sub.dtype == torch.bool and sub.shape == T_minus.shape
+    assert not (sub & ~T_minus).any()  # inside T-
+    for rows in blocks:  # exactly |L-| tokens in each block of L-'s own scope
+        assert int(sub[rows].sum()) == int(L_minus[rows].sum())
+    assert int(sub.sum()) == int(L_minus.sum())
+    assert torch.equal(sub, random_subset(L_minus, T_minus, blocks, seed=7))  # reproducible from its seed
+    others = [random_subset(L_minus, T_minus, blocks, seed=k) for k in range(8)]
+    assert sum(not torch.equal(o, sub) for o in others) >= 7  # the seed matters
+    # it is not L- (the top surprisal tokens): a random draw of 3 of 60 T- tokens in a block rarely is
+    assert all(not torch.equal(o, L_minus) for o in others)
+    assert sum(int((o & L_minus).sum()) for o in others) < sum(int(o.sum()) for o in others) / 2
+    with pytest.raises(ValueError, match="inside T-"):
+        random_subset(L_minus | ~T_minus, T_minus, blocks, seed=0)
+
+
+def test_placebo_pair_and_its_criterion_in_summary_and_table():
+    rows = []
+    data = [  # per batch: grpo_ds, c2_lever, lplus_lever, c2_placebo dH
+        (0.0, 0.30, 0.1, 0.10),
+        (0.0, 0.40, 0.1, 0.10),
+        (0.0, 0.50, 0.1, 0.10),
+    ]
+    for b, dhs in enumerate(data):
+        for arm, dH in zip(("grpo_ds", "c2_lever", "lplus_lever", "c2_placebo"), dhs, strict=True):
+            rows.append({"batch": b, "lr": 1e-6, "arm": arm, "dH": dH, "predicted": dH / 2})
+    s = summarize(rows)["1e-06"]
+    pair = s["c2_lever - c2_placebo"]
+    # 0.2, 0.3, 0.4: mean 0.3, SD 0.1, half-width 0.248: low end +0.052
+    assert pair["measured"]["mean"] == pytest.approx(0.3) and pair["measured"]["above_0"] == 3
+    assert pair["criterion_met"]
+    assert s["c2_placebo - grpo_ds"]["measured"]["mean"] == pytest.approx(0.1)
+    meta = {"H_start": 0.5, "warm": 4, "M": 0.9, "W": 3.0}
+    text = tables(summarize(rows), meta)
+    assert "| 1e-06 | c2_lever - c2_placebo | +3.00e-01 ± 2.5e-01 | 3/3 |" in text
+    assert "placebo criterion at lr 1e-06" in text and "MET (the surprisal selection matters)" in text
+    assert "one draw, not an expectation" in text
+    # the interval holds 0: not met
+    rows = [r if not (r["arm"] == "c2_placebo" and r["batch"] == 0) else {**r, "dH": 0.6} for r in rows]
+    assert not summarize(rows)["1e-06"]["c2_lever - c2_placebo"]["criterion_met"]
+    # without the placebo arm the tables have no placebo part (the earlier CSV's tables are unchanged)
+    three = [r for r in rows if r["arm"] != "c2_placebo"]
+    assert "c2_lever - c2_placebo" not in summarize(three)["1e-06"]
+    assert "placebo" not in tables(summarize(three), meta)
+
+
 def test_bad_input_stops_with_its_cause(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--quick", "--from-run", str(tmp_path), "--out", str(tmp_path / "o")])
@@ -96,10 +174,15 @@ def test_quick_run_takes_real_adam_steps_from_one_restored_start(tmp_path, capsy
     assert (
         meta["H_start_after_restore"] == meta["H_start_measure"]
     )  # every step started from the same weights
-    assert len(records) == 2 * 2 * 3  # batches x lrs x arms
+    assert len(records) == 2 * 2 * 4  # batches x lrs x arms: the placebo arm is in --quick
     by = {(r["batch"], r["lr"], r["arm"]): r for r in records}
     for b in range(2):
-        for arm in ("grpo_ds", "c2_lever", "lplus_lever"):
+        seed = by[(b, 1e-3, "c2_placebo")]["placebo_seed"]
+        assert seed == by[(b, 1e-3, "grpo_ds")]["placebo_seed"] == records[0]["placebo_seed"] + b  # per batch
+        assert by[(b, 1e-3, "c2_placebo")]["lever_disp_norm"] > 0.0  # its step is not GRPO-ds's
+        # the same M on as many tokens, other ones: a step that is neither GRPO-ds's nor C2's
+        assert by[(b, 1e-3, "c2_placebo")]["dH"] != by[(b, 1e-3, "c2_lever")]["dH"]
+        for arm in ("grpo_ds", "c2_lever", "lplus_lever", "c2_placebo"):
             small, large = by[(b, 1e-3, arm)], by[(b, 1e-2, arm)]
             # one Adam step from the same state is linear in lr: the restore and the lr both took
             assert large["disp_norm"] / small["disp_norm"] == pytest.approx(10.0, rel=1e-3)
@@ -114,10 +197,38 @@ def test_quick_run_takes_real_adam_steps_from_one_restored_start(tmp_path, capsy
             assert r["dH"] / r["predicted"] == pytest.approx(1.0, abs=0.3)
     assert meta["measurement_floor"] < 1e-5
     assert set(summary) == {"0.001", "0.01"}
+    assert "c2_lever - c2_placebo" in summary["0.001"]
     text = capsys.readouterr().out
     assert "criterion at lr 0.001" in text and "machine:" in text
+    assert "placebo criterion at lr 0.001" in text
     # the table reprints from the CSV alone
     again = main(["--from-csv", str(out / "records.csv")])
     assert again is not None
     got = again["0.001"]["c2_lever - grpo_ds"]["measured"]["mean"]
     assert math.isclose(got, summary["0.001"]["c2_lever - grpo_ds"]["measured"]["mean"], rel_tol=1e-9)
+
+
+@pytest.mark.slow  # 2 quick runs: DeepSpeed's start twice on the tiny model
+def test_merge_measures_only_the_new_arm_and_checks_grpo_ds(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    main(["--quick", "--lrs", "1e-3", "--arms", "grpo_ds", "c2_lever", "lplus_lever", "--out", str(a)])
+    full = json.loads((a / "records.json").read_text())["records"]
+    assert {r["arm"] for r in full} == {"grpo_ds", "c2_lever", "lplus_lever"}
+    summary = main(["--quick", "--lrs", "1e-3", "--arms", "c2_placebo", "--merge", str(a / "records.json"),
+                    "--out", str(b)])  # fmt: skip
+    saved = json.loads((b / "records.json").read_text())
+    check = saved["meta"]["placebo_run"]["merge"]["check"]
+    assert [c["batch"] for c in check] == [0] and check[0]["bit_identical"]  # grpo_ds re-measured once
+    merged = saved["records"]
+    assert len(merged) == 2 * 4 and merged[: len(full)] == full  # the earlier records kept as they were
+    assert "c2_lever - c2_placebo" in summary["0.001"]
+    assert "CHECK grpo_ds batch 0 lr 0.001" in capsys.readouterr().out
+    # a run that is not the earlier one's is refused before it measures
+    with pytest.raises(SystemExit):
+        main(["--quick", "--lrs", "1e-2", "--arms", "c2_placebo", "--merge", str(a / "records.json"),
+              "--out", str(tmp_path / "c")])  # fmt: skip
+    assert "differs from the earlier one in --lrs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--quick", "--lrs", "1e-3", "--arms", "c2_lever", "--merge", str(a / "records.json"),
+              "--out", str(tmp_path / "c")])  # fmt: skip
+    assert "already holds arms" in capsys.readouterr().err
