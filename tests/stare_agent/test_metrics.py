@@ -208,9 +208,10 @@ def test_policy_entropy_batches_trajectories_of_similar_length(monkeypatch):
     monkeypatch.setattr(batch_module, "collate", spy)
     got = policy_entropy(model, trajs, pad_id=0, batch_size=2)
     assert widths == [(2, 14), (2, 5)]
-    in_order = policy_entropy(model, trajs[:1] + trajs[2:3], pad_id=0) * 22 + policy_entropy(
-        model, trajs[1:2] + trajs[3:], pad_id=0
-    ) * 4
+    in_order = (
+        policy_entropy(model, trajs[:1] + trajs[2:3], pad_id=0) * 22
+        + policy_entropy(model, trajs[1:2] + trajs[3:], pad_id=0) * 4
+    )
     assert got == pytest.approx(in_order / 26, rel=1e-6)
 
 
