@@ -28,7 +28,7 @@ Design (written before the first real run):
    - ``lplus_lever``: O1's lever alone, W = ``--W`` (3) on L+, the gate forced on;
    - ``c2_placebo`` (added after the first real run, plan written before its own run): the same M on a
      seeded uniformly random subset of T- of exactly |L-| tokens, drawn inside each selection block of
-     L- (each micro-batch in the ``micro_batch`` scope, :func:`random_subset`), W = 1 elsewhere; the
+     L- (each micro-batch in the ``micro_batch`` scope, ``stare_research.placebo.random_subset``), W = 1 elsewhere; the
      seed is ``--placebo-seed * 1_000_003 + the run's step`` (fixed per batch, recorded as
      ``placebo_seed``). ONE draw per batch: the placebo's numbers are one random subset per batch,
      not an expectation over subsets.
@@ -105,6 +105,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stare_agent.intervals import mean_sd_ci  # noqa: E402
+from stare_research.placebo import placebo_seed, random_subset  # noqa: E402
 
 ARMS = ("grpo_ds", "c2_lever", "lplus_lever", "c2_placebo")
 # the placebo's paired comparison: C2's lever (surprisal-selected L-) minus the same M on a random subset
@@ -147,33 +148,6 @@ def displacement_response(
     for hp, p, p0 in zip(h, params, start, strict=True):
         total += float((hp.double() * (p.detach().double() - p0.double())).sum())
     return total
-
-
-def random_subset(
-    L_minus: torch.Tensor, T_minus: torch.Tensor, blocks: Sequence[torch.Tensor], seed: int
-) -> torch.Tensor:
-    """The placebo's tokens: inside each selection block (rows ``blocks[i]``, the scope of L-), exactly
-    as many tokens as L- holds there, drawn uniformly without replacement from that block's T- with a
-    ``torch.Generator`` seeded by ``seed`` (CPU, so the draw is the same on any device). One draw: the
-    placebo arm is one random subset per batch, not an expectation over subsets."""
-    if L_minus.shape != T_minus.shape:
-        raise ValueError(f"L- {tuple(L_minus.shape)} and T- {tuple(T_minus.shape)} must have one shape")
-    L_minus, T_minus = L_minus.bool(), T_minus.bool()
-    if (L_minus & ~T_minus).any():
-        raise ValueError("L- must lie inside T-")
-    gen = torch.Generator().manual_seed(int(seed))
-    out = torch.zeros_like(T_minus)
-    for rows in blocks:
-        rows = rows.to(T_minus.device)
-        k = int(L_minus[rows].sum())
-        cand = T_minus[rows].nonzero()  # [n, 2]: (row within the block, position), row-major order
-        if k == 0:
-            continue
-        pick = cand[torch.randperm(len(cand), generator=gen)[:k].to(cand.device)]
-        sub = torch.zeros_like(T_minus[rows])
-        sub[pick[:, 0], pick[:, 1]] = True
-        out[rows] = sub
-    return out
 
 
 def interval(xs: Sequence[float]) -> dict[str, float]:
@@ -803,7 +777,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # the placebo: the same M on a seeded uniformly random subset of T-, |L-| tokens in each block of
         # L-'s own scope; 1 elsewhere (C2's L+ weight is 1 here)
         T_minus = mask.bool() & (A_tok < 0)
-        seed = args.placebo_seed * 1_000_003 + int(batch["step"])
+        seed = placebo_seed(args.placebo_seed, int(batch["step"]))
         blocks = selection_blocks(mask.shape[0], alg.scope, split, None, mask.device)
         placebo = random_subset(L_minus, T_minus, blocks, seed)
         w_placebo = torch.ones_like(w_c2)

@@ -22,8 +22,10 @@ from stare_agent.config import ConfigError, RunConfig, load_config
 
 GateBatch = Literal["kept", "drawn"]
 LPlusRule = Literal["top_k", "top_k_raising"]
+LMinusRule = Literal["top_k", "random"]
 GATE_BATCHES: tuple[str, ...] = get_args(GateBatch)
 L_PLUS_RULES: tuple[str, ...] = get_args(LPlusRule)
+L_MINUS_RULES: tuple[str, ...] = get_args(LMinusRule)
 
 
 @dataclass
@@ -44,6 +46,10 @@ class ResearchSection:
         L_plus_rule: ``top_k``: L+ is the top P of T+ by surprisal (the paper); ``top_k_raising``: of
             those, only the tokens whose reinforcement raises entropy at first order (at low entropy
             the top 10 % by count reach into common tokens whose reinforcement lowers it).
+        L_minus_rule: ``top_k``: C2's L- is the top P of T- by surprisal (the paper); ``random``: the
+            placebo, M on as many tokens of T- drawn uniformly at random in each selection block
+            (``stare_research.placebo``; one draw per step, seeded by ``trainer.seed`` and the step), so a
+            difference from C2 is the surprisal selection's. Needs STARE-C2 in the ``micro_batch`` scope.
         mechanism_metrics: Log the first-order mechanism metrics every step with a pre-update pass
             (``stare/L_plus_raising``, ``stare/mass_weight``, ``stare/dH_first_order``, ...;
             ``entropy_control/dH_first_order`` for KL-Cov, Clip-Cov and forking tokens): two more
@@ -53,10 +59,12 @@ class ResearchSection:
     entropy_bank: str = ""
     gate_batch: str = "kept"
     L_plus_rule: str = "top_k"
+    L_minus_rule: str = "top_k"
     mechanism_metrics: bool = True
 
     def __post_init__(self) -> None:
-        for name, valid in (("gate_batch", GATE_BATCHES), ("L_plus_rule", L_PLUS_RULES)):
+        rules = (("gate_batch", GATE_BATCHES), ("L_plus_rule", L_PLUS_RULES), ("L_minus_rule", L_MINUS_RULES))
+        for name, valid in rules:
             value = getattr(self, name)
             if value not in valid:
                 raise ConfigError(f"research.{name}={value!r} is not valid: use one of {', '.join(valid)}")
@@ -67,6 +75,19 @@ class ResearchRunConfig(RunConfig):
     """A run of the research floor: the product's sections and ``research``."""
 
     research: ResearchSection = field(default_factory=ResearchSection)
+
+    def __post_init__(self) -> None:
+        alg = self.algorithm
+        if self.research.L_minus_rule == "random" and (alg.name, alg.variant, alg.scope) != (
+            "stare",
+            "C2",
+            "micro_batch",
+        ):
+            raise ConfigError(
+                f"research.L_minus_rule=random is C2's placebo, but the run is algorithm.name={alg.name} "
+                f"variant={alg.variant} scope={alg.scope}: set algorithm.name=stare algorithm.variant=C2 "
+                "algorithm.scope=micro_batch"
+            )
 
 
 def load_research_config(

@@ -84,6 +84,11 @@ VARIANTS |= {
     ),
     "stare-o1-w3-drawn-raising": (*VARIANTS["stare-o1-w3-drawn"], "research.L_plus_rule=top_k_raising"),
 }
+# C2's placebo (ours, issue 44): M on a seeded random subset of T- of L-'s size instead of L-, so that
+# C2 minus it is the surprisal selection's effect, not that of attenuating some negative tokens at all.
+VARIANTS |= {
+    "stare-c2-placebo": ("algorithm.name=stare", "algorithm.variant=C2", "research.L_minus_rule=random"),
+}
 MAIN_VARIANTS = ("grpo-ds", "stare-o1", "stare-c2")
 SMOKE_VARIANTS = ("grpo-ds", "stare-o1")
 # A few steps of tiny batches: checks that the pipeline produces its figure and table.

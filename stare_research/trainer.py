@@ -6,7 +6,9 @@ Variants (not the paper's), each a small override of one step of ``Trainer``:
   (:meth:`ResearchTrainer._gate`; one more log-prob pass over this rank's share of the dropped ones);
 - ``research.L_plus_rule=top_k_raising``: of the paper's L+, only the tokens whose reinforcement raises
   entropy at first order get W (:meth:`ResearchTrainer._stare_weights`, through ``stare_weights``'
-  ``L_plus_filter``).
+  ``L_plus_filter``);
+- ``research.L_minus_rule=random``: C2's placebo, M on a seeded random subset of T- of L-'s size in each
+  selection block (:meth:`ResearchTrainer._stare_weights`, ``stare_research.placebo``).
 
 Instruments, as diagnostics hooks: the mechanism metrics (``research.mechanism_metrics``) and the
 held-out entropy bank (``research.entropy_bank``).
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from stare_agent.algorithms import entropy_gate
+from stare_agent.algorithms.selection import selection_blocks
 from stare_agent.config import RunConfig
 from stare_agent.train.batch import collate
 from stare_agent.train.diagnostics import PreUpdate
@@ -28,6 +31,7 @@ from stare_envs.trajectory import Trajectory
 from stare_research.config import ResearchSection
 from stare_research.diagnostics import EntropyBank, MechanismMetrics
 from stare_research.entropy_effect import raising_tokens
+from stare_research.placebo import placebo_seed, random_subset
 
 
 class ResearchTrainer(Trainer):
@@ -85,8 +89,26 @@ class ResearchTrainer(Trainer):
         sequence_ids: torch.Tensor,
         **options: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
-        """``research.L_plus_rule=top_k_raising``: L+ keeps only its first-order entropy raisers."""
+        """``research.L_plus_rule=top_k_raising``: L+ keeps only its first-order entropy raisers.
+        ``research.L_minus_rule=random``: M moves from L- to the placebo's tokens (returned as L-), and
+        ``stare/L_minus_placebo_overlap`` logs the share of them that L- holds too."""
         if self.research.L_plus_rule == "top_k_raising":
             assert pre.moments is not None  # _with_moments
             options["L_plus_filter"] = raising_tokens(pre.logprobs, pre.entropy, pre.moments)
-        return super()._stare_weights(pre, gate_on, Hbar, trajectories, sequence_ids, **options)
+        weights, L_plus, L_minus, metrics = super()._stare_weights(
+            pre, gate_on, Hbar, trajectories, sequence_ids, **options
+        )
+        if self.research.L_minus_rule != "random":
+            return weights, L_plus, L_minus, metrics
+        # the config allows the placebo only for C2 in the micro_batch scope: blocks are this rank's
+        split = self.learner.micro_batches(trajectories)
+        blocks = selection_blocks(L_minus.shape[0], "micro_batch", split, None, L_minus.device)
+        T_minus = pre.mask.bool() & (pre.advantages < 0)
+        placebo = random_subset(L_minus, T_minus, blocks, placebo_seed(self.config.trainer.seed, self.step))
+        if gate_on:
+            weights = weights.clone()
+            weights[L_minus] = 1.0
+            weights[placebo] = self.controller.M
+        n = int(placebo.sum())
+        metrics["stare/L_minus_placebo_overlap"] = int((placebo & L_minus).sum()) / n if n else float("nan")
+        return weights, L_plus, placebo, metrics

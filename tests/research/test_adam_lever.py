@@ -16,12 +16,9 @@ from benchmarks.adam_lever import (
     displacement_response,
     interval,
     main,
-    random_subset,
     summarize,
     tables,
 )
-from stare_agent.algorithms.selection import selection_blocks
-from stare_agent.algorithms.stare import stare_weights
 
 
 def test_displacement_response_is_the_inner_product_with_the_real_displacement():
@@ -77,50 +74,6 @@ def test_summarize_pairs_each_lever_with_grpo_ds_on_the_same_batch():
     plus = s["lplus_lever - grpo_ds"]  # -0.001, +0.001: one above 0
     assert plus["measured"]["mean"] == pytest.approx(0.0, abs=1e-12) and plus["measured"]["above_0"] == 1
     assert s["grpo_ds"]["measured"]["mean"] == pytest.approx(-0.015)
-
-
-def _c2_selection(seed: int = 0):
-    """A batch of 6 rows in 2 micro-batches with STARE's own C2 selection: (T-, L-, the blocks)."""
-    g = torch.Generator().manual_seed(seed)
-    B, T = 6, 40
-    mask = torch.ones(B, T)
-    mask[:, 30:] = 0
-    A = torch.tensor([1.0, -1.0, -0.5, 0.7, -2.0, -0.3])[:, None].expand(B, T) * mask
-    logp = -torch.rand(B, T, generator=g) * 5
-    split = [[0, 2, 4], [1, 3, 5]]
-    _, _, L_minus, _ = stare_weights(
-        A,
-        logp,
-        mask,
-        gate_on=True,
-        variant="C2",
-        P=0.1,
-        W=1.0,
-        M=0.9,
-        scope="micro_batch",
-        micro_batches=split,
-    )
-    T_minus = mask.bool() & (A < 0)
-    return T_minus, L_minus, selection_blocks(B, "micro_batch", split, None, mask.device)
-
-
-def test_random_subset_has_L_minus_size_per_block_inside_T_minus_and_is_seeded():
-    T_minus, L_minus, blocks = _c2_selection()
-    assert int(L_minus.sum()) > 0
-    sub = random_subset(L_minus, T_minus, blocks, seed=7)
-    assert sub.dtype == torch.bool and sub.shape == T_minus.shape
-    assert not (sub & ~T_minus).any()  # inside T-
-    for rows in blocks:  # exactly |L-| tokens in each block of L-'s own scope
-        assert int(sub[rows].sum()) == int(L_minus[rows].sum())
-    assert int(sub.sum()) == int(L_minus.sum())
-    assert torch.equal(sub, random_subset(L_minus, T_minus, blocks, seed=7))  # reproducible from its seed
-    others = [random_subset(L_minus, T_minus, blocks, seed=k) for k in range(8)]
-    assert sum(not torch.equal(o, sub) for o in others) >= 7  # the seed matters
-    # it is not L- (the top surprisal tokens): a random draw of 3 of 60 T- tokens in a block rarely is
-    assert all(not torch.equal(o, L_minus) for o in others)
-    assert sum(int((o & L_minus).sum()) for o in others) < sum(int(o.sum()) for o in others) / 2
-    with pytest.raises(ValueError, match="inside T-"):
-        random_subset(L_minus | ~T_minus, T_minus, blocks, seed=0)
 
 
 def test_placebo_pair_and_its_criterion_in_summary_and_table():

@@ -242,6 +242,22 @@ def test_the_raising_l_plus_arms_differ_from_their_base_in_the_rule_alone():
         assert a.algorithm.variant == "O1"
 
 
+def test_c2s_placebo_arm_differs_from_c2_in_the_l_minus_rule_alone():
+    from stare_research.config import load_research_config as load_config
+    from stare_research.study import PAPER_VARIANTS, VARIANTS, plan
+
+    a, b = (load_config(None, list(VARIANTS[v])) for v in ("stare-c2-placebo", "stare-c2"))
+    assert (a.research.L_minus_rule, b.research.L_minus_rule) == ("random", "top_k")
+    assert (
+        a.algorithm == b.algorithm
+        and a.algorithm.variant == "C2"
+        and "stare-c2-placebo" not in PAPER_VARIANTS
+    )
+    # the closed loop's three arms on one seed (a study run again with --seeds 2 --ablation-seeds 2 adds seed 1)
+    arms = ["grpo-ds", "stare-c2", "stare-c2-placebo"]
+    assert plan(arms, seeds=1, ablation_seeds=1) == [(arm, 0) for arm in arms]
+
+
 def test_the_tables_of_a_study_csv_are_redone_with_todays_intervals(tmp_path):
     # Two seeds of two variants, each led by its seed's start (step 0). Entropy AUC/step of two steps is
     # their mean: GRPO-ds 0.3 and 0.4, STARE-O1 0.4 and 0.5, so the paired difference is 0.1 on both seeds.

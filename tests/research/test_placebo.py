@@ -1,0 +1,121 @@
+"""The random-subset placebo of C2's L-: the draw itself, and the closed loop's ``research.L_minus_rule=random``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stare_agent.algorithms.selection import selection_blocks
+from stare_agent.algorithms.stare import stare_weights
+from stare_agent.config import ConfigError
+from stare_agent.engines.scripted import ScriptedEngine
+from stare_agent.models import tiny_model
+from stare_research.config import load_research_config
+from stare_research.placebo import placebo_seed, random_subset
+from stare_research.trainer import ResearchTrainer
+from tests.stare_agent.train.scripted_training import overrides, scripted_policy, write_problems
+
+
+def _c2_selection(seed: int = 0):
+    """A batch of 6 rows in 2 micro-batches with STARE's own C2 selection: (T-, L-, the blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = 6, 40
+    mask = torch.ones(B, T)
+    mask[:, 30:] = 0
+    A = torch.tensor([1.0, -1.0, -0.5, 0.7, -2.0, -0.3])[:, None].expand(B, T) * mask
+    logp = -torch.rand(B, T, generator=g) * 5
+    split = [[0, 2, 4], [1, 3, 5]]
+    _, _, L_minus, _ = stare_weights(
+        A,
+        logp,
+        mask,
+        gate_on=True,
+        variant="C2",
+        P=0.1,
+        W=1.0,
+        M=0.9,
+        scope="micro_batch",
+        micro_batches=split,
+    )
+    T_minus = mask.bool() & (A < 0)
+    return T_minus, L_minus, selection_blocks(B, "micro_batch", split, None, mask.device)
+
+
+def test_random_subset_has_L_minus_size_per_block_inside_T_minus_and_is_seeded():
+    T_minus, L_minus, blocks = _c2_selection()
+    assert int(L_minus.sum()) > 0
+    sub = random_subset(L_minus, T_minus, blocks, seed=7)
+    assert sub.dtype == torch.bool and sub.shape == T_minus.shape
+    assert not (sub & ~T_minus).any()  # inside T-
+    for rows in blocks:  # exactly |L-| tokens in each block of L-'s own scope
+        assert int(sub[rows].sum()) == int(L_minus[rows].sum())
+    assert int(sub.sum()) == int(L_minus.sum())
+    assert torch.equal(sub, random_subset(L_minus, T_minus, blocks, seed=7))  # reproducible from its seed
+    others = [random_subset(L_minus, T_minus, blocks, seed=k) for k in range(8)]
+    assert sum(not torch.equal(o, sub) for o in others) >= 7  # the seed matters
+    # it is not L- (the top surprisal tokens): a random draw of 3 of 60 T- tokens in a block rarely is
+    assert all(not torch.equal(o, L_minus) for o in others)
+    assert sum(int((o & L_minus).sum()) for o in others) < sum(int(o.sum()) for o in others) / 2
+    with pytest.raises(ValueError, match="inside T-"):
+        random_subset(L_minus | ~T_minus, T_minus, blocks, seed=0)
+
+
+class _Capturing(ResearchTrainer):
+    """The research trainer, keeping what its STARE weights step saw and returned."""
+
+    def _stare_weights(self, pre, gate_on, Hbar, trajectories, sequence_ids, **options):
+        out = super()._stare_weights(pre, gate_on, Hbar, trajectories, sequence_ids, **options)
+        self.seen = (pre, self.learner.micro_batches(trajectories), out)
+        return out
+
+
+def _c2_step(tmp_path, name: str, *extra: str):
+    problems = write_problems(tmp_path / f"{name}.jsonl")
+    base = overrides(str(tmp_path / name), str(problems), 1)
+    config = load_research_config(
+        None, [*base, "algorithm.variant=C2", "algorithm.gate=always_on", "algorithm.M=0.5", *extra]
+    )
+    model, tokenizer = tiny_model()
+    trainer = _Capturing(
+        config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
+    )
+    try:
+        trainer.step = 1
+        return trainer.train_step(), trainer.seen
+    finally:
+        trainer.close()
+
+
+def test_the_closed_loops_placebo_moves_c2s_attenuation_to_random_negative_tokens(tmp_path):
+    """The same step as C2 and as its placebo: the same L+ (weight W) and L- count; the placebo puts M on
+    the seeded draw of ``random_subset`` over C2's own L- and T- and blocks, and 1 on the rest of T-."""
+    c2_record, (pre, split, (w_c2, L_plus, L_minus, _)) = _c2_step(tmp_path, "c2")
+    record, (pre_p, _, (w, L_plus_p, placebo, _)) = _c2_step(
+        tmp_path, "placebo", "research.L_minus_rule=random"
+    )
+    assert torch.equal(pre.logprobs, pre_p.logprobs) and torch.equal(L_plus, L_plus_p)  # the same batch
+    T_minus = pre.mask.bool() & (pre.advantages < 0)
+    blocks = selection_blocks(L_minus.shape[0], "micro_batch", split, None, L_minus.device)
+    assert int(L_minus.sum()) >= 2 and not torch.equal(placebo, L_minus)
+    assert torch.equal(placebo, random_subset(L_minus, T_minus, blocks, placebo_seed(0, 1)))
+    assert torch.equal(w_c2 == 0.5, L_minus) and torch.equal(w == 0.5, placebo)
+    assert torch.equal(w == 1.1, w_c2 == 1.1) and torch.equal(w == 1.1, L_plus)  # L+ untouched
+    on_mask = pre.mask.bool()
+    assert torch.all(w[on_mask & ~placebo & ~L_plus] == 1.0)  # C2's L- outside the draw: back to 1
+    assert record["stare/L_minus"] == c2_record["stare/L_minus"] == int(L_minus.sum())
+    overlap = int((placebo & L_minus).sum()) / int(placebo.sum())
+    assert record["stare/L_minus_placebo_overlap"] == pytest.approx(overlap)
+    assert record["loss"] != pytest.approx(c2_record["loss"], rel=1e-9)
+
+
+def test_the_placebo_is_refused_outside_c2_in_the_micro_batch_scope():
+    with pytest.raises(ConfigError, match=r"research.L_minus_rule=random is C2's placebo, .* variant=O1"):
+        load_research_config(None, ["research.L_minus_rule=random"])
+    with pytest.raises(ConfigError, match=r"scope=global: set algorithm.name=stare algorithm.variant=C2"):
+        load_research_config(
+            None, ["research.L_minus_rule=random", "algorithm.variant=C2", "algorithm.scope=global"]
+        )
+    with pytest.raises(
+        ConfigError, match=r"research.L_minus_rule='any' is not valid: use one of top_k, random"
+    ):
+        load_research_config(None, ["research.L_minus_rule=any"])
