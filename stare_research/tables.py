@@ -12,6 +12,8 @@ by side, each beside the target on its own scale:
 The reward's interval is over the run's own steps (one seed: per-step noise within the run, not
 between seeds), and the held-out accuracy is given at every evaluation, never as a best-of.
 ``stare-agent study --tables-of CSV`` gives the study's own table of the same CSV (AUC, dynamics).
+``--paired A B`` adds variant A minus variant B seed by seed on both estimators, late windows, with the
+95 % t interval over seeds (:func:`paired_over_seeds`).
 """
 
 from __future__ import annotations
@@ -111,6 +113,64 @@ def _cells(records: list[dict[str, Any]], h_tgt: float) -> list[str]:
     ]
 
 
+PAIRED_BANK_EVALS, PAIRED_SAMPLED_STEPS = 3, 10  # the placebo closed loop's late windows, stated first
+
+
+def paired_over_seeds(path: str | Path, a: str, b: str) -> dict[str, Any]:
+    """Variant ``a`` minus variant ``b``, seed by seed, on both estimators of a closed-loop study CSV.
+
+    Per run: ``bank``, the mean held-out bank entropy of its last ``PAIRED_BANK_EVALS`` evaluations
+    (steps 20, 25 and 30 of a 30-step run evaluated every 5), and ``sampled``, the mean H-bar of its
+    last ``PAIRED_SAMPLED_STEPS`` trained steps (the kept batch's sampled entropy, H_tgt's estimator).
+    Returns ``{"seeds", "a", "b", "bank", "sampled"}``, each estimator ``{"diffs", "stats"}`` with the
+    per-seed differences and ``mean_sd_ci`` over them (95 % t, n - 1 degrees of freedom: between seeds).
+    Only seeds both variants have count; none is a ``ValueError``.
+    """
+    runs = read_runs(path)
+    seeds = sorted(s for v, s in runs if v == a and (b, s) in runs)
+    if not seeds:
+        have = sorted({v for v, _ in runs})
+        raise ValueError(f"{path} has no seed with both {a!r} and {b!r} (variants: {', '.join(have)})")
+    out: dict[str, Any] = {"seeds": seeds, "a": a, "b": b}
+    for name, late in (("bank", _late_bank), ("sampled", _late_sampled)):
+        diffs = [late(runs[(a, s)]) - late(runs[(b, s)]) for s in seeds]
+        out[name] = {"diffs": diffs, "stats": mean_sd_ci(diffs)}
+    return out
+
+
+def _late_bank(records: list[dict[str, Any]]) -> float:
+    bank = [float(r[BANK]) for r in records if r["step"] > 0 and _finite(r.get(BANK))]
+    return _mean(bank[-PAIRED_BANK_EVALS:]) if bank else math.nan
+
+
+def _late_sampled(records: list[dict[str, Any]]) -> float:
+    trained = [r for r in records if r["step"] > 0 and not r.get("skipped") and _finite(r.get("entropy"))]
+    key = "stare/entropy_kept" if any(_finite(r.get("stare/entropy_kept")) for r in trained) else "entropy"
+    sampled = [float(r[key]) for r in trained]
+    return _mean(sampled[-PAIRED_SAMPLED_STEPS:]) if sampled else math.nan
+
+
+def paired_table(path: str | Path, pairs: Sequence[tuple[str, str]]) -> str:
+    """The markdown table of :func:`paired_over_seeds` for each ``(a, b)`` of ``pairs``."""
+    lines = [
+        "| difference | estimator | per seed | mean ± 95 % t over seeds | 95 % interval above 0 |",
+        "|---|---|---|---:|---|",
+    ]
+    for a, b in pairs:
+        paired = paired_over_seeds(path, a, b)
+        for name, label in (
+            ("bank", f"bank entropy, last {PAIRED_BANK_EVALS} evals"),
+            ("sampled", f"sampled H-bar, last {PAIRED_SAMPLED_STEPS} trained steps"),
+        ):
+            diffs, stats = paired[name]["diffs"], paired[name]["stats"]
+            per_seed = ", ".join(f"s{s} {d:+.4f}" for s, d in zip(paired["seeds"], diffs, strict=True))
+            above = "yes" if stats["mean"] - stats["ci95"] > 0 else "no" if stats["n"] > 1 else "n/a (1 seed)"
+            lines.append(
+                f"| {a} - {b} | {label} | {per_seed} | {format_ci(stats, 4)} (n {stats['n']}) | {above} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def _mean_of(records: list[dict[str, Any]], key: str) -> str:
     values = [float(r[key]) for r in records if _finite(r.get(key))]
     return f"{_mean(values):.3f}" if values else "-"
@@ -139,11 +199,25 @@ def _mean(xs: Sequence[float]) -> float:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("csv", nargs="+", type=Path, help="a closed-loop study's study.csv")
-    for path in parser.parse_args(argv).csv:
+    parser.add_argument(
+        "--paired",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("A", "B"),
+        help="also variant A minus variant B, seed by seed, with its interval over seeds (repeatable)",
+    )
+    args = parser.parse_args(argv)
+    for path in args.csv:
         print(f"{path}\n\n{closed_loop_table(path)}")
+        if args.paired:
+            try:
+                print(paired_table(path, [tuple(p) for p in args.paired]))
+            except ValueError as exc:
+                parser.exit(2, f"error: {exc}\n")
 
 
-__all__ = ["closed_loop_table", "read_runs"]
+__all__ = ["closed_loop_table", "paired_over_seeds", "paired_table", "read_runs"]
 
 
 if __name__ == "__main__":
