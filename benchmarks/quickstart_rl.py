@@ -70,16 +70,23 @@ def train(sft_model: str, overrides: str, run_dir: Path) -> dict:
     }
 
 
-def evaluate(model: str, problems: int, out: Path) -> list[float]:
-    """Each problem's score, greedy, the quickstart's way."""
+def evaluate(model: str, problems: int, out: Path, overrides: str = "") -> tuple[list[float], float]:
+    """Each problem's score, greedy, the quickstart's way; and the evaluation's mean response tokens."""
     command = cli(
         "eval", "--config", str(CONFIG), "--model", model, "--out", str(out), "--limit", str(problems)
     )
-    done = subprocess.run([*command, *shlex.split(EVAL)], cwd=REPO, capture_output=True, text=True)
+    command += shlex.split(EVAL) + shlex.split(overrides)
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"`{shlex.join(command)}` failed:\n{done.stderr[-2000:]}")
     rows = [json.loads(line) for line in (out / "results.jsonl").open()]
-    return [sum(r["correct"]) / max(len(r["correct"]), 1) for r in rows]
+    tokens = [n for r in rows for n in r["response_tokens"]]
+    return [sum(r["correct"]) / max(len(r["correct"]), 1) for r in rows], sum(tokens) / max(len(tokens), 1)
+
+
+def settings_of(specs: list[str], defaults: dict[str, str]) -> dict[str, str]:
+    """``--setting NAME=SPEC`` options as ``{name: spec}`` (in order), or ``defaults`` when none."""
+    return dict(spec.partition("=")[::2] for spec in specs) if specs else dict(defaults)
 
 
 def main() -> None:
@@ -91,9 +98,7 @@ def main() -> None:
     parser.add_argument("--setting", action="append", default=[], metavar="NAME=OVERRIDES")
     parser.add_argument("--list", action="store_true")
     args = parser.parse_args()
-    settings = dict(SETTINGS)
-    if args.setting:
-        settings = dict(spec.partition("=")[::2] for spec in args.setting)
+    settings = settings_of(args.setting, SETTINGS)
     if args.list:
         print("\n".join(f"{name}: {o}" for name, o in settings.items()))
         return
@@ -103,11 +108,11 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="quickstart-rl-") as tmp:
         print(f"[SFT model] eval on {args.problems} problems", flush=True)
-        base = evaluate(sft_model, args.problems, Path(tmp) / "eval-sft")
+        base, _ = evaluate(sft_model, args.problems, Path(tmp) / "eval-sft")
         for i, (name, overrides) in enumerate(settings.items()):
             print(f"[{name}] stare-agent train {overrides}", flush=True)
             rl = train(sft_model, overrides, Path(tmp) / f"rl{i}")
-            scores = evaluate(rl["model"], args.problems, Path(tmp) / f"eval{i}")
+            scores, _ = evaluate(rl["model"], args.problems, Path(tmp) / f"eval{i}")
             rows.append((name, overrides, rl, scores))
     cpu = next(
         (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),

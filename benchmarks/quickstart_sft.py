@@ -33,9 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quickstart_rl import CONFIG, REPO, cli  # noqa: E402
+from quickstart_rl import CONFIG, REPO, cli, evaluate, settings_of  # noqa: E402
 
-EVAL = "--engine vllm env.vllm.dtype=float32"
 CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")  # a CPU played, printed
 SETTINGS = {
     "today: 112 traces, lr 1e-4 (14 steps)": "|",
@@ -66,20 +65,6 @@ def sft(overrides: str, run_dir: Path) -> dict:
     }
 
 
-def evaluate(model: str, problems: int, out: Path, overrides: str) -> tuple[list[float], float]:
-    """Each problem's score, greedy, the quickstart's way; and the evaluation's mean response tokens."""
-    command = cli(
-        "eval", "--config", str(CONFIG), "--model", model, "--out", str(out), "--limit", str(problems)
-    )
-    command += shlex.split(EVAL) + shlex.split(overrides)
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"`{shlex.join(command)}` failed:\n{done.stderr[-2000:]}")
-    rows = [json.loads(line) for line in (out / "results.jsonl").open()]
-    tokens = [n for r in rows for n in r["response_tokens"]]
-    return [sum(r["correct"]) / max(len(r["correct"]), 1) for r in rows], sum(tokens) / max(len(tokens), 1)
-
-
 def main() -> None:
     from stare_agent.intervals import paired_difference_interval
 
@@ -88,9 +73,7 @@ def main() -> None:
     parser.add_argument("--setting", action="append", default=[], metavar="NAME=SFT_OVERRIDES|EVAL_OVERRIDES")
     parser.add_argument("--list", action="store_true")
     args = parser.parse_args()
-    settings = dict(SETTINGS)
-    if args.setting:
-        settings = dict(spec.partition("=")[::2] for spec in args.setting)
+    settings = settings_of(args.setting, SETTINGS)
     if args.list:
         print("\n".join(f"{name}: {o}" for name, o in settings.items()))
         return
