@@ -9,9 +9,10 @@ import pytest
 
 from benchmarks.adam_lever import tables_of_csv
 from stare_research.study import tables_from_csv
-from stare_research.tables import closed_loop_table, read_runs
+from stare_research.tables import closed_loop_table, paired_table, read_runs
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "research"
+PLACEBO_PAIRS = (("stare-c2", "grpo-ds"), ("stare-c2", "stare-c2-placebo"), ("stare-c2-placebo", "grpo-ds"))
 
 # (page, shipped CSV, the function behind the command the page names:
 #  `stare-agent study --tables-of CSV` and `python -m stare_research.tables CSV`)
@@ -22,6 +23,9 @@ REPRINTED = (
     ("study.md", "closed_loop_sft48_x2.csv", closed_loop_table),
     # `python benchmarks/adam_lever.py --from-csv CSV`
     ("study.md", "adam_lever_sft48.csv", tables_of_csv),
+    # the placebo closed loop: `python -m stare_research.tables CSV --paired ...` (the page's command)
+    ("study.md", "closed_loop_placebo.csv", closed_loop_table),
+    ("study.md", "closed_loop_placebo.csv", lambda path: paired_table(path, PLACEBO_PAIRS)),
 )
 
 # Tables with no shipped data: (page, header row) -> (how many such tables, why).
