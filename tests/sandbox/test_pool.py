@@ -587,6 +587,7 @@ with pool.lease() as a, pool.lease() as b:
     dirs = [str(a.inner.dir), str(b.inner.dir)]
 sb = pool.acquire()  # held, never released: only the pool's exit handling can clean up
 print(json.dumps(dirs), flush=True)
+sys.stdin.readline()  # until the test has seen the kernels: an exit must not race its check
 if mode != "exit":
     with pool.lease() as other:
         print("running", flush=True)
@@ -607,12 +608,15 @@ def test_ctrl_c_or_exit_while_leased_leaks_nothing(backend, mode, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     child = subprocess.Popen(
         [sys.executable, str(script), backend, token, mode],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         dirs = json.loads(child.stdout.readline() or "null")
         assert dirs, f"child failed to start: {child.stderr.read()}"
         assert len(processes_with(token)) >= 2
+        assert child.stdin is not None
+        child.stdin.write("go\n")  # the child goes on: exits, or leases and runs until the signal
+        child.stdin.flush()
         if mode != "exit":
             assert child.stdout.readline() == "running\n"
             time.sleep(0.5)  # run() has started (it lasts 120 s); the traceback below proves it
