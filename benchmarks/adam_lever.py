@@ -247,6 +247,15 @@ def _ratio(c: dict[str, Any]) -> str:
     return f"{per_batch} ({c['ratio_of_means']:.2f})"
 
 
+def _paired_row(lr: str, name: str, c: dict[str, Any], n: int) -> str:
+    """A paired comparison's table row, with the criterion's verdict."""
+    verdict = "yes" if c["criterion_met"] else "no"
+    return (
+        f"| {lr} | {name} | {_fmt(c['measured'])} | {c['measured']['above_0']}/{n} | "
+        f"{_fmt(c['predicted'])} | {_ratio(c)} | {c['sign_agree']}/{n} | {verdict} |"
+    )
+
+
 def tables(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     """The result as markdown tables and the criterion's verdict at each lr."""
     lines = [
@@ -273,12 +282,7 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     for lr, per in summary.items():
         n = per["batches"]
         for arm in (a for a in ARMS[1:] if a in per):
-            c = per[f"{arm} - grpo_ds"]
-            verdict = "yes" if c["criterion_met"] else "no"
-            lines.append(
-                f"| {lr} | {arm} | {_fmt(c['measured'])} | {c['measured']['above_0']}/{n} | "
-                f"{_fmt(c['predicted'])} | {_ratio(c)} | {c['sign_agree']}/{n} | {verdict} |"
-            )
+            lines.append(_paired_row(lr, arm, per[f"{arm} - grpo_ds"], n))
     first = next(iter(summary.values()), None)
     if first is not None and "sgd_per_lr" in first["c2_lever - grpo_ds"]:
         n = first["batches"]
@@ -301,12 +305,7 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         ]
         for lr, per in summary.items():
             n = per["batches"]
-            c = per[PLACEBO_PAIR]
-            verdict = "yes" if c["criterion_met"] else "no"
-            lines.append(
-                f"| {lr} | c2_lever - c2_placebo | {_fmt(c['measured'])} | {c['measured']['above_0']}/{n} | "
-                f"{_fmt(c['predicted'])} | {_ratio(c)} | {c['sign_agree']}/{n} | {verdict} |"
-            )
+            lines.append(_paired_row(lr, PLACEBO_PAIR, per[PLACEBO_PAIR], n))
     lines.append("")
     for lr, per in summary.items():
         c = per["c2_lever - grpo_ds"]
