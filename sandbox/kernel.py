@@ -829,9 +829,15 @@ def _cell(module: str, call: str) -> str:
 
 
 BOUNDED_OUTPUT = _cell("bounded_output", f"bound_output({OUTPUT_CHUNK_CHARS})")
-"""Run once after each kernel start, like ``BOOT_SNAPSHOT``: output messages of at most
-``OUTPUT_CHUNK_CHARS`` characters, displayed values as ``text/plain`` only (``sandbox/cells/bounded_output.py``).
-Code in the sandbox can undo this; then only its own oversized messages are lost (``MAX_MESSAGE_BYTES``)."""
+"""Run once after each kernel start, like ``BOOT_SNAPSHOT``: displayed values as ``text/plain`` only,
+cut to ``OUTPUT_CHUNK_CHARS`` characters (``sandbox/cells/bounded_output.py``)."""
+
+STREAMS = _cell("streams", f"capture_streams({OUTPUT_CHUNK_CHARS})")
+"""Run once after each kernel start: stdout and stderr send messages of at most ``OUTPUT_CHUNK_CHARS``
+characters, and what the file descriptors 1 and 2 receive (child processes, ``os.write``, C code)
+reaches the output of the cell that wrote it, whole and in order with its ``print``
+(``sandbox/cells/streams.py``). Code in the sandbox can undo this; then only its own output suffers
+(oversized messages are dropped: ``MAX_MESSAGE_BYTES``)."""
 
 BOOT_SNAPSHOT = _cell("boot_snapshot", "snapshot()")
 """Run once after each kernel start (``sandbox/cells/boot_snapshot.py``): records what ``reset_code``
@@ -848,7 +854,7 @@ def preload_code(modules: Sequence[str]) -> str:
     return _cell("preload", f"preload({list(modules)!r})")
 
 
-KERNEL_BOOT = f"{BOOT_SNAPSHOT}\n{BOUNDED_OUTPUT}\n{SEED_RANDOM}"
+KERNEL_BOOT = f"{BOOT_SNAPSHOT}\n{BOUNDED_OUTPUT}\n{STREAMS}\n{SEED_RANDOM}"
 """What each new kernel runs before the first call: sent as a request by the driver, or run by
 the Docker warden in the kernel process before it serves (one round trip less per reset)."""
 

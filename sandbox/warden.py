@@ -346,9 +346,10 @@ def prepare_kernel(kernel_args, boot):
 
 
 def run_boot(boot):
-    """Run the host's boot code (``stare_sandbox.kernel.KERNEL_BOOT``: bounded output messages, the
-    snapshot a soft reset restores) in the new kernel before it serves, so the host need not send
-    it as a first request. A failure is logged: the host's own bounds still hold."""
+    """Run the host's boot code (``stare_sandbox.kernel.KERNEL_BOOT``: bounded output messages,
+    descriptor output read per cell, the snapshot a soft reset restores) in the new kernel before it
+    serves, so the host need not send it as a first request. A failure is logged: the host's own
+    bounds still hold."""
     if not boot:
         return
     from IPython import get_ipython

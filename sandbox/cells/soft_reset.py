@@ -20,12 +20,20 @@ from IPython import get_ipython
 
 def clear_namespace() -> None:
     """What ``%reset -f`` does, without its two full gc.collect() passes (~150 ms): drop user names,
-    the output cache and the input history; cyclic garbage is left to the automatic collector."""
+    the output cache and the input history; cyclic garbage is left to the automatic collector. Also
+    what ``%reset -f`` keeps: the last inputs (``_i``), IPython 9's record of each cell's printed
+    output and error, and the cell count (``Cell In[n]`` in tracebacks), so that an episode can read
+    nothing of the one before and sees the same kernel whichever went before it, as in a fresh one."""
     shell: Any = get_ipython()
     for name in [name for name in shell.user_ns if name not in shell.user_ns_hidden]:
         del shell.user_ns[name]
-    shell.history_manager.output_hist.clear()
-    del shell.history_manager.input_hist_parsed[1:], shell.history_manager.input_hist_raw[1:]
+    history = shell.history_manager
+    history.output_hist.clear()
+    for record in ("outputs", "exceptions"):  # IPython 9
+        getattr(history, record, {}).clear()
+    del history.input_hist_parsed[1:], history.input_hist_raw[1:], history.dir_hist[1:]
+    history._i00 = history._i = history._ii = history._iii = ""
+    shell.execution_count = 1
     for name in ("_", "__", "___"):
         shell.user_ns[name] = ""
         setattr(shell.displayhook, name, "")

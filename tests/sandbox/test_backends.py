@@ -133,3 +133,85 @@ def test_numpy_random_draws_the_same_in_every_sandbox_and_after_every_reset(back
         assert sb.run(NUMPY_DRAW).stdout != first  # the stream goes on within an episode
         sb.reset()  # local: numpy reseeded in place; Docker: a fresh fork of the warden
         assert sb.run(NUMPY_DRAW).stdout == first  # and starts over in the next
+
+
+@pytest.fixture(scope="module")
+def wide(backend: str):
+    """A sandbox that keeps 300,000 characters of output: pipe-fulls of it, uncut."""
+    with open_sandbox(backend, SandboxConfig(max_output_chars=300_000)) as sandbox:
+        yield sandbox
+
+
+def test_what_children_os_write_and_c_code_print_is_in_its_own_cell_in_order(sb: KernelSandbox) -> None:
+    code = """
+import ctypes, os, subprocess, sys
+print("print")
+os.write(1, b"os.write\\n")
+os.write(2, b"os.write 2\\n")
+subprocess.run(["echo", "child"])
+subprocess.run(["echo", "child on sys.stdout"], stdout=sys.stdout)
+ctypes.CDLL(None).printf(b"printf\\n")
+print("print again")
+"""
+    result = sb.run(code)
+    # C stdio is block-buffered on a pipe: printf's line comes when the cell ends, last.
+    assert result.stdout == "print\nos.write\nchild\nchild on sys.stdout\nprint again\nprintf\n"
+    assert result.stderr == "os.write 2\n"
+    assert sb.run("print('next')").stdout == "next\n"
+
+
+PIPE_FULLS = """
+import os
+print("before")
+n = os.write(1, b"".join(b"%05d\\n" % k for k in range(20000)))
+print("after")
+n"""
+
+
+def test_pipe_fulls_written_to_a_descriptor_stay_whole_and_in_their_own_cell(wide: KernelSandbox) -> None:
+    # 120,000 bytes, about two pipe-fulls: the cell's own print and its value come after the last
+    # byte, and the next cell starts clean.
+    want = "before\n" + "".join(f"{k:05d}\n" for k in range(20000)) + "after\n120000\n"
+    for _ in range(5):
+        assert wide.run(PIPE_FULLS).stdout == want
+    assert wide.run("print('next')").stdout == "next\n"
+
+
+def test_a_character_split_between_reads_neither_garbles_nor_stalls_the_output(wide: KernelSandbox) -> None:
+    split = wide.run("import os\nn = os.write(1, ('a' + 'é' * 5000 + '\\n').encode())")
+    assert split.stdout == "a" + "é" * 5000 + "\n"
+    flood = wide.run("n = os.write(1, b'y' * 200_000)", timeout=10)  # more than a pipe holds
+    assert flood.ok and flood.stdout == "y" * 200_000
+
+
+def test_a_message_bigger_than_the_host_keeps_still_arrives_cut(sb: KernelSandbox) -> None:
+    # 10^6 NULs are 6 MB of JSON (\u0000) in one message, over MAX_MESSAGE_BYTES: the kernel sends
+    # it in chunks, each kept, and the host cuts the text.
+    result = sb.run("print('\\x00' * 1_000_000)")
+    assert result.skipped_messages == 0 and result.truncated
+    assert result.stdout.startswith("\x00" * 500) and result.stdout.endswith("\x00" * 499 + "\n")
+
+
+def test_an_episode_finds_no_output_or_cell_count_of_the_one_before(sb: KernelSandbox) -> None:
+    sb.reset()
+    first_error = sb.run("1/0").error.traceback
+    sb.run("print('last episode')\n'its value'")
+    sb.run("raise KeyError('its error')")
+    sb.reset()  # local: in place; Docker: a fresh kernel
+    assert sb.run("1/0").error.traceback == first_error  # "Cell In[1]" as in a fresh kernel
+    history = sb.run("hm = get_ipython().history_manager\nprint(vars(hm))").stdout
+    assert "last episode" not in history and "its value" not in history and "its error" not in history
+
+
+def test_a_process_that_never_stops_writing_keeps_no_cell_from_ending(wide: KernelSandbox) -> None:
+    start = wide.run(
+        "import subprocess, sys\n"
+        "writer = subprocess.Popen([sys.executable, '-c', 'import os\\nwhile True: os.write(1, b\"w\" * 65536)'])"
+    )
+    assert start.ok, start
+    try:
+        for _ in range(3):
+            result = wide.run("'still' + ' here'", timeout=10)  # shown last, after the cut of the flood
+            assert result.ok and result.stdout.endswith("'still here'\n") and result.duration_s < 5, result.error
+    finally:
+        wide.run("writer.kill(); writer.wait()")
