@@ -264,10 +264,7 @@ def policy_entropy(
     """
     import torch
 
-    from stare_agent.algorithms.logprobs import (
-        causal_lm_logprobs_and_entropy,
-        shared_prompt_logprobs_and_entropy,
-    )
+    from stare_agent.algorithms.logprobs import score_tokens
     from stare_agent.train.batch import collate, shared_prefix_length
 
     total, count = 0.0, 0.0
@@ -278,12 +275,13 @@ def policy_entropy(
             rows = by_length[start : start + batch_size]
             batch = collate(rows, pad_id, device)
             mask = batch["response_mask"]
-            ids, attention, scored = batch["input_ids"], batch["attention_mask"], mask.bool()
-            shared = shared_prefix_length(rows)
-            if shared:
-                _, entropy = shared_prompt_logprobs_and_entropy(model, ids, attention, shared, scored)
-            else:
-                _, entropy = causal_lm_logprobs_and_entropy(model, ids, attention, score_mask=scored)
+            _, entropy = score_tokens(
+                model,
+                batch["input_ids"],
+                batch["attention_mask"],
+                mask.bool(),
+                prompt_length=shared_prefix_length(rows),
+            )
             total += float((entropy.float() * mask).sum())
             count += float(mask.sum())
     return total / count if count else float("nan")

@@ -346,6 +346,83 @@ def shared_prompt_logprobs_and_entropy(
     return _scatter_all(scores, score_mask)
 
 
+@overload
+def score_tokens(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    score_mask: Tensor | None,
+    *,
+    prompt_length: int = ...,
+    chunk_size: int = ...,
+    temperature: float = ...,
+    with_moments: Literal[False] = ...,
+    **forward_kwargs: Any,
+) -> Scores: ...
+@overload
+def score_tokens(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    score_mask: Tensor | None,
+    *,
+    prompt_length: int = ...,
+    chunk_size: int = ...,
+    temperature: float = ...,
+    with_moments: Literal[True],
+    **forward_kwargs: Any,
+) -> ScoresAndMoments: ...
+@overload
+def score_tokens(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    score_mask: Tensor | None,
+    *,
+    prompt_length: int = ...,
+    chunk_size: int = ...,
+    temperature: float = ...,
+    with_moments: bool = ...,
+    **forward_kwargs: Any,
+) -> Scores | ScoresAndMoments: ...
+def score_tokens(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    score_mask: Tensor | None,
+    *,
+    prompt_length: int = 0,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    with_moments: bool = False,
+    **forward_kwargs: Any,
+) -> Scores | ScoresAndMoments:
+    """The one way a batch is scored: its rows' common prompt of ``prompt_length`` tokens run once
+    (:func:`shared_prompt_logprobs_and_entropy`) when that is given and positions are chosen, else
+    the whole rows (:func:`causal_lm_logprobs_and_entropy`; ``forward_kwargs`` go to its backbone)."""
+    if prompt_length and score_mask is not None:
+        return shared_prompt_logprobs_and_entropy(
+            model,
+            input_ids,
+            attention_mask,
+            prompt_length,
+            score_mask,
+            chunk_size=chunk_size,
+            temperature=temperature,
+            with_moments=with_moments,
+        )
+    return causal_lm_logprobs_and_entropy(
+        model,
+        input_ids,
+        attention_mask,
+        chunk_size=chunk_size,
+        temperature=temperature,
+        score_mask=score_mask,
+        with_moments=with_moments,
+        **forward_kwargs,
+    )
+
+
 def scatter_scored(values: Tensor, score_mask: Tensor) -> Tensor:
     """Values [S, ...] of the S marked positions of ``score_mask`` [N, T] put back in place: [N, T, ...], 0 elsewhere.
 

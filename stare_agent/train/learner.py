@@ -52,12 +52,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from stare_agent.algorithms.logprobs import (
-    causal_lm_logprobs_and_entropy,
-    logprobs_and_entropy_from_logits,
-    scatter_scored,
-    shared_prompt_logprobs_and_entropy,
-)
+from stare_agent.algorithms.logprobs import logprobs_and_entropy_from_logits, scatter_scored, score_tokens
 from stare_agent.algorithms.losses import policy_loss
 from stare_agent.algorithms.rollout_correction import correction_weights, mismatch_metrics, mismatch_sums
 from stare_agent.config import (
@@ -241,7 +236,8 @@ class Learner:
         micro-batch changes the work, not the results:
 
         - with :attr:`shares_prompts`, the trajectories of one prompt (a GRPO group) form micro-batches
-          of their own, whose prompt runs once (:func:`shared_prompt_logprobs_and_entropy`);
+          of their own, whose prompt runs once
+          (:func:`~stare_agent.algorithms.logprobs.shared_prompt_logprobs_and_entropy`);
         - the others, with ``deepspeed.bucket_by_length``, go by similar length
           (:func:`~stare_agent.train.batch.bucket_by_length`), else in batch order (:meth:`micro_batches`),
           and with :attr:`shares_prompts` run their common prefix (the system prompt) once;
@@ -331,17 +327,6 @@ class Learner:
         # Only mask-1 positions are ever read (losses, gate, weights): the rest skip the LM head.
         scored = micro["response_mask"].bool() if self.ds_config.score_response_only else None
         chunk = self.ds_config.logprob_chunk_size
-        if "shared_prompt_length" in micro and scored is not None:
-            return shared_prompt_logprobs_and_entropy(
-                self.module,
-                ids,
-                attention,
-                int(micro["shared_prompt_length"]),
-                scored,
-                chunk_size=chunk,
-                temperature=self.temperature,
-                with_moments=with_moments,
-            )
         if self.ds_config.zero_stage == 3:
             # ZeRO-3 partitions the LM head, so score from the logits the model itself computes.
             logits = self.ds_model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
@@ -361,13 +346,14 @@ class Learner:
                 with_moments=with_moments,
             )
             return tuple(scatter_scored(values, scored) for values in scores)
-        return causal_lm_logprobs_and_entropy(
+        return score_tokens(
             self.module,
             ids,
             attention,
+            scored,
+            prompt_length=int(micro.get("shared_prompt_length", 0)),
             chunk_size=chunk,
             temperature=self.temperature,
-            score_mask=scored,
             with_moments=with_moments,
             use_cache=False,
         )

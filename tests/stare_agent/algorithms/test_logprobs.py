@@ -268,3 +268,28 @@ def test_a_shared_prompt_gives_the_per_row_values_and_gradients_in_float64(monke
     assert logp.ne(0).sum() == scored.sum()  # every scored position was scored
     for name, grad in grads.items():
         assert (grads_s[name] - grad).norm() <= 1e-12 * grad.norm(), name
+
+
+def test_score_tokens_runs_the_shared_prompt_once_only_where_positions_are_chosen(monkeypatch):
+    from stare_agent.algorithms import logprobs
+
+    model = _tiny_llama64()
+    P, R, N = 6, 4, 3
+    ids = torch.cat([torch.randint(0, 97, (1, P)).expand(N, -1), torch.randint(0, 97, (N, R))], dim=1)
+    mask = torch.ones_like(ids)
+    scored = torch.zeros(N, P + R - 1, dtype=torch.bool)
+    scored[:, P - 1 :] = True
+    ran: list[str] = []
+    for name in ("shared_prompt_logprobs_and_entropy", "causal_lm_logprobs_and_entropy"):
+        real = getattr(logprobs, name)
+        monkeypatch.setattr(
+            logprobs, name, lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k)
+        )
+    with torch.no_grad():
+        shared = logprobs.score_tokens(model, ids, mask, scored, prompt_length=P, chunk_size=5)
+        whole = logprobs.score_tokens(model, ids, mask, scored, chunk_size=5)
+        unscored = logprobs.score_tokens(model, ids, mask, None, prompt_length=P)  # no positions: whole rows
+    assert ran == ["shared_prompt_logprobs_and_entropy", *["causal_lm_logprobs_and_entropy"] * 2]
+    for a, b in zip(shared, whole, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(unscored[0][scored], whole[0][scored], rtol=1e-9, atol=1e-9)

@@ -248,7 +248,7 @@ def test_fast_learner_path_takes_the_same_step_as_the_old_one(learner, batch, st
         shared_rows.append(input_ids.shape[0])
         return shared_prompt_logprobs_and_entropy(model, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr("stare_agent.train.learner.shared_prompt_logprobs_and_entropy", spy)
+    monkeypatch.setattr("stare_agent.algorithms.logprobs.shared_prompt_logprobs_and_entropy", spy)
 
     def one_step(fast: bool) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         ds.score_response_only = ds.bucket_by_length = ds.share_prompts = fast
@@ -339,7 +339,7 @@ def test_sft_traces_of_different_problems_run_their_common_system_prompt_once(le
             model, input_ids, attention_mask, prompt_length, *args, **kwargs
         )
 
-    monkeypatch.setattr("stare_agent.train.learner.shared_prompt_logprobs_and_entropy", spy)
+    monkeypatch.setattr("stare_agent.algorithms.logprobs.shared_prompt_logprobs_and_entropy", spy)
     start = _params(learner)
     ds = learner.ds_config
 
