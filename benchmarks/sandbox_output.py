@@ -54,7 +54,7 @@ def kind(name: str) -> Iterator[None]:
     """Boot the kernels started inside with (``streams``) or without (``baseline``) the streams cell."""
     boot = stare_sandbox.kernel.KERNEL_BOOT
     if name == "baseline":
-        without = boot.replace(f"{stare_sandbox.kernel.STREAMS}\n", "")
+        without = boot.replace(f"\n{stare_sandbox.kernel.STREAMS}", "")
         assert without != boot
         stare_sandbox.kernel.KERNEL_BOOT = stare_sandbox.docker.KERNEL_BOOT = without
     try:

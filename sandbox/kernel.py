@@ -854,7 +854,7 @@ def preload_code(modules: Sequence[str]) -> str:
     return _cell("preload", f"preload({list(modules)!r})")
 
 
-KERNEL_BOOT = f"{BOOT_SNAPSHOT}\n{BOUNDED_OUTPUT}\n{STREAMS}\n{SEED_RANDOM}"
+KERNEL_BOOT = f"{BOOT_SNAPSHOT}\n{BOUNDED_OUTPUT}\n{SEED_RANDOM}\n{STREAMS}"
 """What each new kernel runs before the first call: sent as a request by the driver, or run by
 the Docker warden in the kernel process before it serves (one round trip less per reset)."""
 
