@@ -23,6 +23,7 @@ start, which for the boot cell was ipykernel's own method. Code in the sandbox c
 then only its own output suffers.
 """
 
+import _thread
 import array
 import codecs
 import ctypes
@@ -88,14 +89,19 @@ class Pump:
         if self.count[0] or self.busy:
             self.drain()
 
-    def run(self) -> None:
-        """The reader thread: drain whenever the pipe has bytes, until it is closed."""
-        poller = select.poll()
-        poller.register(self.read_end, select.POLLIN)
-        while True:
-            events = poller.poll()
-            if any(mask & select.POLLNVAL for _, mask in events) or not self.drain():
-                return
+
+def read_pipes(pumps: list[Pump]) -> None:
+    """The reader thread (one for both pipes): drain a pipe whenever it has bytes, until each is
+    closed or gone."""
+    by_fd = {pump.read_end: pump for pump in pumps}
+    poller = select.poll()
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN)
+    while by_fd:
+        for fd, mask in poller.poll():
+            if mask & select.POLLNVAL or not by_fd[fd].drain():
+                poller.unregister(fd)
+                del by_fd[fd]
 
 
 def close_other_write_ends(fd: int) -> None:
@@ -114,9 +120,10 @@ def close_other_write_ends(fd: int) -> None:
             os.close(other)
 
 
-def shape(stream: Any, fd: int, chunk: int, libc: Any, forked: list[bool]) -> None:
+def shape(stream: Any, fd: int, chunk: int, libc: Any, forked: list[bool]) -> Pump:
     """Give ``stream`` the behaviour of the module docstring, reading ``fd`` until ``forked`` holds
-    an item (in a forked child, which has the pipe's read end but not its reader)."""
+    an item (in a forked child, which has the pipe's read end but not its reader); its pump, for
+    the reader thread to run."""
     close_other_write_ends(fd)
     read_end, write_end = os.pipe()
     os.dup2(write_end, fd)
@@ -135,7 +142,6 @@ def shape(stream: Any, fd: int, chunk: int, libc: Any, forked: list[bool]) -> No
         return len(text)
 
     pump = Pump(read_end, chunked)
-    threading.Thread(target=pump.run, name=f"fd-{fd}-output", daemon=True).start()
 
     def write(text: Any, catch_up: Any = pump.catch_up) -> Any:
         if not forked:
@@ -167,14 +173,18 @@ def shape(stream: Any, fd: int, chunk: int, libc: Any, forked: list[bool]) -> No
 
     stream.__dict__.pop("write", None)
     stream.__class__ = KernelStream
+    return pump
 
 
 def capture_streams(chunk: int) -> None:
     libc, forked = ctypes.CDLL(None), []
     os.register_at_fork(after_in_child=lambda: forked.append(True))
     streams = {"stdout": sys.stdout, "stderr": sys.stderr}
-    for fd, stream in zip((1, 2), streams.values(), strict=True):
-        shape(stream, fd, chunk, libc, forked)
+    pumps = [
+        shape(stream, fd, chunk, libc, forked) for fd, stream in zip((1, 2), streams.values(), strict=True)
+    ]
+    # Not threading.Thread: its start waits until the thread runs, a few ms of every reset under load.
+    _thread.start_new_thread(read_pipes, (pumps,))
 
     def after_cell(result: Any = None) -> None:
         # ipykernel flushes sys.stdout and sys.stderr after the cell; these, where the cell left
