@@ -487,7 +487,7 @@ class _ContainerKernel:
 
     def death_cause(self) -> str:
         ended = self._ended()
-        if ended is None:
+        if ended is None or _being_removed(ended[0]):
             return "container removed"
         state, said = ended
         if state.get("OOMKilled"):
@@ -516,7 +516,7 @@ class _ContainerKernel:
         kernel that exited).
         """
         ended = self._ended()
-        if ended is None:
+        if ended is None or _being_removed(ended[0]):
             return True  # removed, or no daemon: nothing in the sandbox does either
         state, said = ended
         if state.get("Running") or state.get("OOMKilled") or not _timestamp(state.get("StartedAt", "")):
@@ -543,6 +543,13 @@ class _ContainerKernel:
             text = b""
         lines = text.decode(errors="replace").splitlines()
         return state, [line.removeprefix("warden: ") for line in lines if line.startswith("warden: ")]
+
+
+def _being_removed(state: dict[str, Any]) -> bool:
+    """Whether a container's ``State`` is that of one being removed: ``docker rm -f`` marks it
+    ``removing`` before it kills it, so between the kill and the removal it reads as exited with
+    code 137; ``dead`` is one whose removal failed half way."""
+    return state.get("Status") in ("removing", "dead") or bool(state.get("Dead"))
 
 
 def _timestamp(rfc3339: str) -> float | None:

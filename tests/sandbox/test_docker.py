@@ -191,6 +191,40 @@ def test_a_container_removed_mid_call_is_a_sandbox_error_never_the_docker_sdks(d
             sb.run("import time; time.sleep(5)", timeout=8)
 
 
+def test_a_container_caught_between_the_kill_and_the_removal_of_docker_rm_is_removed() -> None:
+    """`docker rm -f` marks the container ``removing``, kills it, then removes it: read between the two
+    it has exit code 137 like a `docker kill`, and it is a removal (CI once read it so and said
+    "exit code 137"). The state is the one the daemon gave, polled during a real `docker rm -f`."""
+    from stare_sandbox.docker import _ContainerKernel
+
+    class Removing:
+        id = "c8de8948f236"
+        attrs = {
+            "State": {
+                "Status": "removing",
+                "Running": False,
+                "OOMKilled": False,
+                "Dead": False,
+                "Pid": 0,
+                "ExitCode": 137,
+                "StartedAt": "2026-12-05T10:06:20.1Z",
+            }
+        }
+
+        def reload(self) -> None:
+            pass
+
+        def logs(self, **_: object) -> bytes:
+            return b""
+
+    host = _ContainerKernel(Removing(), 512, Path("/nonexistent"), {}, 0)
+    assert host.death_cause() == "container removed"
+    assert host.killed_from_outside()
+    Removing.attrs["State"].update(Status="exited")  # the same end without the removal: a kill
+    assert host.death_cause() == "exit code 137 (signal 9)"
+    assert host.killed_from_outside()
+
+
 @pytest.mark.docker
 @pytest.mark.parametrize("verb", ["kill", "stop"])
 def test_a_container_killed_from_outside_mid_call_is_the_infrastructures_never_the_codes(
