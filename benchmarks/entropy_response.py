@@ -71,10 +71,12 @@ from stare_agent.intervals import mean_sd_ci
 from stare_agent.models import load_policy, tiny_model
 from stare_envs.problems import generate_problems, load_problems
 from stare_envs.rewards import RewardConfig, compute_reward, extract_boxed
+from stare_research.entropy_effect import raising_tokens
 from stare_research.entropy_response import (
     directional_derivative,
     loss_response,
     response_subsets,
+    sign_agreement,
     subset_responses,
     token_influence,
 )
@@ -516,6 +518,10 @@ def main() -> None:
             model.zero_grad(set_to_none=True)
             del logp_b, ent_b, loss_b
         logp, ent = logp.detach(), ent.detach()
+        with torch.no_grad():  # the moments of the rule top_k_raising (own-position first order)
+            moments = causal_lm_logprobs_and_entropy(model, ids, attn, score_mask=score, with_moments=True)[2]
+        raising = raising_tokens(logp, ent, moments) & mask.bool()
+        del moments
         if lr is None:
             lr = args.adam_lr * math.sqrt(n_params) / float(g_all.norm())
             log(f"lr (SGD, fixed for the run) = {lr:.4g}")
@@ -544,11 +550,15 @@ def main() -> None:
             "sample_s": t_sampled - tb,
         }
         for P in args.P:
-            subsets = response_subsets(A_tok, logp, mask, infl, P)
+            subsets = response_subsets(A_tok, logp, mask, infl, P, raising=raising)
             resp = subset_responses(infl, subsets, P)
             for name, value in resp.items():
                 rec[f"P{P}/{name}"] = lr * value
             rec[f"P{P}/k"] = int(subsets["L+"].sum())
+            rec[f"P{P}/k raising"] = int(subsets["L+ raising"].sum())
+            rec[f"P{P}/agree L+"] = sign_agreement(raising, infl, subsets["L+"])
+        rec["agree T+"] = sign_agreement(raising, infl, mask.bool() & (A_tok > 0))
+        rec["agree T-"] = sign_agreement(~raising & mask.bool(), infl, mask.bool() & (A_tok < 0))
         losses, extra = method_losses(A_tok, logp, ent, mask, args, len(records))
         rec.update(extra)
         grpo_coef = None
@@ -679,6 +689,25 @@ def summarize(records, val_records, args):
         m_plus = out[f"{k}/L+"]["mean"]
         out[f"{k}/W_hold_O1"] = 1 - m_all / m_plus if m_plus else math.nan
         out[f"{k}/L+ raises (batches)"] = sum(r[f"{k}/L+"] > 0 for r in records)
+        if records and f"{k}/L+ raising" in records[0]:  # the rule top_k_raising (records since 2026-12-05)
+            rule, matched = f"{k}/L+ raising", f"{k}/random (raising size)"
+            out[rule] = ci([r[rule] for r in records])
+            out[matched] = ci([r[matched] for r in records])
+            out[f"{rule} - L+"] = ci([r[rule] - r[f"{k}/L+"] for r in records])
+            out[f"{rule} - random"] = ci([r[rule] - r[matched] for r in records])
+            out[f"{rule} raises (batches)"] = sum(r[rule] > 0 for r in records)
+            out[f"{rule} - random > 0 (batches)"] = sum(r[rule] > r[matched] for r in records)
+            out[f"{k}/k raising over k"] = sum(r[f"{k}/k raising"] for r in records) / max(
+                1, sum(r[f"{k}/k"] for r in records)
+            )
+            out[f"{k}/agree L+"] = ci(
+                [r[f"{k}/agree L+"] for r in records if not math.isnan(r[f"{k}/agree L+"])]
+            )
+    for side in ("T+", "T-"):
+        if records and f"agree {side}" in records[0]:
+            out[f"agree {side}"] = ci(
+                [r[f"agree {side}"] for r in records if not math.isnan(r[f"agree {side}"])]
+            )
     out["fd_over_exact_all"] = ci([r["fd_sum_all"] / r["exact_all"] for r in records if r["exact_all"]])
     for W in args.W:
         ratios = [v[f"W{W}/measured"] / v[f"W{W}/predicted"] for v in val_records if v[f"W{W}/predicted"]]
@@ -726,6 +755,13 @@ def fmt(s):
     return f"{s['mean']:+.3e} ± {s['ci95']:.1e}" if not math.isnan(s["ci95"]) else f"{s['mean']:+.3e}"
 
 
+def share(s):
+    """A share's mean ± 95 % t half-width, three decimals."""
+    if s is None:
+        return "n/a"
+    return f"{s['mean']:.3f} ± {s['ci95']:.3f}" if not math.isnan(s["ci95"]) else f"{s['mean']:.3f}"
+
+
 def print_table(summary, args, meta):
     n = summary[f"P{args.P[0]}/all"]["n"]
     print(
@@ -746,6 +782,25 @@ def print_table(summary, args, meta):
         ]
         row.append(f"{summary[f'{k}/W_hold_O1']:.3g}")
         print(" | ".join(row))
+    if f"P{args.P[0]}/L+ raising" in summary:
+        n_agree = summary["agree T+"]["n"]
+        print(
+            "\nthe rule top_k_raising (L+ less its own-position first-order lowerers): "
+            f"sign agreement of the own-position rule with the bank's influence, per batch mean over {n_agree} "
+            f"batches: T+ {share(summary['agree T+'])}, T- {share(summary['agree T-'])}"
+        )
+        print(
+            "P | L+ raising | batches > 0 | random T+ (same k) | minus random (paired) | batches > random | minus L+ (paired) | |L+ raising| / |L+| | agreement on L+"
+        )
+        for P in args.P:
+            k = f"P{P}"
+            rule = f"{k}/L+ raising"
+            print(
+                f"{P} | {fmt(summary[rule])} | {summary[f'{rule} raises (batches)']}/{n} | "
+                f"{fmt(summary[f'{k}/random (raising size)'])} | {fmt(summary[f'{rule} - random'])} | "
+                f"{summary[f'{rule} - random > 0 (batches)']}/{n} | {fmt(summary[f'{rule} - L+'])} | "
+                f"{summary[f'{k}/k raising over k']:.3f} | {share(summary[f'{k}/agree L+'])}"
+            )
     print(
         f"\nfirst-order check: sum_t I_t (central difference) / exact -<h, g_all>: {fmt(summary['fd_over_exact_all'])}"
     )

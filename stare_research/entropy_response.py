@@ -39,6 +39,7 @@ exactly; the entropy bonus (``l -= beta * mean_t H_t``) adds ``dl/dH_t = -beta /
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -87,11 +88,18 @@ def token_influence(
 
 
 def response_subsets(
-    advantages: Tensor, logprobs: Tensor, response_mask: Tensor, influence: Tensor, P: float
+    advantages: Tensor,
+    logprobs: Tensor,
+    response_mask: Tensor,
+    influence: Tensor,
+    P: float,
+    raising: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Bool masks [B, T] of ``L+``, ``L-`` (STARE's selection, ``stare_weights`` C2 over the whole
     batch), ``bottom`` (the k least surprising of T+) and ``oracle`` (the k of T+ with the largest
-    influence), k = ceil(P |T+|); also ``T+``, ``T-`` and ``all`` (every mask-1 token)."""
+    influence), k = ceil(P |T+|); also ``T+``, ``T-`` and ``all`` (every mask-1 token). Given
+    ``raising`` (``entropy_effect.raising_tokens``: own-position, logit-space first order), also
+    ``L+ raising``: the L+ of this project's rule ``research.L_plus_rule=top_k_raising``."""
     mask = response_mask.bool()
     A = advantages.detach()
     _, L_plus, L_minus, _ = stare_weights(A, logprobs.detach(), mask, gate_on=False, variant="C2", P=P)
@@ -99,7 +107,7 @@ def response_subsets(
     keys = torch.arange(mask.shape[0], device=mask.device)
     bottom = top_k(logprobs.detach().double(), T_plus, keys, P, None)  # largest log p = smallest s
     oracle = top_k(influence.detach().double(), T_plus, keys, P, None)
-    return {
+    subsets = {
         "all": mask,
         "T+": T_plus,
         "T-": mask & (A < 0),
@@ -108,6 +116,9 @@ def response_subsets(
         "bottom": bottom,
         "oracle": oracle,
     }
+    if raising is not None:
+        subsets["L+ raising"] = L_plus & raising.bool()
+    return subsets
 
 
 def subset_responses(influence: Tensor, subsets: dict[str, Tensor], P: float) -> dict[str, float]:
@@ -116,7 +127,21 @@ def subset_responses(influence: Tensor, subsets: dict[str, Tensor], P: float) ->
     n_plus = int(subsets["T+"].sum())
     k = top_k_count(P, n_plus) if n_plus else 0
     out["random"] = k / n_plus * out["T+"] if n_plus else 0.0
+    if "L+ raising" in subsets:  # the random T+ subset of the rule's (smaller) size, in expectation
+        k_raising = int(subsets["L+ raising"].sum())
+        out["random (raising size)"] = k_raising / n_plus * out["T+"] if n_plus else 0.0
     return out
+
+
+def sign_agreement(raising: Tensor, influence: Tensor, within: Tensor) -> float:
+    """The share of the tokens in ``within`` whose own-position, logit-space first order (``raising``:
+    reinforcing them raises their own position's entropy) has the sign of their parameter-space
+    effect on the held-out bank (``influence > 0``); NaN for an empty ``within``."""
+    within = within.bool()
+    n = int(within.sum())
+    if not n:
+        return math.nan
+    return float((raising.bool() == (influence > 0))[within].sum()) / n
 
 
 class LossResponse(NamedTuple):

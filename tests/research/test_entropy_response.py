@@ -17,6 +17,7 @@ from stare_research.entropy_response import (
     directional_derivative,
     loss_response,
     response_subsets,
+    sign_agreement,
     subset_responses,
     token_influence,
 )
@@ -71,6 +72,27 @@ def test_subsets_and_random_expectation() -> None:
     assert math.isclose(out["oracle"], 4.0 / 7, rel_tol=1e-6)
     assert math.isclose(out["random"], 0.5 * 2.4 / 7, rel_tol=1e-6)  # k / |T+| * sum_{T+} I
     assert math.isclose(out["all"], (2.4 - 3.0) / 7, rel_tol=1e-6)
+    assert "L+ raising" not in subsets and "random (raising size)" not in out
+
+
+def test_the_raising_rules_L_plus_and_its_sign_agreement_by_hand() -> None:
+    """The rule ``top_k_raising`` keeps the L+ tokens its own-position first order calls raisers; the
+    matched random subset and the sign agreement with the bank's influence, worked by hand."""
+    A = torch.tensor([[1.0, 1.0, 1.0, 1.0], [-1.0, -1.0, -1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    logp = torch.tensor([[-0.1, -2.0, -0.5, -3.0], [-1.0, -0.2, -4.0, 0.0]])
+    infl = token_influence(A, torch.tensor([[0.4, -2.0, 1.0, 3.0], [1.0, 1.0, 1.0, 9.0]]), mask)
+    raising = torch.tensor([[True, True, False, False], [True, False, False, False]])
+    subsets = response_subsets(A, logp, mask, infl, P=0.5, raising=raising)
+    # L+ is tokens 1 and 3 (surprisal 2.0, 3.0); the rule keeps token 1 only
+    assert subsets["L+ raising"].tolist() == [[False, True, False, False], [False] * 4]
+    out = subset_responses(infl, subsets, P=0.5)
+    assert math.isclose(out["L+ raising"], -2.0 / 7, rel_tol=1e-6)  # the one kept token LOWERS the bank
+    assert math.isclose(out["random (raising size)"], 1 / 4 * 2.4 / 7, rel_tol=1e-6)
+    # T+ = row 0: raising (T, T, F, F) against influence > 0 (T, F, T, T): they agree on token 0 only
+    assert sign_agreement(raising, infl, subsets["T+"]) == 0.25
+    assert sign_agreement(raising, infl, subsets["L+"]) == 0.0  # token 1 (T vs F), token 3 (F vs T)
+    assert math.isnan(sign_agreement(raising, infl, torch.zeros_like(mask)))
 
 
 def test_entropy_bonus_response_by_hand() -> None:
