@@ -67,6 +67,12 @@ from stare_agent.algorithms.entropy_control import (
 from stare_agent.algorithms.logprobs import causal_lm_logprobs_and_entropy
 from stare_agent.algorithms.losses import policy_loss
 from stare_agent.algorithms.stare import stare_weights
+from stare_agent.algorithms.token_weighting import (
+    entroadv_advantages,
+    first_order_weights,
+    stapo_weights,
+    steer_weights,
+)
 from stare_agent.intervals import mean_sd_ci
 from stare_agent.models import load_policy, tiny_model
 from stare_envs.problems import generate_problems, load_problems
@@ -267,9 +273,15 @@ def draw_batch(model, tok, pool, args, cursor: int, log, deadline: float = math.
     return rows, torch.tensor(rewards), cursor, drawn
 
 
-def method_losses(A_tok, logp, entropy, mask, args, batch: int):
+def method_losses(A_tok, logp, entropy, moments, mask, args, batch: int):
     """Each method's loss ``l(logp, H)`` as the learner builds it (config defaults; selections over the
-    whole batch), and the seconds its token selection took (its extra cost over GRPO-ds's step)."""
+    whole batch), and the seconds its token selection took (its extra cost over GRPO-ds's step).
+
+    The field's token-weighting methods (``stare_agent.algorithms.token_weighting``) at their
+    defaults: STEER, STAPO, EntroAdv and this project's first-order weighting (the gate forced on, as
+    for STARE's rows). The adaptive entropy coefficient is left out: one step from its start (c = 0)
+    is GRPO-ds's, and at any c it is the entropy bonus's row scaled by c / beta (the bonus's response
+    is linear in beta)."""
     lp0 = logp.detach()
     A = A_tok.double()
     out = {}
@@ -298,6 +310,18 @@ def method_losses(A_tok, logp, entropy, mask, args, batch: int):
     out["clip_cov"] = (pg(w.double()), sec)
     (w, _), sec = timed(lambda: forking_token_weights(entropy.detach(), mask, scope="global"))
     out["forking_tokens"] = (pg(w.double()), sec)
+    H0 = entropy.detach()
+    (w, _), sec = timed(lambda: steer_weights(A_tok, lp0, H0, mask))
+    out["steer"] = (pg(w.double()), sec)
+    (w, _), sec = timed(lambda: stapo_weights(A_tok, lp0, H0, mask))
+    out["stapo"] = (pg(w.double()), sec)
+    (A_shaped, _), sec = timed(lambda: entroadv_advantages(A_tok, H0, mask))
+    out["entroadv"] = (
+        lambda lp, H, A_shaped=A_shaped.double(): policy_loss(lp, lp.detach(), A_shaped, mask)[0],
+        sec,
+    )
+    (w, _), sec = timed(lambda: first_order_weights(A_tok, lp0, H0, moments, mask, gate_on=True))
+    out["first_order"] = (pg(w.double()), sec)
     return out, {"clip_cov_candidates": m["clip_cov/frac_candidates"] * int(mask.sum())}
 
 
@@ -521,7 +545,6 @@ def main() -> None:
         with torch.no_grad():  # the moments of the rule top_k_raising (own-position first order)
             moments = causal_lm_logprobs_and_entropy(model, ids, attn, score_mask=score, with_moments=True)[2]
         raising = raising_tokens(logp, ent, moments) & mask.bool()
-        del moments
         if lr is None:
             lr = args.adam_lr * math.sqrt(n_params) / float(g_all.norm())
             log(f"lr (SGD, fixed for the run) = {lr:.4g}")
@@ -559,7 +582,8 @@ def main() -> None:
             rec[f"P{P}/agree L+"] = sign_agreement(raising, infl, subsets["L+"])
         rec["agree T+"] = sign_agreement(raising, infl, mask.bool() & (A_tok > 0))
         rec["agree T-"] = sign_agreement(~raising & mask.bool(), infl, mask.bool() & (A_tok < 0))
-        losses, extra = method_losses(A_tok, logp, ent, mask, args, len(records))
+        losses, extra = method_losses(A_tok, logp, ent, moments, mask, args, len(records))
+        del moments
         rec.update(extra)
         grpo_coef = None
         for name, (loss_fn, sec) in losses.items():
