@@ -40,6 +40,7 @@ batch's full update has the norm of one Adam step of lr 1e-6 on every parameter 
     .venv/bin/python benchmarks/entropy_response.py --from-run runs/closed_loop/runs/draws --adam-lr 1e-5 \\
         --validate 1 --check 2 --out runs/entropy_response_closed_loop
     .venv/bin/python benchmarks/entropy_response.py --from-records --out runs/entropy_response   # the table
+    .venv/bin/python benchmarks/entropy_response.py --from-csv docs/research/entropy_response_sft48.csv
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ from stare_agent.algorithms.entropy_control import (
 from stare_agent.algorithms.logprobs import causal_lm_logprobs_and_entropy
 from stare_agent.algorithms.losses import policy_loss
 from stare_agent.algorithms.stare import stare_weights
+from stare_agent.algorithms.token_weighting import (
+    entroadv_advantages,
+    first_order_weights,
+    stapo_weights,
+    steer_weights,
+)
 from stare_agent.intervals import mean_sd_ci
 from stare_agent.models import load_policy, tiny_model
 from stare_envs.problems import generate_problems, load_problems
@@ -267,9 +274,15 @@ def draw_batch(model, tok, pool, args, cursor: int, log, deadline: float = math.
     return rows, torch.tensor(rewards), cursor, drawn
 
 
-def method_losses(A_tok, logp, entropy, mask, args, batch: int):
+def method_losses(A_tok, logp, entropy, moments, mask, args, batch: int):
     """Each method's loss ``l(logp, H)`` as the learner builds it (config defaults; selections over the
-    whole batch), and the seconds its token selection took (its extra cost over GRPO-ds's step)."""
+    whole batch), and the seconds its token selection took (its extra cost over GRPO-ds's step).
+
+    The field's token-weighting methods (``stare_agent.algorithms.token_weighting``) at their
+    defaults: STEER, STAPO, EntroAdv and this project's first-order weighting (the gate forced on, as
+    for STARE's rows). The adaptive entropy coefficient is left out: one step from its start (c = 0)
+    is GRPO-ds's, and at any c it is the entropy bonus's row scaled by c / beta (the bonus's response
+    is linear in beta)."""
     lp0 = logp.detach()
     A = A_tok.double()
     out = {}
@@ -298,6 +311,18 @@ def method_losses(A_tok, logp, entropy, mask, args, batch: int):
     out["clip_cov"] = (pg(w.double()), sec)
     (w, _), sec = timed(lambda: forking_token_weights(entropy.detach(), mask, scope="global"))
     out["forking_tokens"] = (pg(w.double()), sec)
+    H0 = entropy.detach()
+    (w, _), sec = timed(lambda: steer_weights(A_tok, lp0, H0, mask))
+    out["steer"] = (pg(w.double()), sec)
+    (w, _), sec = timed(lambda: stapo_weights(A_tok, lp0, H0, mask))
+    out["stapo"] = (pg(w.double()), sec)
+    (A_shaped, _), sec = timed(lambda: entroadv_advantages(A_tok, H0, mask))
+    out["entroadv"] = (
+        lambda lp, H, A_shaped=A_shaped.double(): policy_loss(lp, lp.detach(), A_shaped, mask)[0],
+        sec,
+    )
+    (w, _), sec = timed(lambda: first_order_weights(A_tok, lp0, H0, moments, mask, gate_on=True))
+    out["first_order"] = (pg(w.double()), sec)
     return out, {"clip_cov_candidates": m["clip_cov/frac_candidates"] * int(mask.sum())}
 
 
@@ -339,13 +364,20 @@ def main() -> None:
         help="batches = the kept groups a run saved (trainer.save_rollouts), multi-turn with tool output "
         "masked; bank = its research.entropy_bank; start = its model.name_or_path (unless --model)",
     )
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--from-csv", type=Path, default=None, help="reprint the published tables of a batches.csv"
+    )
+    ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--from-records",
         action="store_true",
         help="summarize the batches already in --out/records.json (e.g. of a run stopped early) and exit",
     )
     args = ap.parse_args()
+    if args.from_csv is not None:
+        return print(tables_of_csv(args.from_csv))
+    if args.out is None:
+        ap.error("--out is required (or --from-csv CSV to reprint the published tables)")
     if args.from_records:
         return summarize_saved(args)
     if args.quick:
@@ -521,7 +553,6 @@ def main() -> None:
         with torch.no_grad():  # the moments of the rule top_k_raising (own-position first order)
             moments = causal_lm_logprobs_and_entropy(model, ids, attn, score_mask=score, with_moments=True)[2]
         raising = raising_tokens(logp, ent, moments) & mask.bool()
-        del moments
         if lr is None:
             lr = args.adam_lr * math.sqrt(n_params) / float(g_all.norm())
             log(f"lr (SGD, fixed for the run) = {lr:.4g}")
@@ -559,7 +590,8 @@ def main() -> None:
             rec[f"P{P}/agree L+"] = sign_agreement(raising, infl, subsets["L+"])
         rec["agree T+"] = sign_agreement(raising, infl, mask.bool() & (A_tok > 0))
         rec["agree T-"] = sign_agreement(~raising & mask.bool(), infl, mask.bool() & (A_tok < 0))
-        losses, extra = method_losses(A_tok, logp, ent, mask, args, len(records))
+        losses, extra = method_losses(A_tok, logp, ent, moments, mask, args, len(records))
+        del moments
         rec.update(extra)
         grpo_coef = None
         for name, (loss_fn, sec) in losses.items():
@@ -838,6 +870,98 @@ def print_methods(summary, meta):
         f"entropy gradient: {bonus_cost}; KL-Cov's coefficients minus GRPO-ds's: "
         f"max |diff| {summary['kl_cov_max_coef_diff']:.1e}; bonus push per unit beta {summary['bonus_per_beta']:+.3e}, "
         f"beta that cancels the GRPO-ds step's mean {summary['beta_to_cancel_grpo']:.3g}"
+    )
+
+
+# ------------------------------------------------------------------- the published tables
+
+
+SUBSET_ROWS = (
+    ("all tokens (the GRPO-ds step)", "P0.1/all", None, True),
+    ("T+", "P0.1/T+", None, False),
+    ("T-", "P0.1/T-", None, False),
+    ("L+ (the paper's: top 10 % of T+ by surprisal)", "P0.1/L+", None, True),
+    ("random T+ subset of \\|L+\\| tokens", "P0.1/random", None, True),
+    ("oracle: the \\|L+\\| T+ tokens that raise it most", "P0.1/oracle", None, True),
+    ("L-", "P0.1/L-", None, True),
+    ("L+ of `top_k_raising` (L+ less its own-position lowerers)", "P0.1/L+ raising", None, True),
+    ("random T+ subset of its size", "P0.1/random (raising size)", None, False),
+    (
+        "`top_k_raising` minus that random subset (paired)",
+        "P0.1/L+ raising",
+        "P0.1/random (raising size)",
+        True,
+    ),
+    ("`top_k_raising` minus the paper's L+ (paired)", "P0.1/L+ raising", "P0.1/L+", True),
+)
+"""(label, column, column subtracted per batch or None, whether batches > 0 are counted)."""
+METHOD_ROWS = (
+    ("STARE O1 (W 1.1, gate on)", "stare_O1"),
+    ("STARE C2 (W 1.1, M 0.9, gate on)", "stare_C2"),
+    ("entropy bonus (beta 0.001)", "entropy_bonus"),
+    ("KL-Cov (k 0.2 %)", "kl_cov"),
+    ("Clip-Cov (r 2e-4)", "clip_cov"),
+    ("forking tokens (top 20 % by H)", "forking_tokens"),
+    ("STEER (\\|Omega\\| onto [0.8, 1.2])", "steer"),
+    ("STAPO (tau_p 0.002, q 0.75)", "stapo"),
+    ("EntroAdv (alpha 0.4, kappa 2)", "entroadv"),
+    ("first-order weighting (ours, lambda_max 0.1, gate on)", "first_order"),
+)
+
+
+def read_batches_csv(path: Path) -> list[dict[str, float]]:
+    """The per-batch records a run wrote to ``batches.csv`` (``write_csv``), as floats."""
+    lines = Path(path).read_text().splitlines()
+    keys = lines[0].split(",")
+    return [
+        {
+            k: float(v) if v not in ("None", "") else math.nan
+            for k, v in zip(keys, line.split(","), strict=True)
+        }
+        for line in lines[1:]
+    ]
+
+
+def mean_ci(xs: list[float]) -> str:
+    """``mean ± 95 % t half-width``, the half-width to 2 significant digits and at least 4 decimals,
+    the mean to the same decimals; "0 exactly" when every value is 0."""
+    if all(x == 0 for x in xs):
+        return "0 exactly"
+    s = mean_sd_ci(xs)
+    half = s["ci95"]
+    decimals = max(4, 1 - math.floor(math.log10(half))) if half > 0 else 4
+    return f"{s['mean']:+.{decimals}f} ± {half:.{decimals}f}"
+
+
+def tables_of_csv(path: str | Path) -> str:
+    """The subset table, the sign-agreement line and the methods table of a run's ``batches.csv`` (P
+    0.1), as docs/research/study.md publishes them; ``--from-csv`` prints them and
+    tests/research/test_published_tables.py compares them."""
+    rows = read_batches_csv(Path(path))
+    n = len(rows)
+    out = [
+        f"| subset (P = 0.1) | mean ± 95 % ({n} batches) | batches > 0 |",
+        "|---|---:|---:|",
+    ]
+    for label, column, minus, count in SUBSET_ROWS:
+        xs = [r[column] - (r[minus] if minus else 0.0) for r in rows]
+        above = f"{sum(x > 0 for x in xs)}/{n}" if count else ""
+        out.append(f"| {label} | {mean_ci(xs)} | {above} |")
+    agree = ", ".join(
+        f"{name} {share(ci([r[key] for r in rows if not math.isnan(r[key])]))}"
+        for name, key in (("T+", "agree T+"), ("T-", "agree T-"), ("L+", "P0.1/agree L+"))
+    )
+    methods = [
+        f"| method (its defaults) | dH_bank minus GRPO-ds (mean ± 95 %, {n} batches) | batches above GRPO-ds |",
+        "|---|---:|---:|",
+    ]
+    for label, name in METHOD_ROWS:
+        xs = [r[f"m/{name}"] - r["m/grpo_ds"] for r in rows]
+        methods.append(f"| {label} | {mean_ci(xs)} | {sum(x > 0 for x in xs)}/{n} |")
+    return (
+        "\n".join(out)
+        + f"\n\nsign agreement, the mean of the batches' shares: {agree}\n\n"
+        + "\n".join(methods)
     )
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.adam_lever import tables_of_csv
+from benchmarks.entropy_response import tables_of_csv as one_step_tables
 from stare_research.study import tables_from_csv
 from stare_research.tables import closed_loop_table, paired_table, read_runs
 
@@ -23,6 +24,8 @@ REPRINTED = (
     ("study.md", "closed_loop_sft48_x2.csv", closed_loop_table),
     # `python benchmarks/adam_lever.py --from-csv CSV`
     ("study.md", "adam_lever_sft48.csv", tables_of_csv),
+    # `python benchmarks/entropy_response.py --from-csv CSV` (the one-step response at the recreated start)
+    ("study.md", "entropy_response_sft48.csv", one_step_tables),
     # the placebo closed loop: `python -m stare_research.tables CSV --paired ...` (the page's command)
     ("study.md", "closed_loop_placebo.csv", closed_loop_table),
     ("study.md", "closed_loop_placebo.csv", lambda path: paired_table(path, PLACEBO_PAIRS)),
