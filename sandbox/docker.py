@@ -65,7 +65,7 @@ from stare_sandbox.seccomp import security_opt
 from stare_sandbox.shutdown import exit_on_sigterm
 from stare_sandbox.uids import UidClaim, claim_uid
 from stare_sandbox.usage import CgroupUsage, cgroup_dir
-from stare_sandbox.warden import KERNEL_EXITED, STOPPED_FROM_OUTSIDE
+from stare_sandbox.warden import BOOT_FAILED, KERNEL_EXITED, STOPPED_FROM_OUTSIDE
 
 logger = logging.getLogger(__name__)
 
@@ -496,7 +496,10 @@ class _ContainerKernel:
         cause = f"exit code {code}" + (
             f" (signal {code - 128})" if isinstance(code, int) and code > 128 else ""
         )
-        # the warden logs why it exited (e.g. a module sandbox.preload names is missing)
+        # the warden logs why it exited (e.g. a module sandbox.preload names is missing); a kernel
+        # whose boot failed logs that before the warden logs its exit (only a boot can: the kernel
+        # closes the log before it serves)
+        said = [line for line in said if line.startswith(BOOT_FAILED)] or said
         return f"{cause}; warden: {said[-1]}" if said else cause
 
     def killed_from_outside(self) -> bool:

@@ -267,7 +267,12 @@ class KernelDriver:
                     f"the kernel could not import stare_sandbox.preload {list(self.preload)} (missing from its "
                     "Python?): install them there, or list fewer in sandbox.limits.preload"
                 )
-            self.run_quiet(KERNEL_BOOT, max(1.0, deadline - time.monotonic()))
+            error = self._run_quiet(KERNEL_BOOT, max(1.0, deadline - time.monotonic()))
+            if error is not None:  # serving without it would be unbounded, unseeded, output misplaced
+                raise SandboxError(
+                    f"the kernel's boot code failed ({error}): the kernel's IPython or ipykernel is one "
+                    "this sandbox does not support; run `stare-agent sandbox doctor`"
+                )
 
     def _connect(self, deadline: float, timeout: float, *, renew: bool) -> None:
         """Wait until the kernel answers on shell and its iopub reaches us; with ``renew``, on
@@ -590,11 +595,21 @@ class KernelDriver:
 
     def run_quiet(self, code: str, timeout: float) -> bool:
         """Run housekeeping code without history or output; True when it finished without error."""
+        return self._run_quiet(code, timeout) is None
+
+    def _run_quiet(self, code: str, timeout: float) -> str | None:
+        """``run_quiet``'s work: None when the code finished without error, else what went wrong
+        (``ename: evalue``, or that no reply came in time)."""
         if not self.ready:
             self.wait_ready(60.0)
         msg_id = self.client.execute(code, silent=True, store_history=False, allow_stdin=False)
         reply = self._shell_reply(msg_id, time.monotonic() + timeout)
-        return reply is not None and reply["content"].get("status") == "ok"
+        if reply is None:
+            return f"no reply within {timeout:.3g} s"
+        content = reply["content"]
+        if content.get("status") == "ok":
+            return None
+        return f"{content.get('ename', 'Error')}: {content.get('evalue', '')}"[:500]
 
     # -- helpers -----------------------------------------------------------------------------
 

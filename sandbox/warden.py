@@ -74,18 +74,36 @@ KERNEL_CHANNELS = ("stdin", "control")
 RENEW, START, INTERRUPT, TERMINATE = signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGTERM
 HANDLED = {RENEW, START, INTERRUPT, TERMINATE, signal.SIGCHLD}
 START_TIMEOUT_S = 10.0
+"""How long a renewal waits for the host's SIGUSR2 before the warden gives up (and exits)."""
 KERNEL_EXITED = "the kernel exited with status"
 """What the warden logs (then the status) before it stops because its kernel ended, by whatever
 cause: the host then knows the container did not end from outside (``stare_sandbox.docker``)."""
 STOPPED_FROM_OUTSIDE = "stopped by SIGTERM from outside the container"
 """What the warden logs before it obeys a SIGTERM (``docker stop``, a Docker daemon that shuts down)."""
-"""How long a renewal waits for the host's SIGUSR2 before the warden gives up (and exits)."""
+BOOT_FAILED = "the kernel's boot code failed"
+"""What a new kernel logs (then the error) before it exits with ``BOOT_FAILED_STATUS`` instead of
+serving without its boot (unbounded messages, unseeded, descriptor output in the wrong cell)."""
+BOOT_FAILED_STATUS = 78
 
 libc = ctypes.CDLL(None, use_errno=True)
 
 
+log_fd = 2
+"""Where ``log`` writes: the container's log. A kernel holds its own copy until its boot has run
+(its descriptor 2 is /dev/null), and closes it before it serves: no code of an episode can write
+a warden line."""
+
+
 def log(message):
-    os.write(2, f"warden: {message}\n".encode())
+    os.write(log_fd, f"warden: {message}\n".encode())
+
+
+def stop_logging():
+    """In a kernel, before it serves: close its copy of the container's log."""
+    global log_fd
+    if log_fd != 2:
+        os.close(log_fd)
+        log_fd = 2
 
 
 def process_state():
@@ -276,6 +294,7 @@ def prepare_kernel(kernel_args, boot):
     def launch(key):  # the key is in KERNEL_FILE, which ipykernel_launcher reads
         import runpy
 
+        stop_logging()
         sys.argv = ["ipykernel_launcher", *argv]
         runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
 
@@ -339,6 +358,7 @@ def prepare_kernel(kernel_args, boot):
             app.init_gui_pylab()
             app.init_code()
         run_boot(compiled)
+        stop_logging()
         sys.stdout.flush()
         sys.stderr.flush()
         app.start()
@@ -374,7 +394,9 @@ def run_boot(boot):
     """Run the host's boot code (``stare_sandbox.kernel.KERNEL_BOOT``: bounded output messages,
     descriptor output read per cell, the snapshot a soft reset restores) in the new kernel before it
     serves, so the host need not send it as a first request; ``boot`` as ``compile_boot`` returns
-    it. A failure is logged: the host's own bounds still hold."""
+    it. A failure is logged (``BOOT_FAILED``) and ends the kernel (``BOOT_FAILED_STATUS``): a kernel
+    without its boot would serve with unbounded messages, unseeded and with descriptor output in the
+    wrong cell, a silent loss the host could not see."""
     code, cells = boot
     if code is None:
         return
@@ -385,8 +407,9 @@ def run_boot(boot):
 
     try:
         exec(code, {"get_ipython": get_ipython, "exec": run_cell})
-    except Exception as exc:  # noqa: BLE001 - the kernel still works, with larger messages
-        log(f"boot code failed: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - any failure of the boot is reported alike
+        log(f"{BOOT_FAILED}: {type(exc).__name__}: {exc}")
+        raise SystemExit(BOOT_FAILED_STATUS) from None
 
 
 def bind_listeners(info):
@@ -423,11 +446,13 @@ def run_kernel(info, listeners, serve):
     libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     os.chdir("/work")
+    global log_fd
+    log_fd = os.dup(2)  # until the boot has run (stop_logging)
     null = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     os.close(null)
-    own_descriptions({s.fileno() for s in listeners.values()})
+    own_descriptions({log_fd, *(s.fileno() for s in listeners.values())})
     import zmq
 
     fds = {address: s.fileno() for address, s in listeners.items()}
@@ -451,10 +476,8 @@ def run_kernel(info, listeners, serve):
         serve(info["key"])
     except SystemExit as exc:  # exit codes as if the kernel were a process of its own
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-    except BaseException:  # noqa: BLE001
-        import traceback
-
-        traceback.print_exc()
+    except BaseException as exc:  # noqa: BLE001 - logged while the kernel has not served yet
+        log(f"the kernel could not start ({type(exc).__name__}: {exc})")
         code = 1
     os._exit(code)
 

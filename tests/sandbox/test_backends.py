@@ -216,3 +216,22 @@ def test_a_process_that_never_stops_writing_keeps_no_cell_from_ending(wide: Kern
     finally:
         wide.run("writer.kill(); writer.wait()")
     assert wide.run("print(kept)").stdout == "still here\n"  # what the writer left went with its cells
+
+
+def test_a_kernel_whose_boot_fails_is_a_start_error_never_a_silent_one(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel that could not run its boot (bounded messages, seeding, descriptor output per cell)
+    would serve without them; it is a SandboxError at start naming the error instead. On Docker the
+    failure is the warden's log line, written by the new kernel before it could serve."""
+    import stare_sandbox.docker
+    import stare_sandbox.kernel
+    from stare_sandbox import SandboxError
+
+    module = stare_sandbox.docker if backend == "docker" else stare_sandbox.kernel
+    monkeypatch.setattr(
+        module, "KERNEL_BOOT", module.KERNEL_BOOT + "\nraise RuntimeError('boot broke on purpose')"
+    )
+    with pytest.raises(SandboxError, match=r"boot code failed.*RuntimeError: boot broke on purpose"):
+        with open_sandbox(backend) as sandbox:
+            sandbox.run("1")
