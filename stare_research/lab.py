@@ -170,7 +170,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "entroadv": {"algorithm": "entroadv"},
     "adaptive-entropy": {"algorithm": "adaptive_entropy"},
     "first-order": {"algorithm": "first_order"},
+    # the target sweep (issue 44, item 5): regulation to H_tgt, or a level set by W?
+    "o1-W5-drawgate": {"W": 5.0, "gate_batch": "drawn"},
 }
+TARGET_SWEEP = (
+    ("o1-W3-drawgate", "drawn_entropy"),
+    ("o1-W5-drawgate", "drawn_entropy"),
+    ("adaptive-entropy", "kept_entropy"),
+)
+"""The variants the target sweep runs at each of ``TARGETS`` and the estimator each one's controller
+reads: the whole-draw gate reads every drawn group, the adaptive coefficient steps on the kept
+batch's Hbar. Their variants at the other targets are ``<name>-H<target>``."""
+TARGETS = (0.15, 0.3, 0.45)  # 0.3: the config's H_tgt, the variants' own
+VARIANTS.update(
+    {f"{name}-H{t}": {**VARIANTS[name], "H_tgt": t} for name, _ in TARGET_SWEEP for t in TARGETS if t != 0.3}
+)
 
 
 LR = {"table": 0.03, "transformer": 0.001}  # Adam's learning rate per policy (LabConfig.lr None)
@@ -555,6 +569,27 @@ def format_paired_table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def format_target_sweep(result: dict[str, Any]) -> str:
+    """Per target-sweep variant: the last-10 % mean of the estimator its controller reads at each H_tgt
+    (mean ± 95 % t over seeds), and the paired (same seed) difference between H_tgt 0.45 and 0.15 with
+    its share of the targets' difference (1: the level follows the target; 0: it does not move). Empty
+    when the result holds no sweep."""
+    head = ["method (the estimator it reads)", *(f"H_tgt {t}" for t in TARGETS)]
+    head += ["0.45 minus 0.15 (paired by seed)", "share of the target's 0.30"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for name, key in TARGET_SWEEP:
+        names = {t: name if t == 0.3 else f"{name}-H{t}" for t in TARGETS}
+        if not all(v in result["curves"] for v in names.values()):
+            continue
+        tails = {t: [run_summary(recs)[key] for recs in result["curves"][v]] for t, v in names.items()}
+        diff = mean_sd_ci([hi - lo for hi, lo in zip(tails[0.45], tails[0.15], strict=True)])
+        estimator = {"drawn_entropy": "whole-draw H", "kept_entropy": "kept-batch H"}[key]
+        cells = [format_ci(mean_sd_ci(tails[t])) for t in TARGETS]
+        cells += [format_ci(diff), f"{diff['mean'] / (TARGETS[-1] - TARGETS[0]):.2f}"]
+        lines.append(f"| {name} ({estimator}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
 def plot(results: Sequence[dict[str, Any]], path: Path, shown: Sequence[str]) -> None:
     """Policy entropy over steps (mean and min-max over seeds), one panel per task, log scale."""
     import matplotlib
@@ -652,6 +687,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(format_paired_table(saved))
         for result in saved:
             print(f"{result['policy']} policy, task {result['task']}\n{format_table(result)}")
+            if sweep := format_target_sweep(result):
+                print(f"target sweep, {result['policy']} policy, task {result['task']}\n{sweep}")
         return
     if args.figure_only:
         plot(saved, args.out / "lab.png", shown=FIGURE_VARIANTS)  # each panel: the variants its task ran

@@ -13,6 +13,7 @@ from stare_research.lab import (
     VARIANTS,
     LabConfig,
     format_table,
+    format_target_sweep,
     lab,
     main,
     make_policy,
@@ -202,3 +203,29 @@ def test_the_lab_runs_the_transformer_policy_and_saves_each_variant(tmp_path, ca
     )
     with pytest.raises(SystemExit, match="its steps differs"):
         main(["--tasks", "drift", "--table-only", "--out", str(tmp_path), "--merge", str(tmp_path / "c")])
+
+
+def test_the_target_sweep_table_pairs_seeds_by_hand():
+    """Two seeds, 10 records each (the last-10 % tail is the last record): the whole-draw gate's level
+    at H_tgt 0.15 / 0.3 / 0.45 is (0.20, 0.22) / (0.30, 0.31) / (0.32, 0.36); the paired differences
+    0.12 and 0.14 have mean 0.13, SD 0.01414, half-width 12.706 * 0.01414 / sqrt 2 = 0.127, share
+    0.13 / 0.30 = 0.43. A sweep with a target missing is left out; no sweep: no table."""
+
+    def runs(last: list[float]) -> list[list[dict[str, float]]]:
+        return [
+            [{"step": i, "policy_entropy": 1.0, "drawn_entropy": 9.0 if i < 9 else h} for i in range(10)]
+            for h in last
+        ]
+
+    curves = {
+        "o1-W3-drawgate-H0.15": runs([0.20, 0.22]),
+        "o1-W3-drawgate": runs([0.30, 0.31]),
+        "o1-W3-drawgate-H0.45": runs([0.32, 0.36]),
+        "o1-W5-drawgate": runs([0.4, 0.4]),  # its other targets did not run
+    }
+    table = format_target_sweep({"curves": curves}).splitlines()
+    assert len(table) == 3 and table[2].startswith(
+        "| o1-W3-drawgate (whole-draw H) | 0.210 ± 0.127 | 0.305 ± "
+    )
+    assert table[2].endswith("| 0.130 ± 0.127 | 0.43 |")
+    assert format_target_sweep({"curves": {"grpo-ds": runs([0.1])}}) == ""
