@@ -177,10 +177,12 @@ TARGET_SWEEP = (
     ("o1-W3-drawgate", "drawn_entropy"),
     ("o1-W5-drawgate", "drawn_entropy"),
     ("adaptive-entropy", "kept_entropy"),
+    ("o1-W2", "kept_entropy"),
+    ("o1-W3", "kept_entropy"),
 )
 """The variants the target sweep runs at each of ``TARGETS`` and the estimator each one's controller
-reads: the whole-draw gate reads every drawn group, the adaptive coefficient steps on the kept
-batch's Hbar. Their variants at the other targets are ``<name>-H<target>``."""
+reads: the whole-draw gate reads every drawn group; the paper's gate and the adaptive coefficient
+read the kept batch's Hbar. Their variants at the other targets are ``<name>-H<target>``."""
 TARGETS = (0.15, 0.3, 0.45)  # 0.3: the config's H_tgt, the variants' own
 VARIANTS.update(
     {f"{name}-H{t}": {**VARIANTS[name], "H_tgt": t} for name, _ in TARGET_SWEEP for t in TARGETS if t != 0.3}
