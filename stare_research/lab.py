@@ -574,20 +574,28 @@ def format_paired_table(results: Sequence[dict[str, Any]]) -> str:
 def format_target_sweep(result: dict[str, Any]) -> str:
     """Per target-sweep variant: the last-10 % mean of the estimator its controller reads at each H_tgt
     (mean ± 95 % t over seeds), and the paired (same seed) difference between H_tgt 0.45 and 0.15 with
-    its share of the targets' difference (1: the level follows the target; 0: it does not move). Empty
-    when the result holds no sweep."""
+    its share of the targets' difference (1: the level follows the target; 0: it does not move), and
+    the same paired difference of the policy's own entropy (where a gate reads the kept groups, its
+    estimator can follow the target while the policy does not). Empty when the result holds no sweep."""
     head = ["method (the estimator it reads)", *(f"H_tgt {t}" for t in TARGETS)]
-    head += ["0.45 minus 0.15 (paired by seed)", "share of the target's 0.30"]
+    head += ["0.45 minus 0.15 (paired by seed)", "share of the target's 0.30", "policy H: 0.45 minus 0.15"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for name, key in TARGET_SWEEP:
         names = {t: name if t == 0.3 else f"{name}-H{t}" for t in TARGETS}
         if not all(v in result["curves"] for v in names.values()):
             continue
-        tails = {t: [run_summary(recs)[key] for recs in result["curves"][v]] for t, v in names.items()}
+        runs = {t: [run_summary(recs) for recs in result["curves"][v]] for t, v in names.items()}
+        tails = {t: [r[key] for r in rs] for t, rs in runs.items()}
         diff = mean_sd_ci([hi - lo for hi, lo in zip(tails[0.45], tails[0.15], strict=True)])
+        policy = mean_sd_ci(
+            [
+                hi["policy_entropy"] - lo["policy_entropy"]
+                for hi, lo in zip(runs[0.45], runs[0.15], strict=True)
+            ]
+        )
         estimator = {"drawn_entropy": "whole-draw H", "kept_entropy": "kept-batch H"}[key]
         cells = [format_ci(mean_sd_ci(tails[t])) for t in TARGETS]
-        cells += [format_ci(diff), f"{diff['mean'] / (TARGETS[-1] - TARGETS[0]):.2f}"]
+        cells += [format_ci(diff), f"{diff['mean'] / (TARGETS[-1] - TARGETS[0]):.2f}", format_ci(policy)]
         lines.append(f"| {name} ({estimator}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 

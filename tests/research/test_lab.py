@@ -227,5 +227,5 @@ def test_the_target_sweep_table_pairs_seeds_by_hand():
     assert len(table) == 3 and table[2].startswith(
         "| o1-W3-drawgate (whole-draw H) | 0.210 ± 0.127 | 0.305 ± "
     )
-    assert table[2].endswith("| 0.130 ± 0.127 | 0.43 |")
+    assert table[2].endswith("| 0.130 ± 0.127 | 0.43 | 0.000 ± 0.000 |")  # the policy H: 1.0 throughout
     assert format_target_sweep({"curves": {"grpo-ds": runs([0.1])}}) == ""
