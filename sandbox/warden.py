@@ -291,12 +291,16 @@ def prepare_kernel(kernel_args, boot):
     """
     argv = ["-f", KERNEL_FILE, *kernel_args]
 
-    def launch(key):  # the key is in KERNEL_FILE, which ipykernel_launcher reads
-        import runpy
+    def launch(key):  # the key is in KERNEL_FILE, which the app reads
+        # ipykernel_launcher's own steps (IPKernelApp.launch_instance), with the boot before serving
+        from ipykernel.kernelapp import IPKernelApp
 
-        stop_logging()
         sys.argv = ["ipykernel_launcher", *argv]
-        runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
+        app = IPKernelApp.instance()
+        app.initialize(argv)
+        run_boot(compile_boot(boot))
+        stop_logging()
+        app.start()
 
     try:
         import ipykernel

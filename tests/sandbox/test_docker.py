@@ -191,6 +191,34 @@ def test_a_container_removed_mid_call_is_a_sandbox_error_never_the_docker_sdks(d
             sb.run("import time; time.sleep(5)", timeout=8)
 
 
+@pytest.mark.docker
+def test_a_kernel_the_warden_could_not_prepare_still_boots_or_fails_to_start(
+    docker_ready, monkeypatch
+) -> None:
+    """When the warden cannot prepare kernels (an image whose ipykernel is not 6), each kernel starts
+    from scratch: it still runs the boot (seeded random, per-cell descriptor output), and a boot that
+    fails there is a start error as well. Played by a warden whose version check always fails."""
+    import stare_sandbox.docker
+    from stare_sandbox.docker import KERNEL_COMMAND
+
+    check = "if ipykernel.version_info[0] != 6:"
+    assert check in KERNEL_COMMAND[2]
+    unprepared = (*KERNEL_COMMAND[:2], KERNEL_COMMAND[2].replace(check, "if True:"))
+    with DockerSandbox(SandboxConfig()) as sb:
+        expected = sb.run("import random, os; print(random.random())").stdout
+    monkeypatch.setattr(stare_sandbox.docker, "KERNEL_COMMAND", unprepared)
+    with DockerSandbox(SandboxConfig()) as sb:
+        result = sb.run("import random, os; print(random.random()); _ = os.write(1, b'fd\\n')")
+        assert result.stdout == expected + "fd\n"  # the boot's seed and descriptor output, as prepared
+        assert "could not prepare kernels" in sb.container.logs(stderr=True, stdout=False).decode()
+    monkeypatch.setattr(
+        stare_sandbox.docker, "KERNEL_BOOT", stare_sandbox.docker.KERNEL_BOOT + "\nraise OSError('no')"
+    )
+    with pytest.raises(SandboxError, match=r"boot code failed: OSError: no"):
+        with DockerSandbox(SandboxConfig()) as sb:
+            sb.run("1")
+
+
 def test_a_container_caught_between_the_kill_and_the_removal_of_docker_rm_is_removed() -> None:
     """`docker rm -f` marks the container ``removing``, kills it, then removes it: read between the two
     it has exit code 137 like a `docker kill`, and it is a removal (CI once read it so and said
