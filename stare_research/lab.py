@@ -172,11 +172,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "first-order": {"algorithm": "first_order"},
     # the target sweep (issue 44, item 5): regulation to H_tgt, or a level set by W?
     "o1-W5-drawgate": {"W": 5.0, "gate_batch": "drawn"},
+    # Skywork-OR1's controller with 10 times its cap on the bonus (0.05; its step stays 1e-4)
+    "adaptive-entropy-cap0.05": {"algorithm": "adaptive_entropy", "adaptive_entropy_max": 0.05},
 }
 TARGET_SWEEP = (
     ("o1-W3-drawgate", "drawn_entropy"),
     ("o1-W5-drawgate", "drawn_entropy"),
     ("adaptive-entropy", "kept_entropy"),
+    ("adaptive-entropy-cap0.05", "kept_entropy"),
     ("o1-W2", "kept_entropy"),
     ("o1-W3", "kept_entropy"),
 )
