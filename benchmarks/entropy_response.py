@@ -46,6 +46,7 @@ batch's full update has the norm of one Adam step of lr 1e-6 on every parameter 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -74,7 +75,7 @@ from stare_agent.algorithms.token_weighting import (
     stapo_weights,
     steer_weights,
 )
-from stare_agent.intervals import mean_sd_ci
+from stare_agent.intervals import format_ci, mean_sd_ci
 from stare_agent.models import load_policy, tiny_model
 from stare_envs.problems import generate_problems, load_problems
 from stare_envs.rewards import RewardConfig, compute_reward, extract_boxed
@@ -215,6 +216,12 @@ def bank_entropy_by_rows(model, ids, attn, score, rows: int = 4, grad: bool = Fa
 def batch_scores(model, ids, attn, score) -> torch.Tensor:
     """[2, N, L-1]: every response token's log-prob and full-vocabulary entropy (0 off the mask)."""
     return torch.stack(causal_lm_logprobs_and_entropy(model, ids, attn, score_mask=score))
+
+
+def scores_and_moments(model, ids, attn, score):
+    """``batch_scores``' log-probs and entropies (the same values) and, from the same pass, the detached
+    moments [N, L-1, 2] that the rule ``top_k_raising`` and the first-order weighting read."""
+    return causal_lm_logprobs_and_entropy(model, ids, attn, score_mask=score, with_moments=True)
 
 
 def flat_grad(params) -> torch.Tensor:
@@ -512,7 +519,7 @@ def main() -> None:
         checking = validating or len(records) < args.check
         tf = time.perf_counter()
         if checking:
-            logp, ent = batch_scores(model, ids, attn, score)
+            logp, ent, moments = scores_and_moments(model, ids, attn, score)
             loss, _ = policy_loss(logp, logp.detach(), A_tok, mask)
             model.zero_grad(set_to_none=True)
             loss.backward(retain_graph=validating)
@@ -522,7 +529,7 @@ def main() -> None:
             del loss
         else:  # the first batches checked the central difference against the exact gradient
             with torch.no_grad():
-                logp, ent = batch_scores(model, ids, attn, score)
+                logp, ent, moments = scores_and_moments(model, ids, attn, score)
             g_all, step_s = None, None
         if validating:
             # L+ at P = 0.1's own gradient (before the central difference moves the weights)
@@ -550,8 +557,6 @@ def main() -> None:
             model.zero_grad(set_to_none=True)
             del logp_b, ent_b, loss_b
         logp, ent = logp.detach(), ent.detach()
-        with torch.no_grad():  # the moments of the rule top_k_raising (own-position first order)
-            moments = causal_lm_logprobs_and_entropy(model, ids, attn, score_mask=score, with_moments=True)[2]
         raising = raising_tokens(logp, ent, moments) & mask.bool()
         if lr is None:
             lr = args.adam_lr * math.sqrt(n_params) / float(g_all.norm())
@@ -788,10 +793,8 @@ def fmt(s):
 
 
 def share(s):
-    """A share's mean ± 95 % t half-width, three decimals."""
-    if s is None:
-        return "n/a"
-    return f"{s['mean']:.3f} ± {s['ci95']:.3f}" if not math.isnan(s["ci95"]) else f"{s['mean']:.3f}"
+    """A share's mean ± 95 % t half-width, three decimals ("n/a": no batch had one)."""
+    return format_ci(s) if s is not None else "n/a"
 
 
 def print_table(summary, args, meta):
@@ -911,15 +914,11 @@ METHOD_ROWS = (
 
 def read_batches_csv(path: Path) -> list[dict[str, float]]:
     """The per-batch records a run wrote to ``batches.csv`` (``write_csv``), as floats."""
-    lines = Path(path).read_text().splitlines()
-    keys = lines[0].split(",")
-    return [
-        {
-            k: float(v) if v not in ("None", "") else math.nan
-            for k, v in zip(keys, line.split(","), strict=True)
-        }
-        for line in lines[1:]
-    ]
+    with open(path, newline="") as f:
+        return [
+            {k: float(v) if v not in ("None", "") else math.nan for k, v in row.items()}
+            for row in csv.DictReader(f)
+        ]
 
 
 def mean_ci(xs: list[float]) -> str:
