@@ -6,8 +6,10 @@ through ``stare-agent replay`` (``stare_research.replay.replay``: the trainer's 
 baseline is the replay of the run with its own config (GRPO-ds, which repeats the run's learner), in the
 same table. Methods (``stare_research.study.VARIANTS``, at their defaults; H_tgt is the run's):
 grpo-ds, entropy-bonus, kl-cov, clip-cov, forking-tokens, stare-o1 (W 1.1, the paper's gate on the
-kept groups), stare-o1-w3-drawn (W 3, the gate on the whole draw: ours), and both with L+ restricted to
-the tokens whose reinforcement raises their position's entropy (ours, ``research.L_plus_rule=top_k_raising``).
+kept groups), stare-o1-w3-drawn (W 3, the gate on the whole draw: ours), both with L+ restricted to
+the tokens whose reinforcement raises their position's entropy (ours, ``research.L_plus_rule=top_k_raising``),
+and both with W on a random subset of T+ of L+'s size instead of L+ (their placebos,
+``research.L_plus_rule=random``: STARE minus its placebo is the surprisal selection's share).
 
 What a replay can show: how each learner moves the policy's entropy given the same data, on the
 run's sampled tokens (``entropy``: the replayed policy teacher-forced on the run's kept episodes,
@@ -50,6 +52,8 @@ METHODS = (
     "stare-o1-w3-drawn",
     "stare-o1-raising",
     "stare-o1-w3-drawn-raising",
+    "stare-o1-placebo",
+    "stare-o1-w3-drawn-placebo",
 )
 
 

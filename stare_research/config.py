@@ -21,7 +21,7 @@ from typing import Literal, cast, get_args
 from stare_agent.config import ConfigError, RunConfig, load_config
 
 GateBatch = Literal["kept", "drawn"]
-LPlusRule = Literal["top_k", "top_k_raising"]
+LPlusRule = Literal["top_k", "top_k_raising", "random"]
 LMinusRule = Literal["top_k", "random"]
 GATE_BATCHES: tuple[str, ...] = get_args(GateBatch)
 L_PLUS_RULES: tuple[str, ...] = get_args(LPlusRule)
@@ -45,7 +45,10 @@ class ResearchSection:
             entropy drifts far above the policy's; costs a log-prob pass over the dropped groups too).
         L_plus_rule: ``top_k``: L+ is the top P of T+ by surprisal (the paper); ``top_k_raising``: of
             those, only the tokens whose reinforcement raises entropy at first order (at low entropy
-            the top 10 % by count reach into common tokens whose reinforcement lowers it).
+            the top 10 % by count reach into common tokens whose reinforcement lowers it); ``random``:
+            L+'s placebo, W on as many tokens of T+ drawn uniformly at random in each selection block
+            (one draw per step, seeded as ``L_minus_rule=random``'s), so a difference from STARE is the
+            surprisal selection's. Needs STARE in the ``micro_batch`` scope.
         L_minus_rule: ``top_k``: C2's L- is the top P of T- by surprisal (the paper); ``random``: the
             placebo, M on as many tokens of T- drawn uniformly at random in each selection block
             (``stare_research.placebo``; one draw per step, seeded by ``trainer.seed`` and the step), so a
@@ -78,6 +81,11 @@ class ResearchRunConfig(RunConfig):
 
     def __post_init__(self) -> None:
         alg = self.algorithm
+        if self.research.L_plus_rule == "random" and (alg.name, alg.scope) != ("stare", "micro_batch"):
+            raise ConfigError(
+                f"research.L_plus_rule=random is STARE's L+ placebo, but the run is algorithm.name={alg.name} "
+                f"scope={alg.scope}: set algorithm.name=stare algorithm.scope=micro_batch"
+            )
         if self.research.L_minus_rule == "random" and (alg.name, alg.variant, alg.scope) != (
             "stare",
             "C2",

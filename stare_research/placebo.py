@@ -4,7 +4,9 @@ C2 multiplies the weight of L-, the top ``P`` of the negative-advantage tokens T
 Its placebo attenuates as many tokens of T- drawn uniformly at random instead, so that a difference
 between the two is put on the surprisal selection, not on attenuating some negative tokens at all. Used
 by ``benchmarks/adam_lever.py`` (one real optimizer step) and by the closed loop
-(``research.L_minus_rule=random``, :class:`stare_research.trainer.ResearchTrainer`).
+(``research.L_minus_rule=random``, :class:`stare_research.trainer.ResearchTrainer`). L+'s placebo
+(``research.L_plus_rule=random``) is the same draw over T+: W on as many positive-advantage tokens as L+
+holds, drawn at random (its arguments below are then L+ and T+).
 """
 
 from __future__ import annotations

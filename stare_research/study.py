@@ -89,6 +89,13 @@ VARIANTS |= {
 VARIANTS |= {
     "stare-c2-placebo": ("algorithm.name=stare", "algorithm.variant=C2", "research.L_minus_rule=random"),
 }
+# L+'s placebo (ours, issue 44): W on a seeded random subset of T+ of L+'s size instead of L+, at the paper's
+# W and gate and at the closed loop's best-chance W and gate, so that STARE minus it is the surprisal
+# selection's effect.
+VARIANTS |= {
+    "stare-o1-placebo": ("algorithm.name=stare", "algorithm.variant=O1", "research.L_plus_rule=random"),
+    "stare-o1-w3-drawn-placebo": (*VARIANTS["stare-o1-w3-drawn"], "research.L_plus_rule=random"),
+}
 MAIN_VARIANTS = ("grpo-ds", "stare-o1", "stare-c2")
 SMOKE_VARIANTS = ("grpo-ds", "stare-o1")
 # A few steps of tiny batches: checks that the pipeline produces its figure and table.

@@ -8,7 +8,9 @@ Variants (not the paper's), each a small override of one step of ``Trainer``:
   entropy at first order get W (:meth:`ResearchTrainer._stare_weights`, through ``stare_weights``'
   ``L_plus_filter``);
 - ``research.L_minus_rule=random``: C2's placebo, M on a seeded random subset of T- of L-'s size in each
-  selection block (:meth:`ResearchTrainer._stare_weights`, ``stare_research.placebo``).
+  selection block (:meth:`ResearchTrainer._stare_weights`, ``stare_research.placebo``);
+- ``research.L_plus_rule=random``: L+'s placebo, W on a seeded random subset of T+ of L+'s size in each
+  selection block (the same method and module).
 
 Instruments, as diagnostics hooks: the mechanism metrics (``research.mechanism_metrics``) and the
 held-out entropy bank (``research.entropy_bank``).
@@ -90,25 +92,35 @@ class ResearchTrainer(Trainer):
         **options: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
         """``research.L_plus_rule=top_k_raising``: L+ keeps only its first-order entropy raisers.
-        ``research.L_minus_rule=random``: M moves from L- to the placebo's tokens (returned as L-), and
-        ``stare/L_minus_placebo_overlap`` logs the share of them that L- holds too."""
+        ``research.L_minus_rule=random`` (``L_plus_rule=random``): M (W) moves from L- (L+) to the
+        placebo's tokens, returned as L- (L+), and ``stare/L_minus_placebo_overlap``
+        (``stare/L_plus_placebo_overlap``) logs the share of them that L- (L+) holds too."""
         if self.research.L_plus_rule == "top_k_raising":
             assert pre.moments is not None  # _with_moments
             options["L_plus_filter"] = raising_tokens(pre.logprobs, pre.entropy, pre.moments)
         weights, L_plus, L_minus, metrics = super()._stare_weights(
             pre, gate_on, Hbar, trajectories, sequence_ids, **options
         )
-        if self.research.L_minus_rule != "random":
-            return weights, L_plus, L_minus, metrics
-        # the config allows the placebo only for C2 in the micro_batch scope: blocks are this rank's
-        split = self.learner.micro_batches(trajectories)
-        blocks = selection_blocks(L_minus.shape[0], "micro_batch", split, None, L_minus.device)
-        T_minus = pre.mask.bool() & (pre.advantages < 0)
-        placebo = random_subset(L_minus, T_minus, blocks, placebo_seed(self.config.trainer.seed, self.step))
-        if gate_on:
-            weights = weights.clone()
-            weights[L_minus] = 1.0
-            weights[placebo] = self.controller.M
-        n = int(placebo.sum())
-        metrics["stare/L_minus_placebo_overlap"] = int((placebo & L_minus).sum()) / n if n else float("nan")
-        return weights, L_plus, placebo, metrics
+        placebos = (
+            ("L_plus", L_plus, pre.advantages > 0, self.controller.W, self.research.L_plus_rule),
+            ("L_minus", L_minus, pre.advantages < 0, self.controller.M, self.research.L_minus_rule),
+        )
+        chosen = {"L_plus": L_plus, "L_minus": L_minus}
+        for name, selected, sign, weight, rule in placebos:
+            if rule != "random":
+                continue
+            # the config allows a placebo only in the micro_batch scope: blocks are this rank's
+            split = self.learner.micro_batches(trajectories)
+            blocks = selection_blocks(selected.shape[0], "micro_batch", split, None, selected.device)
+            seed = placebo_seed(self.config.trainer.seed, self.step)
+            placebo = random_subset(selected, pre.mask.bool() & sign, blocks, seed)
+            if gate_on:
+                weights = weights.clone()
+                weights[selected] = 1.0
+                weights[placebo] = weight
+            n = int(placebo.sum())
+            metrics[f"stare/{name}_placebo_overlap"] = (
+                int((placebo & selected).sum()) / n if n else float("nan")
+            )
+            chosen[name] = placebo
+        return weights, chosen["L_plus"], chosen["L_minus"], metrics

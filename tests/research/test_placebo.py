@@ -1,4 +1,5 @@
-"""The random-subset placebo of C2's L-: the draw itself, and the closed loop's ``research.L_minus_rule=random``."""
+"""The random-subset placebos of C2's L- and of STARE's L+: the draw itself, and the closed loop's
+``research.L_minus_rule=random`` and ``research.L_plus_rule=random``."""
 
 from __future__ import annotations
 
@@ -69,11 +70,11 @@ class _Capturing(ResearchTrainer):
         return out
 
 
-def _c2_step(tmp_path, name: str, *extra: str):
+def _c2_step(tmp_path, name: str, *extra: str, variant: str = "C2"):
     problems = write_problems(tmp_path / f"{name}.jsonl")
     base = overrides(str(tmp_path / name), str(problems), 1)
     config = load_research_config(
-        None, [*base, "algorithm.variant=C2", "algorithm.gate=always_on", "algorithm.M=0.5", *extra]
+        None, [*base, f"algorithm.variant={variant}", "algorithm.gate=always_on", "algorithm.M=0.5", *extra]
     )
     model, tokenizer = tiny_model()
     trainer = _Capturing(
@@ -108,6 +109,38 @@ def test_the_closed_loops_placebo_moves_c2s_attenuation_to_random_negative_token
     assert record["loss"] != pytest.approx(c2_record["loss"], rel=1e-9)
 
 
+def test_l_pluss_placebo_moves_ws_amplification_to_random_positive_tokens(tmp_path):
+    """O1 at W 3 and its L+ placebo on the same step: the placebo puts W on the seeded draw of
+    ``random_subset`` over O1's own L+ and T+ and blocks, 1 on the rest of T+, and L- is untouched."""
+    o1_record, (pre, split, (w_o1, L_plus, _, _)) = _c2_step(tmp_path, "o1", "algorithm.W=3.0", variant="O1")
+    record, (pre_p, _, (w, placebo, L_minus_p, _)) = _c2_step(
+        tmp_path, "o1-placebo", "algorithm.W=3.0", "research.L_plus_rule=random", variant="O1"
+    )
+    assert torch.equal(pre.logprobs, pre_p.logprobs)  # the same batch
+    T_plus = pre.mask.bool() & (pre.advantages > 0)
+    blocks = selection_blocks(L_plus.shape[0], "micro_batch", split, None, L_plus.device)
+    assert int(L_plus.sum()) >= 2 and not torch.equal(placebo, L_plus)
+    assert torch.equal(placebo, random_subset(L_plus, T_plus, blocks, placebo_seed(0, 1)))
+    assert int(placebo.sum()) == int(L_plus.sum()) and not (placebo & ~T_plus).any()
+    assert torch.equal(w_o1 == 3.0, L_plus) and torch.equal(w == 3.0, placebo)
+    assert torch.all(w[pre.mask.bool() & ~placebo] == 1.0) and not L_minus_p.any()  # O1: no L-
+    overlap = int((placebo & L_plus).sum()) / int(placebo.sum())
+    assert record["stare/L_plus_placebo_overlap"] == pytest.approx(overlap)
+    # at ratio 1 the loss is the weighted advantages' sum, equal when W moves between tokens of one
+    # advantage; the gradient is not
+    assert record["grad_norm"] != pytest.approx(o1_record["grad_norm"], rel=1e-6)
+
+
+def test_both_placebos_in_one_c2_step_leave_no_surprisal_selection(tmp_path):
+    _, (pre, _, (w_c2, L_plus, L_minus, _)) = _c2_step(tmp_path, "c2", "algorithm.W=3.0")
+    _, (_, _, (w, plus, minus, _)) = _c2_step(
+        tmp_path, "both", "algorithm.W=3.0", "research.L_plus_rule=random", "research.L_minus_rule=random"
+    )
+    assert torch.equal(w == 3.0, plus) and torch.equal(w == 0.5, minus)
+    assert int(plus.sum()) == int(L_plus.sum()) and int(minus.sum()) == int(L_minus.sum())
+    assert not torch.equal(plus, L_plus) and not torch.equal(minus, L_minus)
+
+
 def test_the_placebo_is_refused_outside_c2_in_the_micro_batch_scope():
     with pytest.raises(ConfigError, match=r"research.L_minus_rule=random is C2's placebo, .* variant=O1"):
         load_research_config(None, ["research.L_minus_rule=random"])
@@ -119,3 +152,9 @@ def test_the_placebo_is_refused_outside_c2_in_the_micro_batch_scope():
         ConfigError, match=r"research.L_minus_rule='any' is not valid: use one of top_k, random"
     ):
         load_research_config(None, ["research.L_minus_rule=any"])
+    with pytest.raises(ConfigError, match=r"L_plus_rule=random is STARE's L\+ placebo, .*algorithm.name=grpo_ds"):
+        load_research_config(None, ["research.L_plus_rule=random", "algorithm.name=grpo_ds"])
+    with pytest.raises(
+        ConfigError, match=r"scope=global: set algorithm.name=stare algorithm.scope=micro_batch"
+    ):
+        load_research_config(None, ["research.L_plus_rule=random", "algorithm.scope=global"])

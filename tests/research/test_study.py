@@ -242,6 +242,17 @@ def test_the_raising_l_plus_arms_differ_from_their_base_in_the_rule_alone():
         assert a.algorithm.variant == "O1"
 
 
+def test_l_pluss_placebo_arms_differ_from_their_stare_arms_in_the_l_plus_rule_alone():
+    from stare_research.config import load_research_config as load_config
+    from stare_research.study import PAPER_VARIANTS, VARIANTS
+
+    for arm, base in (("stare-o1-placebo", "stare-o1"), ("stare-o1-w3-drawn-placebo", "stare-o1-w3-drawn")):
+        a, b = (load_config(None, list(VARIANTS[v])) for v in (arm, base))
+        assert (a.research.L_plus_rule, b.research.L_plus_rule) == ("random", "top_k")
+        assert a.algorithm == b.algorithm and a.research.gate_batch == b.research.gate_batch
+        assert arm not in PAPER_VARIANTS
+
+
 def test_c2s_placebo_arm_differs_from_c2_in_the_l_minus_rule_alone():
     from stare_research.config import load_research_config as load_config
     from stare_research.study import PAPER_VARIANTS, VARIANTS, plan
