@@ -343,18 +343,22 @@ def table(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_csv(records: Sequence[dict[str, Any]], path: Path) -> None:
+def write_csv(records: Sequence[dict[str, Any]], path: Path, fields: Sequence[str] = CSV_FIELDS) -> None:
+    """The records' ``fields`` as a CSV (other keys left out)."""
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(records)
 
 
-def read_csv(path: Path) -> list[dict[str, Any]]:
+def read_csv(
+    path: Path, fields: Sequence[str] = CSV_FIELDS, optional: Sequence[str] = OPTIONAL_FIELDS
+) -> list[dict[str, Any]]:
+    """The rows of a records CSV with every one of ``fields`` but the ``optional`` ones, else exit."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    if not rows or set(CSV_FIELDS) - set(OPTIONAL_FIELDS) - set(rows[0]):
-        raise SystemExit(f"{path}: not a records.csv of this benchmark (columns {', '.join(CSV_FIELDS)})")
+    if not rows or set(fields) - set(optional) - set(rows[0]):
+        raise SystemExit(f"{path}: not a records.csv of this benchmark (columns {', '.join(fields)})")
     return rows
 
 

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import gc
 import json
 import math
@@ -65,7 +64,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stare_agent.intervals import mean_sd_ci  # noqa: E402
+from benchmarks import adam_lever  # noqa: E402
+from benchmarks.adam_lever import interval, machine_line  # noqa: E402
 
 BASELINE = "grpo-ds"
 # The table of docs/research/study.md, every arm at its defaults, and KL-Cov's k and Clip-Cov's r swept
@@ -120,19 +120,6 @@ def arm_overrides(spec: str, variants: dict[str, tuple[str, ...]]) -> list[str]:
     base = list(variants[name])
     gate = ["algorithm.gate=always_on"] if "algorithm.name=stare" in base else []
     return [*gate, *base, *own]
-
-
-def interval(xs: Sequence[float]) -> dict[str, float]:
-    """Mean, 95 % t half-width (NaN for one value), the interval's ends, n and the count above 0."""
-    s = mean_sd_ci(list(xs))
-    return {
-        "mean": s["mean"],
-        "ci95": s["ci95"],
-        "low": s["mean"] - s["ci95"],
-        "high": s["mean"] + s["ci95"],
-        "n": s["n"],
-        "above_0": sum(x > 0 for x in xs),
-    }
 
 
 def reading(stats: dict[str, float], identical: int) -> str:
@@ -210,18 +197,11 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> str:
 
 
 def write_csv(records: Sequence[dict[str, Any]], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(records)
+    adam_lever.write_csv(records, path, CSV_FIELDS)
 
 
 def read_csv(path: Path) -> list[dict[str, Any]]:
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows or set(CSV_FIELDS) - set(rows[0]):
-        raise SystemExit(f"{path}: not a records.csv of this benchmark (columns {', '.join(CSV_FIELDS)})")
-    return rows
+    return adam_lever.read_csv(path, CSV_FIELDS, ())
 
 
 def csv_meta(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -253,12 +233,6 @@ def update_fractions(metrics: dict[str, Any]) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------ the run
-
-
-def machine_line() -> str:
-    from benchmarks.adam_lever import machine_line as line
-
-    return line()
 
 
 def measure(args: argparse.Namespace, policy: Callable[[], tuple[Any, Any]] | None = None) -> dict[str, Any]:
@@ -485,7 +459,7 @@ def main(
         ap.error("--from-run RUN and --out DIR are required (or --from-csv CSV to reprint a table)")
     if args.warm < 1 or args.batches < 1 or args.epochs < 1:
         ap.error(f"--warm {args.warm}, --batches {args.batches}, --epochs {args.epochs}: each must be >= 1")
-    if BASELINE not in [a.partition(":")[0] for a in args.arms if ":" not in a] and BASELINE not in args.arms:
+    if BASELINE not in args.arms:
         ap.error(f"--arms must include {BASELINE}: every arm is paired with it")
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
