@@ -152,7 +152,9 @@ def test_the_placebo_is_refused_outside_c2_in_the_micro_batch_scope():
         ConfigError, match=r"research.L_minus_rule='any' is not valid: use one of top_k, random"
     ):
         load_research_config(None, ["research.L_minus_rule=any"])
-    with pytest.raises(ConfigError, match=r"L_plus_rule=random is STARE's L\+ placebo, .*algorithm.name=grpo_ds"):
+    with pytest.raises(
+        ConfigError, match=r"L_plus_rule=random is STARE's L\+ placebo, .*algorithm.name=grpo_ds"
+    ):
         load_research_config(None, ["research.L_plus_rule=random", "algorithm.name=grpo_ds"])
     with pytest.raises(
         ConfigError, match=r"scope=global: set algorithm.name=stare algorithm.scope=micro_batch"
