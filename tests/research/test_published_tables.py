@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks.adam_lever import tables_of_csv
 from benchmarks.entropy_response import tables_of_csv as one_step_tables
+from benchmarks.multi_step_response import tables_of_csv as multi_step_tables
 from stare_research.study import tables_from_csv
 from stare_research.tables import closed_loop_table, paired_table, read_runs
 
@@ -32,6 +33,8 @@ REPRINTED = (
     # both arms with more tokens a step, regenerated: `python -m stare_research.tables CSV --paired stare-c2 grpo-ds`
     ("study.md", "closed_loop_sft48_x2b.csv", closed_loop_table),
     ("study.md", "closed_loop_sft48_x2b.csv", lambda path: paired_table(path, (("stare-c2", "grpo-ds"),))),
+    # `python benchmarks/multi_step_response.py --from-csv CSV` (4 optimizer steps a batch)
+    ("study.md", "multi_step_sft48.csv", multi_step_tables),
 )
 
 # Tables with no shipped data: (page, header row) -> (how many such tables, why).
