@@ -451,10 +451,8 @@ def main(
     ap.add_argument("--from-csv", type=Path, default=None, help="reprint the table of a records.csv and exit")
     args = ap.parse_args(argv)
     if args.from_csv is not None:
-        rows = read_csv(args.from_csv)
-        summary = summarize(rows)
-        print(tables(summary, csv_meta(rows)))
-        return summary
+        print(tables_of_csv(args.from_csv))
+        return summarize(read_csv(args.from_csv))
     if args.out is None or args.from_run is None:
         ap.error("--from-run RUN and --out DIR are required (or --from-csv CSV to reprint a table)")
     if args.warm < 1 or args.batches < 1 or args.epochs < 1:
