@@ -20,7 +20,13 @@ method's entropy cannot feed back into what it trains on, and the gate reads the
 GRPO-ds's samples).
 
     .venv/bin/python benchmarks/closed_loop_replay.py --run runs/closed_loop/runs/grpo-ds-s0 \\
-        --out runs/closed_loop/replay [--steps N] [--methods grpo-ds stare-o1 ...]
+        --out runs/closed_loop/replay [--steps N] [--methods grpo-ds stare-o1 ...] [--csv replay.csv]
+    .venv/bin/python benchmarks/closed_loop_replay.py --from-csv docs/research/replay_placebo.csv
+
+With a STARE method and its placebo replayed beside GRPO-ds, a second table splits STARE minus GRPO-ds
+into the surprisal selection's share (STARE minus its placebo) and any extra weight's (the placebo
+minus GRPO-ds), with the criterion docs/research/study.md stated before the run. ``--csv`` keeps the
+run's and the replays' per-step metrics (:data:`CSV_KEYS`), from which ``--from-csv`` prints the tables.
 
 Resumable: a method whose replay finished is read, not rerun; an unfinished one is replayed again from
 its start (a replay has no checkpoints). ``--table-only`` prints the table of what finished.
@@ -29,18 +35,22 @@ its start (a replay has no checkpoints). ``--table-only`` prints the table of wh
 from __future__ import annotations
 
 import argparse
+import csv
 import gc
 import json
+import math
 import os
 import platform
 import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from stare_agent.metrics import read_metrics
 from stare_research.replay import replay, step_files
-from stare_research.study import BANK_EVALS, EDGE_STEPS, VARIANTS, run_numbers
+from stare_research.study import BANK_EVALS, BANK_KEY, EDGE_STEPS, VARIANTS, run_numbers
+from stare_research.tables import read_runs
 
 METHODS = (
     "grpo-ds",
@@ -90,30 +100,77 @@ def run_method(run: Path, out_root: Path, method: str, steps: int) -> None:
     print(f"[{method}] {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f}", flush=True)
 
 
-def table(run: Path, out_root: Path, methods: list[str], steps: int) -> str:
-    ran = run_numbers(read_metrics(run)[:steps])
+CSV_KEYS = (
+    "entropy",
+    "gate_on",
+    BANK_KEY,
+    "reward_mean",
+    "stare/L_plus",
+    "stare/L_plus_placebo_overlap",
+    "stare/entropy_kept",
+    "stare/mean_weight",
+    "frac_reweighted",
+    "time/step_s",
+)
+"""The per-step metrics ``--csv`` keeps of each replay (and of the source run, as method ``run``): what
+the tables read, and the placebo's overlap with L+."""
+RUN = "run"
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def collect(run: Path, out_root: Path, methods: list[str], steps: int) -> dict[str, list[dict[str, Any]]]:
+    """Each finished (or partial) replay's records by method, and the source run's first ``steps`` as
+    ``run``, led by the start's evaluation (step 0) where the study saved it."""
+    starts = run.parent.parent / "start_eval.json"
+    start = json.loads(starts.read_text()).get("0", {}) if starts.is_file() else {}
+    records = {RUN: ([{"step": 0, **start}] if start else []) + read_metrics(run)[:steps]}
+    for method in methods:
+        if (out_root / method / "metrics.jsonl").is_file():
+            records[method] = read_metrics(out_root / method)
+    return records
+
+
+def write_csv(records: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """``records`` as a study-format CSV (``variant`` = the method, ``seed`` 0), :data:`CSV_KEYS` only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["variant", "seed", "step", *CSV_KEYS], extrasaction="ignore")
+        writer.writeheader()
+        for method, recs in records.items():
+            writer.writerows({"variant": method, "seed": 0, **r} for r in recs)
+
+
+def read_csv(path: Path) -> dict[str, list[dict[str, Any]]]:
+    """The records :func:`write_csv` wrote, by method, else exit with the cause."""
+    runs = read_runs(path)
+    if not runs or (RUN, 0) not in runs:
+        raise SystemExit(
+            f"{path}: not a replay CSV of this benchmark (no '{RUN}' rows; write one with --csv)"
+        )
+    return {method: recs for (method, _), recs in runs.items()}
+
+
+def table(records: dict[str, list[dict[str, Any]]], methods: list[str]) -> str:
+    """The replays' table: each method's entropy on the run's samples and on the held-out bank, minus
+    GRPO-ds's replay; led by the source run's numbers."""
+    ran = run_numbers([r for r in records[RUN] if r["step"] > 0])
     rows = [
         "| method | steps | sampled-token entropy, first 5 | sampled-token entropy, last 5 | "
         f"bank entropy, last {BANK_EVALS} evals | - GRPO-ds's replay | bank entropy, each eval | gate on | "
         "s/step (median) |",
         "|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
-    baseline = out_root / "grpo-ds"
-    base_bank = (
-        run_numbers(read_metrics(baseline)).get("bank_entropy_late")
-        if (baseline / "metrics.jsonl").is_file()
-        else None
-    )
+    base_bank = run_numbers(records["grpo-ds"]).get("bank_entropy_late") if "grpo-ds" in records else None
     for method in methods:
-        out = out_root / method
-        if not (out / "metrics.jsonl").is_file():
+        if method not in records:
             rows.append(f"| {method} | - | not run | | | | | | |")
             continue
-        records = read_metrics(out)
-        n = run_numbers(records)
-        bank = ", ".join(
-            f"{r['step']}: {r['eval/bank_entropy']:.4f}" for r in records if "eval/bank_entropy" in r
-        )
+        recs = records[method]
+        n = run_numbers(recs)
+        bank = ", ".join(f"{r['step']}: {r[BANK_KEY]:.4f}" for r in recs if _finite(r.get(BANK_KEY)))
 
         def cell(key: str, digits: int = 4, n=n) -> str:
             return f"{n[key]:.{digits}f}" if key in n else "-"
@@ -121,37 +178,126 @@ def table(run: Path, out_root: Path, methods: list[str], steps: int) -> str:
         late = n.get("bank_entropy_late")
         diff = "-" if late is None or base_bank is None or method == "grpo-ds" else f"{late - base_bank:+.4f}"
         rows.append(
-            f"| {method} | {records[-1]['step']} | {cell('entropy_early')} | {cell('entropy_late')} | "
+            f"| {method} | {recs[-1]['step']} | {cell('entropy_early')} | {cell('entropy_late')} | "
             f"{cell('bank_entropy_late')} | {diff} | {bank} | {cell('gate_on', 2)} | {cell('seconds_per_step', 1)} |"
         )
-    starts = run.parent.parent / "start_eval.json"
-    start = json.loads(starts.read_text()).get("0", {}).get("eval/bank_entropy") if starts.is_file() else None
+    start = next((r[BANK_KEY] for r in records[RUN] if r["step"] == 0 and _finite(r.get(BANK_KEY))), None)
     head = (
-        f"Replays of {run} (first {steps} steps), {machine()}, load average {os.getloadavg()[0]:.1f} at the end. "
-        f"Reward on these batches (the run's, the same for every method): {ran.get('reward', float('nan')):.3f} "
+        f"Reward on these batches (the run's, the same for every method): {ran.get('reward', math.nan):.3f} "
         f"(mean over steps). The run itself: sampled-token entropy first/last {EDGE_STEPS} steps "
-        f"{ran.get('entropy_early', float('nan')):.4f} / {ran.get('entropy_late', float('nan')):.4f}, "
-        f"bank entropy last {BANK_EVALS} evals {ran.get('bank_entropy_late', float('nan')):.4f}"
+        f"{ran.get('entropy_early', math.nan):.4f} / {ran.get('entropy_late', math.nan):.4f}, "
+        f"bank entropy last {BANK_EVALS} evals {ran.get('bank_entropy_late', math.nan):.4f}"
         + (f"; the start's bank entropy {start:.4f}." if start is not None else ".")
     )
     return head + "\n\n" + "\n".join(rows) + "\n"
 
 
+def _bank(records: list[dict[str, Any]]) -> dict[int, float]:
+    return {r["step"]: float(r[BANK_KEY]) for r in records if r["step"] > 0 and _finite(r.get(BANK_KEY))}
+
+
+def placebo_table(records: dict[str, list[dict[str, Any]]]) -> str:
+    """Each STARE method whose placebo (``<method>-placebo``) and GRPO-ds replayed: STARE minus GRPO-ds
+    split into the surprisal selection's share (STARE minus its placebo) and the extra weight's (the
+    placebo minus GRPO-ds), at each evaluation and late (the mean of the last :data:`BANK_EVALS`), and
+    the criterion the study stated before the run: the selection carries STARE's lowering if STARE
+    minus GRPO-ds is below 0 late, STARE minus its placebo is below 0 at all evaluations but at most
+    one, and late it is at least half of STARE minus GRPO-ds. Empty when no pair replayed."""
+    pairs = [m for m in records if f"{m}-placebo" in records and "grpo-ds" in records]
+    if not pairs:
+        return ""
+    base = _bank(records["grpo-ds"])
+    evals = sorted(base)
+    lines = [
+        "| difference of bank entropy | "
+        + " | ".join(f"step {s}" for s in evals)
+        + f" | late (last {BANK_EVALS}) | evaluations below 0 |",
+        "|---|" + "---:|" * (len(evals) + 2),
+    ]
+    verdicts = []
+
+    def row(label: str, a: dict[int, float], b: dict[int, float]) -> tuple[list[float], float]:
+        d = [a[s] - b[s] for s in evals]
+        late = sum(d[-BANK_EVALS:]) / BANK_EVALS
+        below = sum(x < 0 for x in d)
+        lines.append(
+            f"| {label} | " + " | ".join(f"{x:+.4f}" for x in d) + f" | {late:+.4f} | {below}/{len(d)} |"
+        )
+        return d, late
+
+    for method in pairs:
+        stare, placebo = _bank(records[method]), _bank(records[f"{method}-placebo"])
+        if set(stare) != set(evals) or set(placebo) != set(evals):
+            raise SystemExit(
+                f"{method}: its replay or its placebo's is unfinished (evaluations differ from GRPO-ds's)"
+            )
+        _, total = row(f"{method} - grpo-ds", stare, base)
+        sel, sel_late = row(f"{method} - {method}-placebo (the selection)", stare, placebo)
+        row(f"{method}-placebo - grpo-ds (any extra weight)", placebo, base)
+        share = sel_late / total if total else math.nan
+        below = sum(x < 0 for x in sel)
+        met = total < 0 and below >= len(sel) - 1 and share >= 0.5
+        overlap = [
+            float(r["stare/L_plus_placebo_overlap"])
+            for r in records[f"{method}-placebo"]
+            if _finite(r.get("stare/L_plus_placebo_overlap"))
+        ]
+        verdicts.append(
+            f"criterion, {method}: minus GRPO-ds late {total:+.4f}, minus its placebo below 0 at {below}/{len(sel)} "
+            f"evaluations, late {sel_late:+.4f} = {share:.2f} of minus GRPO-ds: "
+            + (
+                "MET (the surprisal selection carries the lowering)"
+                if met
+                else "NOT MET (the lowering is not put on the selection)"
+            )
+            + (
+                f"; the placebo's draw shares {sum(overlap) / len(overlap):.2f} of its tokens with L+ (mean over steps)"
+                if overlap
+                else ""
+            )
+        )
+    return "\n".join(lines) + "\n\n" + "\n".join(verdicts) + "\n"
+
+
+def tables_of_csv(path: str | Path) -> str:
+    """The tables of a shipped ``--csv`` (no machine line: the page gives it), as ``--from-csv`` prints
+    them; tests/research/test_published_tables.py compares them with the page."""
+    records = read_csv(Path(path))
+    methods = [m for m in records if m != RUN]
+    text = table(records, methods)
+    paired = placebo_table(records)
+    return text + ("\n" + paired if paired else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--run", type=Path, required=True, help="the GRPO-ds run of the closed-loop study")
-    ap.add_argument("--out", type=Path, required=True, help="one replay directory per method under it")
+    ap.add_argument("--run", type=Path, help="the GRPO-ds run of the closed-loop study")
+    ap.add_argument("--out", type=Path, help="one replay directory per method under it")
     ap.add_argument("--steps", type=int, default=None, help="replay only the first N saved steps")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--table-only", action="store_true", help="replay nothing: the table of what finished")
+    ap.add_argument("--csv", type=Path, help="also write the run's and the replays' per-step metrics here")
+    ap.add_argument("--from-csv", type=Path, help="replay nothing: the tables of a CSV --csv wrote")
     args = ap.parse_args()
+    if args.from_csv:
+        print(tables_of_csv(args.from_csv))
+        return
+    if args.run is None or args.out is None:
+        ap.error("--run and --out are required (or --from-csv)")
     steps = len(step_files(args.run, args.steps))
     if not args.table_only:
         for method in args.methods:
             run_method(args.run, args.out, method, steps)
-    text = table(args.run, args.out, args.methods, steps)
+    records = collect(args.run, args.out, args.methods, steps)
+    paired = placebo_table(records)
+    text = (
+        f"Replays of {args.run} (first {steps} steps), {machine()}, load average {os.getloadavg()[0]:.1f} "
+        f"at the end. {table(records, args.methods)}" + ("\n" + paired if paired else "")
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "replay_table.md").write_text(text)
+    if args.csv:
+        write_csv(records, args.csv)
     print(text)
 
 
