@@ -221,7 +221,7 @@ def placebo_table(records: dict[str, list[dict[str, Any]]]) -> str:
         late = sum(d[-BANK_EVALS:]) / BANK_EVALS
         below = sum(x < 0 for x in d)
         lines.append(
-            f"| {label} | " + " | ".join(f"{x:+.4f}" for x in d) + f" | {late:+.4f} | {below}/{len(d)} |"
+            f"| {label} | " + " | ".join(f"{x:+.5f}" for x in d) + f" | {late:+.5f} | {below}/{len(d)} |"
         )
         return d, late
 
@@ -243,8 +243,8 @@ def placebo_table(records: dict[str, list[dict[str, Any]]]) -> str:
             if _finite(r.get("stare/L_plus_placebo_overlap"))
         ]
         verdicts.append(
-            f"criterion, {method}: minus GRPO-ds late {total:+.4f}, minus its placebo below 0 at {below}/{len(sel)} "
-            f"evaluations, late {sel_late:+.4f} = {share:.2f} of minus GRPO-ds: "
+            f"criterion, {method}: minus GRPO-ds late {total:+.5f}, minus its placebo below 0 at {below}/{len(sel)} "
+            f"evaluations, late {sel_late:+.5f} = {share:.2f} of minus GRPO-ds: "
             + (
                 "MET (the surprisal selection carries the lowering)"
                 if met

@@ -62,26 +62,26 @@ def test_the_split_and_the_criterion_against_hand_worked_numbers():
     lines = text.splitlines()
     assert lines[0].startswith("| difference of bank entropy | step 5 | step 10 |")
     assert (
-        "| stare-o1 - grpo-ds | -0.0010 | -0.0010 | -0.0010 | -0.0010 | -0.0020 | -0.0020 | -0.0020 | 6/6 |"
+        "| stare-o1 - grpo-ds | -0.00100 | -0.00100 | -0.00100 | -0.00100 | -0.00200 | -0.00200 | -0.00200 | 6/6 |"
         in lines
     )
     assert (
-        "| stare-o1 - stare-o1-placebo (the selection) | -0.0005 | -0.0005 | +0.0005 | -0.0005 | -0.0012 | -0.0012 "
-        "| -0.0012 | 5/6 |" in lines
+        "| stare-o1 - stare-o1-placebo (the selection) | -0.00050 | -0.00050 | +0.00050 | -0.00050 | -0.00120 | -0.00120 "
+        "| -0.00120 | 5/6 |" in lines
     )
     assert (
-        "| stare-o1-placebo - grpo-ds (any extra weight) | -0.0005 | -0.0005 | -0.0015 | -0.0005 | -0.0008 "
-        "| -0.0008 | -0.0008 | 6/6 |" in lines
+        "| stare-o1-placebo - grpo-ds (any extra weight) | -0.00050 | -0.00050 | -0.00150 | -0.00050 | -0.00080 "
+        "| -0.00080 | -0.00080 | 6/6 |" in lines
     )
     verdicts = [line for line in lines if line.startswith("criterion")]
     assert verdicts[0].startswith(
-        "criterion, stare-o1: minus GRPO-ds late -0.0020, minus its placebo below 0 at 5/6 evaluations, "
-        "late -0.0012 = 0.60 of minus GRPO-ds: MET"
+        "criterion, stare-o1: minus GRPO-ds late -0.00200, minus its placebo below 0 at 5/6 evaluations, "
+        "late -0.00120 = 0.60 of minus GRPO-ds: MET"
     )
     assert "shares 0.25 of its tokens with L+" in verdicts[0]
     assert verdicts[1].startswith(
-        "criterion, stare-o1-w3-drawn: minus GRPO-ds late -0.0030, minus its placebo below 0 at 6/6 "
-        "evaluations, late -0.0002 = 0.07 of minus GRPO-ds: NOT MET"
+        "criterion, stare-o1-w3-drawn: minus GRPO-ds late -0.00300, minus its placebo below 0 at 6/6 "
+        "evaluations, late -0.00020 = 0.07 of minus GRPO-ds: NOT MET"
     )
 
 
@@ -99,7 +99,7 @@ def test_two_selection_signs_against_it_fail_the_criterion_and_a_raise_is_never_
             r["eval/bank_entropy"] = 0.1010
     verdicts = [line for line in placebo_table(records).splitlines() if line.startswith("criterion")]
     assert "below 0 at 4/6 evaluations" in verdicts[0] and "NOT MET" in verdicts[0]
-    assert "minus GRPO-ds late +0.0010" in verdicts[1] and "NOT MET" in verdicts[1]
+    assert "minus GRPO-ds late +0.00100" in verdicts[1] and "NOT MET" in verdicts[1]
 
 
 def test_no_placebo_no_split_and_an_unfinished_placebo_is_refused():

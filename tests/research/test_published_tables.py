@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.adam_lever import tables_of_csv
+from benchmarks.closed_loop_replay import tables_of_csv as replay_tables
 from benchmarks.entropy_response import tables_of_csv as one_step_tables
 from benchmarks.multi_step_response import tables_of_csv as multi_step_tables
 from stare_research.study import tables_from_csv
@@ -35,6 +36,8 @@ REPRINTED = (
     ("study.md", "closed_loop_sft48_x2b.csv", lambda path: paired_table(path, (("stare-c2", "grpo-ds"),))),
     # `python benchmarks/multi_step_response.py --from-csv CSV` (4 optimizer steps a batch)
     ("study.md", "multi_step_sft48.csv", multi_step_tables),
+    # `python benchmarks/closed_loop_replay.py --from-csv CSV` (L+'s placebo in the paired replay)
+    ("study.md", "replay_placebo.csv", replay_tables),
 )
 
 # Tables with no shipped data: (page, header row) -> (how many such tables, why).
