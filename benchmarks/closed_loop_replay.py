@@ -44,11 +44,12 @@ import platform
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from stare_agent.metrics import read_metrics
-from stare_research.replay import replay, step_files
+from stare_research.replay import ReplayError, check_overrides, replay, step_files
 from stare_research.study import BANK_EVALS, BANK_KEY, EDGE_STEPS, VARIANTS, run_numbers
 from stare_research.tables import read_runs
 
@@ -86,7 +87,9 @@ def finished(out: Path, steps: int) -> bool:
     return bool(records) and records[-1]["step"] >= steps
 
 
-def run_method(run: Path, out_root: Path, method: str, steps: int) -> None:
+def run_method(run: Path, out_root: Path, method: str, steps: int, overrides: Sequence[str] = ()) -> None:
+    """Replay ``run``'s first ``steps`` with the study variant ``method``'s overrides, then ``overrides``
+    (e.g. ``algorithm.ppo_epochs=4`` for every method), into ``out_root/method``."""
     out = out_root / method
     if finished(out, steps):
         print(f"[{method}] finished earlier: {out}", flush=True)
@@ -94,8 +97,9 @@ def run_method(run: Path, out_root: Path, method: str, steps: int) -> None:
     if out.exists():  # an interrupted replay: no checkpoints, so again from the start
         shutil.rmtree(out)
     t0 = time.perf_counter()
-    print(f"[{method}] replaying {steps} steps of {run} with {' '.join(VARIANTS[method])}", flush=True)
-    replay(run, out, list(VARIANTS[method]), steps=steps)
+    settings = [*VARIANTS[method], *overrides]
+    print(f"[{method}] replaying {steps} steps of {run} with {' '.join(settings)}", flush=True)
+    replay(run, out, settings, steps=steps)
     gc.collect()
     print(f"[{method}] {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f}", flush=True)
 
@@ -202,9 +206,19 @@ def placebo_table(records: dict[str, list[dict[str, Any]]]) -> str:
     placebo minus GRPO-ds), at each evaluation and late (the mean of the last :data:`BANK_EVALS`), and
     the criterion the study stated before the run: the selection carries STARE's lowering if STARE
     minus GRPO-ds is below 0 late, STARE minus its placebo is below 0 at all evaluations but at most
-    one, and late it is at least half of STARE minus GRPO-ds. Empty when no pair replayed."""
-    pairs = [m for m in records if f"{m}-placebo" in records and "grpo-ds" in records]
-    if not pairs:
+    one, and late it is at least half of STARE minus GRPO-ds. Every other method (no placebo beside it)
+    gets its row minus GRPO-ds. Empty without GRPO-ds's replay or another method."""
+    if "grpo-ds" not in records:
+        return ""
+    pairs = [m for m in records if f"{m}-placebo" in records]
+    alone = [
+        m
+        for m in records
+        if m not in (RUN, "grpo-ds")
+        and m not in pairs
+        and not (m.endswith("-placebo") and m[: -len("-placebo")] in pairs)
+    ]
+    if not pairs and not alone:
         return ""
     base = _bank(records["grpo-ds"])
     evals = sorted(base)
@@ -225,6 +239,11 @@ def placebo_table(records: dict[str, list[dict[str, Any]]]) -> str:
         )
         return d, late
 
+    for method in alone:
+        bank = _bank(records[method])
+        if set(bank) != set(evals):
+            raise SystemExit(f"{method}: its replay is unfinished (evaluations differ from GRPO-ds's)")
+        row(f"{method} - grpo-ds", bank, base)
     for method in pairs:
         stare, placebo = _bank(records[method]), _bank(records[f"{method}-placebo"])
         if set(stare) != set(evals) or set(placebo) != set(evals):
@@ -256,7 +275,7 @@ def placebo_table(records: dict[str, list[dict[str, Any]]]) -> str:
                 else ""
             )
         )
-    return "\n".join(lines) + "\n\n" + "\n".join(verdicts) + "\n"
+    return "\n".join(lines) + "\n" + ("\n" + "\n".join(verdicts) + "\n" if verdicts else "")
 
 
 def tables_of_csv(path: str | Path) -> str:
@@ -275,6 +294,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="one replay directory per method under it")
     ap.add_argument("--steps", type=int, default=None, help="replay only the first N saved steps")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument(
+        "--overrides",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="learner settings for every method, after its own (e.g. algorithm.ppo_epochs=4)",
+    )
     ap.add_argument("--table-only", action="store_true", help="replay nothing: the table of what finished")
     ap.add_argument("--csv", type=Path, help="also write the run's and the replays' per-step metrics here")
     ap.add_argument("--from-csv", type=Path, help="replay nothing: the tables of a CSV --csv wrote")
@@ -284,15 +310,21 @@ def main() -> None:
         return
     if args.run is None or args.out is None:
         ap.error("--run and --out are required (or --from-csv)")
+    try:
+        check_overrides(args.overrides)
+    except ReplayError as e:
+        raise SystemExit(f"--overrides: {e}") from None
     steps = len(step_files(args.run, args.steps))
     if not args.table_only:
         for method in args.methods:
-            run_method(args.run, args.out, method, steps)
+            run_method(args.run, args.out, method, steps, args.overrides)
     records = collect(args.run, args.out, args.methods, steps)
     paired = placebo_table(records)
     text = (
-        f"Replays of {args.run} (first {steps} steps), {machine()}, load average {os.getloadavg()[0]:.1f} "
-        f"at the end. {table(records, args.methods)}" + ("\n" + paired if paired else "")
+        f"Replays of {args.run} (first {steps} steps)"
+        + (f" with {' '.join(args.overrides)} for every method" if args.overrides else "")
+        + f", {machine()}, load average {os.getloadavg()[0]:.1f} at the end. {table(records, args.methods)}"
+        + ("\n" + paired if paired else "")
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "replay_table.md").write_text(text)

@@ -102,9 +102,19 @@ def test_two_selection_signs_against_it_fail_the_criterion_and_a_raise_is_never_
     assert "minus GRPO-ds late +0.00100" in verdicts[1] and "NOT MET" in verdicts[1]
 
 
-def test_no_placebo_no_split_and_an_unfinished_placebo_is_refused():
+def test_a_method_without_a_placebo_gets_its_difference_and_no_criterion():
+    records = {k: v for k, v in _all().items() if k in (RUN, "grpo-ds", "stare-o1")}
+    text = placebo_table(records)
+    assert text.splitlines()[2:] == [
+        "| stare-o1 - grpo-ds | -0.00100 | -0.00100 | -0.00100 | -0.00100 | -0.00200 | -0.00200 | -0.00200 | 6/6 |"
+    ]
+    assert "criterion" not in text
+    assert placebo_table({k: v for k, v in records.items() if k != "grpo-ds"}) == ""
+    assert placebo_table({k: v for k, v in records.items() if k != "stare-o1"}) == ""
+
+
+def test_an_unfinished_placebo_is_refused():
     records = _all()
-    assert placebo_table({k: v for k, v in records.items() if not k.endswith("placebo")}) == ""
     records["stare-o1-placebo"] = records["stare-o1-placebo"][:12]  # cut after step 12: evaluations 5, 10
     with pytest.raises(SystemExit, match="stare-o1: its replay or its placebo's is unfinished"):
         placebo_table(records)
@@ -140,3 +150,26 @@ def test_a_csv_without_the_runs_rows_is_refused_with_its_cause(tmp_path):
     path.write_text("variant,seed,step,entropy\ngrpo-ds,0,1,0.1\n")
     with pytest.raises(SystemExit, match="not a replay CSV of this benchmark"):
         read_csv(path)
+
+
+def test_overrides_reach_every_methods_replay_after_its_own_and_rollout_settings_are_refused(
+    tmp_path, monkeypatch, capsys
+):
+    import benchmarks.closed_loop_replay as bench
+
+    calls = []
+    monkeypatch.setattr(
+        bench, "replay", lambda run, out, settings, steps: calls.append((out.name, settings, steps))
+    )
+    bench.run_method(tmp_path / "run", tmp_path / "out", "kl-cov", 30, ["algorithm.ppo_epochs=4"])
+    assert calls == [("kl-cov", [*bench.VARIANTS["kl-cov"], "algorithm.ppo_epochs=4"], 30)]
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["x", "--run", str(tmp_path), "--out", str(tmp_path / "o"), "--overrides", "data.max_turns=2"],
+    )
+    with pytest.raises(
+        SystemExit, match=r"--overrides: data.max_turns=2: a replay trains on the run's saved batches"
+    ):
+        main()
+    assert calls == [("kl-cov", [*bench.VARIANTS["kl-cov"], "algorithm.ppo_epochs=4"], 30)]
