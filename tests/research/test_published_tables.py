@@ -36,6 +36,7 @@ REPRINTED = (
     ("study.md", "closed_loop_sft48_x2b.csv", lambda path: paired_table(path, (("stare-c2", "grpo-ds"),))),
     # `python benchmarks/multi_step_response.py --from-csv CSV` (4 optimizer steps a batch)
     ("study.md", "multi_step_sft48.csv", multi_step_tables),
+    ("study.md", "multi_step_clipcov.csv", multi_step_tables),  # Clip-Cov at r 1 % and 5 %, another start
     # `python benchmarks/closed_loop_replay.py --from-csv CSV` (L+'s placebo in the paired replay)
     ("study.md", "replay_placebo.csv", replay_tables),
 )
