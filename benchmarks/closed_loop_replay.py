@@ -126,13 +126,14 @@ def _finite(x: Any) -> bool:
 
 
 def collect(run: Path, out_root: Path, methods: list[str], steps: int) -> dict[str, list[dict[str, Any]]]:
-    """Each finished (or partial) replay's records by method, and the source run's first ``steps`` as
-    ``run``, led by the start's evaluation (step 0) where the study saved it."""
+    """Each finished replay's records by method (one cut short, e.g. by ``timeout``, is left out: it
+    reads as not run), and the source run's first ``steps`` as ``run``, led by the start's evaluation
+    (step 0) where the study saved it."""
     starts = run.parent.parent / "start_eval.json"
     start = json.loads(starts.read_text()).get("0", {}) if starts.is_file() else {}
     records = {RUN: ([{"step": 0, **start}] if start else []) + read_metrics(run)[:steps]}
     for method in methods:
-        if (out_root / method / "metrics.jsonl").is_file():
+        if finished(out_root / method, steps):
             records[method] = read_metrics(out_root / method)
     return records
 

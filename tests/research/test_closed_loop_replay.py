@@ -127,12 +127,16 @@ def test_the_csv_of_a_run_and_its_replays_reprints_the_tables(tmp_path, capsys, 
         directory.mkdir(parents=True)
         (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "study" / "start_eval.json").write_text(json.dumps({"0": {"eval/bank_entropy": 0.0989}}))
-    methods = [*BANK, "kl-cov"]  # one not replayed
+    cut = out / "clip-cov"  # a replay cut short (by `timeout`) after 12 of the 30 steps
+    cut.mkdir()
+    (cut / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records("grpo-ds")[:12]))
+    methods = [*BANK, "kl-cov", "clip-cov"]  # one not replayed, one cut short
     records = collect(run, out, methods, steps=30)
-    assert [r["step"] for r in records[RUN]][:2] == [0, 1] and "kl-cov" not in records
+    assert [r["step"] for r in records[RUN]][:2] == [0, 1]
+    assert "kl-cov" not in records and "clip-cov" not in records
     printed = table(records, methods)
     assert "the start's bank entropy 0.0989." in printed
-    assert "| kl-cov | - | not run |" in printed
+    assert "| kl-cov | - | not run |" in printed and "| clip-cov | - | not run |" in printed
     assert "| stare-o1 | 30 | 0.0500 | 0.0500 | 0.0980 | -0.0020 |" in printed
     path = tmp_path / "replay.csv"
     write_csv(records, path)
