@@ -39,6 +39,7 @@ REPRINTED = (
     ("study.md", "multi_step_clipcov.csv", multi_step_tables),  # Clip-Cov at r 1 % and 5 %, another start
     # `python benchmarks/closed_loop_replay.py --from-csv CSV` (L+'s placebo in the paired replay)
     ("study.md", "replay_placebo.csv", replay_tables),
+    ("study.md", "replay_4steps.csv", replay_tables),  # KL-Cov over 30 replayed steps at 4 a batch
 )
 
 # Tables with no shipped data: (page, header row) -> (how many such tables, why).
