@@ -50,7 +50,7 @@ from typing import Any
 
 from stare_agent.metrics import read_metrics
 from stare_research.replay import ReplayError, check_overrides, replay, step_files
-from stare_research.study import BANK_EVALS, BANK_KEY, EDGE_STEPS, VARIANTS, run_numbers
+from stare_research.study import BANK_EVALS, BANK_KEY, EDGE_STEPS, VARIANTS, finite, run_numbers
 from stare_research.tables import read_runs
 
 METHODS = (
@@ -121,10 +121,6 @@ the tables read, and the placebo's overlap with L+."""
 RUN = "run"
 
 
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
 def collect(run: Path, out_root: Path, methods: list[str], steps: int) -> dict[str, list[dict[str, Any]]]:
     """Each finished replay's records by method (one cut short, e.g. by ``timeout``, is left out: it
     reads as not run), and the source run's first ``steps`` as ``run``, led by the start's evaluation
@@ -175,7 +171,7 @@ def table(records: dict[str, list[dict[str, Any]]], methods: list[str]) -> str:
             continue
         recs = records[method]
         n = run_numbers(recs)
-        bank = ", ".join(f"{r['step']}: {r[BANK_KEY]:.4f}" for r in recs if _finite(r.get(BANK_KEY)))
+        bank = ", ".join(f"{r['step']}: {r[BANK_KEY]:.4f}" for r in recs if finite(r.get(BANK_KEY)))
 
         def cell(key: str, digits: int = 4, n=n) -> str:
             return f"{n[key]:.{digits}f}" if key in n else "-"
@@ -186,7 +182,7 @@ def table(records: dict[str, list[dict[str, Any]]], methods: list[str]) -> str:
             f"| {method} | {recs[-1]['step']} | {cell('entropy_early')} | {cell('entropy_late')} | "
             f"{cell('bank_entropy_late')} | {diff} | {bank} | {cell('gate_on', 2)} | {cell('seconds_per_step', 1)} |"
         )
-    start = next((r[BANK_KEY] for r in records[RUN] if r["step"] == 0 and _finite(r.get(BANK_KEY))), None)
+    start = next((r[BANK_KEY] for r in records[RUN] if r["step"] == 0 and finite(r.get(BANK_KEY))), None)
     head = (
         f"Reward on these batches (the run's, the same for every method): {ran.get('reward', math.nan):.3f} "
         f"(mean over steps). The run itself: sampled-token entropy first/last {EDGE_STEPS} steps "
@@ -198,7 +194,7 @@ def table(records: dict[str, list[dict[str, Any]]], methods: list[str]) -> str:
 
 
 def _bank(records: list[dict[str, Any]]) -> dict[int, float]:
-    return {r["step"]: float(r[BANK_KEY]) for r in records if r["step"] > 0 and _finite(r.get(BANK_KEY))}
+    return {r["step"]: float(r[BANK_KEY]) for r in records if r["step"] > 0 and finite(r.get(BANK_KEY))}
 
 
 def placebo_table(records: dict[str, list[dict[str, Any]]]) -> str:
@@ -240,17 +236,17 @@ def placebo_table(records: dict[str, list[dict[str, Any]]]) -> str:
         )
         return d, late
 
-    for method in alone:
-        bank = _bank(records[method])
+    def bank_of(method: str, name: str) -> dict[int, float]:
+        bank = _bank(records[name])
         if set(bank) != set(evals):
-            raise SystemExit(f"{method}: its replay is unfinished (evaluations differ from GRPO-ds's)")
-        row(f"{method} - grpo-ds", bank, base)
+            whose = "its replay" if name == method else "its replay or its placebo's"
+            raise SystemExit(f"{method}: {whose} is unfinished (evaluations differ from GRPO-ds's)")
+        return bank
+
+    for method in alone:
+        row(f"{method} - grpo-ds", bank_of(method, method), base)
     for method in pairs:
-        stare, placebo = _bank(records[method]), _bank(records[f"{method}-placebo"])
-        if set(stare) != set(evals) or set(placebo) != set(evals):
-            raise SystemExit(
-                f"{method}: its replay or its placebo's is unfinished (evaluations differ from GRPO-ds's)"
-            )
+        stare, placebo = bank_of(method, method), bank_of(method, f"{method}-placebo")
         _, total = row(f"{method} - grpo-ds", stare, base)
         sel, sel_late = row(f"{method} - {method}-placebo (the selection)", stare, placebo)
         row(f"{method}-placebo - grpo-ds (any extra weight)", placebo, base)
@@ -260,7 +256,7 @@ def placebo_table(records: dict[str, list[dict[str, Any]]]) -> str:
         overlap = [
             float(r["stare/L_plus_placebo_overlap"])
             for r in records[f"{method}-placebo"]
-            if _finite(r.get("stare/L_plus_placebo_overlap"))
+            if finite(r.get("stare/L_plus_placebo_overlap"))
         ]
         verdicts.append(
             f"criterion, {method}: minus GRPO-ds late {total:+.5f}, minus its placebo below 0 at {below}/{len(sel)} "

@@ -228,7 +228,7 @@ def relative_h_tgt(overrides: Sequence[str], factor: float, calibration: dict[st
     ['trainer.steps=2', 'algorithm.H_tgt=0.06098']
     """
     entropy = calibration.get("entropy")
-    if not factor > 0 or not _finite(entropy) or not entropy > 0:
+    if not factor > 0 or not finite(entropy) or not entropy > 0:
         raise ConfigError(
             f"--h-tgt-of-start {factor} x the start's entropy {entropy}: needs a factor > 0 and a calibration "
             "with a positive entropy (delete calibration.json to measure it again)"
@@ -541,14 +541,14 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     (0.1, 0.3)
     """
     out: dict[str, float] = {}
-    H = [(r["step"], float(r["entropy"])) for r in records if _finite(r.get("entropy"))]
+    H = [(r["step"], float(r["entropy"])) for r in records if finite(r.get("entropy"))]
     if H:
         out["entropy_final"] = H[-1][1]
         out["entropy_auc"] = _auc(H)
     # `entropy` is the gate's reading: the kept batch's (the paper's H-bar), or under
     # research.gate_batch=drawn the whole draw's, which logs the kept batch's as `stare/entropy_kept`
-    drawn = any(_finite(r.get(KEPT_KEY)) for r in records)
-    kept = [(r["step"], float(r[KEPT_KEY])) for r in records if _finite(r.get(KEPT_KEY))] if drawn else H
+    drawn = any(finite(r.get(KEPT_KEY)) for r in records)
+    kept = [(r["step"], float(r[KEPT_KEY])) for r in records if finite(r.get(KEPT_KEY))] if drawn else H
     if H:
         out["gate_reads_whole_draw"] = float(drawn)
     if kept:
@@ -556,7 +556,7 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
         out["kept_entropy_auc"] = _auc(kept)
     for tag, prefix in (("sampled", "eval/avg@"), ("greedy", "eval_greedy/avg@")):
         acc = [
-            float(r[k]) for r in records if r["step"] > 0 for k in r if k.startswith(prefix) and _finite(r[k])
+            float(r[k]) for r in records if r["step"] > 0 for k in r if k.startswith(prefix) and finite(r[k])
         ]
         if acc:
             out[f"heldout_{tag}_best"], out[f"heldout_{tag}_final"] = max(acc), acc[-1]
@@ -564,16 +564,16 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
         values = [h for _, h in H]
         out["entropy_early"], out["entropy_late"] = _mean(values[:EDGE_STEPS]), _mean(values[-EDGE_STEPS:])
         out["entropy_step_std"] = _std(values)
-    bank = [(r["step"], float(r[BANK_KEY])) for r in records if _finite(r.get(BANK_KEY))]
+    bank = [(r["step"], float(r[BANK_KEY])) for r in records if finite(r.get(BANK_KEY))]
     if bank:
         out["bank_entropy_start"] = bank[0][1] if bank[0][0] == 0 else math.nan
         trained = [h for s, h in bank if s > 0]
         if trained:
             out["bank_entropy_late"] = _mean(trained[-BANK_EVALS:])
-    rewards = [float(r["reward_mean"]) for r in records if r["step"] > 0 and _finite(r.get("reward_mean"))]
+    rewards = [float(r["reward_mean"]) for r in records if r["step"] > 0 and finite(r.get("reward_mean"))]
     if rewards:
         out["reward"], out["reward_late"] = _mean(rewards), _mean(rewards[-EDGE_STEPS:])
-    gate, _ = gate_fraction([r for r in records if r["step"] > 0 and _finite(r.get("gate_on"))])
+    gate, _ = gate_fraction([r for r in records if r["step"] > 0 and finite(r.get("gate_on"))])
     if gate is not None:
         out["gate_on"] = gate
     for key, name in (
@@ -584,11 +584,11 @@ def run_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
         ("stare/mass_weight", "mass_weight"),
         ("stare/dH_first_order_L_plus", "dH_first_order_L_plus"),
     ):
-        values = [float(r[key]) for r in records if _finite(r.get(key))]
+        values = [float(r[key]) for r in records if finite(r.get(key))]
         if values:
             out[name] = _mean(values)
     for key, name in (("time/step_s", "seconds_per_step"), ("time/logprob_s", "logprob_seconds")):
-        times = sorted(float(r[key]) for r in records if _finite(r.get(key)))
+        times = sorted(float(r[key]) for r in records if finite(r.get(key)))
         if times:
             out[name] = times[len(times) // 2]
     if records:
@@ -724,7 +724,8 @@ def _number(text: str) -> Any:
         return text
 
 
-def _finite(x: Any) -> TypeGuard[int | float]:
+def finite(x: Any) -> TypeGuard[int | float]:
+    """Whether ``x`` is a number and finite (not NaN, not infinite): a metric that was logged."""
     return isinstance(x, int | float) and math.isfinite(x)
 
 

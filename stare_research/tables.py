@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from stare_agent.intervals import format_ci, mean_sd_ci
+from stare_research.study import finite
 
 TARGET_FACTOR = 0.7  # H_tgt = 0.7 x the start's entropy (`stare-agent study --h-tgt-of-start 0.7`)
 LATE_STEPS, LATE_EVALS, TRUNCATED_STEPS = 5, 2, 10
@@ -60,13 +61,13 @@ def read_runs(path: str | Path) -> dict[tuple[str, int], list[dict[str, Any]]]:
 def closed_loop_table(path: str | Path) -> str:
     """The markdown table of a closed-loop study CSV (see the module's docstring)."""
     runs = read_runs(path)
-    h_tgt = next(float(r["H_tgt"]) for recs in runs.values() for r in recs if _finite(r.get("H_tgt")))
+    h_tgt = next(float(r["H_tgt"]) for recs in runs.values() for r in recs if finite(r.get("H_tgt")))
     bank_start = next(
-        (float(r[BANK]) for recs in runs.values() for r in recs if r["step"] == 0 and _finite(r.get(BANK))),
+        (float(r[BANK]) for recs in runs.values() for r in recs if r["step"] == 0 and finite(r.get(BANK))),
         math.nan,
     )
     evals = sorted(
-        {r["step"] for recs in runs.values() for r in recs if r["step"] > 0 and _finite(r.get(BANK))}
+        {r["step"] for recs in runs.values() for r in recs if r["step"] > 0 and finite(r.get(BANK))}
     )
     lines = [
         f"H_tgt = {h_tgt:.4g} (sampled entropy: {TARGET_FACTOR:g} x the start's {h_tgt / TARGET_FACTOR:.3f}); "
@@ -85,18 +86,18 @@ def closed_loop_table(path: str | Path) -> str:
 
 def _cells(records: list[dict[str, Any]], h_tgt: float) -> list[str]:
     steps = [r for r in records if r["step"] > 0]
-    trained = [r for r in steps if not r.get("skipped") and _finite(r.get("entropy"))]
-    bank = [float(r[BANK]) for r in steps if _finite(r.get(BANK))]
+    trained = [r for r in steps if not r.get("skipped") and finite(r.get("entropy"))]
+    bank = [float(r[BANK]) for r in steps if finite(r.get(BANK))]
     # the paper's H-bar is the kept batch's; under research.gate_batch=drawn `entropy` is the whole
     # draw's (the gate's reading) and `stare/entropy_kept` the kept batch's
-    drawn = any(_finite(r.get("stare/entropy_kept")) for r in trained)
+    drawn = any(finite(r.get("stare/entropy_kept")) for r in trained)
     sampled = [float(r["stare/entropy_kept"] if drawn else r["entropy"]) for r in trained]
     whole = [float(r["entropy"]) for r in trained] if drawn else []
-    gate = [r for r in trained if _finite(r.get("gate_on"))]
-    rewards = [float(r["reward_mean"]) for r in steps if _finite(r.get("reward_mean"))]
-    truncated = [float(r["truncated_fraction"]) for r in steps if _finite(r.get("truncated_fraction"))]
+    gate = [r for r in trained if finite(r.get("gate_on"))]
+    rewards = [float(r["reward_mean"]) for r in steps if finite(r.get("reward_mean"))]
+    truncated = [float(r["truncated_fraction"]) for r in steps if finite(r.get("truncated_fraction"))]
     gate_text = f"{sum(int(r['gate_on']) for r in gate)} of {len(gate)}"
-    applies = any(_finite(r.get("stare/L_plus")) for r in steps)  # GRPO-ds logs the gate it would have had
+    applies = any(finite(r.get("stare/L_plus")) for r in steps)  # GRPO-ds logs the gate it would have had
     return [
         ", ".join(f"{b:.4f}" for b in bank) or "-",
         f"{_mean(bank[-LATE_EVALS:]):.3f}" if bank else "-",
@@ -105,7 +106,7 @@ def _cells(records: list[dict[str, Any]], h_tgt: float) -> list[str]:
         f"{_mean(whole):.3f} / {_mean(whole[-LATE_STEPS:]):.3f}" if whole else "-",
         gate_text if applies else f"({gate_text}, not applied)",
         format_ci(mean_sd_ci(rewards)) + f" (n {len(rewards)})" if rewards else "-",
-        ", ".join(f"{float(r[ACCURACY]):.3f}" for r in steps if _finite(r.get(ACCURACY))) or "-",
+        ", ".join(f"{float(r[ACCURACY]):.3f}" for r in steps if finite(r.get(ACCURACY))) or "-",
         f"{_mean(truncated[-TRUNCATED_STEPS:]):.3f}" if truncated else "-",
         _mean_of(steps, "stare/L_plus_raising"),
         _mean_of(steps, "stare/mass_weight"),
@@ -139,13 +140,13 @@ def paired_over_seeds(path: str | Path, a: str, b: str) -> dict[str, Any]:
 
 
 def _late_bank(records: list[dict[str, Any]]) -> float:
-    bank = [float(r[BANK]) for r in records if r["step"] > 0 and _finite(r.get(BANK))]
+    bank = [float(r[BANK]) for r in records if r["step"] > 0 and finite(r.get(BANK))]
     return _mean(bank[-PAIRED_BANK_EVALS:]) if bank else math.nan
 
 
 def _late_sampled(records: list[dict[str, Any]]) -> float:
-    trained = [r for r in records if r["step"] > 0 and not r.get("skipped") and _finite(r.get("entropy"))]
-    key = "stare/entropy_kept" if any(_finite(r.get("stare/entropy_kept")) for r in trained) else "entropy"
+    trained = [r for r in records if r["step"] > 0 and not r.get("skipped") and finite(r.get("entropy"))]
+    key = "stare/entropy_kept" if any(finite(r.get("stare/entropy_kept")) for r in trained) else "entropy"
     sampled = [float(r[key]) for r in trained]
     return _mean(sampled[-PAIRED_SAMPLED_STEPS:]) if sampled else math.nan
 
@@ -172,12 +173,12 @@ def paired_table(path: str | Path, pairs: Sequence[tuple[str, str]]) -> str:
 
 
 def _mean_of(records: list[dict[str, Any]], key: str) -> str:
-    values = [float(r[key]) for r in records if _finite(r.get(key))]
+    values = [float(r[key]) for r in records if finite(r.get(key))]
     return f"{_mean(values):.3f}" if values else "-"
 
 
 def _median_of(records: list[dict[str, Any]], key: str) -> str:
-    values = sorted(float(r[key]) for r in records if _finite(r.get(key)))
+    values = sorted(float(r[key]) for r in records if finite(r.get(key)))
     return f"{values[len(values) // 2]:.0f}" if values else "-"
 
 
@@ -186,10 +187,6 @@ def _number(text: str) -> Any:
         return float(text)
     except ValueError:
         return text
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, int | float) and math.isfinite(x)
 
 
 def _mean(xs: Sequence[float]) -> float:
