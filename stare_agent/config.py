@@ -44,6 +44,7 @@ from stare_agent.options import (
     check_stapo_options,
     check_stare_options,
     check_steer_options,
+    method_names,
 )
 from stare_envs.tool_env import LIMITS, broken_limit
 from stare_sandbox.config import BACKENDS, Backend, SandboxConfig
@@ -56,31 +57,6 @@ RENAMED = {
     "algorithm.L_plus_rule": "research.L_plus_rule",
 }
 """Keys of an older config (a run saved before 0.2.0) and their names now."""
-ALGORITHMS = (
-    "grpo",
-    "grpo_ds",
-    "stare",
-    "kl_cov",
-    "clip_cov",
-    "entropy_bonus",
-    "forking_tokens",
-    "steer",
-    "stapo",
-    "entroadv",
-    "adaptive_entropy",
-    "first_order",
-)
-SELECTING_ALGORITHMS = (
-    "stare",
-    "kl_cov",
-    "clip_cov",
-    "forking_tokens",
-    "steer",
-    "stapo",
-    "entroadv",
-    "first_order",
-)
-"""The algorithms that select or weight tokens from a pre-update log-prob pass of the batch."""
 GATES = ("entropy", "always_on")
 SELECTIONS = ("per_mini_batch", "pre_update")
 PRECISIONS = ("auto", "bf16", "fp32", "bf16-autocast")
@@ -613,7 +589,7 @@ class AlgorithmConfig:
     selection: str = "per_mini_batch"
 
     def __post_init__(self) -> None:
-        _one_of("algorithm", "name", self.name, ALGORITHMS)
+        _one_of("algorithm", "name", self.name, method_names())  # the methods' registry
         _one_of("algorithm", "gate", self.gate, GATES)
         _one_of("algorithm", "selection", self.selection, SELECTIONS)
         _positive("algorithm", self, "ppo_epochs")
@@ -755,7 +731,7 @@ class OptimConfig:
         eps: AdamW epsilon.
         weight_decay: Decoupled weight decay.
         grad_clip: Max global gradient norm (paper: 1.0); 0 disables clipping.
-        warmup_steps: Linear warmup from 0 over this many optimizer steps.
+        warmup_steps: Linear warmup from 0 over this many trainer steps, whatever their mini-batches.
         schedule: After warmup: ``constant`` (paper), ``cosine`` or ``linear`` decay to ``min_lr_ratio * lr``
             at the last step (``transformers.get_scheduler``: ``constant_with_warmup``,
             ``cosine_with_min_lr``, ``polynomial`` of power 1; see ``stare_agent.train.learner.lr_scheduler``).

@@ -7,7 +7,9 @@ and loading a config imports no torch. Each error names the rule and the fix.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
+
+from stare_agent.errors import StareError
 
 Variant = Literal["O1", "C2"]
 Scope = Literal["micro_batch", "global"]
@@ -164,3 +166,52 @@ def check_adaptive_entropy_options(
             f"adaptive entropy needs delta >= 0 and 0 <= init <= max (got {delta}, {init}, {max_coef}): "
             "Skywork-OR1's scripts use 1e-4, 0 and 0.005"
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# The methods by name (``algorithm.name``): entry points, so that a config checks a name without torch
+# ----------------------------------------------------------------------------------------------
+
+
+class MethodRegistryError(StareError, ValueError):
+    """A method name registered twice with another entry point, or an entry point that does not load."""
+
+
+METHODS: dict[str, Any] = {
+    "grpo": "stare_agent.methods.grpo:GRPO",
+    "grpo_ds": "stare_agent.methods.grpo:GRPO",
+    "stare": "stare_agent.methods.stare:Stare",
+    "kl_cov": "stare_agent.methods.kl_cov:KLCov",
+    "clip_cov": "stare_agent.methods.clip_cov:ClipCov",
+    "entropy_bonus": "stare_agent.methods.entropy_bonus:EntropyBonus",
+    "forking_tokens": "stare_agent.methods.forking_tokens:ForkingTokens",
+    "steer": "stare_agent.methods.steer:Steer",
+    "stapo": "stare_agent.methods.stapo:Stapo",
+    "entroadv": "stare_agent.methods.entroadv:EntroAdv",
+    "adaptive_entropy": "stare_agent.methods.entropy_bonus:AdaptiveEntropy",
+    "first_order": "stare_agent.methods.first_order:FirstOrder",
+}
+"""``algorithm.name`` -> a ``"module:Class"`` entry point or the class (``stare_agent.methods``)."""
+
+
+def register_method(name: str, entry_point: Any) -> None:
+    """Register a method under ``name``: a ``"module:Class"`` string (imported when a run makes it) or
+    the class. Registering the same entry point again is a no-op; another one under a taken name is an
+    error naming both."""
+    known = METHODS.get(name)
+    if known is not None and entry_label(known) != entry_label(entry_point):
+        raise MethodRegistryError(
+            f"method {name!r} is already registered ({entry_label(known)}): pick another name for "
+            f"{entry_label(entry_point)}"
+        )
+    METHODS[name] = entry_point
+
+
+def method_names() -> tuple[str, ...]:
+    """The registered names, in registration order (the built-in ones first)."""
+    return tuple(METHODS)
+
+
+def entry_label(entry: Any) -> str:
+    """An entry point as ``module:Class``."""
+    return entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"

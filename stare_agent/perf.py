@@ -49,8 +49,6 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from stare_agent.config import SELECTING_ALGORITHMS
-
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from the vendors' datasheets; the first name
 # contained in torch.cuda.get_device_name() wins, so longer names come first. Others are probed.
 GPU_BF16_PEAK: dict[str, float] = {
@@ -201,16 +199,15 @@ def learner_perf(
     }
 
 
-def learner_passes(algorithm: Any, learned: dict[str, Any]) -> tuple[float, float]:
+def learner_passes(algorithm: Any, learned: dict[str, Any], *, pre_update: bool) -> tuple[float, float]:
     """(training passes, forward-only passes) over the step's batch that ``Trainer.learn`` took, from
     the ``algorithm`` config and its metrics: ``ppo_epochs`` passes of updates; one pre-update
-    log-prob pass when a token selector runs (``config.SELECTING_ALGORITHMS``: STARE, KL-Cov, ...) or
-    there are several optimizer steps; and with ``selection: per_mini_batch`` a fresh pass over each
-    later mini-batch (``epochs - 1 / mini_batches`` batches more)."""
+    log-prob pass when the method selects tokens (``pre_update``: STARE, KL-Cov, ...) or there are
+    several optimizer steps; and with ``selection: per_mini_batch`` a fresh pass over each later
+    mini-batch (``epochs - 1 / mini_batches`` batches more)."""
     epochs = float(algorithm.ppo_epochs)
     several = float(learned.get("ppo/optimizer_steps", 1.0)) > 1
-    selects = algorithm.name in SELECTING_ALGORITHMS
-    passes = 1.0 if selects or several else 0.0
-    if selects and several and algorithm.selection == "per_mini_batch":
+    passes = 1.0 if pre_update or several else 0.0
+    if pre_update and several and algorithm.selection == "per_mini_batch":
         passes += epochs - 1.0 / float(learned.get("ppo/mini_batches", 1.0))
     return epochs, passes

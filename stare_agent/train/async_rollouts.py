@@ -473,3 +473,25 @@ class RolloutProducer(Generic[T]):
                 "did not return): its engine and sandbox pool are left open under it"
             )
         self._engine.reopen()
+
+
+def staleness(kept: Sequence[Any], step: int, max_staleness: int) -> dict[str, float]:
+    """``async/staleness_mean`` (token mean) and ``_max`` of the kept groups' model tokens at ``step``:
+    how many updates older than the proximal policy (version ``step - 1``) each token's sampler was;
+    a token past ``max_staleness`` (or from a future policy) is a bug of the producer, raised."""
+    proximal = step - 1
+    lags = [
+        proximal - v
+        for g in kept
+        for t in g.trajectories
+        for v in t.token_versions()  # per token: a sync may interrupt a turn
+        if v is not None
+    ]
+    if not lags:
+        return {}
+    if max(lags) > max_staleness or min(lags) < 0:
+        raise RuntimeError(
+            f"step {step} got tokens {max(lags)} updates stale (bound trainer.max_staleness="
+            f"{max_staleness}) or from a future policy ({min(lags)}): a bug in the rollout producer"
+        )
+    return {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}

@@ -29,8 +29,8 @@ class PreUpdate:
 
     Attributes:
         step: The step being trained.
-        algorithm: ``algorithm.name``, one of ``config.SELECTING_ALGORITHMS`` (the algorithms with a
-            pre-update pass; GRPO-ds and the entropy bonuses have none).
+        algorithm: ``algorithm.name``, a method with a pre-update pass (``Method.pre_update``: STARE and
+            the other selections; GRPO-ds and the entropy bonuses have none).
         advantages: Token advantages A_t (0 on mask-0 entries); EntroAdv's shaped ones for ``entroadv``.
         logprobs: Pre-update log pi(o_t).
         entropy: Full-vocabulary entropy H_t.

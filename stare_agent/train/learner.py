@@ -120,6 +120,37 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_ste
     return LambdaLR(optimizer, linear if optim.schedule == "linear" else cosine)
 
 
+class ScheduleByUpdate:
+    """The learning-rate schedule in verl's unit: one step per update (``Learner.advance_schedule``, a
+    trainer step or an SFT step), whatever the number of optimizer steps (mini-batches, epochs) in it.
+
+    DeepSpeed holds it and calls :meth:`step` after every optimizer step it applies; that call only
+    notes that one was applied, and :meth:`advance` steps the schedule once if any was (a step every
+    optimizer step dropped leaves the schedule where it was, as before). So ``trainer.steps`` is the
+    schedule's horizon and ``optim.warmup_steps`` counts trainer steps."""
+
+    def __init__(self, schedule: LambdaLR) -> None:
+        self.schedule = schedule
+        self.applied = False
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self.applied = True
+
+    def advance(self) -> None:
+        if self.applied:
+            self.schedule.step()
+        self.applied = False
+
+    def get_last_lr(self) -> list[float]:
+        return [float(lr) for lr in self.schedule.get_last_lr()]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.schedule.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.schedule.load_state_dict(state)
+
+
 class Learner:
     """A causal LM wrapped by ``deepspeed.initialize``: scoring, RL and SFT steps, checkpoints, export.
 
@@ -193,7 +224,7 @@ class Learner:
         self.ds_model, _, _, self.scheduler = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
-            lr_scheduler=lambda opt: lr_scheduler(opt, optim, total_steps),
+            lr_scheduler=lambda opt: ScheduleByUpdate(lr_scheduler(opt, optim, total_steps)),
             config=self._deepspeed_dict(),
         )
         # Under LoRA, ds_model.module is the PeftModel; module is the adapted model inside it, which
@@ -310,7 +341,7 @@ class Learner:
 
     def _forward_entropy_grad(self, micro: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """(logp, entropy) [b, l-1] with gradient through both, from the model's full logits, for
-        ``algorithm.name=entropy_bonus`` (the chunked pass returns the entropy detached; this one holds
+        an entropy bonus (the chunked pass returns the entropy detached; this one holds
         a micro-batch's [b, l-1, V] logits in float32 at once)."""
         with torch.autocast(
             self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16-autocast"
@@ -414,7 +445,8 @@ class Learner:
         *,
         rollout_correction: str = "none",
         kl_coef: Tensor | None = None,
-        entropy_coef: float | None = None,
+        entropy_coef: float = 0.0,
+        L_plus: Tensor | None = None,
     ) -> dict[str, float]:
         """One optimizer step of the dual-clip policy loss (GRPO-ds; STARE when ``weights`` are given).
 
@@ -432,10 +464,10 @@ class Learner:
             kl_coef: KL-Cov's per-token coefficients [B, L-1] (``entropy_control.kl_cov_coefficients``,
                 same alignment): ``kl_coef_t * |logp_t - logp_old_t|`` joins the token's loss; None
                 adds nothing.
-            entropy_coef: This step's entropy-bonus coefficient beta (the adaptive entropy
-                coefficient's, ``token_weighting.AdaptiveEntropyCoefficient``): above 0 the loss
-                subtracts beta times the token-mean entropy, with its gradient; None:
-                ``algorithm.entropy_coef`` when ``algorithm.name=entropy_bonus``, else no bonus.
+            entropy_coef: This step's entropy-bonus coefficient beta (``Method.entropy_coef``): above 0
+                the loss subtracts beta times the token-mean entropy, with its gradient; 0: no bonus.
+            L_plus: The tokens STARE amplifies (``Selection.L_plus``, same alignment), for
+                ``mismatch/L_plus_abs_logp_mean`` and ``rollout_correction/weight_mean_L_plus``.
 
         Returns:
             Metrics: ``loss`` (the whole batch's), ``grad_norm``, ``lr``, ``skipped`` (1 when the step
@@ -453,18 +485,20 @@ class Learner:
         if not trajectories:
             raise ValueError("cannot take a step on an empty batch: pass at least one trajectory")
         B, L = len(trajectories), max(t.num_tokens for t in trajectories)
-        advantages = self._token_advantages(advantages, B, L)
+        advantages = _token_advantages(advantages, B, L, self.device)
         _check_shapes(
-            (B, L - 1), advantages=advantages, weights=weights, old_logprobs=old_logprobs, kl_coef=kl_coef
+            (B, L - 1),
+            advantages=advantages,
+            weights=weights,
+            old_logprobs=old_logprobs,
+            kl_coef=kl_coef,
+            L_plus=L_plus,
         )
         denominators = self._global_denominators(trajectories)
         rc = cfg.rollout_correction
         mismatch: dict[tuple[int, ...], dict[str, float]] = {}  # per micro-batch; a repeat rewrites its own
         plus_weights: dict[tuple[int, ...], tuple[float, float]] = {}  # (sum, count) of the correction on L+
-        if entropy_coef is None:
-            bonus, beta = cfg.name == "entropy_bonus", cfg.entropy_coef
-        else:
-            bonus, beta = entropy_coef > 0, entropy_coef
+        bonus, beta = entropy_coef > 0, entropy_coef
 
         def micro_loss(micro: dict[str, Tensor], idx: list[int]) -> tuple[Tensor, dict[str, float]]:
             logp, entropy = self._forward_entropy_grad(micro) if bonus else self._forward(micro)
@@ -478,8 +512,7 @@ class Learner:
             mask = micro["response_mask"]
             sampler_logp = micro["old_logprobs"].to(self.device)[:, :width]  # the engine's
             w = take(weights) if weights is not None else None
-            # STARE's L+ (mismatch/L_plus_abs_logp_mean); other weights above 1 are no L+
-            l_plus = w > 1.0 if w is not None and cfg.name == "stare" else None
+            l_plus = take(L_plus).bool() if L_plus is not None else None  # STARE's amplified tokens
             # The engine is compared with the learner's pre-update policy (decoupled PPO's proximal
             # policy, the ratio's `old`), not with the policy after this step's earlier mini-batches.
             mismatch[tuple(idx)] = mismatch_sums(old, sampler_logp, mask, l_plus)
@@ -519,7 +552,7 @@ class Learner:
                 denominators["seqs"], 1.0
             )
         out.update(self._mismatch_metrics(list(mismatch.values())))
-        if weights is not None and rollout_correction != "none":
+        if L_plus is not None and rollout_correction != "none":
             total, count = self._all_reduce(
                 [sum(v[0] for v in plus_weights.values()), sum(v[1] for v in plus_weights.values())]
             )
@@ -533,17 +566,6 @@ class Learner:
         totals = dict(zip(keys, self._all_reduce([sum(p[k] for p in parts) for k in keys]), strict=True))
         totals["abs_max"] = self._all_reduce([max(p["abs_max"] for p in parts)], op=dist.ReduceOp.MAX)[0]
         return mismatch_metrics(totals)
-
-    def _token_advantages(self, advantages: Tensor | Sequence[float], B: int, L: int) -> Tensor:
-        """``advantages`` as a [B, L-1] tensor: one per trajectory broadcast along its row, or as given."""
-        if isinstance(advantages, Tensor) and advantages.dim() != 1:
-            return advantages
-        per_seq = torch.as_tensor(advantages, dtype=torch.float32, device=self.device)
-        if per_seq.shape != (B,):
-            raise ValueError(
-                f"got {per_seq.numel()} advantages for {B} trajectories: pass one per trajectory"
-            )
-        return per_seq[:, None].expand(B, L - 1)
 
     def sft_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One optimizer step of masked NLL: ``-sum mask_t * logp_t / sum mask_t`` over the whole batch.
@@ -559,7 +581,16 @@ class Learner:
             nll = -(torch.where(mask.bool(), logp, 0.0) * mask).sum()
             return nll * self.world_size / max(denominators["tokens"], 1.0), {}
 
-        return self._step(trajectories, micro_loss)
+        out = self._step(trajectories, micro_loss)
+        out["lr"] = self.advance_schedule()
+        return out
+
+    def advance_schedule(self) -> float:
+        """End an update (an RL trainer step, whatever its optimizer steps, or an SFT step): the
+        learning-rate schedule steps once if any of its optimizer steps was applied
+        (``ScheduleByUpdate``). Returns the learning rate after it, the one a step's ``lr`` logs."""
+        self.scheduler.advance()
+        return float(self.scheduler.get_last_lr()[0])
 
     @torch.no_grad()
     def sft_loss(self, trajectories: Sequence[Trajectory]) -> float:
@@ -788,6 +819,16 @@ class Learner:
         self.steps_applied = int(counters.get("steps_applied", 0))
         self.steps_skipped = int(counters.get("steps_skipped", 0))
         return client
+
+
+def _token_advantages(advantages: Tensor | Sequence[float], B: int, L: int, device: torch.device) -> Tensor:
+    """``advantages`` as a [B, L-1] tensor: one per trajectory broadcast along its row, or as given."""
+    if isinstance(advantages, Tensor) and advantages.dim() != 1:
+        return advantages
+    per_seq = torch.as_tensor(advantages, dtype=torch.float32, device=device)
+    if per_seq.shape != (B,):
+        raise ValueError(f"got {per_seq.numel()} advantages for {B} trajectories: pass one per trajectory")
+    return per_seq[:, None].expand(B, L - 1)
 
 
 def _check_shapes(expected: tuple[int, int], **tensors: Tensor | None) -> None:

@@ -61,13 +61,22 @@ def test_random_subset_has_L_minus_size_per_block_inside_T_minus_and_is_seeded()
         random_subset(L_minus | ~T_minus, T_minus, blocks, seed=0)
 
 
-class _Capturing(ResearchTrainer):
-    """The research trainer, keeping what its STARE weights step saw and returned."""
+def _capturing(trainer: ResearchTrainer) -> ResearchTrainer:
+    """The research trainer, keeping what its method's selection saw and returned, as (pre, the
+    micro-batches, (weights, L+, L-, metrics)), L+ and L- the ones the diagnostics read."""
+    select = trainer.method.select
 
-    def _stare_weights(self, pre, gate_on, Hbar, trajectories, sequence_ids, **options):
-        out = super()._stare_weights(pre, gate_on, Hbar, trajectories, sequence_ids, **options)
-        self.seen = (pre, self.learner.micro_batches(trajectories), out)
+    def seen(batch):
+        out = select(batch)
+        trainer.seen = (
+            batch.pre,
+            batch.micro_batches,
+            (out.weights, out.diagnosed["L_plus"], out.diagnosed["L_minus"], out.metrics),
+        )
         return out
+
+    trainer.method.select = seen  # type: ignore[method-assign]
+    return trainer
 
 
 def _c2_step(tmp_path, name: str, *extra: str, variant: str = "C2"):
@@ -77,8 +86,10 @@ def _c2_step(tmp_path, name: str, *extra: str, variant: str = "C2"):
         None, [*base, f"algorithm.variant={variant}", "algorithm.gate=always_on", "algorithm.M=0.5", *extra]
     )
     model, tokenizer = tiny_model()
-    trainer = _Capturing(
-        config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
+    trainer = _capturing(
+        ResearchTrainer(
+            config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
+        )
     )
     try:
         trainer.step = 1

@@ -10,6 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from stare_agent import perf
+from stare_agent.methods import method_class
 from stare_agent.models import tiny_model
 
 
@@ -90,7 +91,8 @@ def test_mfu_and_the_learner_metrics():
 )
 def test_learner_passes(name, epochs, selection, learned, expected):
     alg = types.SimpleNamespace(name=name, ppo_epochs=epochs, selection=selection)
-    assert perf.learner_passes(alg, learned) == expected
+    pre_update = method_class(name).pre_update
+    assert perf.learner_passes(alg, learned, pre_update=pre_update) == expected
 
 
 def test_precision_dtype():

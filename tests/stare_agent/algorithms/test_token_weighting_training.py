@@ -48,8 +48,8 @@ def one_step(tmp_path, problem_file, name, *extra):
         config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
     )
     passes, calls = [], []
-    pre_update_pass, update = trainer._pre_update_pass, trainer.learner.update
-    trainer._pre_update_pass = lambda *a: passes.append(pre_update_pass(*a)) or passes[-1]
+    select, update = trainer.method.select, trainer.learner.update
+    trainer.method.select = lambda batch: passes.append(batch.pre) or select(batch)  # type: ignore[method-assign]
 
     def recording(self, trajectories, advantages, weights=None, old_logprobs=None, **kw):
         calls.append({"advantages": advantages, "weights": weights, **kw})
@@ -128,7 +128,7 @@ def test_the_adaptive_entropy_coefficient_is_checkpointed_and_restored(tmp_path,
     first = fit(1, resume=False)["last"]
     assert first["adaptive_entropy/beta"] == 0.0 and first["adaptive_entropy/coef"] == pytest.approx(0.01)
     state = json.loads(next((tmp_path / "run" / "checkpoints").glob("*/trainer_state.json")).read_text())
-    assert state["entropy_controller"]["coef"] == pytest.approx(0.01)
+    assert state["method"]["coef"] == pytest.approx(0.01)
     second = fit(2, resume=True)["last"]
     assert second["adaptive_entropy/beta"] == pytest.approx(0.01)
     assert second["adaptive_entropy/coef"] == pytest.approx(0.02)

@@ -4,6 +4,7 @@ through (advantages over the whole batch; ``Trajectory.logprobs`` fed to the sel
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import types
 
@@ -15,6 +16,7 @@ from stare_agent.engines.scripted import ScriptedEngine
 from stare_agent.models import tiny_model
 from stare_agent.train.batch import collate
 from stare_agent.train.rollout_phase import Group
+from stare_agent.train.step_batch import rank_share
 from stare_agent.train.trainer import Trainer
 from stare_envs.trajectory import TrajectoryBuilder
 from tests.stare_agent.train.scripted_training import scripted_policy, write_problems
@@ -40,10 +42,7 @@ def groups_of(rewards: list[list[float]], seed: int = 0) -> list[Group]:
     return out
 
 
-def bare_trainer(world: int, rank: int) -> types.SimpleNamespace:
-    """What ``Trainer._advantages`` reads of a trainer: no filter, this rank of ``world``."""
-    algorithm = types.SimpleNamespace(overlong_filter=False, void_turn_filter=False)
-    return types.SimpleNamespace(config=types.SimpleNamespace(algorithm=algorithm), world=world, rank=rank)
+NO_FILTER = types.SimpleNamespace(overlong_filter=False, void_turn_filter=False)
 
 
 def test_advantages_are_normalized_within_each_group_not_over_the_batch():
@@ -51,7 +50,7 @@ def test_advantages_are_normalized_within_each_group_not_over_the_batch():
     # advantages would differ. By hand: std (n-1) of {1, 1, 0} is sqrt(1/3) = 0.57735, so
     # (1 - 2/3) / 0.57735 = 0.57735 and (0 - 2/3) / 0.57735 = -1.1547; the second group mirrors it.
     kept = groups_of([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    A, trajectories, sequence_ids, _ = Trainer._advantages(bare_trainer(world=1, rank=0), kept)
+    A, trajectories, sequence_ids, _ = rank_share(kept, NO_FILTER, rank=0, world=1)
     s = 3**-0.5
     expected = [s, s, -2 * s, 2 * s, -s, -s]
     assert A.tolist() == pytest.approx(expected, abs=1e-5)
@@ -61,7 +60,7 @@ def test_advantages_are_normalized_within_each_group_not_over_the_batch():
 def test_advantages_of_a_rank_are_its_own_groups_rows():
     # two ranks: rank 1 owns group 1 (kept group i on rank i mod world) and its advantages only
     kept = groups_of([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 1.0]])
-    A, trajectories, sequence_ids, _ = Trainer._advantages(bare_trainer(world=2, rank=1), kept)
+    A, trajectories, sequence_ids, _ = rank_share(kept, NO_FILTER, rank=1, world=2)
     s = 3**-0.5
     assert A.tolist() == pytest.approx([2 * s, -s, -s], abs=1e-5)
     assert sequence_ids.tolist() == [3, 4, 5] and trajectories == kept[1].trajectories
@@ -91,7 +90,7 @@ def test_stare_ranks_surprisal_by_the_learners_log_probs_not_the_engines(tmp_pat
 
     try:
         trajectories = [t for g in kept for t in g.trajectories]
-        A, *_ = Trainer._advantages(trainer, kept)
+        A, *_ = rank_share(kept, trainer.config.algorithm, rank=0, world=1)
         learner_logp, _ = trainer.learner.compute_logprobs_and_entropy(trajectories)
         batch = collate(trajectories, trainer.learner.pad_id)
         mask = batch["response_mask"]
@@ -113,3 +112,25 @@ def test_stare_ranks_surprisal_by_the_learners_log_probs_not_the_engines(tmp_pat
         trainer.close()
     assert metrics["gate_on"] == 1
     assert torch.equal(seen["weights"], by_learner)
+
+
+@pytest.mark.parametrize("flag", ["overlong_filter", "void_turn_filter"])
+def test_a_filtered_episode_interrupted_by_a_sync_leaves_the_loss_without_an_error(flag):
+    """A budget-cut (or void-turn) episode whose turn a weight sync interrupted
+    (``trainer.interrupt_on_sync``: a version switch inside the turn) is masked out of the loss whole,
+    its versions with its turns; it still shapes its group's advantages."""
+    b = TrajectoryBuilder([5, 6])
+    b.append([101, 102, 103, 104], 1, [-0.5] * 4, version=0, version_switches=[(2, 1)])  # 2-3: version 1
+    cut = b.build(reward=0.0, info={"finish_reason": "budget"})
+    assert cut.token_versions() == [0, 0, 1, 1]
+    if flag == "void_turn_filter":
+        cut = dataclasses.replace(cut, info={"finish_reason": "void_turn", "void_turn": True})
+    whole = episode(random.Random(0), [5, 6], 1.0)
+    kept = [Group(0, None, [0.0, 1.0], [cut, whole], [0, 1])]
+    algorithm = types.SimpleNamespace(
+        overlong_filter=flag == "overlong_filter", void_turn_filter=flag == "void_turn_filter"
+    )
+    A, trajectories, _, _ = rank_share(kept, algorithm, rank=0, world=1)
+    assert A.tolist() == pytest.approx([-(2**-0.5), 2**-0.5], abs=1e-5)  # the reward still counts
+    assert sum(trajectories[0].loss_mask) == 0 and trajectories[0].version_switches == []
+    assert trajectories[1] is whole

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from stare_agent.algorithms.logprobs import causal_lm_logprobs_and_entropy, shared_prompt_logprobs_and_entropy
 from stare_agent.algorithms.losses import policy_loss
 from stare_agent.config import OptimConfig, load_config
+from stare_agent.methods import make_method
 from stare_agent.models import tiny_model
 from stare_agent.train.batch import collate
 from stare_agent.train.learner import Learner, lr_scheduler
@@ -615,7 +616,7 @@ def test_rollout_correction_weights_each_token_by_learner_over_sampler(learner, 
 
 
 def test_entropy_bonus_is_minus_beta_times_the_token_mean_entropy(batch):
-    """algorithm.name=entropy_bonus, zero advantages: the loss is -beta * the token-mean entropy of the
+    """algorithm.name=entropy_bonus's coefficient, zero advantages: the loss is -beta * the token-mean entropy of the
     model's tokens over the whole batch (split into micro-batches), and so is the step's gradient."""
     cfg = load_config(
         None,
@@ -626,7 +627,7 @@ def test_entropy_bonus_is_minus_beta_times_the_token_mean_entropy(batch):
     learner = Learner.from_config(model, tokenizer, cfg)
     assert len(learner.micro_batches(batch)) >= 3
     start = _params(learner)
-    out = learner.update(batch, [0.0] * len(batch))
+    out = learner.update(batch, [0.0] * len(batch), entropy_coef=make_method(cfg.algorithm).entropy_coef())
 
     reference, _ = tiny_model(seed=0)
     reference.train()
@@ -736,7 +737,9 @@ def test_sequences_rejected_are_counted_over_micro_batches_and_the_l_plus_weight
         weights = torch.ones(B, L - 1)
         weights[:2] = torch.where(mask[:2].bool(), 1.1, 1.0)
         n0, n1 = int(mask[0].sum()), int(mask[1].sum())
-        tis = learner.update(shifted, advantages, weights, rollout_correction="token_tis")
+        tis = learner.update(
+            shifted, advantages, weights, rollout_correction="token_tis", L_plus=weights > 1.0
+        )
         expected = (n0 * math.exp(-0.3) + n1) / (n0 + n1)
         assert tis["rollout_correction/weight_mean_L_plus"] == pytest.approx(expected, abs=1e-5)
     finally:

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from stare_agent.engines.scripted import ScriptedEngine
+from stare_agent.metrics import read_metrics
 from stare_agent.models import tiny_model
 from stare_agent.train.learner import Learner
-from stare_agent.train.trainer import Trainer, _combine_updates
+from stare_agent.train.step_batch import combine_updates, mini_batch_plan
+from stare_agent.train.trainer import Trainer
 from tests.stare_agent.train.scripted_training import scripted_policy
 from tests.stare_agent.train.test_trainer import make_config
 
@@ -134,12 +136,7 @@ def test_stare_selection_per_mini_batch_or_from_the_pre_update_pass(
 def test_the_mini_batch_plan_gives_every_rank_whole_groups_and_the_same_number_of_steps():
     def plan(K, S, world, rank, sizes=None):
         groups = [types.SimpleNamespace(trajectories=[0] * (sizes[i] if sizes else 2)) for i in range(K)]
-        trainer = types.SimpleNamespace(
-            config=types.SimpleNamespace(algorithm=types.SimpleNamespace(ppo_mini_batch_size=S)),
-            world=world,
-            rank=rank,
-        )
-        return Trainer._mini_batch_plan(trainer, groups)
+        return mini_batch_plan(groups, S, rank, world)
 
     assert plan(4, None, 1, 0) == [[0, 1, 2, 3, 4, 5, 6, 7]]
     assert plan(4, 1, 1, 0) == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -157,8 +154,8 @@ def test_combined_metrics_weigh_by_tokens_and_keep_each_step():
                 "grad_norm": 1.0, "actor/pg_clipfrac": clip, "actor/ppo_kl": kl, "entropy": 2.0}  # fmt: skip
 
     one = update(10, 0.0, 0.0)
-    assert _combine_updates([one], epochs=1, mini_batches=1) is one
-    out = _combine_updates(
+    assert combine_updates([one], epochs=1, mini_batches=1) is one
+    out = combine_updates(
         [update(10, 0.0, 0.0), update(30, 0.2, -0.05), update(10, 0.1, 0.01, skipped=1.0, lr=0.5), update(30, 0.4, 0.02)],
         epochs=2, mini_batches=2,
     )  # fmt: skip
@@ -177,4 +174,33 @@ def test_combined_metrics_weigh_by_tokens_and_keep_each_step():
     counted = [
         dict(update(10, 0.0, 0.0), **{"rollout_correction/seq_rejected": float(k)}) for k in (1, 2, 1, 2)
     ]
-    assert _combine_updates(counted, epochs=2, mini_batches=2)["rollout_correction/seq_rejected"] == 3.0
+    assert combine_updates(counted, epochs=2, mini_batches=2)["rollout_correction/seq_rejected"] == 3.0
+
+
+def test_the_learning_rate_schedule_steps_once_a_trainer_step_whatever_its_mini_batches(
+    tmp_path, problem_file
+):
+    """trainer.steps 4, linear decay to 0 after a warmup of 2, 4 mini-batches a step: every optimizer
+    step of trainer step t trains at lr0 * f(t - 1), f = 0, 1/2, 1, 1/2 (transformers' linear schedule
+    in trainer steps), and each step logs the lr after its schedule step. Stepped at every optimizer
+    step instead, the horizon ran out inside step 1 and steps 2-4 trained at lr 0."""
+    model, tokenizer = tiny_model()
+    config = make_config(
+        tmp_path, problem_file, "data.prompts_per_step=4", "trainer.steps=4", "algorithm.name=grpo_ds",
+        "algorithm.ppo_mini_batch_size=1", "optim.lr=1e-2", "optim.warmup_steps=2", "optim.schedule=linear",
+    )  # fmt: skip
+    trainer = Trainer(
+        config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
+    )
+    used: list[float] = []
+    update = trainer.learner.update
+
+    def recording(self, *args, **kw):
+        used.append(float(self.scheduler.get_last_lr()[0]))
+        return update(*args, **kw)
+
+    trainer.learner.update = types.MethodType(recording, trainer.learner)
+    trainer.fit()
+    logged = [r["lr"] for r in read_metrics(tmp_path / "run")]
+    assert used == pytest.approx([1e-2 * f for f in (0.0, 0.5, 1.0, 0.5) for _ in range(4)])
+    assert logged == pytest.approx([1e-2 * f for f in (0.5, 1.0, 0.5, 0.0)])
