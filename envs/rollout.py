@@ -239,7 +239,10 @@ def render_prompt(
         messages = info["messages"]
         own_prompt = format.system_prompt(tools) if tools else None
         has_own = (
-            bool(messages) and messages[0].get("role") == "system" and own_prompt in messages[0]["content"]
+            own_prompt is not None
+            and bool(messages)
+            and messages[0].get("role") == "system"
+            and own_prompt in messages[0]["content"]
         )
         template_tools = format.observation_role == "tool" and bool(tools) and not has_own
     tools = list(tools) if template_tools and tools else None

@@ -212,6 +212,7 @@ class Learner:
             from stare_agent.models import apply_lora
 
             model = apply_lora(model, self.lora)
+        model.zero_grad(set_to_none=True)  # a model trained before (e.g. SFT) must not add its last gradient
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=optim.lr,

@@ -35,3 +35,18 @@ def test_sft_and_rl_prompts_are_identical_token_for_token(tokenizer_name, fmt, s
     trained = trace_to_trajectory(trace, tokenizer, system_prompt=system_prompt)
     assert trained.prompt_ids == played.prompt_ids
     assert trained.response_ids == played.response_ids  # the answer turn, then EOS, alike
+
+
+def test_an_env_without_tools_renders_its_prompt_and_plays():
+    """A hermes tool env with no tools at all (a reasoning-only task): its prompt renders (no system
+    prompt of the format lists a tool) and an episode plays to its reward."""
+    from stare_envs import ToolEnv
+
+    tokenizer = TOKENIZERS[sorted(TOKENIZERS)[0]]()
+    env = ToolEnv([PROBLEM], tools=(), format="hermes", tokenizer=tokenizer)
+    try:
+        runner = RolloutRunner(tokenizer, ScriptedEngine(tokenizer, [[ANSWER]]), max_response_tokens=64)
+        (played,) = runner.run([env], options=[{"problem": PROBLEM}])
+    finally:
+        env.close()
+    assert played.reward == 1.0 and sum(played.loss_mask) > 0

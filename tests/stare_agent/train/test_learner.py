@@ -744,3 +744,15 @@ def test_sequences_rejected_are_counted_over_micro_batches_and_the_l_plus_weight
         assert tis["rollout_correction/weight_mean_L_plus"] == pytest.approx(expected, abs=1e-5)
     finally:
         _restore(learner, start)
+
+
+def test_a_model_handed_in_with_gradients_does_not_train_on_them(batch):
+    """A model whose parameters still hold the gradient of its last backward (an SFT loop of the
+    caller's) starts the learner with none: a step whose advantages are all 0 leaves every weight."""
+    model, tokenizer = tiny_model(seed=0)
+    ids = torch.tensor([batch[0].input_ids])
+    model(ids, labels=ids).loss.backward()  # .grad populated, as a caller's training leaves it
+    learner = Learner.from_config(model, tokenizer, load_config(None, ["optim.weight_decay=0.0"]))
+    start = _params(learner)
+    learner.update(batch, [0.0] * len(batch))
+    assert all(torch.equal(start[k], v) for k, v in _params(learner).items())
