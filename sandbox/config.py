@@ -50,6 +50,13 @@ SHARED_NETWORK_MODES = ("host", "container:")
 """Docker network modes that share another namespace's network: refused."""
 
 
+KERNEL_OUTPUT_CHARS = 2**21
+"""Most characters of stdout (and of stderr) a kernel sends from the start of one cell to the start of
+the next; the rest is dropped in the kernel, with a line saying so (``sandbox/cells/streams.py``). It
+bounds what the kernel holds for a host that is not reading (between calls) at about 25 MB, and is
+the largest ``max_output_chars``."""
+
+
 @dataclass
 class SandboxConfig:
     """Resource limits and options. Every field applies to the Docker backend; the local backend
@@ -111,6 +118,11 @@ class SandboxConfig:
         for name in ("memory_mb", "cpus", "pids_limit", "tmpfs_mb", "timeout_s", "max_output_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sandbox.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_output_chars > KERNEL_OUTPUT_CHARS:
+            raise ValueError(
+                f"sandbox.max_output_chars={self.max_output_chars} is above what a kernel sends of one cell "
+                f"({KERNEL_OUTPUT_CHARS} characters a stream): use at most that"
+            )
         if self.cpu_timeout_s is not None and not self.cpu_timeout_s > 0:
             raise ValueError(
                 f"sandbox.cpu_timeout_s must be > 0 seconds or None (no CPU-time limit), got {self.cpu_timeout_s!r}"

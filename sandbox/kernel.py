@@ -59,7 +59,7 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.session import DELIM
 
 from stare_sandbox.base import Sandbox
-from stare_sandbox.config import RANDOM_SEED
+from stare_sandbox.config import KERNEL_OUTPUT_CHARS, RANDOM_SEED
 from stare_sandbox.errors import SandboxClosed, SandboxError, SandboxKilled
 from stare_sandbox.result import ExecError, ExecResult
 from stare_sandbox.zmtp import BoundedSocket, DroppedMessage
@@ -141,6 +141,11 @@ class KernelHost(Protocol):
         code it ran cannot have caused it (False whenever that is not certain)."""
 
 
+KERNEL_DROPPED = re.compile(r"\n\[the kernel dropped (\d+) characters of this output\]\n")
+"""The line a kernel sends, at the start of a stream message, for the characters of a cell's output it
+dropped past ``KERNEL_OUTPUT_CHARS`` (``sandbox/cells/streams.py``)."""
+
+
 class OutputBuffer:
     """Text accumulated up to a cap: memory stays O(limit) however much is written.
 
@@ -173,6 +178,15 @@ class OutputBuffer:
         self._tail_len += len(text)
         while self._tail_len - len(self._tail[0]) >= self.limit:
             self._tail_len -= len(self._tail.popleft())
+
+    def write_stream(self, text: str) -> None:
+        """``write`` for a stream message: the kernel's line saying it dropped characters
+        (``sandbox/cells/streams.py``) counts them as written, as if they had come, and is not kept."""
+        dropped = KERNEL_DROPPED.match(text)
+        if dropped is not None:
+            self.total += int(dropped[1])
+            text = text[dropped.end() :]
+        self.write(text)
 
     def text(self) -> tuple[str, bool]:
         """The kept text and whether anything was cut."""
@@ -544,7 +558,9 @@ class KernelDriver:
             call.skipped += 1
             return False
         if kind == "stream":
-            (call.stderr if content.get("name") == "stderr" else call.stdout).write(content.get("text", ""))
+            (call.stderr if content.get("name") == "stderr" else call.stdout).write_stream(
+                content.get("text", "")
+            )
         elif kind in ("execute_result", "display_data"):
             text = content.get("data", {}).get("text/plain")
             if text is not None:
@@ -847,7 +863,7 @@ BOUNDED_OUTPUT = _cell("bounded_output", f"bound_output({OUTPUT_CHUNK_CHARS})")
 """Run once after each kernel start, like ``BOOT_SNAPSHOT``: displayed values as ``text/plain`` only,
 cut to ``OUTPUT_CHUNK_CHARS`` characters (``sandbox/cells/bounded_output.py``)."""
 
-STREAMS = _cell("streams", f"capture_streams({OUTPUT_CHUNK_CHARS})")
+STREAMS = _cell("streams", f"capture_streams({OUTPUT_CHUNK_CHARS}, {KERNEL_OUTPUT_CHARS})")
 """Run once after each kernel start: stdout and stderr send messages of at most ``OUTPUT_CHUNK_CHARS``
 characters, and what the file descriptors 1 and 2 receive (child processes, ``os.write``, C code)
 reaches the output of the cell that wrote it, whole and in order with its ``print``

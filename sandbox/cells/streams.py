@@ -1,7 +1,17 @@
 """Run once after each kernel start: the kernel's stdout and stderr (1) send at most ``chunk``
-characters a message, and (2) carry what is written to the file descriptors 1 and 2 (a child
+characters a message, (2) carry what is written to the file descriptors 1 and 2 (a child
 process, ``os.write``, C code) in the output of the cell that wrote it, whole and in order with its
-``print``.
+``print``, and (3) send at most ``limit`` characters from the start of one cell to the start of the
+next, then, at the cell's end, a line saying how many were dropped and the last ``chunk`` of them (so
+the host's cut still shows the output's real end).
+
+(3) The kernel's output socket queues what the host has not read yet, and the host reads only while
+a call runs: a writer that outlives its cell (a child process printing in a loop) filled it without
+bound between calls, until the kernel hit its data limit or its container's memory and died.
+
+(4) IPython 9 records every write of every cell in ``history_manager.outputs`` (for ``%history -o``):
+a loop of prints filled the kernel's data limit within one call (a MemoryError at 0.6 s), and an
+episode's output stayed in memory until the kernel restarted. The kernel keeps none of it.
 
 (1) A big write is split, each piece flushed before the next, so that no message outgrows what the
 host keeps (``stare_sandbox.kernel.MAX_MESSAGE_BYTES``).
@@ -90,6 +100,17 @@ class Pump:
             self.drain()
 
 
+class KeepNoOutputs(dict):  # type: ignore[type-arg]
+    """IPython 9's ``history_manager.outputs`` that keeps nothing: every cell's record is a new list,
+    appended to and forgotten."""
+
+    def __contains__(self, key: object) -> bool:
+        return False
+
+    def __getitem__(self, key: Any) -> list[Any]:
+        return []
+
+
 def read_pipes(pumps: list[Pump]) -> None:
     """The reader thread (one for both pipes): drain a pipe whenever it has bytes, until each is
     closed or gone."""
@@ -120,16 +141,16 @@ def close_other_write_ends(fd: int) -> None:
             os.close(other)
 
 
-def shape(stream: Any, fd: int, chunk: int, libc: Any, forked: list[bool]) -> Pump:
+def shape(stream: Any, fd: int, chunk: int, limit: int, libc: Any, forked: list[bool]) -> tuple[Pump, Any]:
     """Give ``stream`` the behaviour of the module docstring, reading ``fd`` until ``forked`` holds
-    an item (in a forked child, which has the pipe's read end but not its reader); its pump, for
-    the reader thread to run."""
+    an item (in a forked child, which has the pipe's read end but not its reader): its pump, for the
+    reader thread to run, and the callbacks of a cell's start and end for (3)."""
     close_other_write_ends(fd)
     read_end, write_end = os.pipe()
     os.dup2(write_end, fd)
     os.close(write_end)
     os.set_blocking(read_end, False)
-    base, pending = type(stream), [0]
+    base, pending, left, dropped, tail = type(stream), [0], [limit], [0], [""]
 
     def chunked(text: Any) -> Any:
         if not isinstance(text, str) or len(text) + pending[0] < chunk:
@@ -141,12 +162,41 @@ def shape(stream: Any, fd: int, chunk: int, libc: Any, forked: list[bool]) -> Pu
         pending[0] = 0
         return len(text)
 
-    pump = Pump(read_end, chunked)
+    def bounded(text: Any) -> Any:
+        # (3) at most `limit` characters a cell, then only the last `chunk` of the rest, sent at the
+        # cell's end: held here, before anything is serialised.
+        if not isinstance(text, str):
+            return chunked(text)
+        if len(text) <= left[0]:
+            left[0] -= len(text)
+            return chunked(text)
+        if left[0] > 0:
+            chunked(text[: left[0]])
+        rest = text[max(left[0], 0) :]
+        left[0] = 0
+        dropped[0] += len(rest)
+        tail[0] = (tail[0] + rest)[-chunk:]
+        return len(text)
+
+    def release(info: Any = None) -> None:
+        if left[0] <= 0 and not forked:
+            stream.flush()  # what the pipe holds now, into the tail first
+        if dropped[0]:
+            note = f"\n[the kernel dropped {dropped[0] - len(tail[0])} characters of this output]\n"
+            chunked(note + tail[0])
+            base.flush(stream)
+            dropped[0], tail[0] = 0, ""
+
+    def new_cell(info: Any = None) -> None:
+        release()  # what a writer left between cells, in this one
+        left[0] = limit
+
+    pump = Pump(read_end, bounded)
 
     def write(text: Any, catch_up: Any = pump.catch_up) -> Any:
         if not forked:
             catch_up()
-        return chunked(text)
+        return bounded(text)
 
     class KernelStream(base):  # type: ignore[misc, valid-type]
         @property  # type: ignore[override]
@@ -173,16 +223,24 @@ def shape(stream: Any, fd: int, chunk: int, libc: Any, forked: list[bool]) -> Pu
 
     stream.__dict__.pop("write", None)
     stream.__class__ = KernelStream
-    return pump
+    return pump, (new_cell, release)
 
 
-def capture_streams(chunk: int) -> None:
+def capture_streams(chunk: int, limit: int) -> None:
     libc, forked = ctypes.CDLL(None), []
     os.register_at_fork(after_in_child=lambda: forked.append(True))
     streams = {"stdout": sys.stdout, "stderr": sys.stderr}
-    pumps = [
-        shape(stream, fd, chunk, libc, forked) for fd, stream in zip((1, 2), streams.values(), strict=True)
+    shaped = [
+        shape(stream, fd, chunk, limit, libc, forked)
+        for fd, stream in zip((1, 2), streams.values(), strict=True)
     ]
+    pumps = [pump for pump, _ in shaped]
+    for _, (new_cell, release) in shaped:
+        get_ipython().events.register("pre_run_cell", new_cell)
+        get_ipython().events.register("post_run_cell", release)
+    history = get_ipython().history_manager
+    if isinstance(getattr(history, "outputs", None), dict):  # IPython 9's record of every write: (4)
+        history.outputs = KeepNoOutputs()
     # Not threading.Thread: its start waits until the thread runs, a few ms of every reset under load.
     _thread.start_new_thread(read_pipes, (pumps,))
 

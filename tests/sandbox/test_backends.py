@@ -218,6 +218,42 @@ def test_a_process_that_never_stops_writing_keeps_no_cell_from_ending(wide: Kern
     assert wide.run("print(kept)").stdout == "still here\n"  # what the writer left went with its cells
 
 
+def test_a_flood_nobody_reads_between_calls_is_bounded_in_the_kernel(backend: str) -> None:
+    """A grandchild that writes without end after its cell returned, while the host reads nothing (no
+    call runs): the kernel keeps a bounded share of it (``KERNEL_OUTPUT_CHARS`` a stream and a cell),
+    so it neither hits its data limit (local: RLIMIT_DATA 1 GiB) nor the container's memory (Docker),
+    and the next calls run."""
+    with open_sandbox(backend, SandboxConfig(max_output_chars=1000, memory_mb=1024)) as sandbox:
+        start = sandbox.run(
+            "import subprocess, sys\n"
+            "writer = subprocess.Popen([sys.executable, '-c', "
+            "'import os\\nwhile True: os.write(1, b\"\\\\x01\" * 65536)'])"
+        )
+        assert start.ok, start
+        time.sleep(4)  # nobody reads the kernel's output: it used to pile up here
+        status = sandbox.run(
+            "import sys\nprint(open('/proc/self/status').read(), file=sys.stderr)", timeout=20
+        )
+        assert status.ok, status.error  # stderr: the flood fills this cell's stdout
+        vm_data_kb = int(re.search(r"VmData:\s+(\d+) kB", status.stderr)[1])
+        assert vm_data_kb < 400 * 1024, vm_data_kb
+        assert sandbox.run("writer.kill(); writer.wait(); 'done'").ok
+
+
+def test_a_cell_that_prints_until_its_timeout_times_out_and_keeps_its_kernel(backend: str) -> None:
+    """A loop of prints (control characters: 6 bytes each in JSON) until the call's timeout: a timeout,
+    the state kept, and the kernel's data bounded (IPython 9 recorded every write: a MemoryError within
+    a second on the local backend, the kernel at its 1 GiB data limit after)."""
+    with open_sandbox(backend, SandboxConfig(max_output_chars=1000, memory_mb=1024)) as sandbox:
+        assert sandbox.run("kept = 5").ok
+        flood = sandbox.run("while True: print('\\x01' * 100_000)", timeout=5)
+        assert flood.error is not None and flood.error.type == "TimeoutError", flood.error
+        assert flood.truncated and len(flood.stdout) < 1100
+        status = sandbox.run("import sys\nprint(open('/proc/self/status').read(), file=sys.stderr)\nkept")
+        assert status.ok and status.stdout == "5\n", status
+        assert int(re.search(r"VmData:\s+(\d+) kB", status.stderr)[1]) < 400 * 1024
+
+
 def test_a_kernel_whose_boot_fails_is_a_start_error_never_a_silent_one(
     backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -126,6 +126,8 @@ def test_security_relevant_config_is_validated() -> None:
                 {"user": "61000:0"}, {"runtime": ""}, {"cpu_timeout_s": 0}, {"cpu_timeout_s": -1.0}):  # fmt: skip
         with pytest.raises(ValueError, match="sandbox\\."):
             SandboxConfig(**bad)
+    with pytest.raises(ValueError, match=r"sandbox.max_output_chars=2097153 is above what a kernel sends"):
+        SandboxConfig(max_output_chars=2**21 + 1)  # the kernel drops a cell's output past 2**21 characters
 
 
 def test_a_network_other_than_none_is_loud(docker_ready, caplog) -> None:
