@@ -611,6 +611,18 @@ def _disk_full(exc: BaseException) -> str | None:
     return None
 
 
+UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST)
+
+
+def _unwritable(exc: BaseException) -> str | None:
+    """``cannot write PATH (why)`` when ``exc`` (or one it came from) is a file the command could not
+    create or write: no permission, a read-only file system, a file where a directory belongs; else None."""
+    for current in _chain(exc):
+        if isinstance(current, OSError) and current.errno in UNWRITABLE and current.filename:
+            return f"cannot write {current.filename} ({current.strerror})"
+    return None
+
+
 def _chain(exc: BaseException) -> Iterator[BaseException]:
     """``exc`` and the exceptions it was raised from or during, each once."""
     seen: set[int] = set()
@@ -650,6 +662,12 @@ def main(argv: list[str] | None = None) -> int:
         ):  # Ctrl-C that a library turned into its own error (a build's "interrupted by user")
             print("interrupted", file=sys.stderr)
             return 130
+        unwritable = _unwritable(exc)
+        if unwritable is not None:
+            print(
+                f"error: {unwritable}: pick a place you can write (--out, trainer.run_dir)", file=sys.stderr
+            )
+            return 2
         full = _disk_full(exc)
         if full is None:
             raise

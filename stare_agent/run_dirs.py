@@ -166,7 +166,8 @@ def check_training(run_dir: Path, *, resume: bool, overwrite: bool, steps: int) 
     """
     if resume and overwrite:
         raise RunDirError(
-            "--resume continues the run in trainer.run_dir and --overwrite deletes it: pass one of them"
+            "--resume (Trainer(resume=True)) continues the run in trainer.run_dir and --overwrite "
+            "(overwrite=True) deletes it: pass one of them"
         )
     where = f"trainer.run_dir={run_dir}"
     if resume:
@@ -174,7 +175,8 @@ def check_training(run_dir: Path, *, resume: bool, overwrite: bool, steps: int) 
         if last is not None and last >= steps:
             raise RunDirError(
                 f"{where} holds a run that finished at step {last} (trainer.steps={steps}): raise trainer.steps "
-                "to train it further, or start again with --overwrite instead of --resume"
+                "to train it further, or start again with --overwrite instead of --resume (in Python: "
+                "Trainer(..., overwrite=True))"
             )
         return
     found = present(run_dir, RL_ARTIFACTS)
@@ -183,7 +185,8 @@ def check_training(run_dir: Path, *, resume: bool, overwrite: bool, steps: int) 
     if not overwrite:
         raise RunDirError(
             f"{where} holds a run ({describe_run(run_dir)}): continue it with --resume, pick another "
-            f"trainer.run_dir, or pass --overwrite to delete its {', '.join(found)} first"
+            f"trainer.run_dir, or pass --overwrite to delete its {', '.join(found)} first (in Python: "
+            "Trainer(..., resume=True) or overwrite=True)"
         )
     print(f"--overwrite: deleted {', '.join(remove(run_dir, RL_ARTIFACTS))} from {run_dir}", flush=True)
 

@@ -144,6 +144,11 @@ def dashboard_figure(dirs: Sequence[Path], labels: Sequence[str] | None = None) 
     panels = [(t, y, _expand(keys, logged)) for t, y, keys in PANELS if _expand(keys, logged)]
     if any(sft_runs):
         panels.append(SFT_PANEL)
+    if not panels:
+        raise MetricsError(
+            f"{dirs[0]}/metrics.jsonl logs none of the dashboard's metrics (reward_mean, entropy, ...): "
+            "plot the run directory of `stare-agent train` or `sft`"
+        )
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows), squeeze=False)

@@ -3,6 +3,7 @@ the one error root of its package; and the commands that messages point to exist
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
@@ -139,6 +140,8 @@ def files(tmp_path):
     (tmp_path / "finished" / "checkpoints" / "step-000003").mkdir(parents=True)
     (tmp_path / "finished" / "checkpoints" / "step-000003" / "state.json").write_text("{}")
     (tmp_path / "finished" / "metrics.jsonl").write_text("".join(f'{{"step": {n}}}\n' for n in (1, 2, 3)))
+    (tmp_path / "plottable").mkdir()
+    (tmp_path / "plottable" / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5, "entropy": 0.3}\n')
     (tmp_path / "sfted").mkdir()
     (tmp_path / "sfted" / "sft_log.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "evaluated").mkdir()
@@ -253,7 +256,7 @@ CASES = [
         ["train", "trainer.run_dir={tmp}/finished"],
         "trainer.run_dir={tmp}/finished holds a run (steps logged up to 3, a checkpoint of step 3): continue it "
         "with --resume, pick another trainer.run_dir, or pass --overwrite to delete its metrics.jsonl, "
-        "checkpoints/ first",
+        "checkpoints/ first (in Python: Trainer(..., resume=True) or overwrite=True)",
     ),
     (
         ["train", "--resume", "trainer.run_dir={tmp}/finished", "trainer.steps=3"],
@@ -261,7 +264,8 @@ CASES = [
     ),
     (
         ["train", "--resume", "--overwrite", "trainer.run_dir={tmp}/finished"],
-        "--resume continues the run in trainer.run_dir and --overwrite deletes it: pass one of them",
+        "--resume (Trainer(resume=True)) continues the run in trainer.run_dir and --overwrite (overwrite=True) "
+        "deletes it: pass one of them",
     ),
     (
         ["sft", "trainer.run_dir={tmp}/sfted"],
@@ -282,6 +286,11 @@ CASES = [
     (["plot"], "the following arguments are required: RUN_DIR"),
     (["plot", "{tmp}/no_run"], "metrics.jsonl not found"),
     (["plot", "{tmp}/run_empty_metrics"], "{tmp}/run_empty_metrics/metrics.jsonl holds no step"),
+    (
+        ["plot", "{tmp}/plottable", "--out", "{tmp}/a_file/plots/dash.png"],
+        "cannot write {tmp}/a_file/plots (",
+    ),
+    (["plot", "{tmp}/finished"], "{tmp}/finished/metrics.jsonl logs none of the dashboard's metrics"),
     (["plot", "{tmp}/a", "{tmp}/b", "--labels", "one"], "--labels gives 1 names for 2 run directories"),
     # quickstart and study
     (["quickstart", "trainer.steps=0"], "trainer.steps=0 must be > 0"),
@@ -476,9 +485,17 @@ def test_a_ctrl_c_a_library_reports_as_its_own_error_is_an_interruption(monkeypa
     def full_disk(args):
         raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
 
+    def read_only(args):
+        raise OSError(errno.EROFS, "Read-only file system", "/mnt/ro/plots")
+
     for func, code, said in (
         (interrupted_build, 130, "interrupted"),
         (full_disk, 2, "error: no space left on the device (RuntimeError: Error while serializing"),
+        (
+            read_only,
+            2,
+            "error: cannot write /mnt/ro/plots (Read-only file system): pick a place you can write",
+        ),
     ):
         monkeypatch.setattr(cli, "_plot", func)
         assert cli.main(["plot", "somewhere"]) == code

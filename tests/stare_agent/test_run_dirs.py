@@ -67,8 +67,12 @@ def test_a_run_is_refused_resumed_or_overwritten_and_only_its_files_go(tmp_path,
     run = tmp_path / "run"
     _finished_run(run)
     assert last_logged_step(run / "metrics.jsonl") == 2  # the cut last line does not count
-    with pytest.raises(RunDirError, match=r"holds a run \(steps logged up to 2, a checkpoint of step 2\)"):
+    with pytest.raises(
+        RunDirError, match=r"holds a run \(steps logged up to 2, a checkpoint of step 2\)"
+    ) as held:
         check_training(run, resume=False, overwrite=False, steps=5)
+    # the Python API's words beside the CLI's: Trainer(config, resume=True) / overwrite=True
+    assert "(in Python: Trainer(..., resume=True) or overwrite=True)" in str(held.value)
     check_training(run, resume=True, overwrite=False, steps=5)  # 3 steps to go: resumed
     with pytest.raises(RunDirError, match="finished at step 2 \\(trainer.steps=2\\): raise trainer.steps"):
         check_training(run, resume=True, overwrite=False, steps=2)
