@@ -141,6 +141,43 @@ def close_other_write_ends(fd: int) -> None:
             os.close(other)
 
 
+class Budget:
+    """(3) for one stream: at most ``limit`` characters a cell through ``send``, then only the last
+    ``chunk`` of the rest, sent behind a line with the dropped count when the cell ends (or the next
+    starts): held here, before anything is serialised. ``drain`` empties the pipe into it first."""
+
+    def __init__(self, send: Any, limit: int, chunk: int, drain: Any) -> None:
+        self.send, self.limit, self.chunk, self.drain = send, limit, chunk, drain
+        self.left, self.dropped, self.tail = limit, 0, ""
+
+    def write(self, text: Any) -> Any:
+        if not isinstance(text, str):
+            return self.send(text)
+        if len(text) <= self.left:
+            self.left -= len(text)
+            return self.send(text)
+        if self.left > 0:
+            self.send(text[: self.left])
+        rest = text[max(self.left, 0) :]
+        self.left = 0
+        self.dropped += len(rest)
+        self.tail = (self.tail + rest)[-self.chunk :]
+        return len(text)
+
+    def release(self, info: Any = None) -> None:
+        if self.left <= 0:
+            self.drain()  # what the pipe holds now, into the tail first
+        if self.dropped:
+            note = f"\n[the kernel dropped {self.dropped - len(self.tail)} characters of this output]\n"
+            self.send(note + self.tail)
+            self.drain()
+            self.dropped, self.tail = 0, ""
+
+    def new_cell(self, info: Any = None) -> None:
+        self.release()  # what a writer left between cells, in this one
+        self.left = self.limit
+
+
 def shape(stream: Any, fd: int, chunk: int, limit: int, libc: Any, forked: list[bool]) -> tuple[Pump, Any]:
     """Give ``stream`` the behaviour of the module docstring, reading ``fd`` until ``forked`` holds
     an item (in a forked child, which has the pipe's read end but not its reader): its pump, for the
@@ -150,7 +187,7 @@ def shape(stream: Any, fd: int, chunk: int, limit: int, libc: Any, forked: list[
     os.dup2(write_end, fd)
     os.close(write_end)
     os.set_blocking(read_end, False)
-    base, pending, left, dropped, tail = type(stream), [0], [limit], [0], [""]
+    base, pending = type(stream), [0]
 
     def chunked(text: Any) -> Any:
         if not isinstance(text, str) or len(text) + pending[0] < chunk:
@@ -162,35 +199,8 @@ def shape(stream: Any, fd: int, chunk: int, limit: int, libc: Any, forked: list[
         pending[0] = 0
         return len(text)
 
-    def bounded(text: Any) -> Any:
-        # (3) at most `limit` characters a cell, then only the last `chunk` of the rest, sent at the
-        # cell's end: held here, before anything is serialised.
-        if not isinstance(text, str):
-            return chunked(text)
-        if len(text) <= left[0]:
-            left[0] -= len(text)
-            return chunked(text)
-        if left[0] > 0:
-            chunked(text[: left[0]])
-        rest = text[max(left[0], 0) :]
-        left[0] = 0
-        dropped[0] += len(rest)
-        tail[0] = (tail[0] + rest)[-chunk:]
-        return len(text)
-
-    def release(info: Any = None) -> None:
-        if left[0] <= 0 and not forked:
-            stream.flush()  # what the pipe holds now, into the tail first
-        if dropped[0]:
-            note = f"\n[the kernel dropped {dropped[0] - len(tail[0])} characters of this output]\n"
-            chunked(note + tail[0])
-            base.flush(stream)
-            dropped[0], tail[0] = 0, ""
-
-    def new_cell(info: Any = None) -> None:
-        release()  # what a writer left between cells, in this one
-        left[0] = limit
-
+    budget = Budget(chunked, limit, chunk, lambda: None if forked else stream.flush())
+    bounded = budget.write
     pump = Pump(read_end, bounded)
 
     def write(text: Any, catch_up: Any = pump.catch_up) -> Any:
@@ -223,7 +233,7 @@ def shape(stream: Any, fd: int, chunk: int, limit: int, libc: Any, forked: list[
 
     stream.__dict__.pop("write", None)
     stream.__class__ = KernelStream
-    return pump, (new_cell, release)
+    return pump, (budget.new_cell, budget.release)
 
 
 def capture_streams(chunk: int, limit: int) -> None:

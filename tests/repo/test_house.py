@@ -29,7 +29,6 @@ OVER_BUDGET = {
     "stare_agent/train/sft.py:_sft": 104,
     "envs/tool_env.py:ToolEnv.__init__": 82,
     "sandbox/doctor.py:diagnose_ray": 128,
-    "sandbox/kernel.py": 919,
     "sandbox/warden.py:prepare_kernel": 89,
     "stare_research/lab.py:_update": 85,
 }

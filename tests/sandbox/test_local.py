@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from stare_sandbox import LocalSandbox, SandboxClosed, SandboxConfig, SandboxError, make_sandbox
 from stare_sandbox.config import PRELOAD_MATH
-from stare_sandbox.kernel import OutputBuffer
+from stare_sandbox.output import OutputBuffer
 from stare_sandbox.result import truncate_text
 from tests.conftest import host_problem, require
 
