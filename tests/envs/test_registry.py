@@ -174,3 +174,16 @@ def test_entry_point_plugins_register_tools_and_envs(tmp_path, monkeypatch):
         unregister_tool("shout_plugin_demo")
         gymnasium.registry.pop("plugin/Shout-v0", None)
         sys.modules.pop("shout_plugin_demo", None)
+
+
+def test_the_contracts_a_trainer_meets_are_at_the_top_level():
+    """What another trainer needs of the environments, importable from ``stare_envs`` itself: the engine
+    contract, the rollout runner, the trajectory, and the env factories; no torch with them."""
+    import subprocess
+    import sys
+
+    names = ["Engine", "SamplingParams", "Generation", "RolloutRunner", "Trajectory", "TrajectoryBuilder"]
+    names += ["make_tool_env", "make_tool_envs", "register_tool_env", "ToolEnv"]
+    code = f"import sys, stare_envs; print(all(n in stare_envs.__all__ and hasattr(stare_envs, n) for n in {names!r}), 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False"]
