@@ -91,8 +91,31 @@ def host_problem(*, unshare: bool = False, cgroups: bool = False, tools: tuple[s
     return None
 
 
+FIRST_PARTY = ("stare_sandbox", "stare_envs", "stare_agent", "stare_integrations", "stare_research")
+
+
+def foreign_packages(repo: Path = REPO) -> list[str]:
+    """The project's packages this interpreter imports from outside ``repo`` (another checkout's
+    editable install, an installed wheel), each as ``name (path)``."""
+    import importlib.util
+
+    out = []
+    for name in FIRST_PARTY:
+        spec = importlib.util.find_spec(name)
+        origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+        if origin is not None and not origin.is_relative_to(repo):
+            out.append(f"{name} ({origin.parent})")
+    return out
+
+
 def pytest_configure(config: pytest.Config) -> None:
     required()  # a misspelt STARE_REQUIRE stops the run before any test, not when a test first asks
+    foreign = foreign_packages()
+    if foreign:  # edits to this checkout's envs/ or sandbox/ would go untested, silently
+        raise pytest.UsageError(
+            f"{', '.join(foreign)} imported from outside this checkout ({REPO}): run `pip install -e .` "
+            "with this checkout's interpreter (make setup), or the tests in the checkout that venv serves"
+        )
 
 
 SLOW_TESTS = frozenset(

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 USER_PROJECT_SCRIPT = textwrap.dedent(
     """
@@ -46,3 +47,27 @@ def test_a_user_project_with_its_own_envs_and_sandbox_packages_uses_both(tmp_pat
         timeout=120,
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_package_imported_from_another_checkout_stops_the_run(tmp_path):
+    """Two checkouts sharing one venv: the editable mapping of the first serves ``stare_envs`` to the
+    second's tests. The run stops before any test with one line naming the package, its path and the fix."""
+    import subprocess
+    import sys
+
+    other = tmp_path / "other-checkout"
+    (other / "stare_envs").mkdir(parents=True)
+    (other / "stare_envs" / "__init__.py").write_text("")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from tests.conftest import foreign_packages; "
+        "print(foreign_packages())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(other)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[2],
+        check=True,
+    ).stdout
+    assert f"stare_envs ({other / 'stare_envs'})" in out
+    assert "stare_agent" not in out  # the others come from this checkout
