@@ -204,3 +204,20 @@ def test_the_learning_rate_schedule_steps_once_a_trainer_step_whatever_its_mini_
     logged = [r["lr"] for r in read_metrics(tmp_path / "run")]
     assert used == pytest.approx([1e-2 * f for f in (0.0, 0.5, 1.0, 0.5) for _ in range(4)])
     assert logged == pytest.approx([1e-2 * f for f in (0.5, 1.0, 0.5, 0.0)])
+
+
+def test_the_gate_of_every_mini_batch_is_the_pre_update_policys(tmp_path, problem_file):
+    """The gate is taken once a step, on the pre-update pass, whatever the mini-batches (the paper's step
+    4): with H_tgt a hair above that pass's H-bar every mini-batch is weighted (gate on), a hair below
+    none is (gate off), though the policy moves between mini-batches (lr 1e-2) and a gate taken again
+    on it would flip one way or the other."""
+    extra = ("algorithm.ppo_mini_batch_size=1", "algorithm.scope=global", "optim.lr=1e-2")
+    metrics, _, _ = one_step(tmp_path, problem_file, "probe", *extra, "algorithm.H_tgt=100")
+    Hbar = metrics["entropy"]  # the pre-update pass's (the same start and rollouts in each run below)
+    for name, H_tgt, on in (("above", Hbar * (1 + 1e-6), True), ("below", Hbar * (1 - 1e-6), False)):
+        metrics, _, calls = one_step(
+            tmp_path, problem_file, name, *extra, f"algorithm.H_tgt={H_tgt}", spy=True
+        )
+        assert metrics["entropy"] == pytest.approx(Hbar, rel=1e-9) and metrics["gate_on"] == int(on)
+        assert len(calls) == 4
+        assert [bool((c["weights"] > 1).any()) for c in calls] == [on] * 4, name
