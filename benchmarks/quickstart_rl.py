@@ -97,6 +97,9 @@ def main() -> None:
     parser.add_argument("--problems", type=int, default=200)
     parser.add_argument("--setting", action="append", default=[], metavar="NAME=OVERRIDES")
     parser.add_argument("--list", action="store_true")
+    parser.add_argument(
+        "--scores", default=None, help="also write each problem's score per policy to this JSON"
+    )
     args = parser.parse_args()
     settings = settings_of(args.setting, SETTINGS)
     if args.list:
@@ -114,6 +117,9 @@ def main() -> None:
             rl = train(sft_model, overrides, Path(tmp) / f"rl{i}")
             scores, _ = evaluate(rl["model"], args.problems, Path(tmp) / f"eval{i}")
             rows.append((name, overrides, rl, scores))
+    if args.scores:  # per problem, for a paired comparison of two settings later
+        scores = {"sft": base, **{name: sc for name, _, _, sc in rows}}
+        Path(args.scores).write_text(json.dumps(scores))
     cpu = next(
         (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
         "?",

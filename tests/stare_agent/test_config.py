@@ -224,3 +224,29 @@ def test_sandbox_preload_is_a_list_of_module_names() -> None:
     for bad in ("sandbox.limits.preload=['os; import x']", "sandbox.limits.preload=['']"):
         with pytest.raises(ConfigError, match=r"^sandbox.preload must be a list of module names"):
             load_config(None, [bad])
+
+
+def test_the_rl_demo_is_the_quickstart_with_room_for_rl():
+    """configs/rl_demo.yaml differs from the quickstart's config in exactly the fields that give RL
+    room (a lighter cold start, 8 samples a prompt, 16 steps at lr 1e-5, 200 held-out problems)."""
+    import dataclasses
+
+    def flat(obj, prefix=""):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            key = f"{prefix}{f.name}"
+            out.update(flat(value, f"{key}.") if dataclasses.is_dataclass(value) else {key: value})
+        return out
+
+    quick, demo = flat(load_config(CONFIGS / "quickstart.yaml")), flat(load_config(CONFIGS / "rl_demo.yaml"))
+    assert {k: (quick[k], demo[k]) for k in quick if quick[k] != demo[k]} == {
+        "data.eval_limit": (40, 200),
+        "data.samples_per_prompt": (4, 8),
+        "data.prompts_per_draw": (8, 5),
+        "optim.lr": (1e-6, 1e-5),
+        "trainer.steps": (2, 16),
+        "trainer.checkpoint_every": (2, 16),
+        "trainer.run_dir": ("runs/quickstart", "runs/rl_demo"),
+        "sft.procedural_rows": (112, 80),
+    }
