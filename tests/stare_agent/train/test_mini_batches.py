@@ -206,6 +206,7 @@ def test_the_learning_rate_schedule_steps_once_a_trainer_step_whatever_its_mini_
     assert logged == pytest.approx([1e-2 * f for f in (0.5, 1.0, 0.5, 0.0)])
 
 
+@pytest.mark.slow  # three trainer steps of four mini-batches
 def test_the_gate_of_every_mini_batch_is_the_pre_update_policys(tmp_path, problem_file):
     """The gate is taken once a step, on the pre-update pass, whatever the mini-batches (the paper's step
     4): with H_tgt a hair above that pass's H-bar every mini-batch is weighted (gate on), a hair below
