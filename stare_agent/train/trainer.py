@@ -145,7 +145,7 @@ class Trainer:
     ) -> None:
         self.config, self.resume = config, resume
         self.diagnostics = list(diagnostics)
-        _check_sampling(config, engine)
+        _check_before_loading(config, engine)
         stream = problem_stream(config)  # a bad problem source fails here, before the model loads
         self._eval_source = eval_source(config)
         if model is None or tokenizer is None:
@@ -266,7 +266,7 @@ class Trainer:
         )
 
     def _due(self, every: int) -> bool:
-        """Whether this step is one of every ``every`` (0 or None: never) or the last."""
+        """Whether this step is one of every ``every`` (0: never) or, with ``every`` > 0, the last."""
         return every > 0 and (self.step % every == 0 or self.step == self.config.trainer.steps)
 
     def _evaluate_now(self) -> dict[str, Any]:
@@ -681,8 +681,8 @@ class Trainer:
         self._claim.close()
 
 
-def _check_sampling(config: RunConfig, engine: Any) -> None:
-    """What a run's sampling settings must be before the model loads: a known env id, a vLLM python
+def _check_before_loading(config: RunConfig, engine: Any) -> None:
+    """What a run must have before the model loads: a known env id, a vLLM python
     where ``env.engine=vllm`` builds the engine; a warning for a nucleus-truncated rollout."""
     if config.env.top_p < 1:
         warnings.warn(
