@@ -867,6 +867,9 @@ class TrainerConfig:
         checkpoint_every: Write a checkpoint every N steps (and at the end); 0: only at the end.
         keep_checkpoints: Complete checkpoints kept on disk (older ones are deleted).
         eval_every: Validate every N steps (and at the end); 0: never.
+        eval_every_limit: The periodic validation (``eval_every``) takes only the first N of the
+            validation problems (the learning curve's points cost less than the final evaluation);
+            None: as many as ``data.eval_limit``.
         log_every: Print a progress line every N steps (JSONL/TensorBoard get every step).
         run_dir: Directory for the config, logs, checkpoints and plots of this run.
         seed: Seed of problem order, sampling and initialisation.
@@ -910,6 +913,7 @@ class TrainerConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     eval_every: int = 0
+    eval_every_limit: int | None = None
     log_every: int = 1
     run_dir: str = "runs/stare"
     seed: int = 0
@@ -933,6 +937,10 @@ class TrainerConfig:
             )
         if self.checkpoint_every < 0 or self.eval_every < 0:
             raise ConfigError("trainer.checkpoint_every and trainer.eval_every must be >= 0 (0 = off)")
+        if self.eval_every_limit is not None and self.eval_every_limit < 1:
+            raise ConfigError(
+                f"trainer.eval_every_limit={self.eval_every_limit} must be >= 1, or null for data.eval_limit's"
+            )
 
 
 @dataclass

@@ -4,6 +4,7 @@ The trainer, ``stare-agent eval``, ``evaluate()``, the quickstart and the study 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -46,6 +47,15 @@ def eval_source(config: RunConfig) -> str | Sequence[Problem] | None:
     """The validation problems: ``data.eval`` when set, else the problems ``env.id`` was registered
     with, else None."""
     return _configured_or_registered(config, "eval")
+
+
+def periodic_eval_config(config: RunConfig) -> RunConfig:
+    """The config of the periodic validation (``trainer.eval_every``): ``data.eval_limit`` lowered to
+    ``trainer.eval_every_limit`` when that is set."""
+    limit = config.trainer.eval_every_limit
+    if limit is None or (config.data.eval_limit is not None and config.data.eval_limit <= limit):
+        return config
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, eval_limit=limit))
 
 
 def _configured_or_registered(config: RunConfig, split: str) -> str | Sequence[Problem] | None:

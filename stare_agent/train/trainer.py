@@ -57,7 +57,7 @@ from stare_agent.config import RunConfig
 from stare_agent.methods import make_method
 from stare_agent.methods.base import Batch, Gate, Method, Selection
 from stare_agent.metrics import StepLogger, ToolHealth, ToolHealthAlarm, rollout_metrics
-from stare_agent.resources import eval_source
+from stare_agent.resources import eval_source, periodic_eval_config
 from stare_agent.train import checkpoints, records
 from stare_agent.train.async_rollouts import RolloutProducer, staleness
 from stare_agent.train.batch import collate
@@ -275,7 +275,8 @@ class Trainer:
         t_eval = time.perf_counter()
         if self.rank == 0:
             tqdm.write(f"[eval] step {self.step}: evaluating on data.eval ...")
-        report = self.evaluate()
+        config = periodic_eval_config(self.config)
+        report = self.evaluate(config=config)
         if self.rank == 0:
             shown = {k: v for k, v in report.metrics.items() if k.startswith(("avg@", "maj@"))}
             tqdm.write(
@@ -287,8 +288,8 @@ class Trainer:
         metrics = {f"eval/{k}": v for k, v in report.metrics.items()}
         for hook in self.diagnostics:
             metrics.update(hook.on_evaluation(self))
-        if self.config.data.eval_greedy:
-            report = self.evaluate(greedy=True)
+        if config.data.eval_greedy:
+            report = self.evaluate(greedy=True, config=config)
             self._save_rollouts(f"eval_greedy_{self.step:05d}", report.trajectories)
             metrics.update({f"eval_greedy/{k}": v for k, v in report.metrics.items()})
         return metrics

@@ -228,7 +228,8 @@ def test_sandbox_preload_is_a_list_of_module_names() -> None:
 
 def test_the_rl_demo_is_the_quickstart_with_room_for_rl():
     """configs/rl_demo.yaml differs from the quickstart's config in exactly the fields that give RL
-    room (a lighter cold start, 8 samples a prompt, 16 steps at lr 1e-5, 200 held-out problems)."""
+    room (a lighter cold start, 8 samples a prompt, 16 steps at lr 1e-5, 200 held-out problems) and
+    draw its learning curve (50 of them every 4 steps)."""
     import dataclasses
 
     def flat(obj, prefix=""):
@@ -247,6 +248,23 @@ def test_the_rl_demo_is_the_quickstart_with_room_for_rl():
         "optim.lr": (1e-6, 1e-5),
         "trainer.steps": (2, 16),
         "trainer.checkpoint_every": (2, 16),
+        "trainer.eval_every": (0, 4),
+        "trainer.eval_every_limit": (None, 50),
         "trainer.run_dir": ("runs/quickstart", "runs/rl_demo"),
         "sft.procedural_rows": (112, 80),
     }
+
+
+def test_the_periodic_evaluation_takes_the_first_eval_every_limit_problems():
+    """trainer.eval_every_limit lowers data.eval_limit for the evaluations every eval_every steps only,
+    never raises it; a limit below 1 is refused in one line."""
+    from stare_agent.resources import periodic_eval_config
+
+    cfg = load_config(CONFIGS / "rl_demo.yaml")
+    assert (cfg.data.eval_limit, periodic_eval_config(cfg).data.eval_limit) == (200, 50)
+    cfg = load_config(CONFIGS / "rl_demo.yaml", ["trainer.eval_every_limit=500"])
+    assert periodic_eval_config(cfg).data.eval_limit == 200
+    cfg = load_config(CONFIGS / "rl_demo.yaml", ["data.eval_limit=null"])
+    assert periodic_eval_config(cfg).data.eval_limit == 50
+    with pytest.raises(ConfigError, match="eval_every_limit=0 must be >= 1"):
+        load_config(CONFIGS / "rl_demo.yaml", ["trainer.eval_every_limit=0"])
