@@ -1,19 +1,23 @@
 """Tool-call formats: how a model writes tool calls and a final answer, and how it reads results back.
 
 A format parses one model turn into tool calls / a final answer / parse errors for the model, and
-renders tool results into the observation text. Two formats ship:
+renders tool results into the observation text (``retool``) or ``tool`` messages (the others). Shipped:
 
 - ``retool`` (default): ``<code>```python ...```</code>``; the result comes back inside the same
   assistant message as ``<interpreter>...</interpreter>``. Only the FIRST code block of a turn runs
   (a generator stops at ``</code>``, so later blocks were written without seeing the output); the
   model is told when later blocks were ignored.
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; results are ``tool``-role
-  chat messages. Every call of a turn runs, in order (parallel tool calls are part of the format).
+  chat messages. A turn stops at its first ``</tool_call>`` (one call a turn); a parser handed a turn
+  with several runs them all, in order, their results in one message.
+- ``qwen3``: hermes calls, any number a turn, which ends with EOS; each result a message of its own.
+- ``llama3_json``: a turn that is one JSON object ``{"name": ..., "parameters": {...}}`` (Llama 3.1).
+- ``deepseek_v3``: DeepSeek-V3's tool-call tokens, any number a turn; each result a message of its own.
 
-Both formats take the final answer from ``<answer> ... \\boxed{X} ... </answer>`` (the last box
-inside the tag; the tag's whole text when it has no box), or else from the last bare ``\\boxed{}``
-of the turn. A turn that calls a tool never ends the episode: its answer, if any, is ignored and
-the model is told so.
+All take the final answer from ``<answer> ... \\boxed{X} ... </answer>`` (the last box inside the
+tag; the tag's whole text when it has no box), or else from the last bare ``\\boxed{}`` of the turn. A
+turn that calls a tool never ends the episode: its answer, if any, is ignored and the model is told so.
+docs/tokens.md says which format is token-exact with which model family's chat template.
 """
 
 from __future__ import annotations
@@ -180,6 +184,19 @@ class ToolFormat(abc.ABC):
     def system_prompt(self, tools: Sequence[Mapping[str, Any]]) -> str:
         """Instructions describing the format and ``tools`` (OpenAI-style function schemas)."""
 
+    def render_messages(
+        self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()
+    ) -> list[str]:
+        """The contents of the ``tool`` messages a turn's results become (``observation_role == "tool"``):
+        one message holding them all (:meth:`render_observation`), unless the format gives each call
+        a message of its own (parallel calls, as Qwen3's and DeepSeek-V3's templates render them)."""
+        return [self.render_observation(results, errors)]
+
+    def write_calls(self, calls: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+        """The text a model writes for ``calls`` (``(tool name, arguments)`` pairs) in this format: what
+        :meth:`parse` reads back as those calls (scripted policies, traces for cold-start SFT)."""
+        raise NotImplementedError(f"the {self.name!r} format does not say how a call is written")
+
 
 _CODE_OPEN = re.compile(r"<code>", re.IGNORECASE)
 _CODE_CLOSE = re.compile(r"</code>", re.IGNORECASE)
@@ -257,6 +274,11 @@ class ReToolFormat(ToolFormat):
         parts = [f"Error: {e}" for e in errors] + [text for _, text in results]
         return "\n<interpreter>\n" + "\n".join(parts) + "\n</interpreter>\n"
 
+    def write_calls(self, calls: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+        if any(name != CODE_TOOL for name, _ in calls):
+            raise ValueError(f"the retool format only calls {CODE_TOOL!r}")
+        return "\n".join(f"<code>\n```python\n{arguments['code']}\n```\n</code>" for _, arguments in calls)
+
     def system_prompt(self, tools: Sequence[Mapping[str, Any]]) -> str:
         return (
             "Solve the problem step by step. You can run Python code in a stateful interpreter "
@@ -332,11 +354,13 @@ class HermesFormat(ToolFormat):
         return ToolCall(payload["name"], arguments, raw), None
 
     def render_observation(self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()) -> str:
-        parts = [f"Error: {e}" for e in errors]
-        if len(results) == 1 and not errors:
-            return results[0][1]
-        parts += [f"[{i}] {call.name}:\n{text}" for i, (call, text) in enumerate(results, 1)]
-        return "\n".join(parts)
+        return _numbered_results(results, errors)
+
+    def write_calls(self, calls: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+        return "\n".join(
+            f"<tool_call>\n{json.dumps({'name': name, 'arguments': dict(arguments)})}\n</tool_call>"
+            for name, arguments in calls
+        )
 
     def system_prompt(self, tools: Sequence[Mapping[str, Any]]) -> str:
         listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
@@ -348,6 +372,176 @@ class HermesFormat(ToolFormat):
             "<tool_call></tool_call> XML tags:\n"
             '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\n\n'
             "When you are done, give the final answer as <answer>\\boxed{...}</answer>."
+        )
+
+
+def _numbered_results(results: Sequence[tuple[ToolCall, str]], errors: Sequence[str]) -> str:
+    """One message: the errors, then each result (numbered and named when there are several)."""
+    parts = [f"Error: {e}" for e in errors]
+    if len(results) == 1 and not errors:
+        return results[0][1]
+    parts += [f"[{i}] {call.name}:\n{text}" for i, (call, text) in enumerate(results, 1)]
+    return "\n".join(parts)
+
+
+def _one_message_per_call(results: Sequence[tuple[ToolCall, str]], errors: Sequence[str]) -> list[str]:
+    """A message per result, the turn's errors (if any) in a message before them."""
+    messages = ["\n".join(f"Error: {e}" for e in errors)] if errors else []
+    return messages + [text for _, text in results] if results or messages else [""]
+
+
+class Qwen3Format(HermesFormat):
+    """Qwen3's (and Qwen2.5's) own tool use: hermes calls, any number in a turn, which ends with
+    ``<|im_end|>`` (no stop string), each result a ``tool`` message of its own (the template gathers
+    them into one user turn of ``<tool_response>`` blocks). The ``hermes`` format instead stops a turn at
+    its first ``</tool_call>``."""
+
+    name = "qwen3"
+    stop_strings: list[str] = []
+
+    def render_messages(
+        self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()
+    ) -> list[str]:
+        return _one_message_per_call(results, errors)
+
+    def render_observation(self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()) -> str:
+        return "\n\n".join(self.render_messages(results, errors))
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3JsonFormat(ToolFormat):
+    """Llama 3.1/3.2/3.3's JSON tool calls: a turn that is one JSON object ``{"name": ..., "parameters":
+    {...}}`` (optionally after ``<|python_tag|>``) calls that tool; the turn ends with ``<|eot_id|>`` (no
+    stop string); the result is a ``tool`` message (which Llama 3.1's own template writes under the
+    ``ipython`` header). One call a turn, as Llama 3.1 makes them."""
+
+    name = "llama3_json"
+    stop_strings: list[str] = []
+    observation_role = "tool"
+
+    def parse(self, turn_text: str) -> ParsedTurn:
+        body = turn_text.strip()
+        if body.startswith(_PYTHON_TAG):
+            body = body[len(_PYTHON_TAG) :].lstrip()
+        if not body.startswith("{"):
+            answer, has_tag, errors = find_answer(turn_text)
+            return ParsedTurn([], answer, errors, has_tag)
+        usage = 'write one JSON object {"name": "<tool>", "parameters": {...}} and nothing else'
+        try:
+            payload, end = json.JSONDecoder().raw_decode(body)
+        except json.JSONDecodeError as exc:
+            return ParsedTurn(
+                [], None, [f"The tool call is not valid JSON ({exc.msg} at char {exc.pos}): {usage}."]
+            )
+        errors = [f"Text after the tool call's JSON was ignored: {usage}."] if body[end:].strip() else []
+        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+            return ParsedTurn([], None, [f'The tool call has no "name" string: {usage}.'])
+        arguments = payload.get("parameters", payload.get("arguments", {}))
+        if not isinstance(arguments, dict):
+            return ParsedTurn([], None, [f'The tool call\'s "parameters" must be a JSON object: {usage}.'])
+        return ParsedTurn([ToolCall(payload["name"], arguments, body[:end])], None, errors)
+
+    def render_observation(self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()) -> str:
+        return _numbered_results(results, errors)
+
+    def write_calls(self, calls: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+        if len(calls) != 1:
+            raise ValueError("the llama3_json format makes one call a turn")
+        ((name, arguments),) = calls
+        return json.dumps({"name": name, "parameters": dict(arguments)})
+
+    def system_prompt(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        listing = "\n\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+        return (
+            "You have access to the following functions. To call a function, respond with a JSON for a "
+            'function call with its proper arguments, in the format {"name": function name, "parameters": '
+            "dictionary of argument name and its value}, and nothing else.\n\n"
+            f"{listing}\n\n"
+            "When you are done, give the final answer as <answer>\\boxed{...}</answer>."
+        )
+
+
+_DS_CALLS_BEGIN, _DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+_DS_CALL = re.compile(
+    r"<｜tool▁call▁begin｜>(?P<type>[^<]*?)<｜tool▁sep｜>(?P<name>[^\n<]*)\n```(?:json)?\n(?P<args>.*?)\n```"
+    r"<｜tool▁call▁end｜>",
+    re.DOTALL,
+)
+
+
+class DeepSeekV3Format(ToolFormat):
+    """DeepSeek-V3's tool-call tokens: ``<｜tool▁calls▁begin｜>`` then, per call, ``<｜tool▁call▁begin｜>function
+    <｜tool▁sep｜>NAME`` and the arguments as a ```` ```json ```` block, ``<｜tool▁call▁end｜>``; the turn
+    stops at ``<｜tool▁calls▁end｜>``. Any number of calls a turn, each result a ``tool`` message of its
+    own (the template writes them as ``<｜tool▁output▁begin｜>`` blocks)."""
+
+    name = "deepseek_v3"
+    stop_strings = [_DS_CALLS_END]
+    observation_role = "tool"
+
+    def parse(self, turn_text: str) -> ParsedTurn:
+        start = turn_text.find(_DS_CALLS_BEGIN)
+        if start < 0:
+            answer, has_tag, errors = find_answer(turn_text)
+            if _DS_CALLS_END in turn_text or "<｜tool▁call▁begin｜>" in turn_text:
+                errors.append(f"Tool calls must start with {_DS_CALLS_BEGIN}. Nothing was run.")
+            return ParsedTurn([], answer, errors, has_tag)
+        end = turn_text.find(_DS_CALLS_END, start)
+        section = turn_text[start + len(_DS_CALLS_BEGIN) : end if end >= 0 else len(turn_text)]
+        calls: list[ToolCall] = []
+        errors: list[str] = []
+        usage = "write <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME, then the arguments as a ```json block"
+        blocks = section.count("<｜tool▁call▁begin｜>")
+        for index, match in enumerate(_DS_CALL.finditer(section), 1):
+            try:
+                arguments = json.loads(match["args"])
+            except json.JSONDecodeError as exc:
+                errors.append(f"Tool call {index}'s arguments are not valid JSON ({exc.msg}): {usage}.")
+                continue
+            if not isinstance(arguments, dict):
+                errors.append(f"Tool call {index}'s arguments must be a JSON object: {usage}.")
+                continue
+            calls.append(ToolCall(match["name"].strip(), arguments, match.group()))
+        well_formed = len(list(_DS_CALL.finditer(section)))
+        if blocks > well_formed or blocks == 0:
+            errors.append(
+                f"{max(blocks - well_formed, 1)} tool call(s) were not well formed and not run: {usage}."
+            )
+        outside = turn_text[:start] + (turn_text[end + len(_DS_CALLS_END) :] if end >= 0 else "")
+        answer, has_tag, answer_errors = find_answer(outside)
+        errors.extend(answer_errors)
+        if answer is not None:
+            errors.append(
+                "A turn that calls a tool cannot also give the final answer; the answer was ignored. "
+                "Read the result, then answer in a turn of its own."
+            )
+        return ParsedTurn(calls, None, errors, has_tag)
+
+    def render_messages(
+        self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()
+    ) -> list[str]:
+        return _one_message_per_call(results, errors)
+
+    def render_observation(self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()) -> str:
+        return "\n\n".join(self.render_messages(results, errors))
+
+    def write_calls(self, calls: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+        body = "".join(
+            f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{json.dumps(dict(arguments))}\n```"
+            "<｜tool▁call▁end｜>"
+            for name, arguments in calls
+        )
+        return f"{_DS_CALLS_BEGIN}{body}{_DS_CALLS_END}"
+
+    def system_prompt(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+        return (
+            f"You can call these functions:\n{listing}\n\n"
+            f"To call them, write {_DS_CALLS_BEGIN}, then for each call <｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+            "NAME, a newline, its arguments as a ```json block, and <｜tool▁call▁end｜>; then "
+            f"{_DS_CALLS_END}. When you are done, give the final answer as <answer>\\boxed{{...}}</answer>."
         )
 
 
@@ -372,7 +566,13 @@ class _FormatRegistry(dict[str, type[ToolFormat]]):
         raise FormatRegistryError(f"Unknown tool format {name!r}: use one of {sorted(self)}")
 
 
-FORMATS: _FormatRegistry = _FormatRegistry(retool=ReToolFormat, hermes=HermesFormat)
+FORMATS: _FormatRegistry = _FormatRegistry(
+    retool=ReToolFormat,
+    hermes=HermesFormat,
+    qwen3=Qwen3Format,
+    llama3_json=Llama3JsonFormat,
+    deepseek_v3=DeepSeekV3Format,
+)
 """The tool-call formats by name; add one with :func:`register_format`."""
 
 

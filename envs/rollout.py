@@ -119,104 +119,120 @@ class RolloutProgress:
 
 
 class ToolTurnGlue:
-    """Token ids between a model turn and the next one when the observation is a ``tool`` message.
+    """Token ids between a model turn and the next one when the observation is ``tool`` messages.
 
-    They are: the end of the assistant turn, the rendered tool message, and the generation prompt of
-    the next assistant turn. The tool message and generation prompt are a token difference between
-    two renderings of a fixed reference conversation, ``[system, user, assistant]`` and the same plus
-    ``[tool]`` (with the generation prompt), so they are tokenized in context exactly as the chat
-    template would tokenize a whole conversation; the end of the assistant turn is the text the
-    template puts after an assistant message's content.
+    They are the chat template's text after an assistant message's content when tool messages follow:
+    the end of the assistant turn, the rendered tool messages (one, or one per call of a turn for the
+    formats with parallel calls), and the generation prompt of the next assistant turn. They are cut
+    from one rendering of a reference conversation, ``[system, user, assistant, tool...]`` with the
+    generation prompt, at the end of the assistant's (sentinel) content, and tokenized from there: the
+    runner never renders the history again (the model's turns stay as sampled), so a template that
+    renders an earlier assistant message otherwise than the last one (Qwen3 wraps the last in an empty
+    ``<think>`` block) changes nothing here. Cutting there is exact only when the template's text after
+    the content starts a new token whatever the content's last token is (it starts with a special token
+    in every family of docs/tokens.md); a template where it does not is refused when the glue is made.
 
-    The tool message's content is text: when it holds a special-token string of the tokenizer (tool
-    output that prints ``<|im_end|>``), the template's text before and after the content is tokenized as
-    usual and the content with :func:`~stare_envs.text_tokens.encode_as_text`; otherwise the rendered
-    conversation is tokenized whole, as it always was.
+    A tool message's content is text: when one holds a special-token string of the tokenizer (tool output
+    that prints ``<|im_end|>``), the template's text around the contents is tokenized as usual and each
+    content with :func:`~stare_envs.text_tokens.encode_as_text`; otherwise the glue's text is tokenized
+    whole.
     """
 
-    _SENTINEL = "STARE0TOOL0OUTPUT0SENTINEL"
+    _ASSISTANT = "STARE0ASSISTANT0SENTINEL"
+    _SENTINEL = "STARE0TOOL0OUTPUT0SENTINEL{}"
 
-    _REFERENCE = [
-        {"role": "system", "content": "S"},
-        {"role": "user", "content": "U"},
-        {"role": "assistant", "content": "A"},
-    ]
+    _REFERENCE = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
 
     def __init__(self, tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any]] | None = None) -> None:
         self._tokenizer = tokenizer
         self._tools = list(tools) if tools else None
-        opened = self._render(self._REFERENCE[:2], generation_prompt=True)
-        closed = self._render(self._REFERENCE, generation_prompt=False)
-        if not closed.startswith(opened + "A"):
+        try:
+            marked = self._render([self._SENTINEL.format(0)])
+        except Exception as exc:  # the template's own error (jinja's TemplateError): one line, with the fix
             raise RolloutError(
-                "the chat template does not render an assistant message as generation prompt + content + "
-                "end of turn, so tool-message glue cannot be computed: use a format with "
+                f"the chat template cannot render a tool message after an assistant message ({exc}): use a "
+                "format with observation_role='assistant' (e.g. retool) with this tokenizer"
+            ) from exc
+        head, found, glue = marked.partition(self._ASSISTANT)
+        if not found or self._ASSISTANT in glue or glue.count(self._SENTINEL.format(0)) != 1:
+            raise RolloutError(
+                "the chat template does not render an assistant message's content, then a tool message's, each "
+                "once and in order, so tool-message glue cannot be computed: use a format with "
                 "observation_role='assistant' (e.g. retool) with this tokenizer"
             )
-        self.end_of_turn_ids = _encode(tokenizer, closed[len(opened) + 1 :])
-        self._closed_ids = _encode(tokenizer, closed)
+        if _encode(tokenizer, marked) != _encode(tokenizer, head + found) + _encode(tokenizer, glue):
+            raise RolloutError(
+                "the chat template's text after an assistant message does not start a new token, so the "
+                "tokens after a model turn depend on how the turn ends: use a format with "
+                "observation_role='assistant' (e.g. retool) with this tokenizer"
+            )
+        self.glue_ids = _encode(tokenizer, glue.replace(self._SENTINEL.format(0), ""))
+        """The glue of one empty tool message (its first ids end the assistant turn)."""
 
-    def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
-        return render_chat(
-            self._tokenizer, messages, tools=self._tools, add_generation_prompt=generation_prompt
-        )
+    def _render(self, contents: Sequence[str]) -> str:
+        """The template's text after the reference assistant message's content, tool messages ``contents``."""
+        messages = [
+            *self._REFERENCE,
+            {"role": "assistant", "content": self._ASSISTANT},
+            *({"role": "tool", "content": c} for c in contents),
+        ]
+        return render_chat(self._tokenizer, messages, tools=self._tools, add_generation_prompt=True)
 
-    def __call__(self, observation: str, *, turn_ended_with_eos: bool) -> list[int]:
-        """Glue ids for one tool message carrying ``observation``.
+    def __call__(self, observation: str | Sequence[str], *, turn_ended_with_eos: bool) -> list[int]:
+        """Glue ids for the tool messages carrying ``observation`` (one content, or one per message).
 
         Args:
-            observation: The tool message's content.
+            observation: The tool message's content, or the contents of a turn's tool messages.
             turn_ended_with_eos: The model's turn already ends with EOS, which is then not repeated when
-                the template's end of turn starts with it (e.g. ChatML's ``<|im_end|>``).
+                the glue starts with it (e.g. ChatML's ``<|im_end|>``).
         """
-        text = self._with_tool_message(observation)
+        contents = [observation] if isinstance(observation, str) else list(observation)
         pattern = control_text_pattern(self._tokenizer)
-        if pattern is not None and pattern.search(observation):
-            ids = self._encode_around_content(text)
+        if pattern is not None and any(pattern.search(c) for c in contents):
+            ids = self._encode_around_contents(contents)
         else:
-            ids = _encode(self._tokenizer, text)
-        n = len(self._closed_ids)
-        if ids[:n] != self._closed_ids:
-            raise RolloutError(
-                "appending a tool message changed the tokens of the conversation before it, so the glue "
-                "is not a clean token difference: use a chat template that renders messages independently"
-            )
-        end = self.end_of_turn_ids
-        if turn_ended_with_eos and end[:1] == [self._tokenizer.eos_token_id]:
-            end = end[1:]
-        return end + ids[n:]
+            ids = _encode(self._tokenizer, self._render(contents).partition(self._ASSISTANT)[2])
+        if turn_ended_with_eos and ids[:1] == [self._tokenizer.eos_token_id]:
+            ids = ids[1:]
+        return ids
 
-    def _with_tool_message(self, content: str) -> str:
-        return self._render([*self._REFERENCE, {"role": "tool", "content": content}], generation_prompt=True)
+    def _encode_around_contents(self, contents: list[str]) -> list[int]:
+        """Ids of the glue with each tool message's content encoded as text and the template's text
+        around them as usual.
 
-    def _encode_around_content(self, text: str) -> list[int]:
-        """Ids of ``text`` (the reference conversation plus a tool message) with the tool message's
-        content encoded as text and the template's text around it as usual.
-
-        Where the content sits is found by rendering a sentinel content: the text before the sentinel
-        and after it is the template's own; whatever lies between them in ``text`` is the content as the
-        template wrote it.
+        The template's own text is that of a rendering with sentinel contents; content ``i`` as the
+        template writes it (trimmed, say) is what stands in a rendering with only that content real
+        where sentinel ``i`` stood.
         """
-        marked = self._with_tool_message(self._SENTINEL)
-        before, sentinel, after = marked.partition(self._SENTINEL)
-        if (
-            not sentinel
-            or self._SENTINEL in after
-            or not (
+        sentinels = [self._SENTINEL.format(i) for i in range(len(contents))]
+        marked = self._render(sentinels).partition(self._ASSISTANT)[2]
+        pieces: list[str] = []
+        rest = marked
+        for sentinel in sentinels:
+            piece, found, rest = rest.partition(sentinel)
+            if not found or sentinel in rest:
+                raise RolloutError(
+                    "the chat template does not write each tool message's content once and in order, so tool "
+                    "output cannot be tokenized as text apart from the template's special tokens: use a format "
+                    "with observation_role='assistant' (e.g. retool) with this tokenizer"
+                )
+            pieces.append(piece)
+        ids: list[int] = []
+        for i, content in enumerate(contents):
+            before, _, after = marked.partition(sentinels[i])
+            text = self._render([*sentinels[:i], content, *sentinels[i + 1 :]]).partition(self._ASSISTANT)[2]
+            if not (
                 text.startswith(before) and text.endswith(after) and len(text) >= len(before) + len(after)
+            ):
+                raise RolloutError(
+                    "the chat template does not write a tool message's content as one piece between text of "
+                    "its own, so tool output cannot be tokenized as text apart from the template's special "
+                    "tokens: use a format with observation_role='assistant' (e.g. retool) with this tokenizer"
+                )
+            ids += _encode(self._tokenizer, pieces[i]) + encode_as_text(
+                self._tokenizer, text[len(before) : len(text) - len(after)]
             )
-        ):
-            raise RolloutError(
-                "the chat template does not write a tool message's content as one piece between text of "
-                "its own, so tool output cannot be tokenized as text apart from the template's special "
-                "tokens: use a format with observation_role='assistant' (e.g. retool) with this tokenizer"
-            )
-        content = text[len(before) : len(text) - len(after)]
-        return (
-            _encode(self._tokenizer, before)
-            + encode_as_text(self._tokenizer, content)
-            + _encode(self._tokenizer, after)
-        )
+        return ids + _encode(self._tokenizer, rest)
 
 
 def render_prompt(
@@ -256,7 +272,16 @@ def render_chat(
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = True,
 ) -> str:
-    """The chat template's text for ``messages`` (tool schemas passed only when given)."""
+    """The chat template's text for ``messages`` (tool schemas passed only when given).
+
+    Raises:
+        RolloutError: the tokenizer has no chat template.
+    """
+    if hasattr(tokenizer, "chat_template") and not getattr(tokenizer, "chat_template", None):
+        raise RolloutError(
+            f"the tokenizer ({getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}) has no chat "
+            "template: set tokenizer.chat_template to the model's Jinja template, or use a model that ships one"
+        )
     kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
     if tools:
         kwargs["tools"] = list(tools)
@@ -559,6 +584,7 @@ class RolloutRunner:
     def _take_step(self, ep: _Episode, result: tuple[str, float, bool, bool, dict[str, Any]]) -> None:
         """Record the env's response; append the observation (mask 0) when the episode continues."""
         observation, reward, terminated, truncated, info = result
+        messages = info.pop("tool_messages", None) or [observation]  # a tool-role format's messages
         ep.reward += float(reward)
         ep.tool_calls.extend(info.get("tool_calls", ()))
         ep.info.update(info)
@@ -566,7 +592,7 @@ class RolloutRunner:
             ep.finish("budget" if ep.cut else "terminated" if terminated else "truncated")
             return
         if ep.glue is not None:
-            ids = ep.glue(observation, turn_ended_with_eos=ep.turn_ended_with_eos)
+            ids = ep.glue(messages, turn_ended_with_eos=ep.turn_ended_with_eos)
         else:
             ids = encode_as_text(self.tokenizer, observation)
         remaining = self.max_response_tokens - len(ep.builder)

@@ -35,13 +35,15 @@ class TextTokenizer(Protocol):
 
 
 def control_strings(tokenizer: TextTokenizer) -> frozenset[str]:
-    """The text of every added and special token of ``tokenizer`` (empty strings left out)."""
+    """The text of every added and special token of ``tokenizer``, except whitespace: Gemma's tokenizer
+    adds runs of newlines and tabs as tokens, which are how it writes text, not chat structure (split,
+    every blank line of a tool output would be tokenized as no text of the model's is)."""
     strings: set[str] = set()
     get_added_vocab = getattr(tokenizer, "get_added_vocab", None)
     if callable(get_added_vocab):
         strings.update(get_added_vocab())
     strings.update(getattr(tokenizer, "all_special_tokens", None) or ())
-    return frozenset(s for s in strings if isinstance(s, str) and s)
+    return frozenset(s for s in strings if isinstance(s, str) and s.strip())
 
 
 @lru_cache(maxsize=16)

@@ -344,6 +344,14 @@ class ToolEnv(gymnasium.Env[str, str]):
             info["void_turn"] = True  # neither a tool call nor an answer: it ends the episode
         if terminated or truncated:
             return self._final(parsed.final_answer if terminated else None, terminated, info)
+        if self.format.observation_role == "tool":  # one tool message, or one per call (parallel calls)
+            contents = self.format.render_messages(results, notes)
+            share = (MAX_OBSERVATION_CHARS - 64 - 2 * (len(contents) - 1)) // len(contents)
+            contents = [truncate_text(printable(c), share)[0] for c in contents]
+            for content in contents:
+                self._append_message("tool", content)
+            info["tool_messages"] = contents
+            return "\n\n".join(contents), 0.0, False, False, info
         observation = self.format.render_observation(results, notes)
         observation, _ = truncate_text(printable(observation), MAX_OBSERVATION_CHARS - 64)
         self._append_message(self.format.observation_role, observation)

