@@ -38,7 +38,7 @@ from typing import Any
 
 from stare_agent import run_dirs
 from stare_agent.errors import StareError
-from stare_agent.intervals import BOOTSTRAP_DRAWS, bootstrap_interval, wilson_interval
+from stare_agent.intervals import BOOTSTRAP_DRAWS, score_interval, wilson_interval
 from stare_agent.metrics import ToolHealth, json_ready
 from stare_envs.engine import Engine, SamplingParams, Tokenizer
 from stare_envs.problems import Problem, load_problems
@@ -304,7 +304,7 @@ def summarize_with_intervals(
         if samples == 1 or key.startswith("maj@"):  # one 0/1 outcome per problem: a binomial count
             intervals[key] = wilson_interval(round(sum(values)), len(values))
         else:
-            intervals[key] = bootstrap_interval(values, seed=seed)
+            intervals[key] = score_interval(values, seed=seed)
     n_episodes = sum(len(r.correct) for r in results)
     metrics["tool_calls_per_episode"] = sum(sum(r.tool_calls) for r in results) / n_episodes
     metrics["response_tokens_mean"] = sum(sum(r.response_tokens) for r in results) / n_episodes

@@ -24,8 +24,9 @@ Z95 = 1.959963984540054  # the standard normal's 97.5th percentile
 BOOTSTRAP_DRAWS = 2000
 
 
-def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion ``successes / n``.
+def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion ``successes / n`` (``successes`` may be a sum of
+    scores in [0, 1]: see :func:`score_interval`).
 
     >>> lo, hi = wilson_interval(1, 4)
     >>> round(lo, 4), round(hi, 4)
@@ -39,7 +40,10 @@ def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, floa
     denominator = 1 + z * z / n
     center = (p + z * z / (2 * n)) / denominator
     half = z / denominator * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, center - half), min(1.0, center + half)
+    # exactly 0 or 1 at the ends, which the float sum center +- half misses by an ulp
+    return (0.0 if successes == 0 else max(0.0, center - half)), (
+        1.0 if successes == n else min(1.0, center + half)
+    )
 
 
 def bootstrap_interval(
@@ -62,6 +66,27 @@ def bootstrap_interval(
     means = np.sort(values[picks].mean(axis=1))
     tail = (1 - level) / 2
     return float(means[math.floor(tail * (draws - 1))]), float(means[math.ceil((1 - tail) * (draws - 1))])
+
+
+def score_interval(scores: Sequence[float], *, seed: int = 0) -> tuple[float, float]:
+    """95 % interval of the mean of per-problem ``scores`` in [0, 1] (avg@k's c/k, pass@k): the
+    percentile bootstrap, except where it cannot see any spread (every problem scored the same: all 0,
+    all 1, or one problem), where it would collapse to a point. There it is the Wilson interval of the
+    mean taken as n 0/1 outcomes: a score in [0, 1] with mean p varies at most as a 0/1 outcome of
+    mean p does, so that interval is wide enough.
+
+    >>> [round(x, 4) for x in score_interval([0.0] * 30)]  # the bootstrap says [0.0, 0.0]
+    [0.0, 0.1135]
+    >>> score_interval([0.0, 0.5, 1.0]) == bootstrap_interval([0.0, 0.5, 1.0])
+    True
+    """
+    if not scores:
+        return math.nan, math.nan
+    if any(not 0.0 <= x <= 1.0 for x in scores):
+        raise ValueError(f"score_interval takes scores in [0, 1], got {min(scores)} .. {max(scores)}")
+    if max(scores) > min(scores):
+        return bootstrap_interval(scores, seed=seed)
+    return wilson_interval(sum(scores), len(scores))
 
 
 def paired_difference_interval(first: Sequence[float], second: Sequence[float]) -> tuple[float, float]:
@@ -142,6 +167,7 @@ __all__ = [
     "BOOTSTRAP_DRAWS",
     "Z95",
     "bootstrap_interval",
+    "score_interval",
     "format_ci",
     "mean_sd_ci",
     "paired_difference_interval",

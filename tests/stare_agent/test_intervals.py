@@ -66,3 +66,37 @@ def test_paired_difference_interval_of_fractional_scores_bootstraps_the_differen
     assert paired_difference_interval(before, after) == bootstrap_interval([0.5, 0.0, 0.25, 0.5])
     with pytest.raises(ValueError, match="the same problems"):
         paired_difference_interval([1, 0], [1])
+
+
+def test_an_interval_of_scores_never_collapses_where_every_problem_scored_the_same():
+    """30 problems all at 0: the bootstrap sees no spread and says [0, 0]; the Wilson interval of 0 of
+    30, worked by hand: z^2 = 3.8415, denominator 1 + z^2/30 = 1.12805, center = (z^2/60) / 1.12805 =
+    0.056757, half = z / 1.12805 * sqrt(z^2 / 3600) = 0.056757: [0, 0.11351]."""
+    from stare_agent.intervals import score_interval
+
+    assert bootstrap_interval([0.0] * 30) == (0.0, 0.0)
+    lo, hi = score_interval([0.0] * 30)
+    assert lo == 0.0 and hi == pytest.approx(0.11351, abs=1e-5)
+    lo, hi = score_interval([1.0] * 30)
+    assert hi == 1.0 and lo == pytest.approx(1 - 0.11351, abs=1e-5)
+    lo, hi = score_interval([0.0])  # one problem (avg@2 of 0 on one problem)
+    assert lo == 0.0 and hi > 0.75
+    assert score_interval([0.5] * 4) == wilson_interval(2, 4)  # no spread inside (0, 1): conservative
+    assert score_interval([0.0, 0.5, 1.0], seed=3) == bootstrap_interval([0.0, 0.5, 1.0], seed=3)
+    with pytest.raises(ValueError, match=r"scores in \[0, 1\]"):
+        score_interval([1.5])
+
+
+def test_the_evaluation_summary_interval_of_a_model_that_scores_nothing_is_not_a_point():
+    """The README's AIME command on a model that scores 0 (--samples 4 --limit 30) printed [0, 0]."""
+    from stare_agent.evaluation import ProblemResult, summarize_with_intervals
+
+    results = [
+        ProblemResult(f"p{i}", "1", answers=["2"] * 4, correct=[False] * 4, tool_calls=[0] * 4,
+                      response_tokens=[10] * 4, truncated=[False] * 4)
+        for i in range(30)
+    ]  # fmt: skip
+    metrics, intervals = summarize_with_intervals(results, 4)
+    assert metrics["avg@4"] == 0.0 and intervals["avg@4"][0] == 0.0
+    assert intervals["avg@4"][1] == pytest.approx(0.11351, abs=1e-5)
+    assert all(hi > lo for lo, hi in intervals.values())
