@@ -28,7 +28,7 @@ import inspect
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from stare_envs.errors import EnvError
 from stare_envs.formats import register_format
 from stare_envs.problems import PROBLEM_FAMILIES, builtin_set_path, load_problems
 from stare_envs.tool_env import ToolEnv
-from stare_envs.tools import ToolSpec, add_tool, get_tool
+from stare_envs.tools import ToolSpec, add_tool, definition, get_tool
 
 TOOL_GROUP = "stare_agent.tools"
 ENV_GROUP = "stare_agent.envs"
@@ -95,8 +95,9 @@ def register_tool_env(
 ) -> None:
     """Register a tool environment under ``env_id`` (``gymnasium.make(env_id)`` then builds it).
 
-    Unlike ``gymnasium.register``, a taken id is an error, and the tools named in ``kwargs["tools"]``
-    must already be registered.
+    Unlike ``gymnasium.register``, an id taken by another registration is an error (the same one again,
+    from a module imported a second time, is a no-op), and the tools named in ``kwargs["tools"]`` must
+    already be registered.
 
     Args:
         env_id: ``namespace/Name-vN``.
@@ -104,17 +105,43 @@ def register_tool_env(
         **kwargs: Default keyword arguments of the env (``tools``, ``format``, ``problems``, ...).
 
     Raises:
-        EnvRegistrationError: the id is taken.
+        EnvRegistrationError: the id is taken by another registration.
         ToolRegistryError: a tool is not registered (the message lists the registered ones).
     """
     if env_id in gymnasium.registry:
+        taken = gymnasium.registry[env_id]
+        if _same_registration(taken.entry_point, taken.kwargs, entry_point, kwargs):
+            return
         raise EnvRegistrationError(
-            f"environment id {env_id!r} is already registered: bump its version (-v1) or pick another name"
+            f"environment id {env_id!r} is already registered with other settings ({_describe(taken.kwargs)}; "
+            f"now {_describe(kwargs)}): bump its version (-v1) or pick another name"
         )
     for tool in kwargs.get("tools", ()):
         if not isinstance(tool, ToolSpec):
             get_tool(tool)
     gymnasium.register(id=env_id, entry_point=entry_point, kwargs=kwargs, disable_env_checker=False)
+
+
+def _same_registration(
+    entry_a: Any, kwargs_a: Mapping[str, Any], entry_b: Any, kwargs_b: Mapping[str, Any]
+) -> bool:
+    """Two registrations are the same when their entry points and keyword arguments are the same
+    definitions (callables and tool specs compared by :func:`stare_envs.tools.definition`)."""
+
+    def key(value: Any) -> Any:
+        if isinstance(value, ToolSpec):
+            return ("tool", value.name, definition(value.impl))
+        if isinstance(value, Mapping):
+            return {k: key(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [key(v) for v in value]
+        return definition(value) if callable(value) else value
+
+    return key(entry_a) == key(entry_b) and key(dict(kwargs_a)) == key(dict(kwargs_b))
+
+
+def _describe(kwargs: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())[:300] or "no settings"
 
 
 BUILTIN_LIMITS = {"max_turns": 16, "max_tool_calls": 16}

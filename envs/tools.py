@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -210,8 +211,11 @@ def register_tool(
         needs_sandbox: Pass the episode's sandbox as the keyword ``sandbox``.
         model_errors: Exceptions to show to the model (``ToolInputError`` always is).
 
+    Registering the same definition again is a no-op (a module run as a script and then imported by
+    name, as ``module:id`` in a config does, registers its tools twice).
+
     Raises:
-        ToolRegistryError: the name is invalid or taken.
+        ToolRegistryError: the name is invalid, or taken by another definition.
     """
 
     def decorate(target: Callable[..., Any]) -> Callable[..., Any]:
@@ -232,14 +236,41 @@ def register_tool(
     return decorate if impl is None else decorate(impl)
 
 
+def definition(obj: Any) -> tuple[Any, ...]:
+    """What makes two objects the same definition: the same qualified name written by the same source
+    lines (a module run as a script, ``__main__``, and imported again by name defines its functions
+    twice, equal but not identical); an object without source is only the same as itself."""
+    try:
+        lines, first = inspect.getsourcelines(obj)
+        where = os.path.realpath(inspect.getsourcefile(obj) or "")
+    except (OSError, TypeError):
+        return (id(obj),)
+    return (getattr(obj, "__qualname__", None), where, first, "".join(lines))
+
+
+def _same_tool(a: ToolSpec, b: ToolSpec) -> bool:
+    return (a.name, a.description, a.parameters, a.needs_sandbox) == (
+        b.name,
+        b.description,
+        b.parameters,
+        b.needs_sandbox,
+    ) and [definition(x) for x in (a.impl, *a.model_errors)] == [
+        definition(x) for x in (b.impl, *b.model_errors)
+    ]
+
+
 def add_tool(spec: ToolSpec) -> None:
-    """Register a ready ``ToolSpec``; raises ``ToolRegistryError`` when the name is taken."""
+    """Register a ready ``ToolSpec``. The same definition again (the module that registers it imported
+    a second time) is a no-op; another one under a taken name raises ``ToolRegistryError`` naming both."""
     with _LOCK:
         if spec.name in _TOOLS:
-            owner = _TOOLS[spec.name].impl
+            if _same_tool(_TOOLS[spec.name], spec):
+                return
+            owner, new = _TOOLS[spec.name].impl, spec.impl
             raise ToolRegistryError(
-                f"tool {spec.name!r} is already registered (by {owner.__module__}.{owner.__qualname__}): "
-                f"pick another name or call unregister_tool({spec.name!r}) first"
+                f"tool {spec.name!r} is already registered (by {owner.__module__}.{owner.__qualname__}), "
+                f"another definition (by {new.__module__}.{new.__qualname__}) cannot take its name: pick "
+                f"another name or call unregister_tool({spec.name!r}) first"
             )
         _TOOLS[spec.name] = spec
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import subprocess
 import sys
 import textwrap
 import warnings
@@ -71,7 +72,9 @@ def test_benchmark_data_path_argument_env_var_and_error(shared_data, tmp_path, m
 
 
 def test_register_tool_env_refuses_taken_ids_and_unknown_tools():
-    with pytest.raises(EnvRegistrationError, match="already registered: bump its version"):
+    with pytest.raises(
+        EnvRegistrationError, match="already registered with other settings .*: bump its version"
+    ):
         register_tool_env("stare/CodeInterpreter-v0", tools=["code_interpreter"])
     with pytest.raises(
         ToolRegistryError, match=r"no tool named 'nope': registered tools are \[.*'code_interpreter'"
@@ -82,7 +85,9 @@ def test_register_tool_env_refuses_taken_ids_and_unknown_tools():
 
 def test_tool_registry_refuses_duplicates_and_lists_names_on_lookup():
     with pytest.raises(
-        ToolRegistryError, match=r"tool 'code_interpreter' is already registered \(by stare_envs.tools"
+        ToolRegistryError,
+        match=r"tool 'code_interpreter' is already registered \(by stare_envs.tools.CodeInterpreterTool\), another "
+        r"definition \(by tests.envs.test_registry.test_tool_registry_.*<lambda>\) cannot take its name",
     ):
         register_tool("code_interpreter", lambda code: code)
     with pytest.raises(
@@ -187,3 +192,58 @@ def test_the_contracts_a_trainer_meets_are_at_the_top_level():
     code = f"import sys, stare_envs; print(all(n in stare_envs.__all__ and hasattr(stare_envs, n) for n in {names!r}), 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "False"]
+
+
+GUIDE_SNIPPET = '''
+import gymnasium
+
+from stare_envs import register_tool, register_tool_env
+
+
+@register_tool("double_{tag}")
+def double(x: int) -> int:
+    """Twice x."""
+    return 2 * x
+
+
+register_tool_env("guide/Double{tag}-v0", tools=["double_{tag}"], format="hermes", problems="multiplication")
+env = gymnasium.make("guide/Double{tag}-v0")
+'''
+
+
+def test_a_module_registered_as_a_script_and_imported_by_name_registers_once(tmp_path):
+    """The guide's snippet run as a script that then imports itself by name (what `module:id` in a
+    config does when the module is also the running script): the same definitions again are no-ops."""
+    script = tmp_path / "my_tools.py"
+    script.write_text(
+        GUIDE_SNIPPET.format(tag="a")
+        + "\nimport my_tools\n\nif __name__ == '__main__':\n    print('registered once')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "registered once", done.stderr
+
+
+def test_another_definition_under_a_taken_name_is_refused_naming_both(tmp_path):
+    script = tmp_path / "my_tools.py"
+    script.write_text(
+        GUIDE_SNIPPET.format(tag="b")
+        + "\n@register_tool('double_b')\ndef double(x: int) -> int:\n    return x + x\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 1
+    assert (
+        "tool 'double_b' is already registered (by __main__.double), another definition (by __main__.double)"
+        in (done.stderr)
+    )
+    script.write_text(
+        GUIDE_SNIPPET.format(tag="c")
+        + "\nregister_tool_env('guide/Doublec-v0', tools=['double_c'], format='hermes', max_turns=3)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert "'guide/Doublec-v0' is already registered with other settings" in done.stderr
