@@ -41,7 +41,9 @@ from stare_agent.errors import StareError
 from stare_agent.intervals import BOOTSTRAP_DRAWS, score_interval, wilson_interval
 from stare_agent.metrics import ToolHealth, json_ready
 from stare_envs.engine import Engine, SamplingParams, Tokenizer
-from stare_envs.problems import Problem, load_problems
+from stare_envs.problems import Problem, ProblemSourceError
+from stare_envs.problems.selection import eval_problems
+from stare_envs.registry import registered_problems
 from stare_envs.rewards import answers_equivalent
 from stare_envs.rollout import RolloutProgress, RolloutRunner
 from stare_envs.trajectory import Trajectory
@@ -385,7 +387,7 @@ def evaluate_config(
 
 
 def evaluate(
-    problems: Sequence[Problem] | str | Path,
+    problems: Sequence[Problem] | str | Path | None = None,
     *,
     engine: Engine,
     tokenizer: Tokenizer,
@@ -416,7 +418,10 @@ def evaluate(
     problem order.
 
     Args:
-        problems: Problems, or a source for ``stare_envs.problems.load_problems`` (JSONL/Parquet path or hub name).
+        problems: Problems, a source as ``data.eval`` takes it (a JSONL/Parquet file, a built-in set such
+            as ``aime2024``, a hub name, or a procedural family such as ``mixed`` or a registered
+            ``unit_conversion``, generated from a held-out seed: the sampling seed), or None for the
+            problems ``env_id`` was registered with (``register_tool_env(..., problems=...)``).
         engine: Any ``stare_envs.engine.Engine`` (transformers, SGLang, scripted).
         tokenizer: The policy's Hugging Face tokenizer (its chat template renders the prompts).
         samples: k, the number of sampled episodes per problem.
@@ -486,7 +491,7 @@ def evaluate(
 
 
 def _evaluate(
-    problems: Sequence[Problem] | str | Path,
+    problems: Sequence[Problem] | str | Path | None,
     *,
     engine: Engine,
     tokenizer: Tokenizer,
@@ -509,13 +514,23 @@ def _evaluate(
     from stare_agent.provenance import run_record
 
     started, record = time.perf_counter(), run_record()
-    source = str(problems) if isinstance(problems, (str, Path)) else None
-    problem_list = load_problems(problems) if isinstance(problems, (str, Path)) else list(problems)
-    problem_list = problem_list[:limit] if limit is not None else problem_list
     sampling = sampling or SamplingParams(temperature=1.0, top_p=0.7)
     if sampling.seed is None:  # seeded by default, as `stare-agent eval` is (trainer.seed: 0)
         sampling = replace(sampling, seed=0)
     kwargs = dict(env_kwargs or {})
+    if problems is None:  # the env's own, as a config with data.eval unset takes them
+        problems = registered_problems(env_id)
+        if problems is None:
+            raise ProblemSourceError(
+                f"{env_id} was registered without problems: pass problems= (a list, a problem file, a built-in "
+                "set such as aime2024, or a procedural family such as mixed)"
+            )
+    if isinstance(problems, Path):
+        problems = str(problems)
+    source = problems if isinstance(problems, str) else None
+    problem_list = eval_problems(
+        problems, seed=sampling.seed or 0, difficulty=kwargs.get("difficulty", 1), limit=limit
+    )
     from stare_envs.registry import env_needs_sandbox
 
     # resolved once: the settings name the pool's backend

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -404,3 +405,45 @@ def test_progress_shows_turns_tokens_and_a_bound_on_the_time_left(capsys, tmp_pa
     (written,) = json.loads((tmp_path / "run.json").read_text())["runs"]
     assert written == {**json.loads(json.dumps(run)), "complete": True}
     assert "run" not in json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_evaluate_takes_a_family_a_file_or_the_envs_own_problems(monkeypatch, tmp_path):
+    """One way for every source: a procedural family (held out, from the sampling seed), a file, or the
+    problems the env was registered with; an env registered without problems is one line."""
+    from stare_envs.problems import ProblemSourceError, eval_problems
+    from stare_envs.registry import register_tool_env
+    from stare_envs.tools import register_tool, unregister_tool
+
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    register_tool("double_src", lambda n: str(2 * int(n)), description="Double an integer.")
+    register_tool_env("test/OwnProblems-v0", tools=["double_src"], format="hermes", problems="multiplication")
+    register_tool_env("test/NoProblems-v0", tools=["double_src"], format="hermes")
+    tokenizer = smollm2_tokenizer()
+    held_out = eval_problems("multiplication", seed=0, difficulty=1, limit=3)
+    script = lambda text, turn: f"\\boxed{{{held_out[0].answer}}}"  # noqa: E731
+    try:
+        run = functools.partial(
+            evaluate,
+            engine=ScriptedEngine(tokenizer, script),
+            tokenizer=tokenizer,
+            samples=1,
+            limit=3,
+            progress=False,
+        )
+        for source in ("multiplication", None):
+            report = run(source, env_id="test/OwnProblems-v0")
+            assert [p.problem_id for p in report.problems] == [p.id for p in held_out]
+            assert report.problems[0].correct == [True]  # the family's answers are checked
+        path = tmp_path / "mine.jsonl"
+        path.write_text(json.dumps({"problem": "What is 2 + 2?", "answer": "4"}) + "\n")
+        assert len(run(path, env_id="test/OwnProblems-v0").problems) == 1
+        with pytest.raises(
+            ProblemSourceError, match=r"test/NoProblems-v0 was registered without problems: pass problems="
+        ):
+            run(None, env_id="test/NoProblems-v0")
+    finally:
+        import gymnasium
+
+        for env_id in ("test/OwnProblems-v0", "test/NoProblems-v0"):
+            gymnasium.registry.pop(env_id, None)
+        unregister_tool("double_src")
