@@ -290,6 +290,16 @@ def env_needs_sandbox(env_id: str, **kwargs: Any) -> bool:
     return any((tool if isinstance(tool, ToolSpec) else get_tool(tool)).needs_sandbox for tool in tools)
 
 
+def registered_kwargs(env_id: str) -> dict[str, Any]:
+    """The keyword arguments ``env_id`` was registered with (a copy).
+
+    Raises:
+        EnvRegistrationError: the id is not registered (see :func:`check_env_id`).
+    """
+    check_env_id(env_id)
+    return dict(gymnasium.spec(env_id.split(":")[-1]).kwargs)
+
+
 def registered_problems(env_id: str) -> Any:
     """The ``problems`` ``env_id`` was registered with (``register_tool_env(..., problems=...)``): a
     source name (a family, a file, a built-in set) or a list of problems; a built-in benchmark id's
@@ -298,8 +308,7 @@ def registered_problems(env_id: str) -> Any:
     Raises:
         EnvRegistrationError: the id is not registered (see :func:`check_env_id`).
     """
-    check_env_id(env_id)
-    kwargs = gymnasium.spec(env_id.split(":")[-1]).kwargs
+    kwargs = registered_kwargs(env_id)
     problems = kwargs.get("problems", BENCHMARKS.get(kwargs.get("benchmark")))  # type: ignore[arg-type]
     return os.fspath(problems) if isinstance(problems, os.PathLike) else problems
 

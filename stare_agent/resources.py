@@ -9,10 +9,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from stare_agent.config import EnvConfig, RunConfig, SandboxSection
+from stare_agent.config import ENV_KWARG_FIELDS, EnvConfig, RunConfig, SandboxSection
 from stare_envs.problems import Problem
 from stare_envs.problems.selection import source_name
-from stare_envs.registry import make_tool_env, registered_problems
+from stare_envs.registry import make_tool_env, registered_kwargs, registered_problems
 from stare_sandbox import SandboxPool, open_pool
 from stare_sandbox.ray_fleet import RaySandboxFleet
 
@@ -61,6 +61,7 @@ def periodic_eval_config(config: RunConfig) -> RunConfig:
 def _configured_or_registered(config: RunConfig, split: str) -> str | Sequence[Problem] | None:
     """``data.<split>``, else the env's registered problems; when both are set the config wins and one
     line (once per process and env) says so."""
+    _say_env_overrides(config)
     configured = config.data.train if split == "train" else config.data.eval
     registered = registered_problems(config.env.id)
     if configured is None:
@@ -74,6 +75,25 @@ def _configured_or_registered(config: RunConfig, split: str) -> str | Sequence[P
         if int(os.environ.get("RANK", "0")) == 0:
             print(
                 f"[data] data.{split}={configured!r} is used, not the problems {config.env.id} was registered "
-                f"with ({source_name(registered)}): leave data.{split} unset to use those"
+                f"with ({source_name(registered)}): set data.{split}=null to use those"
             )
     return configured
+
+
+def _say_env_overrides(config: RunConfig) -> None:
+    """One line (once per process, env and setting) for each ``env`` field the config sets to another
+    value than the one ``env.id`` was registered with: the config wins, as it does for the data."""
+    registered = registered_kwargs(config.env.id)
+    for name, value in config.env.env_kwargs().items():
+        key = (config.env.id, f"env.{name}")
+        if name not in registered or registered[name] == value or key in _said:
+            continue
+        _said.add(key)
+        if int(os.environ.get("RANK", "0")) == 0:
+            own = name in ENV_KWARG_FIELDS
+            field = f"env.{name}" if own else f"env.kwargs.{name}"
+            fix = f"set {field}=null" if own else f"leave {name} out of env.kwargs"
+            print(
+                f"[env] {field}={value!r} is used, not the {registered[name]!r} {config.env.id} was registered "
+                f"with: {fix} to use that"
+            )

@@ -25,6 +25,7 @@ from stare_envs.tool_env import ToolEnv
 from stare_envs.tools import unregister_tool
 
 REPO = Path(__file__).resolve().parents[2]
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EXAMPLE = REPO / "examples" / "register_tool_env.py"
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -235,9 +236,9 @@ def test_an_env_registered_with_problems_serves_them_unless_the_config_names_oth
     assert (train_source(both), eval_source(both)) == ("mixed", "aime2024")
     assert capsys.readouterr().out.splitlines() == [
         f"[data] data.train='mixed' is used, not the problems {calculator_env} was registered with "
-        "('multiplication'): leave data.train unset to use those",
+        "('multiplication'): set data.train=null to use those",
         f"[data] data.eval='aime2024' is used, not the problems {calculator_env} was registered with "
-        "('multiplication'): leave data.eval unset to use those",
+        "('multiplication'): set data.eval=null to use those",
     ]
 
     # the trainer draws and evaluates the registered problems
@@ -301,3 +302,50 @@ def test_registering_a_family_leaves_the_mixed_problems_as_they_were():
         assert generate_problems("aaa_first_demo", 1)[0].answer == "2"  # drawn by its name
     finally:
         dict.pop(PROBLEM_FAMILIES, "aaa_first_demo")
+
+
+def test_every_env_setting_that_overrides_the_registered_one_is_said_in_one_line(calculator_env, capsys):
+    """configs/quickstart.yaml with another env.id sets max_turns and max_tool_calls over the registered
+    ones: each override is one line (once), as the data's is; a value equal to the registered one is not."""
+    from stare_agent.resources import eval_source, train_source
+    from stare_envs.registry import register_tool_env
+
+    env_id = "test/Limits-v0"
+    register_tool_env(
+        env_id,
+        tools=["calculator"],
+        format="hermes",
+        problems="multiplication",
+        max_turns=3,
+        max_tool_calls=2,
+    )
+    try:
+        config = load_config(
+            CONFIGS / "quickstart.yaml",
+            [f"env.id={env_id}", "data.train=null", "data.eval=null", "env.format=hermes"],
+        )
+        train_source(config), eval_source(config)
+        assert capsys.readouterr().out.splitlines() == [
+            f"[env] env.max_tool_calls=3 is used, not the 2 {env_id} was registered with: set env.max_tool_calls=null "
+            "to use that"
+        ]  # max_turns 3 and format hermes are the registered ones: nothing to say
+        train_source(config)
+        assert capsys.readouterr().out == ""  # said once
+    finally:
+        gymnasium.registry.pop(env_id, None)
+
+
+def test_the_custom_env_config_keeps_every_registered_setting(monkeypatch, capsys):
+    """configs/custom_env.yaml: the env's registered format, limits and problems hold (nothing is
+    overridden, so nothing is said); only the run's sizes are the config's."""
+    from stare_agent.resources import eval_source, train_source
+
+    monkeypatch.chdir(REPO / "examples")  # module:id imports register_tool_env.py from here
+    config = load_config(CONFIGS / "custom_env.yaml")
+    try:
+        assert config.env.env_kwargs() == {}
+        assert (train_source(config), eval_source(config)) == ("multiplication", "multiplication")
+        assert capsys.readouterr().out == ""
+    finally:
+        unregister_tool("calculator")
+        gymnasium.registry.pop("demo/Calculator-v0", None)
