@@ -7,6 +7,7 @@ answer.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -155,9 +156,15 @@ def read_rows(source: str | os.PathLike[str]) -> Iterator[Row]:
         )
     if text.count("/") == 1 and " " not in text:
         return _read_hub(text)
+    from stare_envs.problems.generators import PROBLEM_FAMILIES  # it imports this module
+
+    names = [*BUILTIN_SETS, "mixed", *PROBLEM_FAMILIES]
+    close = difflib.get_close_matches(text.removeprefix("procedural:"), names, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
     raise ProblemSourceError(
-        f"{source!r} is neither an existing file nor a hub name: pass a .jsonl, .json or .parquet path, "
-        f"a Hugging Face dataset name such as 'owner/name', or a built-in set ({', '.join(BUILTIN_SETS)})"
+        f"{source!r} is neither an existing file nor a hub name: {hint}pass a .jsonl, .json or .parquet path, "
+        f"a Hugging Face dataset name such as 'owner/name', a built-in set ({', '.join(BUILTIN_SETS)}) or "
+        f"a procedural family (mixed, {', '.join(sorted(PROBLEM_FAMILIES))})"
     )
 
 

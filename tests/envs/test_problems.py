@@ -155,8 +155,17 @@ def test_hub_name_without_datasets_or_network_fails_in_one_line(monkeypatch):
 
 
 def test_neither_file_nor_hub_name():
-    with pytest.raises(ProblemSourceError, match="neither an existing file nor a hub name"):
+    with pytest.raises(ProblemSourceError, match="neither an existing file nor a hub name: pass") as error:
         load_problems("just some words")
+    assert "did you mean" not in str(error.value) and "a procedural family (mixed, " in str(error.value)
+
+
+def test_a_misspelt_source_names_the_closest_one():
+    """data.train=mixd said what a source may be but not which one was meant."""
+    with pytest.raises(ProblemSourceError, match=r"'mixd' is neither .*: did you mean 'mixed'\? pass"):
+        load_problems("mixd")
+    with pytest.raises(ProblemSourceError, match=r"did you mean 'aime2024'\?"):
+        load_problems("aime2204")
 
 
 def test_procedural_sources_are_parsed_in_one_place():

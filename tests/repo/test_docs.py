@@ -250,3 +250,15 @@ def test_no_product_file_refers_to_the_shared_folder():
                 if pattern.search(line):
                     offenders.append(f"{file.relative_to(REPO)}:{number}: {line.strip()[:100]}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_checkpoint_the_guides_evaluate_is_the_one_the_quickstart_writes():
+    """The README's and docs/evaluation.md's eval command names the quickstart's last checkpoint
+    (step-<trainer.steps>); it named step-000003 while the quickstart wrote step-000002."""
+
+    from stare_agent.config import load_config
+
+    steps = load_config(REPO / "configs" / "quickstart.yaml").trainer.steps
+    for page in (REPO / "README.md", REPO / "docs" / "evaluation.md"):
+        named = re.findall(r"runs/quickstart/checkpoints/step-(\d+)", page.read_text(encoding="utf-8"))
+        assert named and {int(n) for n in named} == {steps}, (page.name, named, steps)

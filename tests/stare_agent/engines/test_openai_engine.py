@@ -218,7 +218,12 @@ def test_unreachable_server_is_one_line_with_cause_and_fix(capsys):
     )  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert len(err) == 1 and err[0].startswith("error: cannot reach") and "vllm serve" in err[0]
+    assert (
+        len(err) == 1
+        and err[0].startswith("error: cannot reach")
+        and "python -m vllm.entrypoints.openai.api_server" in err[0]
+        and "vllm serve" not in err[0]
+    )
 
 
 def test_multi_turn_retool_episodes_are_token_exact(engine, tokenizer, pool):
