@@ -889,6 +889,7 @@ class _Progress:
         self.bar, self.jobs, self.budget = bar, jobs, budget
         self.start = time.perf_counter()
         self.done_jobs = self.done_tokens = self.turns = 0
+        self.postfix: dict[str, Any] = {}
 
     def turn(self, now: RolloutProgress) -> None:
         tokens = self.done_tokens + now.response_tokens
@@ -899,12 +900,16 @@ class _Progress:
         postfix = {"turns": self.turns + now.turns, "tokens": f"{tokens:,}", "tok/s": f"{rate:.0f}"}
         if rate > 0:
             postfix["at most left"] = _duration(left / rate)
+        self.postfix = postfix
         self.bar.set_postfix(postfix, refresh=True)
 
     def chunk_done(self, jobs: int, tokens: int, turns: int) -> None:
         self.done_jobs += jobs
         self.done_tokens += tokens
         self.turns += turns
+        if self.done_jobs >= self.jobs and self.postfix:  # finished: no time is left to bound
+            self.postfix.pop("at most left", None)
+            self.bar.set_postfix(self.postfix, refresh=True)
 
 
 def _duration(seconds: float) -> str:

@@ -399,6 +399,8 @@ def test_progress_shows_turns_tokens_and_a_bound_on_the_time_left(capsys, tmp_pa
     )
     err = capsys.readouterr().err
     assert "turns=" in err and "tokens=" in err and "tok/s=" in err and "at most left=" in err
+    final = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert final.startswith("eval episodes: 100%") and "at most left" not in final, final  # nothing is left
     run = report.run  # what produced it, apart from the settings a resume must match
     assert set(run) >= {"command", "started_utc", "versions", "git_commit", "wall_s"} and run["wall_s"] > 0
     assert "run" not in report.settings
