@@ -663,12 +663,31 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 TRAIN_PACKAGES = frozenset({"torch", "transformers", "accelerate", "deepspeed", "omegaconf", "matplotlib"})
 
 
+def _again(args: argparse.Namespace) -> str:
+    """How the command goes on after it stopped halfway: ``--resume`` where it has one (what it wrote
+    is kept), else ``--overwrite`` where its half-written results would refuse a rerun."""
+    if hasattr(args, "resume"):
+        return "run the same command with --resume (what it finished is kept)"
+    if hasattr(args, "overwrite"):
+        return "run the same command with --overwrite (it starts over: a rerun into its directory is refused)"
+    return "run the same command again"
+
+
+def _stopped_line(args: argparse.Namespace) -> str:
+    """The line a Ctrl-C ends with: where a rerun would be refused, how to start over."""
+    return (
+        "interrupted"
+        if hasattr(args, "resume") or not hasattr(args, "overwrite")
+        else f"interrupted: {_again(args)}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(_stopped_line(args), file=sys.stderr)
         return 130
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in TRAIN_PACKAGES:
@@ -686,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         if _interrupted(
             exc
         ):  # Ctrl-C that a library turned into its own error (a build's "interrupted by user")
-            print("interrupted", file=sys.stderr)
+            print(_stopped_line(args), file=sys.stderr)
             return 130
         unwritable = _unwritable(exc)
         if unwritable is not None:
@@ -698,10 +717,10 @@ def main(argv: list[str] | None = None) -> int:
         if full is None:
             raise
         # what was written before stays (results and checkpoints are written whole or not at all), so
-        # the way on is space, then the same command (with --resume)
+        # the way on is space, then the same command (with --resume, or --overwrite where it has none)
         print(
             f"error: no space left on the device ({full}): free space (or lower trainer.keep_checkpoints), "
-            "then run the command again, with --resume where it has one",
+            f"then {_again(args)}",
             file=sys.stderr,
         )
         return 2

@@ -500,3 +500,51 @@ def test_a_ctrl_c_a_library_reports_as_its_own_error_is_an_interruption(monkeypa
         monkeypatch.setattr(cli, "_plot", func)
         assert cli.main(["plot", "somewhere"]) == code
         assert capsys.readouterr().err.startswith(said)
+
+
+@pytest.mark.parametrize(
+    ("command", "again"),
+    [
+        ("train", "run the same command with --resume (what it finished is kept)"),
+        ("eval", "run the same command with --resume (what it finished is kept)"),
+        (
+            "sft",
+            "run the same command with --overwrite (it starts over: a rerun into its directory is refused)",
+        ),
+        (
+            "quickstart",
+            "run the same command with --overwrite (it starts over: a rerun into its directory is refused)",
+        ),
+    ],
+)
+def test_a_full_disk_and_a_ctrl_c_say_how_each_command_goes_on(monkeypatch, capsys, command, again):
+    """`sft` has no --resume: after a full disk a rerun is refused unless --overwrite, and after Ctrl-C it
+    said only "interrupted"; commands with --resume go on with it."""
+
+    def full_disk(args):
+        raise OSError(errno.ENOSPC, "No space left on device", "/runs/x/model.safetensors")
+
+    def ctrl_c(args):
+        raise KeyboardInterrupt
+
+    parser = cli.build_parser()
+    argv = {
+        "train": ["train"],
+        "eval": ["eval", "--data", "aime2024"],
+        "sft": ["sft"],
+        "quickstart": ["quickstart"],
+    }
+    for func in (full_disk, ctrl_c):
+        args = parser.parse_args(argv[command])
+        monkeypatch.setattr(args, "func", func)
+        monkeypatch.setattr(
+            cli, "build_parser", lambda args=args: type("P", (), {"parse_args": lambda self, a: args})()
+        )
+        code = cli.main(argv[command])
+        err = capsys.readouterr().err.strip()
+        if func is full_disk:
+            assert code == 2 and err.endswith(f"then {again}"), err
+        else:
+            assert code == 130
+            assert err == ("interrupted" if "--resume" in again else f"interrupted: {again}")
+        monkeypatch.undo()
