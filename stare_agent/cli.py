@@ -104,7 +104,7 @@ EVAL_FLAGS = {
 def _eval(args: argparse.Namespace) -> int:
     from stare_agent import run_dirs
     from stare_agent.config import load_config
-    from stare_agent.evaluation import evaluate_config
+    from stare_agent.evaluation import check_resume, config_resume_settings, evaluate_config
     from stare_agent.models import resolve_policy_path
     from stare_agent.provenance import model_settings
     from stare_agent.resources import eval_source, make_env
@@ -126,8 +126,11 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"env: {env.id} (format {probe.format.name}, tools: {', '.join(probe.tools)})")
     # --out: writable, not in use, and holding no evaluation unless resumed or overwritten; held until
     # the evaluation ends, checked before an engine starts
+    model = model_settings(config.model.name_or_path)
     with run_dirs.locked(args.out, "--out") as out:
         run_dirs.check_evaluation(out, resume=args.resume, overwrite=args.overwrite)
+        if args.resume:  # other settings are refused before a model loads, not after
+            check_resume(out, config_resume_settings(config, problems, model))
         engine, tokenizer = _eval_engine(args, config)
         try:
             report = evaluate_config(
@@ -139,7 +142,7 @@ def _eval(args: argparse.Namespace) -> int:
                 out_dir=out,
                 resume=args.resume,
                 save_episodes=args.save_episodes,
-                settings={"model": model_settings(config.model.name_or_path)},
+                settings={"model": model},
             )
         finally:
             if hasattr(engine, "close"):

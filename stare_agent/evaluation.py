@@ -774,15 +774,21 @@ RESUME_KEYS = (
 )
 
 
-def _resume(
-    out: Path, problems: Sequence[Problem], samples: int, settings: dict[str, Any]
-) -> dict[str, ProblemResult]:
-    """The finished problems of the evaluation in ``out``, after checking it is this evaluation."""
+def check_resume(out: str | Path, settings: dict[str, Any]) -> None:
+    """Refuse to resume the evaluation in ``out`` with ``settings`` that differ from its own in one of
+    :data:`RESUME_KEYS` (a key ``settings`` leaves out is not compared: :func:`config_resume_settings`
+    gives those a run config fixes, before any model loads).
+
+    Raises:
+        EvaluationError: nothing to resume there, or settings that differ (named).
+    """
+    out = Path(out)
     path = out / RESULTS_FILE
     if not path.is_file():
         raise EvaluationError(f"{path} not found: nothing to resume (drop --resume to start the evaluation)")
     summary_path = out / SUMMARY_FILE
     before = json.loads(summary_path.read_text()).get("settings", {}) if summary_path.is_file() else {}
+    settings = json.loads(json.dumps(settings, default=_plain_setting))
     differ = []
     for keys in RESUME_KEYS:
         old, new = _dig(before, keys), _dig(settings, keys)
@@ -793,6 +799,36 @@ def _resume(
             f"{out} holds an evaluation with other settings ({', '.join(differ)} differ, see its "
             f"{SUMMARY_FILE}): pass the same settings to resume it, or another --out to start anew"
         )
+
+
+def config_resume_settings(
+    config: Any, problems: Sequence[Problem], model: dict[str, Any]
+) -> dict[str, Any]:
+    """The settings of :data:`RESUME_KEYS` that :func:`evaluate_config` records for ``config``'s
+    evaluation of ``problems`` by ``model`` (``provenance.model_settings``): what
+    ``stare-agent eval --resume`` checks before it loads a model."""
+    from stare_agent.provenance import problems_sha256
+
+    data, env = config.data, config.env
+    sampling = SamplingParams(
+        temperature=data.eval_temperature, top_p=data.eval_top_p, seed=config.trainer.seed
+    )
+    return {
+        "data": {"sha256": problems_sha256(problems)},
+        "samples": data.eval_samples,
+        "sampling": asdict(sampling),
+        "max_response_tokens": env.max_response_tokens,
+        "env": {"id": env.id, "kwargs": env.env_kwargs(evaluation=True)},
+        "model": model,
+    }
+
+
+def _resume(
+    out: Path, problems: Sequence[Problem], samples: int, settings: dict[str, Any]
+) -> dict[str, ProblemResult]:
+    """The finished problems of the evaluation in ``out``, after checking it is this evaluation."""
+    check_resume(out, settings)
+    path = out / RESULTS_FILE
     ids = {p.id for p in problems}
     done: dict[str, ProblemResult] = {}
     rows: list[ProblemResult] = []

@@ -449,3 +449,46 @@ def test_evaluate_takes_a_family_a_file_or_the_envs_own_problems(monkeypatch, tm
         for env_id in ("test/OwnProblems-v0", "test/NoProblems-v0"):
             gymnasium.registry.pop(env_id, None)
         unregister_tool("double_src")
+
+
+def test_eval_resume_with_other_settings_is_refused_before_a_model_loads(tmp_path, monkeypatch, capsys):
+    """The settings a run config fixes are what evaluate_config records (a resume with the same ones goes
+    on); `stare-agent eval --resume` with another one is refused before its engine loads."""
+    from stare_agent import cli
+    from stare_agent.config import load_config
+    from stare_agent.evaluation import check_resume, config_resume_settings, evaluate_config
+    from stare_agent.provenance import model_settings
+    from stare_envs.problems import eval_problems
+
+    overrides = [
+        "data.eval=multiplication",
+        "data.eval_limit=2",
+        "data.eval_samples=1",
+        "sandbox.backend=local",
+    ]
+    config = load_config(None, overrides)
+    problems = eval_problems("multiplication", seed=0, difficulty=1, limit=2)
+    model = model_settings(config.model.name_or_path)
+    tokenizer = smollm2_tokenizer()
+    evaluate_config(
+        config,
+        engine=ScriptedEngine(tokenizer, lambda prompt, turn: "<answer>\\boxed{1}</answer>"),
+        tokenizer=tokenizer,
+        batch_size=2,
+        problems=problems,
+        out_dir=tmp_path,
+        settings={"model": model},
+        progress=False,
+    )
+    check_resume(tmp_path, config_resume_settings(config, problems, model))  # the same: goes on
+    other = load_config(None, [*overrides, "data.eval_temperature=0.5"])
+    with pytest.raises(EvaluationError, match=r"other settings \(sampling differ"):
+        check_resume(tmp_path, config_resume_settings(other, problems, model))
+
+    def no_engine(args, config):
+        raise AssertionError("the engine loaded before the settings were checked")
+
+    monkeypatch.setattr(cli, "_eval_engine", no_engine)
+    code = cli.main(["eval", "--resume", "--out", str(tmp_path), *overrides, "data.eval_temperature=0.5"])
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[sandbox]")]
+    assert code == 2 and len(err) == 1 and "other settings (sampling differ" in err[0], err
