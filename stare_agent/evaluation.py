@@ -267,8 +267,11 @@ def settings_lines(settings: dict[str, Any]) -> list[str]:
 
 def _replace(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a write that failed (a full disk) leaves no half file
 
 
 def summarize(results: Sequence[ProblemResult], samples: int) -> dict[str, float]:
@@ -801,9 +804,7 @@ def check_resume(out: str | Path, settings: dict[str, Any]) -> None:
         )
 
 
-def config_resume_settings(
-    config: Any, problems: Sequence[Problem], model: dict[str, Any]
-) -> dict[str, Any]:
+def config_resume_settings(config: Any, problems: Sequence[Problem], model: dict[str, Any]) -> dict[str, Any]:
     """The settings of :data:`RESUME_KEYS` that :func:`evaluate_config` records for ``config``'s
     evaluation of ``problems`` by ``model`` (``provenance.model_settings``): what
     ``stare-agent eval --resume`` checks before it loads a model."""

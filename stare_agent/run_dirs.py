@@ -16,6 +16,7 @@ and evaluations claim it again.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -57,12 +58,15 @@ _held_lock = threading.Lock()
 
 @contextmanager
 def locked(directory: str | os.PathLike[str], what: str) -> Iterator[Path]:
-    """Hold ``directory`` (created if missing) for this process while the block runs.
+    """Hold ``directory`` (created if missing) for this process while the block runs. A directory the
+    block left holding nothing but the lock (a command that failed before writing) is removed again, the
+    lock file from a directory that was there before: a failed command leaves no trace.
 
     Raises:
         RunDirError: another process holds it (the line names its pid), or it cannot be created or
             written (``what`` names the setting, e.g. ``trainer.run_dir``).
     """
+    existed = os.path.isdir(directory)
     path = writable_dir(directory, what)
     key = os.path.realpath(path)
     with _held_lock:
@@ -79,6 +83,11 @@ def locked(directory: str | os.PathLike[str], what: str) -> Iterator[Path]:
             held[1] -= 1
             if held[1] == 0:
                 del _held[key]
+                with contextlib.suppress(OSError):  # gone or unreadable: nothing to tidy
+                    if [p.name for p in path.iterdir()] == [LOCK_FILENAME]:  # nothing was written
+                        (path / LOCK_FILENAME).unlink()
+                        if not existed:
+                            path.rmdir()
                 os.close(held[0])  # releases the flock
 
 

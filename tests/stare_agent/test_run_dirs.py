@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from stare_agent import run_dirs
 from stare_agent.run_dirs import (
     RunDirError,
     check_evaluation,
@@ -135,3 +136,35 @@ def test_a_quickstart_is_refused_or_overwritten_whole(tmp_path):
         check_quickstart(run, run / "sft_model", overwrite=False)
     check_quickstart(run, run / "sft_model", overwrite=True)
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == ["notes.txt", "tensorboard"]
+
+
+def test_a_command_that_fails_before_writing_leaves_no_trace(tmp_path):
+    """A failed command left a directory holding only `.lock`; a directory that was there keeps all
+    but the lock; a written file keeps the directory and the lock."""
+    fresh = tmp_path / "runs" / "new"
+    with pytest.raises(RuntimeError), run_dirs.locked(fresh, "trainer.run_dir"):
+        raise RuntimeError("failed before writing")
+    assert not fresh.exists() and (tmp_path / "runs").is_dir()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    with run_dirs.locked(mine, "--out"):
+        pass
+    assert mine.is_dir() and list(mine.iterdir()) == []
+    with run_dirs.locked(mine, "--out"):
+        (mine / "results.jsonl").write_text("{}\n")
+    assert sorted(p.name for p in mine.iterdir()) == [run_dirs.LOCK_FILENAME, "results.jsonl"]
+
+
+def test_a_summary_that_cannot_be_written_leaves_no_half_file(tmp_path, monkeypatch):
+    from stare_agent import evaluation
+
+    target = tmp_path / "summary.json"
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(target), "write_text", full)
+    with pytest.raises(OSError):
+        evaluation._replace(target, "{}")
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
