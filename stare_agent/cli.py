@@ -214,6 +214,10 @@ def _eval_engine(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
     if name == "sglang":
         raise SystemExit("stare-agent eval has no --engine sglang: use --engine vllm, transformers or openai")
     tokenizer = load_tokenizer(_eval_tokenizer_path(args, config))
+    if config.data.eval_fp32:  # decoded as the quickstart's table is (the transformers engine: fp32 already)
+        from dataclasses import replace
+
+        config = replace(config, env=replace(config.env, vllm=replace(config.env.vllm, dtype="float32")))
     description, engine = start_engine(
         config, None, tokenizer, name=name, device=args.device, base_url=args.base_url, api_key=args.api_key
     )

@@ -653,8 +653,9 @@ class DataConfig:
         eval_fp32: The quickstart's evaluations (before, after SFT, after RL) decode in fp32 whatever
             the rollout engine's precision (a second vLLM worker in fp32 beside a bf16 one, or the
             transformers engine without bf16 autocast): a greedy argmax flips with bf16 rounding in a few
-            episodes, which would move the table by a problem or two. The trainer's periodic
-            evaluation and ``stare-agent eval`` decode with the rollout engine's precision.
+            episodes, which would move the table by a problem or two. ``stare-agent eval`` with this
+            config decodes in fp32 too (a vLLM engine in ``float32``), so it reproduces the table; the
+            trainer's periodic evaluation decodes with the rollout engine's precision.
         difficulty: Difficulty (1-3) of procedurally generated problems.
         prompts_per_step: Prompts (groups) per optimizer step after dynamic sampling (paper: 64).
         samples_per_prompt: Responses per prompt, the group size G (paper: 8).

@@ -548,3 +548,25 @@ def test_a_full_disk_and_a_ctrl_c_say_how_each_command_goes_on(monkeypatch, caps
             assert code == 130
             assert err == ("interrupted" if "--resume" in again else f"interrupted: {again}")
         monkeypatch.undo()
+
+
+def test_eval_of_a_config_with_eval_fp32_decodes_in_fp32(monkeypatch):
+    """`stare-agent eval --config configs/quickstart.yaml --model <its checkpoint>` decoded in bf16 (vLLM's
+    default dtype) while the quickstart's table is fp32: it could not reproduce the table's number."""
+    from stare_agent import engines
+    from stare_agent.config import load_config
+
+    seen = {}
+
+    def start_engine(config, model, tokenizer, **kwargs):
+        seen["dtype"] = config.env.vllm.dtype
+        return "stand-in", object()
+
+    monkeypatch.setattr(engines, "start_engine", start_engine)
+    args = cli.build_parser().parse_args(["eval", "--config", "configs/quickstart.yaml"])
+    for fp32, dtype in ((True, "float32"), (False, "bfloat16")):
+        config = load_config(
+            Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml", [f"data.eval_fp32={fp32}"]
+        )
+        cli._eval_engine(args, config)
+        assert seen["dtype"] == dtype
