@@ -35,11 +35,12 @@ from typing import Any
 import gymnasium
 
 from stare_envs.code_interpreter import CodeInterpreterEnv
+from stare_envs.definitions import definition
 from stare_envs.errors import EnvError
 from stare_envs.formats import register_format
 from stare_envs.problems import PROBLEM_FAMILIES, builtin_set_path, load_problems
 from stare_envs.tool_env import ToolEnv
-from stare_envs.tools import ToolSpec, add_tool, definition, get_tool
+from stare_envs.tools import ToolSpec, add_tool, get_tool
 
 TOOL_GROUP = "stare_agent.tools"
 ENV_GROUP = "stare_agent.envs"

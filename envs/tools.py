@@ -21,13 +21,13 @@ Example:
 from __future__ import annotations
 
 import inspect
-import os
 import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from stare_envs.definitions import definition
 from stare_envs.errors import EnvError
 from stare_sandbox.base import Sandbox
 from stare_sandbox.result import ExecResult
@@ -234,18 +234,6 @@ def register_tool(
         return target
 
     return decorate if impl is None else decorate(impl)
-
-
-def definition(obj: Any) -> tuple[Any, ...]:
-    """What makes two objects the same definition: the same qualified name written by the same source
-    lines (a module run as a script, ``__main__``, and imported again by name defines its functions
-    twice, equal but not identical); an object without source is only the same as itself."""
-    try:
-        lines, first = inspect.getsourcelines(obj)
-        where = os.path.realpath(inspect.getsourcefile(obj) or "")
-    except (OSError, TypeError):
-        return (id(obj),)
-    return (getattr(obj, "__qualname__", None), where, first, "".join(lines))
 
 
 def _same_tool(a: ToolSpec, b: ToolSpec) -> bool:

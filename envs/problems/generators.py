@@ -14,7 +14,9 @@ import math
 import os
 import random
 from collections.abc import Callable
+from typing import Any
 
+from stare_envs.definitions import definition
 from stare_envs.problems.sources import Problem, ProblemSourceError
 
 # --------------------------------------------------------------------------------------------------
@@ -22,7 +24,10 @@ from stare_envs.problems.sources import Problem, ProblemSourceError
 # --------------------------------------------------------------------------------------------------
 
 DIFFICULTIES = (1, 2, 3)
-Generated = tuple[str, int | str, str]  # (problem text, exact answer, solution code printing it)
+# (problem text, exact answer, solution): the solution is code that prints the answer (the code
+# interpreter's families), or the tool calls that compute it, ``[(tool name, arguments), ...]``, for an
+# env of other tools: cold-start SFT plays either to make its traces (``stare_agent.train.sft_data``).
+Generated = tuple[str, int | str, str | list[tuple[str, dict[str, Any]]]]
 Generator = Callable[[random.Random, int], Generated]
 
 
@@ -31,6 +36,8 @@ class _FamilyRegistry(dict[str, Generator]):
 
     def __setitem__(self, name: str, generator: Generator) -> None:
         if name in self:
+            if definition(self[name]) == definition(generator):  # its module imported a second time
+                return
             raise ValueError(f"problem family {name!r} is already registered: choose another name")
         super().__setitem__(name, generator)
 
@@ -44,7 +51,9 @@ PROBLEM_FAMILIES: _FamilyRegistry = _FamilyRegistry()
 
 
 def register_family(name: str) -> Callable[[Generator], Generator]:
-    """Decorator that adds ``generator(rng, difficulty) -> (text, answer, solution_code)``."""
+    """Decorator that adds ``generator(rng, difficulty) -> (text, answer, solution)``: the solution is
+    code printing the answer (``meta["solution_code"]``) or the tool calls computing it, ``[(tool name,
+    arguments), ...]`` (``meta["solution_calls"]``)."""
 
     def decorate(generator: Generator) -> Generator:
         PROBLEM_FAMILIES[name] = generator
@@ -107,7 +116,12 @@ def generate_problems(family: str, n: int, *, seed: int = 0, difficulty: int = 1
     for index in range(n):
         rng = random.Random(f"{family}:{difficulty}:{seed}:{index}")
         chosen = rng.choice(MIXED_FAMILIES) if family == "mixed" else family
-        text, answer, code = PROBLEM_FAMILIES[chosen](rng, difficulty)
+        text, answer, solution = PROBLEM_FAMILIES[chosen](rng, difficulty)
+        steps = (
+            {"solution_code": solution}
+            if isinstance(solution, str)
+            else {"solution_calls": [[name, dict(arguments)] for name, arguments in solution]}
+        )
         problems.append(
             Problem(
                 id=f"{family}-d{difficulty}-s{seed}-{index:06d}",
@@ -119,7 +133,7 @@ def generate_problems(family: str, n: int, *, seed: int = 0, difficulty: int = 1
                     "difficulty": difficulty,
                     "seed": seed,
                     "index": index,
-                    "solution_code": code,
+                    **steps,
                 },
             )
         )

@@ -37,11 +37,13 @@ from stare_agent.train.learner import Learner
 from stare_agent.train.sft_data import (
     SFTDataError,
     Trace,
+    env_trace,
     procedural_traces,
     read_traces,
     trace_to_trajectory,
 )
-from stare_envs.problems import procedural_family
+from stare_envs.problems import generate_problems, procedural_family
+from stare_envs.registry import check_env_id
 from stare_envs.trajectory import Trajectory
 
 LOG_FILENAME = "sft_log.jsonl"
@@ -55,6 +57,7 @@ def load_sft_traces(config: RunConfig) -> tuple[list[Trace], dict[str, int]]:
         (traces, counts) where counts has ``rejected`` (procedural traces whose real output missed the gold).
     """
     sft = config.sft
+    check_env_id(config.env.id)  # module:id imports the module that registers the env, and its families
     family = procedural_family(sft.data)
     if family is None:
         return read_traces(sft.data, format=sft.format, limit=sft.limit), {"rejected": 0}
@@ -62,6 +65,18 @@ def load_sft_traces(config: RunConfig) -> tuple[list[Trace], dict[str, int]]:
 
     n = sft.procedural_rows if sft.limit is None else min(sft.procedural_rows, sft.limit)
     box = config.sandbox
+    problems = generate_problems(family, n, seed=config.trainer.seed, difficulty=config.data.difficulty)
+    if problems and "solution_calls" in problems[0].meta:  # a family of another tool's: played in the env
+        from stare_agent.resources import make_env
+
+        with make_env(config.env, sandbox_backend=box.backend, sandbox_config=box.limits) as env:
+            traces = [t for p in problems if (t := env_trace(env, p)) is not None]
+        if not traces:
+            raise SFTDataError(
+                f"none of {n} {family!r} solutions played in {config.env.id} was scored correct: check the "
+                "family's solution calls against the env's tools and answer checker"
+            )
+        return traces, {"rejected": n - len(traces)}
     with make_sandbox(box.backend, box.limits) as sandbox:  # type: ignore[arg-type]
         traces, rejected = procedural_traces(
             family, n, sandbox, seed=config.trainer.seed, difficulty=config.data.difficulty

@@ -69,16 +69,18 @@ class Trace:
         steps: ``(kind, text)`` in order; ``model`` steps are trained, ``tool`` steps are not. In the
             ``retool`` format a tool step is the exact inserted text (``\\n<interpreter>...</interpreter>\\n``);
             in ``hermes`` it is the content of a ``tool`` message (glue is added when tokenizing).
-        format: ``retool`` or ``hermes`` (the tool-call format the model writes).
+        format: The tool-call format the model writes (``retool``, ``hermes``, or any registered one).
         answer: The gold answer when known.
+        tools: The schemas of the env's tools, as its prompt lists them; None: the code tool.
     """
 
     id: str
     problem: str
     steps: list[tuple[StepKind, str]]
-    format: Literal["retool", "hermes"] = "retool"
+    format: str = "retool"
     answer: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
 
     def to_retool_row(self) -> dict[str, Any]:
         """The ReTool-SFT row of a ReTool trace: ``messages = [user, assistant]``."""
@@ -312,12 +314,17 @@ def render_prompt(
 
 
 def _prompt(
-    tokenizer: Any, problem: str, format: str, system_prompt: str | None, prompt_template: str
+    tokenizer: Any,
+    problem: str,
+    format: str,
+    system_prompt: str | None,
+    prompt_template: str,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[dict[str, Any]] | None]:
     """(prompt text, tool schemas given to the chat template) through the env's and the rollout's own
-    helpers: the code tool, the format's system prompt when None, printable user text."""
+    helpers: ``tools`` (default: the code tool), the format's system prompt when None, printable user text."""
     tool_format = get_format(format)
-    tools = [get_tool(CODE_TOOL).schema()]
+    tools = tools if tools is not None else [get_tool(CODE_TOOL).schema()]
     system = tool_format.system_prompt(tools) if system_prompt is None else system_prompt
     messages = initial_messages(problem, system_prompt=system, prompt_template=prompt_template)
     return rollout_prompt(tokenizer, {"messages": messages, "tools": tools}, tool_format)
@@ -331,7 +338,9 @@ def trace_to_trajectory(
     Each step is tokenized on its own (``add_special_tokens=False``), as the rollout tokenizes an
     observation; model tokens get log-prob 0.0 (SFT has no sampling policy).
     """
-    prompt, template_tools = _prompt(tokenizer, trace.problem, trace.format, system_prompt, prompt_template)
+    prompt, template_tools = _prompt(
+        tokenizer, trace.problem, trace.format, system_prompt, prompt_template, trace.tools
+    )
     builder = TrajectoryBuilder(_encode(tokenizer, prompt))
     glue = (
         ToolTurnGlue(tokenizer, template_tools)
@@ -346,16 +355,23 @@ def trace_to_trajectory(
     steps = list(trace.steps)
     if not steps or steps[-1][0] != "model":
         steps.append(("model", ""))
+    # A format without stop strings (qwen3, llama3_json) ends a calling turn with EOS, which the model
+    # samples in RL: it is trained here too, and the glue after it does not repeat it.
+    calls_end_with_eos = glue is not None and not get_format(trace.format).stop_strings
     for index, (kind, text) in enumerate(steps):
         if kind == "model":
             # the final turn ends with EOS, which the model samples in RL: part of that turn, mask 1
-            ids = _encode(tokenizer, text) + ([eos] if index == len(steps) - 1 else [])
+            last = index == len(steps) - 1
+            ids = _encode(tokenizer, text) + ([eos] if last or (calls_end_with_eos and text) else [])
             if ids:
                 builder.append(ids, 1, [0.0] * len(ids))
         else:
             # tool output is text: a special-token string it holds stays text, as in the rollout
+            after_eos = calls_end_with_eos and steps[index - 1][0] == "model"
             ids = (
-                glue(text, turn_ended_with_eos=False) if glue is not None else encode_as_text(tokenizer, text)
+                glue(text, turn_ended_with_eos=after_eos)
+                if glue is not None
+                else encode_as_text(tokenizer, text)
             )
             if ids:
                 builder.append(ids, 0)
@@ -392,6 +408,41 @@ def procedural_trace(problem: Problem, sandbox: Sandbox, *, timeout_s: float | N
         ("model", f"<answer>\\boxed{{{answer}}}</answer>"),
     ]
     return Trace(problem.id, problem.problem, steps, "retool", problem.answer, {"source": problem.source})
+
+
+def env_trace(env: Any, problem: Problem) -> Trace | None:
+    """Play ``problem``'s solution calls (``meta["solution_calls"]``) through ``env`` (a ``ToolEnv``:
+    its tools, format and limits) and answer with the last tool output: a trace of the REAL outputs in
+    the env's own format, or None when the env does not score that answer correct (or the episode ended
+    early). What cold-start SFT makes for an env of tools other than the code interpreter."""
+    calls = problem.meta.get("solution_calls")
+    if not calls:
+        raise SFTDataError(
+            f"problem {problem.id} has no meta['solution_calls']: its family gives no tool calls"
+        )
+    _, info = env.reset(options={"problem": problem})
+    steps: list[tuple[StepKind, str]] = []
+    output = ""
+    for name, arguments in calls:
+        turn = env.format.write_calls([(name, arguments)])
+        output, _, terminated, truncated, step = env.step(turn)
+        if terminated or truncated:
+            return None
+        steps += [("model", turn)] + [("tool", message) for message in step.get("tool_messages", [output])]
+    answer = f"<answer>\\boxed{{{output.strip()}}}</answer>"
+    _, reward, terminated, _, final = env.step(answer)
+    if not (terminated and final.get("correct")):
+        return None
+    steps.append(("model", answer))
+    return Trace(
+        problem.id,
+        problem.problem,
+        steps,
+        env.format.name,
+        problem.answer,
+        {"source": problem.source},
+        info["tools"],
+    )
 
 
 def procedural_traces(

@@ -85,3 +85,14 @@ def test_custom_problems_and_reward_from_yaml(monkeypatch):
         load_config(None, ["env.kwargs.reward={bonus: 1}"])
     with pytest.raises(ConfigError, match=r"env.kwargs.reward: reward mode 'x' is unknown"):
         load_config(None, ["env.kwargs.reward={mode: x}"])
+
+
+def test_unit_converter_example_plays_its_solution_to_reward_one():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "unit_converter.py")], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1].startswith("reward=1.0 answer=")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,62 @@ def test_model_too_large_for_memory_gives_one_line(tmp_path):
         sft(cfg)
     assert "pick a smaller model, a smaller dtype, or a device with more memory" in str(info.value)
     assert "\n" not in str(info.value)
+
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+
+
+@pytest.fixture
+def unit_converter(monkeypatch):
+    """examples/unit_converter.py's tool, family and env, imported as `module:id` imports them."""
+    import gymnasium
+
+    from stare_envs.tools import unregister_tool
+
+    monkeypatch.chdir(EXAMPLES)
+    yield "unit_converter:newcomer/UnitConvert-v0"
+    unregister_tool("convert")
+    gymnasium.registry.pop("newcomer/UnitConvert-v0", None)
+    sys.modules.pop("unit_converter", None)  # the next test imports it, and registers, again
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3"])
+def test_a_custom_tools_cold_start_traces_are_the_episodes_rl_would_play(unit_converter, fmt, tokenizer):
+    """A family whose solution is a call of its env's tool: `stare-agent sft` plays it through the env
+    and keeps the real tool output; tokenized, each trace is token for token (ids and mask) the episode
+    the rollout runner makes when a policy writes the same turns (qwen3: the calling turn's EOS trained)."""
+    from stare_agent.engines.scripted import ScriptedEngine
+    from stare_envs.registry import make_tool_env
+    from stare_envs.rollout import RolloutRunner
+
+    config = load_config(
+        None,
+        [
+            f"env.id={unit_converter}",
+            f"env.format={fmt}",
+            "sft.data=procedural:unit_conversion",
+            "sft.procedural_rows=4",
+        ],
+    )
+    traces, counts = load_sft_traces(config)
+    assert len(traces) == 4 and counts == {"rejected": 0}
+    for trace in traces:
+        assert trace.format == fmt and [kind for kind, _ in trace.steps] == ["model", "tool", "model"]
+        assert trace.tools[0]["function"]["name"] == "convert"
+        sft_ids = trace_to_trajectory(trace, tokenizer)
+        env = make_tool_env(config.env.id, format=fmt)
+        turns = [text for kind, text in trace.steps if kind == "model"]
+        runner = RolloutRunner(tokenizer, ScriptedEngine(tokenizer, [turns]), max_response_tokens=512)
+        (played,) = runner.run([env], options=[{"problem": _problem_of(trace)}])
+        assert played.reward == 1.0
+        assert (played.prompt_ids, played.response_ids, played.loss_mask) == (
+            sft_ids.prompt_ids,
+            sft_ids.response_ids,
+            sft_ids.loss_mask,
+        )
+
+
+def _problem_of(trace):
+    from stare_envs.problems import Problem
+
+    return Problem(id=trace.id, problem=trace.problem, answer=trace.answer)
