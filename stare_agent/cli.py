@@ -104,7 +104,8 @@ EVAL_FLAGS = {
 def _eval(args: argparse.Namespace) -> int:
     from stare_agent import run_dirs
     from stare_agent.config import load_config
-    from stare_agent.evaluation import check_resume, config_resume_settings, evaluate_config
+    from stare_agent.eval_files import check_resume, config_resume_settings
+    from stare_agent.evaluation import evaluate_config
     from stare_agent.models import resolve_policy_path
     from stare_agent.provenance import model_settings
     from stare_agent.resources import eval_source, make_env
@@ -419,21 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=[b for b in BACKENDS if b != "ray"])
     p.set_defaults(func=_sandbox_demo)
 
-    doctor = sub.add_parser("doctor", help="qualify a model's tokenizer and chat template before a long run")
-    doctor_sub = doctor.add_subparsers(dest="doctor_command", required=True, parser_class=_Parser)
-    p = doctor_sub.add_parser(
-        "tokens",
-        help="play the token-exactness cases (docs/tokens.md) with a tokenizer; one row a case",
-        description="Plays scripted tool episodes through the rollout runner with the model's tokenizer and "
-        "chat template and checks that the trajectory is exactly what the engine was given and produced, "
-        "that tool output stays text and that the reward reads only the model's words. Exit 1 when a case "
-        "is not exact.",
-    )
-    p.add_argument(
-        "--model", required=True, help="a model directory or id (its tokenizer is all that is read)"
-    )
-    p.add_argument("--formats", nargs="+", default=["retool", "hermes"], help="tool-call formats to play")
-    p.set_defaults(func=_doctor_tokens)
+    _add_doctor(sub)
 
     p = sub.add_parser(
         "eval",
@@ -560,13 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
         "samples, each under torchrun on this node's GPUs. Earlier results in --runs are refused unless "
         "--resume or --overwrite says what to do with them.",
     )
-    p.add_argument(
-        "--arms",
-        nargs="+",
-        default=["stare-o1"],
-        metavar="ARM",
-        help=f"any of {', '.join(PAPER_ARMS)}, run in the order given (default stare-o1)",
-    )
+    arms = f"any of {', '.join(PAPER_ARMS)}, run in the order given (default stare-o1)"
+    p.add_argument("--arms", nargs="+", default=["stare-o1"], metavar="ARM", help=arms)
     p.add_argument("--gpus", type=positive_int, default=8, help="GPUs of this node to use (default 8)")
     p.add_argument(
         "--placement",
@@ -595,6 +577,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_plugin_commands(sub)
     return parser
+
+
+def _add_doctor(sub: Any) -> None:
+    """`stare-agent doctor tokens`."""
+    doctor = sub.add_parser("doctor", help="qualify a model's tokenizer and chat template before a long run")
+    doctor_sub = doctor.add_subparsers(dest="doctor_command", required=True, parser_class=_Parser)
+    p = doctor_sub.add_parser(
+        "tokens",
+        help="play the token-exactness cases (docs/tokens.md) with a tokenizer; one row a case",
+        description="Plays scripted tool episodes through the rollout runner with the model's tokenizer and "
+        "chat template and checks that the trajectory is exactly what the engine was given and produced, "
+        "that tool output stays text and that the reward reads only the model's words. Exit 1 when a case "
+        "is not exact.",
+    )
+    p.add_argument(
+        "--model", required=True, help="a model directory or id (its tokenizer is all that is read)"
+    )
+    p.add_argument("--formats", nargs="+", default=["retool", "hermes"], help="tool-call formats to play")
+    p.set_defaults(func=_doctor_tokens)
 
 
 COMMANDS_GROUP = "stare_agent.commands"

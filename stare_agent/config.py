@@ -286,9 +286,8 @@ class EnvConfig:
     Attributes:
         id: Gymnasium id of a ``ToolEnv`` (the env must be a ``stare_envs.ToolEnv``, wrappers are not used:
             the rollout runner drives it and it enforces its own turn and tool-call limits).
-        format: Tool-call format: ``retool`` (``<code>``/``<interpreter>``, the paper's), ``hermes``, or a
-            model family's own (``qwen3``, ``llama3_json``, ``deepseek_v3``; docs/tokens.md), or a
-            registered one; null: the registered env's own (``retool`` for the built-in code-interpreter ids).
+        format: Tool-call format: ``retool`` (the paper's), ``hermes``, a model family's own (``qwen3``,
+            ``llama3_json``, ``deepseek_v3``: docs/tokens.md) or a registered one; null: the env's own.
         max_turns: Model turns per episode; null: the env's own, i.e. its registration's, else
             ``ToolEnv``'s 8 (the built-in ids register 16, the paper's). A value set here wins over
             the registration.
@@ -653,9 +652,8 @@ class DataConfig:
         eval_fp32: The quickstart's evaluations (before, after SFT, after RL) decode in fp32 whatever
             the rollout engine's precision (a second vLLM worker in fp32 beside a bf16 one, or the
             transformers engine without bf16 autocast): a greedy argmax flips with bf16 rounding in a few
-            episodes, which would move the table by a problem or two. ``stare-agent eval`` with this
-            config decodes in fp32 too (a vLLM engine in ``float32``), so it reproduces the table; the
-            trainer's periodic evaluation decodes with the rollout engine's precision.
+            episodes. ``stare-agent eval`` with this config decodes in fp32 too, reproducing the table;
+            the trainer's periodic evaluation decodes with the rollout engine's precision.
         difficulty: Difficulty (1-3) of procedurally generated problems.
         prompts_per_step: Prompts (groups) per optimizer step after dynamic sampling (paper: 64).
         samples_per_prompt: Responses per prompt, the group size G (paper: 8).
@@ -869,9 +867,7 @@ class TrainerConfig:
         checkpoint_every: Write a checkpoint every N steps (and at the end); 0: only at the end.
         keep_checkpoints: Complete checkpoints kept on disk (older ones are deleted).
         eval_every: Validate every N steps (and at the end); 0: never.
-        eval_every_limit: The periodic validation (``eval_every``) takes only the first N of the
-            validation problems (the learning curve's points cost less than the final evaluation);
-            None: as many as ``data.eval_limit``.
+        eval_every_limit: The periodic validation takes the first N validation problems; None: all.
         log_every: Print a progress line every N steps (JSONL/TensorBoard get every step).
         run_dir: Directory for the config, logs, checkpoints and plots of this run.
         seed: Seed of problem order, sampling and initialisation.
@@ -888,10 +884,8 @@ class TrainerConfig:
             container killed from outside, a backend error; not the model's code, whose exceptions,
             crashes and timeouts are observations), beyond chance (a one-sided binomial test at
             p < 0.001, so one or two losses do not stop a small run: at 0.05 it takes 3 of 3, 4 of 8
-            or 8 of 40 episodes): a run whose tools broke would otherwise train without them and
-            look fine. Attempts that failed and were then played to the end on a retry cost time,
-            not data: they are logged (``tools/infra_recovered``), not counted. 1.0: never stop.
-            Every step logs the ``tools/...`` rates (dashboard panel "Tool health").
+            or 8 of 40 episodes): a run whose tools broke would otherwise train without them. Attempts
+            recovered on a retry are logged (``tools/infra_recovered``), not counted. 1.0: never stop.
         infra_error_window: Steps ``max_infra_error_rate`` is taken over.
         max_staleness: Asynchronous rollouts (AReaL; verl's partial rollouts): episodes for the next
             steps are played while the learner trains the current one, each model token at most this
@@ -902,13 +896,9 @@ class TrainerConfig:
             weights (one more copy in memory; vLLM and SGLang hold theirs anyway). 0: the
             synchronous trainer (each step's rollouts after the previous update).
         interrupt_on_sync: With ``max_staleness > 0``, a weight sync ends the engine calls in flight at
-            their next token and continues them under the new weights (each token labelled with the
-            version that sampled it), instead of waiting for whole turns (the transformers, vLLM
-            and SGLang engines can; an engine without ``interrupt()`` waits either way;
-            docs/training.md, "Asynchronous rollouts"). Off by
-            default: on this project's CPU benchmark the step ran 0.83-0.88x as fast with it (each cut
-            turn is prefilled again and the rollouts were the bottleneck; docs/benchmarks.md); it pays
-            where an update is long against a step's rollout and a turn long against the update.
+            their next token and continues them under the new weights (each token labelled with its
+            version) instead of waiting for whole turns (docs/training.md, "Asynchronous rollouts"). Off
+            by default: it pays only where an update is long against a step's rollout (docs/benchmarks.md).
     """
 
     steps: int = 2000
@@ -937,11 +927,11 @@ class TrainerConfig:
                 f"trainer.max_infra_error_rate={self.max_infra_error_rate} must be in [0, 1] (a share of "
                 "episodes; 1.0 never stops the run)"
             )
-        if self.checkpoint_every < 0 or self.eval_every < 0:
-            raise ConfigError("trainer.checkpoint_every and trainer.eval_every must be >= 0 (0 = off)")
-        if self.eval_every_limit is not None and self.eval_every_limit < 1:
+        limit = 1 if self.eval_every_limit is None else self.eval_every_limit
+        if min(self.checkpoint_every, self.eval_every) < 0 or limit < 1:
             raise ConfigError(
-                f"trainer.eval_every_limit={self.eval_every_limit} must be >= 1, or null for data.eval_limit's"
+                "trainer.checkpoint_every and trainer.eval_every must be >= 0 (0 = off), trainer.eval_every_limit "
+                f">= 1 or null; got {self.checkpoint_every}, {self.eval_every}, {self.eval_every_limit}"
             )
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import sys
 import time
 import zlib
@@ -37,7 +36,17 @@ from pathlib import Path
 from typing import Any
 
 from stare_agent import run_dirs
-from stare_agent.errors import StareError
+from stare_agent.eval_files import (
+    EPISODES_FILE,
+    RESULTS_FILE,
+    SUMMARY_FILE,
+    EvaluationError,
+    append_run,
+    check_resume,
+    plain_setting,
+    replace_file,
+)
+from stare_agent.eval_progress import EvalProgress, progress_bar
 from stare_agent.intervals import BOOTSTRAP_DRAWS, score_interval, wilson_interval
 from stare_agent.metrics import ToolHealth, json_ready
 from stare_envs.engine import Engine, SamplingParams, Tokenizer
@@ -45,12 +54,8 @@ from stare_envs.problems import Problem, ProblemSourceError
 from stare_envs.problems.selection import eval_problems
 from stare_envs.registry import registered_problems
 from stare_envs.rewards import answers_equivalent
-from stare_envs.rollout import RolloutProgress, RolloutRunner
+from stare_envs.rollout import RolloutRunner
 from stare_envs.trajectory import Trajectory
-
-
-class EvaluationError(StareError, ValueError):
-    """An evaluation that cannot go on as asked (a resume of another evaluation's results)."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -203,27 +208,13 @@ class EvalReport:
         the dir. Each file is replaced whole (written beside it, then renamed)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        _replace(out / RESULTS_FILE, "".join(json.dumps(asdict(r)) + "\n" for r in self.problems))
-        _replace(
+        replace_file(out / RESULTS_FILE, "".join(json.dumps(asdict(r)) + "\n" for r in self.problems))
+        replace_file(
             out / SUMMARY_FILE,
             json.dumps(json_ready(self.summary()), indent=2, default=str, allow_nan=False) + "\n",
         )
-        _append_run(out, self.run, complete=True)
+        append_run(out, self.run, complete=True)
         return out
-
-
-RESULTS_FILE, SUMMARY_FILE, EPISODES_FILE = "results.jsonl", "summary.json", "episodes.jsonl"
-RUN_FILE = "run.json"
-"""Beside the summary: one record per call that wrote to the directory (a resumed one adds its own)."""
-
-
-def _append_run(out: Path, run: dict[str, Any], *, complete: bool) -> None:
-    if not run:
-        return
-    path = out / RUN_FILE
-    runs = json.loads(path.read_text())["runs"] if path.is_file() else []
-    runs.append({**run, "complete": complete})
-    _replace(path, json.dumps({"runs": runs}, indent=2, default=str) + "\n")
 
 
 INTERVAL_METHOD = (
@@ -263,15 +254,6 @@ def settings_lines(settings: dict[str, Any]) -> list[str]:
         )
         lines.append(f"engine: {engine.get('kind')}" + (f" ({detail})" if detail else ""))
     return [*lines, ""]
-
-
-def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # a write that failed (a full disk) leaves no half file
 
 
 def summarize(results: Sequence[ProblemResult], samples: int) -> dict[str, float]:
@@ -412,13 +394,10 @@ def evaluate(
 ) -> EvalReport:
     """Evaluate a policy with the code tool: ``samples`` episodes per problem.
 
-    With ``out_dir``, each problem's line is appended to ``results.jsonl`` (and flushed) as soon as its
-    last sample finishes; an interrupt (Ctrl-C, or SIGTERM once a sandbox pool is up) writes a partial
-    ``summary.json`` (``"complete": false``, the metrics of the finished problems) before it propagates,
-    and ``resume=True`` continues from ``results.jsonl``: finished problems are read back, not played
-    again. Every episode samples from the stream its (problem id, sample index) names, so a resumed
-    evaluation's summary equals an uninterrupted one's. At the end both files are rewritten whole, in
-    problem order.
+    With ``out_dir``, each problem's line goes to ``results.jsonl`` as soon as its last sample finishes;
+    an interrupt writes a partial ``summary.json`` (``"complete": false``) before it propagates, and
+    ``resume=True`` continues from ``results.jsonl``. Every episode samples from the stream its (problem
+    id, sample index) names, so a resumed evaluation's summary equals an uninterrupted one's.
 
     Args:
         problems: Problems, a source as ``data.eval`` takes it (a JSONL/Parquet file, a built-in set such
@@ -493,6 +472,29 @@ def evaluate(
         )
 
 
+def _problem_list(
+    problems: Sequence[Problem] | str | Path | None,
+    env_id: str,
+    *,
+    seed: int,
+    difficulty: int,
+    limit: int | None,
+) -> tuple[list[Problem], str | None]:
+    """:func:`evaluate`'s problems resolved as ``data.eval`` is (None: the env's registered ones), and the
+    source's name (None for a list)."""
+    if problems is None:  # the env's own, as a config with data.eval unset takes them
+        problems = registered_problems(env_id)
+        if problems is None:
+            raise ProblemSourceError(
+                f"{env_id} was registered without problems: pass problems= (a list, a problem file, a built-in "
+                "set such as aime2024, or a procedural family such as mixed)"
+            )
+    if isinstance(problems, Path):
+        problems = str(problems)
+    source = problems if isinstance(problems, str) else None
+    return eval_problems(problems, seed=seed, difficulty=difficulty, limit=limit), source
+
+
 def _evaluate(
     problems: Sequence[Problem] | str | Path | None,
     *,
@@ -521,18 +523,8 @@ def _evaluate(
     if sampling.seed is None:  # seeded by default, as `stare-agent eval` is (trainer.seed: 0)
         sampling = replace(sampling, seed=0)
     kwargs = dict(env_kwargs or {})
-    if problems is None:  # the env's own, as a config with data.eval unset takes them
-        problems = registered_problems(env_id)
-        if problems is None:
-            raise ProblemSourceError(
-                f"{env_id} was registered without problems: pass problems= (a list, a problem file, a built-in "
-                "set such as aime2024, or a procedural family such as mixed)"
-            )
-    if isinstance(problems, Path):
-        problems = str(problems)
-    source = problems if isinstance(problems, str) else None
-    problem_list = eval_problems(
-        problems, seed=sampling.seed or 0, difficulty=kwargs.get("difficulty", 1), limit=limit
+    problem_list, source = _problem_list(
+        problems, env_id, seed=sampling.seed or 0, difficulty=kwargs.get("difficulty", 1), limit=limit
     )
     from stare_envs.registry import env_needs_sandbox
 
@@ -619,8 +611,8 @@ def _play(
         continuous=continuous_batching,
     )
     envs = make_tool_envs(env_id, min(batch_size, len(jobs)), tokenizer=tokenizer, **kwargs)
-    bar = _progress(len(jobs), progress)
-    tracker = _Progress(bar, len(jobs), max_response_tokens)
+    bar = progress_bar(len(jobs), progress)
+    tracker = EvalProgress(bar, len(jobs), max_response_tokens)
     episodes: dict[str, list[Trajectory]] = {}
     try:
         files.format = getattr(envs[0], "format", None)
@@ -763,65 +755,7 @@ def _settings(
             settings[key] = {**settings[key], **{k: v for k, v in value.items() if v is not None}}
         else:
             settings[key] = value
-    return json.loads(json.dumps(settings, default=_plain_setting))
-
-
-# Settings that must agree for a resumed evaluation to continue the same evaluation.
-RESUME_KEYS = (
-    ("data", "sha256"),
-    ("samples",),
-    ("sampling",),
-    ("max_response_tokens",),
-    ("env",),
-    ("model",),
-)
-
-
-def check_resume(out: str | Path, settings: dict[str, Any]) -> None:
-    """Refuse to resume the evaluation in ``out`` with ``settings`` that differ from its own in one of
-    :data:`RESUME_KEYS` (a key ``settings`` leaves out is not compared: :func:`config_resume_settings`
-    gives those a run config fixes, before any model loads).
-
-    Raises:
-        EvaluationError: nothing to resume there, or settings that differ (named).
-    """
-    out = Path(out)
-    path = out / RESULTS_FILE
-    if not path.is_file():
-        raise EvaluationError(f"{path} not found: nothing to resume (drop --resume to start the evaluation)")
-    summary_path = out / SUMMARY_FILE
-    before = json.loads(summary_path.read_text()).get("settings", {}) if summary_path.is_file() else {}
-    settings = json.loads(json.dumps(settings, default=_plain_setting))
-    differ = []
-    for keys in RESUME_KEYS:
-        old, new = _dig(before, keys), _dig(settings, keys)
-        if old is not None and new is not None and old != new:
-            differ.append(".".join(keys))
-    if differ:
-        raise EvaluationError(
-            f"{out} holds an evaluation with other settings ({', '.join(differ)} differ, see its "
-            f"{SUMMARY_FILE}): pass the same settings to resume it, or another --out to start anew"
-        )
-
-
-def config_resume_settings(config: Any, problems: Sequence[Problem], model: dict[str, Any]) -> dict[str, Any]:
-    """The settings of :data:`RESUME_KEYS` that :func:`evaluate_config` records for ``config``'s
-    evaluation of ``problems`` by ``model`` (``provenance.model_settings``): what
-    ``stare-agent eval --resume`` checks before it loads a model."""
-    from stare_agent.provenance import problems_sha256
-
-    data, env = config.data, config.env
-    sampling = SamplingParams(
-        temperature=data.eval_temperature, top_p=data.eval_top_p, seed=config.trainer.seed
-    )
-    return {
-        "data": {"sha256": problems_sha256(problems)},
-        "samples": data.eval_samples,
-        "sampling": asdict(sampling),
-        "max_response_tokens": env.max_response_tokens,
-        "env": {"id": env.id, "kwargs": env.env_kwargs(evaluation=True)},
-        "model": model,
-    }
+    return json.loads(json.dumps(settings, default=plain_setting))
 
 
 def _resume(
@@ -853,7 +787,7 @@ def _resume(
         rows.append(result)
         if result.problem_id in ids:
             done[result.problem_id] = result
-    _replace(path, "".join(json.dumps(asdict(r)) + "\n" for r in rows))  # without a cut last line
+    replace_file(path, "".join(json.dumps(asdict(r)) + "\n" for r in rows))  # without a cut last line
     return done
 
 
@@ -873,20 +807,12 @@ def _write_partial(
         metrics, intervals = summarize_with_intervals(finished, samples, seed=sampling.seed or 0)
     partial = EvalReport(samples=samples, metrics=metrics, problems=finished, intervals=intervals,
                          settings=settings, run=run)  # fmt: skip
-    _append_run(out, run, complete=False)
-    _replace(
+    append_run(out, run, complete=False)
+    replace_file(
         out / SUMMARY_FILE,
         json.dumps(json_ready(partial.summary(complete=False)), indent=2, default=str, allow_nan=False)
         + "\n",
     )
-
-
-def _dig(tree: dict[str, Any], keys: tuple[str, ...]) -> Any:
-    for key in keys:
-        if not isinstance(tree, dict):
-            return None
-        tree = tree.get(key)  # type: ignore[assignment]
-    return tree
 
 
 def _engine_model(engine: Any) -> dict[str, Any] | None:
@@ -906,58 +832,3 @@ def _engine_model(engine: Any) -> dict[str, Any] | None:
         return model_settings(str(name))
     except Exception:  # noqa: BLE001 - a name that no longer resolves is still a name
         return {"name_or_path": str(name)}
-
-
-def _plain_setting(value: Any) -> Any:
-    """Settings as JSON: dataclasses as dicts, anything else by its str."""
-    from dataclasses import is_dataclass
-
-    if is_dataclass(value) and not isinstance(value, type):
-        return asdict(value)
-    return str(value)
-
-
-class _Progress:
-    """The progress bar's turns, tokens and time left while long episodes run (the episode count alone
-    stays at 0 for the whole first batch). Time left is an upper bound: the response budget the
-    unfinished episodes may still take, at the tokens per second so far."""
-
-    def __init__(self, bar: Any, jobs: int, budget: int) -> None:
-        self.bar, self.jobs, self.budget = bar, jobs, budget
-        self.start = time.perf_counter()
-        self.done_jobs = self.done_tokens = self.turns = 0
-        self.postfix: dict[str, Any] = {}
-
-    def turn(self, now: RolloutProgress) -> None:
-        tokens = self.done_tokens + now.response_tokens
-        elapsed = time.perf_counter() - self.start
-        rate = tokens / elapsed if elapsed > 0 else 0.0
-        unstarted = self.jobs - self.done_jobs - now.episodes
-        left = now.budget_left + unstarted * self.budget
-        postfix = {"turns": self.turns + now.turns, "tokens": f"{tokens:,}", "tok/s": f"{rate:.0f}"}
-        if rate > 0:
-            postfix["at most left"] = _duration(left / rate)
-        self.postfix = postfix
-        self.bar.set_postfix(postfix, refresh=True)
-
-    def chunk_done(self, jobs: int, tokens: int, turns: int) -> None:
-        self.done_jobs += jobs
-        self.done_tokens += tokens
-        self.turns += turns
-        if self.done_jobs >= self.jobs and self.postfix:  # finished: no time is left to bound
-            self.postfix.pop("at most left", None)
-            self.bar.set_postfix(self.postfix, refresh=True)
-
-
-def _duration(seconds: float) -> str:
-    minutes, s = divmod(int(seconds), 60)
-    hours, m = divmod(minutes, 60)
-    return f"{hours}h{m:02d}m" if hours else f"{m}m{s:02d}s"
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="eval episodes", unit="ep")

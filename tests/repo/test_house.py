@@ -20,7 +20,6 @@ OVER_BUDGET = {
     "stare_agent/config.py": 1225,
     "stare_agent/engines/__init__.py:start_engine": 101,
     "stare_agent/engines/vllm_engine.py:VLLMEngine.__init__": 81,
-    "stare_agent/evaluation.py": 906,
     "stare_agent/evaluation.py:evaluate": 99,
     "stare_agent/evaluation.py:_evaluate": 85,
     "stare_agent/recipes/quickstart.py:_run": 106,
@@ -94,3 +93,25 @@ def test_the_research_trainer_overrides_no_private_method():
         if isinstance(f, ast.FunctionDef) and f.name.startswith("_") and f.name != "__init__"
     ]
     assert not private, private
+
+
+README_BYTES, RESULTS_WORDS = 10_000, 120
+# Words about how the project was made, not what it does: they belong in CHANGELOG.md.
+PROCESS_WORDS = re.compile(
+    r"\bissues? ?#?\d+|\bplayed\b|\brelease before\b|\breleases ago\b|\breported\b|\bthe tree before\b"
+    r"|\bhardening pass\b|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b",
+    re.IGNORECASE,
+)
+
+
+def test_the_front_page_is_read_in_two_minutes():
+    """README: at most 10 KB, its results one paragraph of at most 120 words (and a figure), and no
+    words about how the project was made (issue numbers, commit hashes, "played", "reported")."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(text.encode()) <= README_BYTES, f"README.md is {len(text.encode())} bytes (budget {README_BYTES})"
+    results = text.split("## Results", 1)[1].split("\n## ", 1)[0].strip()
+    paragraphs = [p for p in results.split("\n\n") if p.strip() and not p.startswith("![")]
+    assert len(paragraphs) == 1 and len(paragraphs[0].split()) <= RESULTS_WORDS, paragraphs
+    assert "![" in results  # one figure
+    found = [m.group() for m in PROCESS_WORDS.finditer(text)]
+    assert not found, found

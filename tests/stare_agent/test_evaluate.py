@@ -456,7 +456,8 @@ def test_eval_resume_with_other_settings_is_refused_before_a_model_loads(tmp_pat
     on); `stare-agent eval --resume` with another one is refused before its engine loads."""
     from stare_agent import cli
     from stare_agent.config import load_config
-    from stare_agent.evaluation import check_resume, config_resume_settings, evaluate_config
+    from stare_agent.eval_files import check_resume, config_resume_settings
+    from stare_agent.evaluation import evaluate_config
     from stare_agent.provenance import model_settings
     from stare_envs.problems import eval_problems
 

@@ -156,7 +156,7 @@ def test_a_command_that_fails_before_writing_leaves_no_trace(tmp_path):
 
 
 def test_a_summary_that_cannot_be_written_leaves_no_half_file(tmp_path, monkeypatch):
-    from stare_agent import evaluation
+    from stare_agent import eval_files
 
     target = tmp_path / "summary.json"
 
@@ -165,6 +165,6 @@ def test_a_summary_that_cannot_be_written_leaves_no_half_file(tmp_path, monkeypa
 
     monkeypatch.setattr(type(target), "write_text", full)
     with pytest.raises(OSError):
-        evaluation._replace(target, "{}")
+        eval_files.replace_file(target, "{}")
     monkeypatch.undo()
     assert list(tmp_path.iterdir()) == []
