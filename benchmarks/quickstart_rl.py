@@ -43,12 +43,12 @@ def cli(*args: str) -> list[str]:
     return [str(Path(sys.executable).with_name("stare-agent")), *args]
 
 
-def train(sft_model: str, overrides: str, run_dir: Path) -> dict:
+def train(sft_model: str, overrides: str, run_dir: Path, config: Path = CONFIG) -> dict:
     """The quickstart's RL part from ``sft_model`` with ``overrides``; its steps and seconds."""
     command = cli(
         "train",
         "--config",
-        str(CONFIG),
+        str(config),
         f"model.name_or_path={sft_model}",
         f"trainer.run_dir={run_dir}",
         *shlex.split(overrides),
@@ -100,6 +100,9 @@ def main() -> None:
     parser.add_argument(
         "--scores", default=None, help="also write each problem's score per policy to this JSON"
     )
+    parser.add_argument(
+        "--config", default=str(CONFIG), help="the RL settings' base config (rl_demo.yaml, ...)"
+    )
     args = parser.parse_args()
     settings = settings_of(args.setting, SETTINGS)
     if args.list:
@@ -114,7 +117,7 @@ def main() -> None:
         base, _ = evaluate(sft_model, args.problems, Path(tmp) / "eval-sft")
         for i, (name, overrides) in enumerate(settings.items()):
             print(f"[{name}] stare-agent train {overrides}", flush=True)
-            rl = train(sft_model, overrides, Path(tmp) / f"rl{i}")
+            rl = train(sft_model, overrides, Path(tmp) / f"rl{i}", Path(args.config))
             scores, _ = evaluate(rl["model"], args.problems, Path(tmp) / f"eval{i}")
             rows.append((name, overrides, rl, scores))
     if args.scores:  # per problem, for a paired comparison of two settings later
@@ -145,6 +148,23 @@ def main() -> None:
             f"| {name} | `{overrides}` | {sum(scores) / len(scores):.3f} | {change:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
             f"{better} / {worse} | {rl['trained']} of {rl['steps']} | {H} | {rl['seconds']:.0f} |"
         )
+    if len(rows) > 1:
+        print("\npaired between settings (95 % Newcombe over the same problems; one seed each):")
+        print_pairs(rows)
+
+
+def print_pairs(rows: list[tuple[str, str, dict, list[float]]]) -> None:
+    """Each pair of settings' paired difference over the same problems (the second minus the first)."""
+    from stare_agent.intervals import paired_difference_interval
+
+    for i, (first, _, _, a) in enumerate(rows):
+        for second, _, _, b in rows[i + 1 :]:
+            lo, hi = paired_difference_interval(a, b)
+            better = sum(1 for x, y in zip(a, b, strict=True) if y > x)
+            worse = sum(1 for x, y in zip(a, b, strict=True) if y < x)
+            print(
+                f"{second} - {first}: {(sum(b) - sum(a)) / len(a):+.3f} [{lo:+.3f}, {hi:+.3f}] ({better} better, {worse} worse)"
+            )
 
 
 if __name__ == "__main__":
