@@ -115,3 +115,19 @@ def test_the_front_page_is_read_in_two_minutes():
     assert "![" in results  # one figure
     found = [m.group() for m in PROCESS_WORDS.finditer(text)]
     assert not found, found
+
+
+# The guides (not the research pages, which keep their plans' history for now) name no issue or release.
+GUIDE_PROCESS_WORDS = re.compile(
+    r"\bissues? ?#?\d+|\brelease before\b|\breleases ago\b|\bthe tree before\b|\bhardening pass\b|issue's",
+    re.IGNORECASE,
+)
+
+
+def test_the_guides_speak_about_the_project_not_its_history():
+    found = [
+        f"{page.relative_to(REPO)}: {m.group()}"
+        for page in sorted((REPO / "docs").glob("*.md"))
+        for m in GUIDE_PROCESS_WORDS.finditer(page.read_text(encoding="utf-8"))
+    ]
+    assert not found, found
