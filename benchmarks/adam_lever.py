@@ -434,15 +434,15 @@ def run_batches(run_dir: Path):
 
 
 def machine_line() -> str:
+    """:func:`stare_agent.provenance.machine`, then the run's torch threads, load average, OS and torch."""
     import os
     import platform
-    import subprocess
 
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    name = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")), "?")
+    from stare_agent.provenance import machine
+
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     return (
-        f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, load average {load}, "
+        f"{machine()}, {torch.get_num_threads()} torch threads, load average {load}, "
         f"{platform.platform()}, torch {torch.__version__}"
     )
 

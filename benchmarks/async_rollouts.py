@@ -70,7 +70,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.learner_speed import load_note, machine  # noqa: E402
+from benchmarks.learner_speed import load_note  # noqa: E402
+from stare_agent.provenance import machine  # noqa: E402
 
 PROBLEMS = [
     {"id": f"add-{a}-{b}", "problem": f"What is {a} + {b}?", "answer": str(a + b)}

@@ -40,15 +40,14 @@ import gc
 import json
 import math
 import os
-import platform
 import shutil
-import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from stare_agent.metrics import read_metrics
+from stare_agent.provenance import machine
 from stare_research.replay import ReplayError, check_overrides, replay, step_files
 from stare_research.study import BANK_EVALS, BANK_KEY, EDGE_STEPS, VARIANTS, finite, run_numbers
 from stare_research.tables import read_runs
@@ -66,18 +65,6 @@ METHODS = (
     "stare-o1-placebo",
     "stare-o1-w3-drawn-placebo",
 )
-
-
-def machine() -> str:
-    try:
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-            if line.startswith("Model name")
-        )
-    except (OSError, StopIteration):
-        cpu = platform.processor() or "unknown CPU"
-    return f"{cpu}, {os.cpu_count()} cores"
 
 
 def finished(out: Path, steps: int) -> bool:

@@ -53,7 +53,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -77,6 +76,7 @@ from stare_agent.algorithms.token_weighting import (
 )
 from stare_agent.intervals import format_ci, mean_sd_ci
 from stare_agent.models import load_policy, tiny_model
+from stare_agent.provenance import machine
 from stare_envs.problems import generate_problems, load_problems
 from stare_envs.rewards import RewardConfig, compute_reward, extract_boxed
 from stare_research.entropy_effect import raising_tokens
@@ -655,23 +655,14 @@ def main() -> None:
         "skipped_batches": skipped,
         "drawn": drawn_total,
         "wall_s": wall,
-        "machine": machine_line(),
+        "machine": f"{machine()}, {torch.get_num_threads()} torch threads, load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, {platform.platform()}, torch {torch.__version__}",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": " ".join(sys.argv),
     }
     (args.out / "summary.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
     write_csv(records, args.out / "batches.csv")
     print_table(summary, args, meta)
-
-
-def machine_line() -> str:
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    name = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")), "?")
-    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (
-        f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, load average {load}, "
-        f"{platform.platform()}, torch {torch.__version__}"
-    )
 
 
 def summarize_saved(args) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -75,13 +74,9 @@ def main() -> None:
         for i, (name, flags) in enumerate(paths.items()):
             print(f"[{name}] stare-agent eval {flags}", flush=True)
             results[name] = run_path(args.model, flags, Path(tmp) / f"path{i}")
-    cpu = platform.processor() or "unknown CPU"
-    if Path("/proc/cpuinfo").is_file():
-        models = [
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")
-        ]
-        cpu = models[0].split(":", 1)[1].strip() if models else cpu
-    print(f"\n{args.model} on the quickstart's held-out problems, greedy; {cpu}, {os.cpu_count()} cores")
+    from stare_agent.provenance import machine
+
+    print(f"\n{args.model} on the quickstart's held-out problems, greedy; {machine()}")
     print(f"load average at the end: {os.getloadavg()[0]:.1f}\n")
     print(
         "| path | engine | accuracy | tool calls / episode | response tokens | solved, not by the first | not solved, solved by the first | seconds |"

@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -644,7 +643,9 @@ def main() -> None:
     head = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
     ).stdout.strip()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; baseline {base_sha}, "
+    from stare_agent.provenance import machine
+
+    print(f"machine: {machine()}; baseline {base_sha}, "
           f"this tree at {head} (+ its changes)", flush=True)  # fmt: skip
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,7 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ROWS = [
@@ -61,7 +60,7 @@ def child(name: str, groups_per_mini_batch: int, selection: str, n: int, repeats
     import torch
     from learner_speed import rl_batch
 
-    from stare_agent.config import load_config
+    from stare_agent.config import cpu_has_bf16, load_config
     from stare_agent.engines.scripted import ScriptedEngine
     from stare_agent.models import load_policy
     from stare_agent.train.rollout_phase import Group
@@ -69,7 +68,7 @@ def child(name: str, groups_per_mini_batch: int, selection: str, n: int, repeats
 
     config_path = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
     run_dir = tempfile.mkdtemp(prefix="minibatch-bench-")
-    precision = "bf16-autocast" if "avx512_bf16" in open("/proc/cpuinfo").read() else "fp32"
+    precision = "bf16-autocast" if cpu_has_bf16() else "fp32"
     config = load_config(
         config_path,
         [
@@ -143,7 +142,9 @@ def main() -> None:
         name, size, selection = args.child
         print(json.dumps(child(name, int(size), selection, args.trajectories, args.repeats)))
         return
-    from learner_speed import load_note, machine
+    from learner_speed import load_note
+
+    from stare_agent.provenance import machine
 
     print(f"machine: {machine()}")
     print(f"before: {load_note()}")

@@ -28,35 +28,21 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from stare_agent.config import load_config  # noqa: E402
-from stare_agent.models import load_policy  # noqa: E402
-from stare_agent.train.learner import Learner  # noqa: E402
-from stare_envs.trajectory import Trajectory, TrajectoryBuilder  # noqa: E402
+from stare_agent.config import load_config
+from stare_agent.models import load_policy
+from stare_agent.provenance import machine
+from stare_agent.train.learner import Learner
+from stare_envs.trajectory import Trajectory, TrajectoryBuilder
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 OLD = {"score_response_only": False, "bucket_by_length": False, "share_prompts": False}
 NEW = {"score_response_only": True, "bucket_by_length": True, "share_prompts": True}
-
-
-def machine() -> str:
-    model = "unknown CPU"
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    flags = open("/proc/cpuinfo", encoding="utf-8").read()
-    bf16 = "AVX-512 BF16" if "avx512_bf16" in flags else "no AVX-512 BF16"
-    return f"{model}, {os.cpu_count()} cores ({bf16})"
 
 
 def load_note() -> str:

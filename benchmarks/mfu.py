@@ -29,7 +29,6 @@ parameters restored after every learner job.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -38,13 +37,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # learner_speed, beside this script
 
 from learner_speed import NEW, bench, load_note, make_learner, rl_batch, sft_batch, work  # noqa: E402
 
 from stare_agent import perf  # noqa: E402
 from stare_agent.config import cpu_has_bf16, load_config  # noqa: E402
+from stare_agent.provenance import machine  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 PROMPTS = [
@@ -53,18 +52,6 @@ PROMPTS = [
     "Compute 17^23 mod 1009.",
     "How many divisors does 720720 have?",
 ]
-
-
-def machine() -> str:
-    model, flags = "unknown CPU", set()
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("model name") and model == "unknown CPU":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    has = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    return f"{model}, {len(os.sched_getaffinity(0))} cores, flags: {', '.join(has) or 'none of avx512f/avx512_bf16/amx'}"
 
 
 def bounds(repeats: int) -> dict[str, float | None]:

@@ -16,24 +16,19 @@ Interleaved, parameters restored after each step, medians over ``--repeats``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from learner_speed import machine  # noqa: E402
-
-from stare_agent.config import load_config  # noqa: E402
-from stare_agent.models import load_policy  # noqa: E402
-from stare_agent.recipes.quickstart import run_precision  # noqa: E402
-from stare_agent.train import batch as batch_module  # noqa: E402
-from stare_agent.train.learner import Learner  # noqa: E402
-from stare_envs.trajectory import Trajectory, TrajectoryBuilder  # noqa: E402
+from stare_agent.config import load_config
+from stare_agent.models import load_policy
+from stare_agent.provenance import machine
+from stare_agent.recipes.quickstart import run_precision
+from stare_agent.train import batch as batch_module
+from stare_agent.train.learner import Learner
+from stare_envs.trajectory import Trajectory, TrajectoryBuilder
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 GROUPS = [[256, 104, 92, 80], [195, 96, 88, 70], [120, 110, 95, 60]]  # response tokens of each sample
@@ -82,10 +77,7 @@ def main() -> None:
             seconds[name].append(time.perf_counter() - t0)
             learner.module.load_state_dict(start)
     batch_module.MICRO_BATCH_OVERHEAD = default
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
-    print(
-        f"\n{machine()}" + (f", ONEDNN_MAX_CPU_ISA={cap}" if cap else "") + f"; medians of {args.repeats}\n"
-    )
+    print(f"\n{machine()}; medians of {args.repeats}\n")
     print("| variant | micro-batches (rows) | backbone tokens | s / step (log-probs + update) | speed-up |")
     print("|---|---|---:|---:|---:|")
     base = statistics.median(next(iter(seconds.values())))

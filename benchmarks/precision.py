@@ -31,8 +31,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # learner_speed, beside this script
 
 CAPS = ("AVX2", "AVX512_CORE")  # a CPU without AVX-512 at all; AVX-512 without its BF16 extension
 
@@ -87,9 +86,10 @@ def main() -> None:
     if args.quick:
         args.trajectories, args.repeats = 4, 1
 
-    from learner_speed import load_note, machine
+    from learner_speed import load_note
 
     from stare_agent.config import cpu_has_bf16
+    from stare_agent.provenance import machine
 
     print(f"machine: {machine()}; {load_note()}")
     variants: dict[str, tuple[str | None, bool]] = {}

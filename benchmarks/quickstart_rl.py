@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -123,15 +122,9 @@ def main() -> None:
     if args.scores:  # per problem, for a paired comparison of two settings later
         scores = {"sft": base, **{name: sc for name, _, _, sc in rows}}
         Path(args.scores).write_text(json.dumps(scores))
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-        "?",
-    )
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
-    print(
-        f"\n{sft_model}: {len(base)} held-out problems, greedy, vLLM fp32; {cpu}, {os.cpu_count()} cores"
-        + (f", ONEDNN_MAX_CPU_ISA={cap}" if cap else "")
-    )
+    from stare_agent.provenance import machine
+
+    print(f"\n{sft_model}: {len(base)} held-out problems, greedy, vLLM fp32; {machine()}")
     print(f"SFT model: accuracy {sum(base) / len(base):.3f}\n")
     print(
         "| setting | overrides | accuracy | RL's change, 95 % paired interval | better / worse | "

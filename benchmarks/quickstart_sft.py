@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from quickstart_rl import CONFIG, REPO, cli, evaluate, settings_of  # noqa: E402
 
-CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")  # a CPU played, printed
+# a CPU played, printed (ONEDNN_MAX_CPU_ISA is in machine()'s line)
+CAPS = ("MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
 SETTINGS = {
     "today: 112 traces, lr 1e-4 (14 steps)": "|",
     "same SFT, response budget 192": "|env.max_response_tokens=192",
@@ -89,14 +90,10 @@ def main() -> None:
             print(f"[{name}] eval on {args.problems} problems {eval_overrides}", flush=True)
             scores, tokens = evaluate(trained["model"], args.problems, Path(tmp) / f"eval{i}", eval_overrides)
             rows.append((name, spec, trained, scores, tokens))
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-        "?",
-    )
-    caps = [f"{k}={os.environ[k]}" for k in CAPS if os.environ.get(k)]
-    print(
-        f"\n{args.problems} held-out problems, greedy, vLLM fp32; {cpu}, {os.cpu_count()} cores, {' '.join(caps)}\n"
-    )
+    from stare_agent.provenance import machine
+
+    caps = "".join(f", {k}={os.environ[k]}" for k in CAPS if os.environ.get(k))
+    print(f"\n{args.problems} held-out problems, greedy, vLLM fp32; {machine()}{caps}\n")
     print(
         "| setting | overrides (SFT \\| eval) | SFT steps | SFT seconds | SFT last loss | accuracy | change vs the first, "
         "95 % paired interval | better / worse | response tokens / episode |"

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -173,7 +171,9 @@ def main() -> int:
     steps_a = [r["time/step_s"] for r in ma if "time/step_s" in r]
     steps_b = [r["time/step_s"] for r in mb if "time/step_s" in r]
 
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {_cpu()}; runs in {base}")
+    from stare_agent.provenance import machine
+
+    print(f"\nmachine: {machine()}; runs in {base}")
     width = max(len(r["artefact"]) for r in rows)
     print(f"{'artefact':<{width}}  {'items':>6}  {'identical':>9}  first difference")
     for r in rows:
@@ -185,16 +185,6 @@ def main() -> int:
         wall = f"; wall: first {walls[0]:.0f} s, second {walls[1]:.0f} s" if walls else ""
         print(f"\nmedian s/step: first {ma_s:.1f}, second {mb_s:.1f} (ratio {mb_s / ma_s:.2f}){wall}")
     return 0 if all(r["identical"] == r["items"] for r in rows) else 1
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {len(os.sched_getaffinity(0))} cores"
-    except OSError:
-        pass
-    return platform.platform()
 
 
 if __name__ == "__main__":

@@ -106,18 +106,6 @@ def _median(steps: list[dict], key: str) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, {platform.system()}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(REPO / "runs" / "quickstart" / "sft_model"))
@@ -157,8 +145,11 @@ def main() -> None:
             results[name] = json.loads(Path(out.name).read_text())
         load.append(os.getloadavg()[0])
 
+    from stare_agent.provenance import machine
+
     print(f"\nOne RL step of configs/quickstart.yaml from {args.model}, {args.steps} steps per path")
-    print(f"machine: {_machine()}; load average after each path: {', '.join(f'{x:.1f}' for x in load)}\n")
+    loads = ", ".join(f"{x:.1f}" for x in load)
+    print(f"machine: {machine()}, {platform.system()}; load average after each path: {loads}\n")
     header = [
         "path",
         "engine",

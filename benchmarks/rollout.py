@@ -129,19 +129,6 @@ def _median_seconds(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def _machine() -> str:
-    """The CPU model and core count, and the load average when the run started."""
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model
-            )
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"
-
-
 def _load_times() -> tuple[float, float]:
     """(first conversion in a fresh cache, cached load), each in a new process, without imports."""
     script = (
@@ -166,6 +153,7 @@ def bench_engine_throughput(args: argparse.Namespace) -> None:
 
     from stare_agent.engines import TransformersEngine
     from stare_agent.models import embedded_model_path, load_policy
+    from stare_agent.provenance import machine
     from stare_envs.engine import SamplingParams
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
@@ -226,7 +214,8 @@ def bench_engine_throughput(args: argparse.Namespace) -> None:
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     print(
-        f"\nEngine throughput: embedded SmolLM2-135M-Instruct on {args.device} ({_machine()}), "
+        f"\nEngine throughput: embedded SmolLM2-135M-Instruct on {args.device} ({machine()}, "
+        f"load average {os.getloadavg()[0]:.1f}), "
         f"{args.new_tokens} new tokens per sequence, AIME 2024 prompts, median of {args.repeats} "
         f"(torch threads: {torch.get_num_threads()})\n"
     )
@@ -435,6 +424,7 @@ def bench_draw(args: argparse.Namespace) -> None:
     from stare_agent.config import load_config
     from stare_agent.engines import start_engine
     from stare_agent.models import load_policy
+    from stare_agent.provenance import machine
     from stare_agent.resources import open_sandboxes, train_source
     from stare_envs.engine import SamplingParams
     from stare_envs.problems import ProblemStream
@@ -461,7 +451,8 @@ def bench_draw(args: argparse.Namespace) -> None:
     print(
         f"\nOne RL draw of configs/quickstart.yaml: {data.prompts_per_step} problems x {G} samples, "
         f"{env.max_response_tokens} response tokens, T = {env.temperature:g}; model {args.model}; vLLM: {vllm_name}; "
-        f"{args.repeats} rounds after a warm-up round; machine: {_machine()}\n"
+        f"{args.repeats} rounds after a warm-up round; machine: {machine()}, "
+        f"load average {os.getloadavg()[0]:.1f}\n"
     )
     try:
         for round_ in range(args.repeats + 1):

@@ -46,18 +46,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from stare_agent.algorithms.rollout_correction import correction_weights  # noqa: E402
+from stare_agent.algorithms.rollout_correction import correction_weights
+from stare_agent.provenance import machine
 
 V, GOOD, N, GROUP = 16, 4, 64, 8
 SIGMA = 0.045  # logit noise: mean |d| ~ 0.036 nats a token on the sampled tokens
@@ -200,17 +196,6 @@ def row(label, E, diff, tokens, seqs, ess, grad, norm) -> dict:
     }
 
 
-def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        name = next(
-            line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")
-        )
-    except (OSError, StopIteration):
-        name = platform.processor() or "unknown CPU"
-    return f"{name}, torch {torch.__version__} on {torch.get_num_threads()} thread(s)"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="60 batches, T = 200 and 1000")
@@ -220,7 +205,10 @@ def main() -> None:
     torch.set_num_threads(1)
     batches = args.batches or (60 if args.quick else 400)
     lengths = args.lengths or ([200, 1000] if args.quick else [200, 1000, 4000])
-    print(f"# rollout correction on synthetic mismatch: {machine()}")
+    print(
+        f"# rollout correction on synthetic mismatch: {machine()}, "
+        f"torch {torch.__version__} on {torch.get_num_threads()} thread(s)"
+    )
     print(f"# N = {N} sequences a batch, {batches} batches a case, V = {V}, sigma = {SIGMA}, drift eta {ETA}")
     start = time.perf_counter()
     for case in ("bf16", "drift"):

@@ -30,10 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from stare_sandbox import SandboxConfig, SandboxPool  # noqa: E402
-from stare_sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet  # noqa: E402
+from stare_sandbox import SandboxConfig, SandboxPool
+from stare_sandbox.ray_fleet import RayFleetConfig, RaySandboxFleet
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sandbox_latency  # noqa: E402
@@ -166,17 +164,6 @@ def fleet(resource: str, per_node: int, limits: SandboxConfig, hosts: int) -> Ra
     return RaySandboxFleet(config, limits, min_hosts=hosts)
 
 
-def machine() -> str:
-    model = ""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    cores = len(os.sched_getaffinity(0))
-    return f"{model or platform.processor()}, {cores} cores, Linux {platform.release()}"
-
-
 def _load() -> str:
     return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -192,7 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     seconds = args.seconds / 2 if args.quick else args.seconds
     limits = SandboxConfig()
     started = time.monotonic()
-    print(f"machine: {machine()}; load average before: {_load()}")
+    from stare_agent.provenance import machine
+
+    print(f"machine: {machine()}, Linux {platform.release()}; load average before: {_load()}")
     import ray
 
     cluster = start_cluster()

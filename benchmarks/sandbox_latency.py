@@ -36,13 +36,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from stare_sandbox import Sandbox, make_sandbox, resolve_backend  # noqa: E402
-from stare_sandbox.config import DEFAULT_IMAGE, PRELOAD_MATH, Backend  # noqa: E402
-from stare_sandbox.pool import PoolStats, SandboxPool  # noqa: E402
+from stare_sandbox import Sandbox, make_sandbox, resolve_backend
+from stare_sandbox.config import DEFAULT_IMAGE, PRELOAD_MATH, Backend
+from stare_sandbox.pool import PoolStats, SandboxPool
 
 STATEMENT = "x = 1"
 

@@ -24,17 +24,13 @@ import argparse
 import contextlib
 import os
 import statistics
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import stare_sandbox.docker  # noqa: E402
-import stare_sandbox.kernel  # noqa: E402
-from stare_sandbox import SandboxConfig, make_sandbox  # noqa: E402
-from stare_sandbox.base import Sandbox  # noqa: E402
+import stare_sandbox.docker
+import stare_sandbox.kernel
+from stare_sandbox import SandboxConfig, make_sandbox
+from stare_sandbox.base import Sandbox
 
 PIPE_FULLS = """import os
 print("before")

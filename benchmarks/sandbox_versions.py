@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -137,8 +136,10 @@ def main(argv: list[str] | None = None) -> None:
             )
     names = list(versions)
     metrics = list(results[names[0]][0])
+    from stare_agent.provenance import machine
+
     print(
-        f"\nDocker sandbox, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"\nDocker sandbox, {machine()}, "
         f"load {os.getloadavg()[0]:.1f}; medians of {args.rounds} alternating rounds"
     )
     print(f"{'':16s} " + " ".join(f"{n:>26s}" for n in names) + f" {'ratio':>7s}")

@@ -19,11 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
@@ -31,6 +28,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 def main() -> None:
     from stare_agent.config import load_config
     from stare_agent.models import load_policy
+    from stare_agent.provenance import machine
     from stare_agent.recipes.quickstart import run_precision
     from stare_agent.train.batch import shared_prefix_length
     from stare_agent.train.learner import Learner
@@ -63,12 +61,8 @@ def main() -> None:
             seconds[share].append(time.perf_counter() - t0)
             learner.module.load_state_dict(start)
     tokens = sum(t.num_tokens for b in batches for t in b)
-    cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
     print(
-        f"\n{cpu}, {os.cpu_count()} cores"
-        + (f", ONEDNN_MAX_CPU_ISA={cap}" if cap else "")
-        + f"; {precision}; "
+        f"\n{machine()}; {precision}; "
         f"{len(batches)} batches of 8 traces, {tokens} tokens, shared prefix "
         f"{[shared_prefix_length(b) for b in batches]} tokens; medians of {args.repeats}; "
         f"load average at the end {os.getloadavg()[0]:.1f}\n"

@@ -24,9 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from stare_agent.algorithms import (  # noqa: E402
+from stare_agent.algorithms import (
     causal_lm_logprobs_and_entropy,
     chunked_logprobs_and_entropy,
     entropy_gate,

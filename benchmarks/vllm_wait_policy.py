@@ -14,11 +14,8 @@ cores with the worker.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def worker_cpu_s(pid: int) -> float:

@@ -27,7 +27,6 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def _rss_bytes() -> int:
@@ -103,7 +102,9 @@ def main() -> None:
         for zero3 in (False, True):
             results[zero3].append(_launch(args.model, zero3))
     mib = 1024**2
-    print(f"machine: {platform.node()} {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}")
+    from stare_agent.provenance import machine
+
+    print(f"machine: {platform.node()}, {machine()}")
     print(f"model: {args.model}; 2 ranks (gloo, CPU); medians over {args.repeats} launches\n")
     print("| rank | variant | params held MiB | RSS after load +MiB | peak RSS during load +MiB |")
     print("|---|---|---|---|---|")

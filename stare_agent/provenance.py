@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
+import sys
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
@@ -28,6 +30,40 @@ def package_versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             versions[name] = None
     return versions
+
+
+def machine() -> str:
+    """One line on the machine a measurement ran on: the CPU model, the cores, whether the CPU computes
+    bf16 natively (its AVX-512 BF16 and AMX flags), ``ONEDNN_MAX_CPU_ISA`` when set, and the CUDA GPUs
+    when this process's torch sees any (torch is not imported for it); e.g. ``AMD EPYC, 2 cores, AVX-512 BF16``."""
+    model, flags = "", set[str]()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    if "avx512_bf16" in flags:
+        bf16 = "AVX-512 BF16" + (" + AMX" if "amx_bf16" in flags else "")
+    else:
+        bf16 = "AMX BF16" if "amx_bf16" in flags else "no native bf16"
+    parts = [
+        model or platform.processor() or platform.machine() or "unknown CPU",
+        f"{os.cpu_count()} cores",
+        bf16,
+    ]
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        parts.append(f"ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']}")
+    torch = sys.modules.get(
+        "torch"
+    )  # a process that runs no torch (the sandbox's benchmarks) has no GPU to name
+    if torch is not None and torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        parts += [f"{names.count(n)} x {n}" if names.count(n) > 1 else n for n in dict.fromkeys(names)]
+    return ", ".join(parts)
 
 
 def run_record(**fields: Any) -> dict[str, Any]:
@@ -136,4 +172,4 @@ def _hub_revision(name: str) -> str | None:
     return Path(found).parent.name if isinstance(found, str) else None
 
 
-__all__ = ["engine_settings", "model_settings", "package_versions", "problems_sha256"]
+__all__ = ["engine_settings", "machine", "model_settings", "package_versions", "problems_sha256"]

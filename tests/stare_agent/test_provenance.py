@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
+import types
 
-from stare_agent.provenance import engine_settings, model_settings, problems_sha256
+from stare_agent.provenance import engine_settings, machine, model_settings, problems_sha256
 from stare_envs.problems import Problem
 
 
@@ -54,3 +57,19 @@ def test_engine_settings_name_the_in_process_model_dtype_and_device():
         "device": "cpu",
         "autocast_dtype": None,
     }
+
+
+def test_the_machine_line_names_cores_bf16_the_isa_cap_and_gpus(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # no torch: its import fails, fast
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    line = machine()
+    assert f", {os.cpu_count()} cores, " in line
+    assert "bf16" in line.lower() and "ONEDNN_MAX_CPU_ISA" not in line
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert machine().endswith(", ONEDNN_MAX_CPU_ISA=AVX2")
+    names = ["NVIDIA H100", "NVIDIA H100"]
+    cuda = types.SimpleNamespace(
+        is_available=lambda: True, device_count=lambda: len(names), get_device_name=names.__getitem__
+    )
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    assert machine().endswith(", ONEDNN_MAX_CPU_ISA=AVX2, 2 x NVIDIA H100")
