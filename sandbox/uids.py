@@ -28,8 +28,14 @@ from stare_sandbox.errors import SandboxError
 CLAIM_DIR = Path("/tmp/.stare-sandbox-uids")
 """Where claims are held: shared by every user of the host (mode 1777), not a ``stare-*`` temp dir."""
 
+CLAIM_OWNER = SANDBOX_UIDS.start - 1
+"""Owner of the claim folder and files a root host makes (0400): not uid 0, because the local backend's
+kernel runs as uid 0 without capabilities, and an owner-only file of uid 0, or a sticky folder of uid
+0 (whose owner may remove any file in it), would be its own."""
+
 _lock = threading.Lock()
 _held: dict[int, int] = {}  # uid -> fd holding its flock, in this process
+_swept: set[Path] = set()  # claim folders this process has swept (see _sweep)
 
 
 class UidClaim:
@@ -73,29 +79,66 @@ def _claim_dir() -> Path:
     info = CLAIM_DIR.lstat()
     if (
         not stat.S_ISDIR(info.st_mode)
-        or info.st_uid not in (0, os.geteuid())
+        or info.st_uid not in (0, CLAIM_OWNER, os.geteuid())
         and info.st_mode & 0o1777 != 0o1777
     ):
         raise SandboxError(
             f"{CLAIM_DIR} is not a directory this user may claim sandbox uids in: remove it "
             "(it is recreated with mode 1777)"
         )
+    if os.geteuid() == 0 and info.st_uid != CLAIM_OWNER:
+        os.chown(CLAIM_DIR, CLAIM_OWNER, CLAIM_OWNER, follow_symlinks=False)
+    if CLAIM_DIR not in _swept:
+        _sweep(CLAIM_DIR)
+        _swept.add(CLAIM_DIR)
     return CLAIM_DIR
+
+
+def _planted(owner: int) -> bool:
+    """Whether a claim file of ``owner`` was made by model code, never by a host: one of a sandbox
+    uid; for a root host, also one of uid 0 (a local kernel's; a root host's own are ``CLAIM_OWNER``'s)."""
+    return owner in SANDBOX_UIDS or (os.geteuid() == 0 and owner != CLAIM_OWNER)
+
+
+def _sweep(folder: Path) -> None:
+    """Once a process: claim files made by model code removed (root may; a claim file an earlier
+    version made, readable to all, goes too: it is made again when claimed), this user's own made
+    owner-only."""
+    for entry in os.scandir(folder):
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(info.st_mode):
+                continue
+            if _planted(info.st_uid):
+                os.unlink(entry.path)
+            elif info.st_uid == os.geteuid() and info.st_mode & 0o077:
+                os.chmod(entry.path, 0o400, follow_symlinks=False)
+        except OSError:
+            pass  # gone meanwhile, or not ours to change
 
 
 def _open_claim(path: Path) -> int:
     # Not O_CREAT on an existing file: fs.protected_regular refuses that for another user's file
-    # in a sticky directory, while opening it to read is enough to lock it.
+    # in a sticky directory, while opening it to read is enough to lock it. Owner-only (0400): a
+    # sandbox's uid cannot open a host's claim to lock it (one that could held all 1,000 of them).
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
     while True:
         try:
-            return os.open(path, flags)
+            fd = os.open(path, flags)
         except FileNotFoundError:
             pass
+        else:
+            info = os.fstat(fd)
+            if info.st_uid == os.geteuid() and info.st_mode & 0o077:
+                os.fchmod(fd, 0o400)  # made readable to all by an earlier version
+            return fd
         try:
-            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o444)
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o400)
         except FileExistsError:
             continue  # another process made it meanwhile
+        if os.geteuid() == 0:
+            os.fchown(fd, CLAIM_OWNER, CLAIM_OWNER)
+        return fd
 
 
 def _names_a_user(uid: int) -> bool:
@@ -109,7 +152,7 @@ def _names_a_user(uid: int) -> bool:
 def claim_uid() -> UidClaim:
     """Claim a uid of ``SANDBOX_UIDS`` that no other sandbox holds, no process runs as and no host
     user has (a local kernel of that uid would own that user's files)."""
-    unusable: OSError | None = None
+    unusable: _Unusable | None = None
     try:
         folder = _claim_dir()
         with _lock:
@@ -118,19 +161,12 @@ def claim_uid() -> UidClaim:
                 if uid in in_use or uid in _held or _names_a_user(uid):
                     continue
                 try:
-                    fd = _open_claim(folder / str(uid))
-                except OSError as exc:  # e.g. a symlink planted in its place: never followed
+                    claim = _try_claim(uid, folder)
+                except _Unusable as exc:  # e.g. a symlink planted in its place: never followed
                     unusable = exc
                     continue
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError as exc:
-                    os.close(fd)
-                    if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                        continue  # another process's sandbox holds it
-                    raise
-                _held[uid] = fd
-                return UidClaim(uid, fd)
+                if claim is not None:
+                    return claim
     except OSError as exc:
         raise SandboxError(
             f"cannot claim a sandbox uid in {CLAIM_DIR} ({exc}): make /tmp writable, or remove {CLAIM_DIR}"
@@ -144,3 +180,36 @@ def claim_uid() -> UidClaim:
         f"all {len(SANDBOX_UIDS)} sandbox uids ({SANDBOX_UIDS.start}-{SANDBOX_UIDS.stop - 1}) are in use on "
         "this host: close some sandboxes, or look for leftover processes running as those uids"
     )
+
+
+class _Unusable(Exception):
+    """This uid's claim file cannot be used (not a plain file, or another user's we cannot open)."""
+
+
+def _try_claim(uid: int, folder: Path) -> UidClaim | None:
+    """The claim of ``uid``, or None when another process holds it. A claim file model code planted
+    (:func:`_planted`; the folder is writable by every host user, 1777) is removed and made again, so
+    the lock its planter holds is on a file no one looks at any more."""
+    path = folder / str(uid)
+    for _ in range(2):
+        try:
+            fd = _open_claim(path)
+        except OSError as exc:
+            raise _Unusable(str(exc)) from exc
+        if _planted(os.fstat(fd).st_uid):
+            os.close(fd)
+            try:
+                path.unlink()
+            except OSError as exc:  # not ours to remove (a host user who is not root): leave it
+                raise _Unusable(f"{path} was planted by a sandbox uid") from exc
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return None  # another process's sandbox holds it
+            raise
+        _held[uid] = fd
+        return UidClaim(uid, fd)
+    raise _Unusable(f"{path} was planted again by a sandbox uid")

@@ -59,3 +59,57 @@ def test_a_claim_file_that_is_not_a_plain_file_is_skipped_never_followed(tmp_pat
     assert claim.uid != probe.uid and claim.uid in SANDBOX_UIDS
     claim.release()
     assert target.read_text() == "mine" and planted.is_symlink()
+
+
+ATTACK = """
+import fcntl, os
+held, planted, refused = [], [], 0
+folder = {folder!r}
+for name in sorted(os.listdir(folder)):
+    try:
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+    except OSError:
+        refused += 1
+        continue
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.append(fd)
+    except OSError:
+        os.close(fd)
+for uid in {free}:
+    try:
+        fd = os.open(os.path.join(folder, str(uid)), os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o444)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        planted.append(uid)
+    except OSError:
+        pass
+print(len(held), planted, refused)
+"""
+
+
+def test_model_code_in_a_local_sandbox_can_neither_take_nor_plant_uid_claims() -> None:
+    """A local kernel could open the host's claim files (world-readable) and flock every free one, or
+    create the claim of a uid no one had used yet and hold it: then no sandbox on the host, Docker ones
+    included, could get a uid. Claims are owner-only files now, and one a sandbox uid planted is
+    removed and made again by the host."""
+    from tests.conftest import host_problem, require
+
+    require("host", host_problem(unshare=True))
+    from stare_sandbox import make_sandbox
+
+    claim_uid().release()  # a free claim file exists
+    free = [uid for uid in reversed(SANDBOX_UIDS) if not (CLAIM_DIR / str(uid)).exists()][:3]
+    with make_sandbox("local") as sandbox:
+        result = sandbox.run(ATTACK.format(folder=str(CLAIM_DIR), free=free))
+        assert result.error is None, result.error
+        held, planted, refused = (
+            result.stdout.strip().split(" ", 1)[0],
+            *result.stdout.strip().split(" ", 1)[1].rsplit(" ", 1),
+        )
+        assert held == "0" and int(refused) > 0, result.stdout  # no claim file opened from inside
+        planted_uids = [int(u) for u in planted.strip("[]").split(",") if u.strip()]
+        with uids._lock:  # the planted claims are the host's to take while their planter still holds them
+            taken = [uids._try_claim(uid, CLAIM_DIR) for uid in planted_uids]
+        assert all(t is not None and t.uid == uid for t, uid in zip(taken, planted_uids, strict=True))
+        for claim in taken:
+            claim.release()
