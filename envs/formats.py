@@ -384,13 +384,21 @@ def _numbered_results(results: Sequence[tuple[ToolCall, str]], errors: Sequence[
     return "\n".join(parts)
 
 
-def _one_message_per_call(results: Sequence[tuple[ToolCall, str]], errors: Sequence[str]) -> list[str]:
-    """A message per result, the turn's errors (if any) in a message before them."""
-    messages = ["\n".join(f"Error: {e}" for e in errors)] if errors else []
-    return messages + [text for _, text in results] if results or messages else [""]
+class _OneMessagePerCall:
+    """For formats with parallel calls: each result a ``tool`` message of its own, the turn's errors
+    in one before them; the observation text is the messages, a blank line apart."""
+
+    def render_messages(
+        self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()
+    ) -> list[str]:
+        messages = ["\n".join(f"Error: {e}" for e in errors)] if errors else []
+        return messages + [text for _, text in results] if results or messages else [""]
+
+    def render_observation(self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()) -> str:
+        return "\n\n".join(self.render_messages(results, errors))
 
 
-class Qwen3Format(HermesFormat):
+class Qwen3Format(_OneMessagePerCall, HermesFormat):
     """Qwen3's (and Qwen2.5's) own tool use: hermes calls, any number in a turn, which ends with
     ``<|im_end|>`` (no stop string), each result a ``tool`` message of its own (the template gathers
     them into one user turn of ``<tool_response>`` blocks). The ``hermes`` format instead stops a turn at
@@ -398,14 +406,6 @@ class Qwen3Format(HermesFormat):
 
     name = "qwen3"
     stop_strings: list[str] = []
-
-    def render_messages(
-        self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()
-    ) -> list[str]:
-        return _one_message_per_call(results, errors)
-
-    def render_observation(self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()) -> str:
-        return "\n\n".join(self.render_messages(results, errors))
 
 
 _PYTHON_TAG = "<|python_tag|>"
@@ -471,7 +471,7 @@ _DS_CALL = re.compile(
 )
 
 
-class DeepSeekV3Format(ToolFormat):
+class DeepSeekV3Format(_OneMessagePerCall, ToolFormat):
     """DeepSeek-V3's tool-call tokens: ``<｜tool▁calls▁begin｜>`` then, per call, ``<｜tool▁call▁begin｜>function
     <｜tool▁sep｜>NAME`` and the arguments as a ```` ```json ```` block, ``<｜tool▁call▁end｜>``; the turn
     stops at ``<｜tool▁calls▁end｜>``. Any number of calls a turn, each result a ``tool`` message of its
@@ -518,14 +518,6 @@ class DeepSeekV3Format(ToolFormat):
                 "Read the result, then answer in a turn of its own."
             )
         return ParsedTurn(calls, None, errors, has_tag)
-
-    def render_messages(
-        self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()
-    ) -> list[str]:
-        return _one_message_per_call(results, errors)
-
-    def render_observation(self, results: Sequence[tuple[ToolCall, str]], errors: Sequence[str] = ()) -> str:
-        return "\n\n".join(self.render_messages(results, errors))
 
     def write_calls(self, calls: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
         body = "".join(

@@ -211,39 +211,31 @@ env = gymnasium.make("guide/Double{tag}-v0")
 '''
 
 
+def _run_script(folder, text: str) -> subprocess.CompletedProcess:
+    """``text`` run as the script ``my_tools.py`` from ``folder`` (so that it can import itself)."""
+    script = folder / "my_tools.py"
+    script.write_text(text)
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=folder
+    )
+
+
 def test_a_module_registered_as_a_script_and_imported_by_name_registers_once(tmp_path):
     """The guide's snippet run as a script that then imports itself by name (what `module:id` in a
     config does when the module is also the running script): the same definitions again are no-ops."""
-    script = tmp_path / "my_tools.py"
-    script.write_text(
-        GUIDE_SNIPPET.format(tag="a")
-        + "\nimport my_tools\n\nif __name__ == '__main__':\n    print('registered once')\n"
-    )
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
+    main = "\nimport my_tools\n\nif __name__ == '__main__':\n    print('registered once')\n"
+    done = _run_script(tmp_path, GUIDE_SNIPPET.format(tag="a") + main)
     assert done.returncode == 0 and done.stdout.strip() == "registered once", done.stderr
 
 
 def test_another_definition_under_a_taken_name_is_refused_naming_both(tmp_path):
-    script = tmp_path / "my_tools.py"
-    script.write_text(
-        GUIDE_SNIPPET.format(tag="b")
-        + "\n@register_tool('double_b')\ndef double(x: int) -> int:\n    return x + x\n"
-    )
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
+    other = "\n@register_tool('double_b')\ndef double(x: int) -> int:\n    return x + x\n"
+    done = _run_script(tmp_path, GUIDE_SNIPPET.format(tag="b") + other)
     assert done.returncode == 1
     assert (
         "tool 'double_b' is already registered (by __main__.double), another definition (by __main__.double)"
         in (done.stderr)
     )
-    script.write_text(
-        GUIDE_SNIPPET.format(tag="c")
-        + "\nregister_tool_env('guide/Doublec-v0', tools=['double_c'], format='hermes', max_turns=3)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
+    again = "\nregister_tool_env('guide/Doublec-v0', tools=['double_c'], format='hermes', max_turns=3)\n"
+    done = _run_script(tmp_path, GUIDE_SNIPPET.format(tag="c") + again)
     assert "'guide/Doublec-v0' is already registered with other settings" in done.stderr

@@ -23,20 +23,26 @@ from tests.stare_agent.train.scripted_training import scripted_policy, write_pro
 from tests.stare_agent.train.test_trainer import make_config
 
 
-def episode(rng: random.Random, prompt: list[int], reward: float, engine_logp: float = -0.5):
-    """A one-turn episode of random tokens whose engine log-probs are all ``engine_logp``."""
+def episode(
+    rng: random.Random, prompt: list[int], reward: float, engine_logp: float = -0.5, tool: bool = False
+):
+    """A one-turn episode of random tokens whose engine log-probs are all ``engine_logp``; with ``tool``,
+    a second turn after 8 tokens of tool output (mask 0)."""
     b = TrajectoryBuilder(prompt)
-    n = rng.randint(6, 12)
-    b.append([rng.randint(100, 2000) for _ in range(n)], 1, [engine_logp - 0.01 * i for i in range(n)])
+    for turn in range(2 if tool else 1):
+        if turn:
+            b.append([rng.randint(100, 2000) for _ in range(8)], 0)
+        n = rng.randint(6, 12)
+        b.append([rng.randint(100, 2000) for _ in range(n)], 1, [engine_logp - 0.01 * i for i in range(n)])
     return b.build(reward=reward)
 
 
-def groups_of(rewards: list[list[float]], seed: int = 0) -> list[Group]:
+def groups_of(rewards: list[list[float]], seed: int = 0, tool: bool = False) -> list[Group]:
     rng = random.Random(seed)
     out, gid = [], 0
     for g, rs in enumerate(rewards):
         prompt = [rng.randint(100, 2000) for _ in range(5)]
-        trajectories = [episode(rng, prompt, r) for r in rs]
+        trajectories = [episode(rng, prompt, r, tool=tool) for r in rs]
         out.append(Group(g, None, list(rs), trajectories, list(range(gid, gid + len(rs)))))
         gid += len(rs)
     return out
@@ -66,8 +72,11 @@ def test_advantages_of_a_rank_are_its_own_groups_rows():
     assert sequence_ids.tolist() == [3, 4, 5] and trajectories == kept[1].trajectories
 
 
-@pytest.mark.parametrize("scope", ["micro_batch", "global"])
-def test_stare_ranks_surprisal_by_the_learners_log_probs_not_the_engines(tmp_path, scope):
+@pytest.mark.parametrize(("scope", "tool"), [("micro_batch", False), ("global", False), ("global", True)])
+def test_stare_ranks_surprisal_by_the_learners_log_probs_not_the_engines(tmp_path, scope, tool):
+    """With ``tool``: episodes with tool output between turns; the selection must rank and weight the
+    model's tokens only (handing it the whole response, tool output included, with the advantage
+    broadcast over it, is a bug STARE's authors' code had)."""
     # The engine's log-probs here fall along each episode (-0.5, -0.51, ...), an order that has
     # nothing to do with the tiny random model's own (near -log V): the selection by the learner's
     # surprisal and the one by the engine's pick different tokens, and the update must get the first.
@@ -80,7 +89,7 @@ def test_stare_ranks_surprisal_by_the_learners_log_probs_not_the_engines(tmp_pat
     trainer = Trainer(
         config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
     )
-    kept = groups_of([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 1.0, 1.0]], seed=3)
+    kept = groups_of([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 1.0, 1.0]], seed=3, tool=tool)
     seen = {}
     update = trainer.learner.update
 
@@ -112,6 +121,8 @@ def test_stare_ranks_surprisal_by_the_learners_log_probs_not_the_engines(tmp_pat
         trainer.close()
     assert metrics["gate_on"] == 1
     assert torch.equal(seen["weights"], by_learner)
+    assert torch.all(seen["weights"][mask == 0] == 1.0)  # tool output and padding: never reweighted
+    assert (seen["weights"] != 1.0).sum() > 0
 
 
 @pytest.mark.parametrize("flag", ["overlong_filter", "void_turn_filter"])
