@@ -3,6 +3,8 @@ every case, played through the real rollout runner by ``stare_envs.qualification
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from stare_envs import qualification
@@ -144,3 +146,36 @@ def test_the_matrix_catches_an_engine_prompt_that_is_not_the_trajectory(monkeypa
     monkeypatch.setattr(qualification._ScriptedPolicy, "generate", drifted)
     result = qualify(smollm2_tokenizer(), "retool", cases=["one tool call"])[0]
     assert result.exact is False and "prompt is not the trajectory so far" in result.note
+
+
+def test_the_published_matrix_is_the_one_the_suite_plays():
+    """docs/tokens.md's table says, cell by cell, the verdicts EXPECTED holds (and the suite plays)."""
+    from pathlib import Path
+
+    names = {
+        "SmolLM2 (ChatML)": "smollm2",
+        "Qwen3": "qwen3",
+        "Llama 3.1": "llama3_1",
+        "DeepSeek-V3": "deepseek_v3",
+        "Gemma 3": "gemma3",
+        "gpt-oss": "gptoss",
+    }
+    page = (Path(__file__).resolve().parents[2] / "docs" / "tokens.md").read_text(encoding="utf-8")
+    published: dict[tuple[str, str], dict[str, str]] = {}
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| ") or cells[0] not in names:
+            continue
+        family = names[cells[0]]
+        verdicts = [c.split(",")[0] for c in cells[2:]]
+        named = [f for f in re.findall(r"`([a-z0-9_]+)`", cells[1]) if f in EXPECTED[family]]
+        for fmt in named or (EXPECTED[family] if cells[1] == "any" else []):
+            filled = [v for v in verdicts if v] or [NOT_SUPPORTED]
+            row = filled if len(filled) == len(CASES) else filled * len(CASES)
+            published[(family, fmt)] = dict(zip(CASES, row, strict=True))
+    expected = {
+        (family, fmt): dict.fromkeys(CASES, verdict) if isinstance(verdict, str) else verdict
+        for family, formats in EXPECTED.items()
+        for fmt, verdict in formats.items()
+    }
+    assert published == expected
