@@ -182,7 +182,7 @@ def claim_uid() -> UidClaim:
     )
 
 
-class _Unusable(Exception):
+class _Unusable(SandboxError):
     """This uid's claim file cannot be used (not a plain file, or another user's we cannot open)."""
 
 

@@ -69,11 +69,14 @@ def test_names_are_unique_and_listed():
         register_format(type("Other", (ReToolFormat,), {"name": "retool"}))
     with pytest.raises(FormatRegistryError, match="is not a ToolFormat subclass with a name"):
         register_format(dict)  # type: ignore[arg-type]
-    with pytest.raises(KeyError, match=r"^Unknown tool format 'xml': use one of \['hermes', 'retool'\]$"):
+    with pytest.raises(
+        KeyError,
+        match=r"^Unknown tool format 'xml': use one of \['deepseek_v3', 'hermes', 'llama3_json', 'qwen3', 'retool'\]$",
+    ):
         get_format("xml")
     register_format(DemoFormat)
     try:
-        assert sorted(FORMATS) == ["demo", "hermes", "retool"]
+        assert sorted(FORMATS) == ["deepseek_v3", "demo", "hermes", "llama3_json", "qwen3", "retool"]
     finally:
         unregister_format("demo")
     assert "demo" not in FORMATS

@@ -155,7 +155,10 @@ def test_hermes_render_and_system_prompt_lists_tools():
 
 def test_get_format_by_name_and_error_lists_valid_names():
     assert isinstance(get_format("retool"), ReToolFormat) and get_format(hermes) is hermes
-    with pytest.raises(KeyError, match=r"Unknown tool format 'xml': use one of \['hermes', 'retool'\]"):
+    with pytest.raises(
+        KeyError,
+        match=r"Unknown tool format 'xml': use one of \['deepseek_v3', 'hermes', 'llama3_json', 'qwen3', 'retool'\]",
+    ):
         get_format("xml")
 
 
