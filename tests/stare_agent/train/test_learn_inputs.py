@@ -85,6 +85,8 @@ def test_stare_ranks_surprisal_by_the_learners_log_probs_not_the_engines(tmp_pat
     config = make_config(
         tmp_path, problems, "data.prompts_per_step=3", "data.samples_per_prompt=3",
         f"algorithm.scope={scope}", "algorithm.P=0.3",
+        # tool output scored too, so that its log-probs are there for a selection that wrongly reads them
+        *(["deepspeed.score_response_only=false"] if tool else []),
     )  # fmt: skip
     trainer = Trainer(
         config, model=model, tokenizer=tokenizer, engine=ScriptedEngine(tokenizer, scripted_policy())
