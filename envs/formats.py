@@ -484,10 +484,10 @@ class DeepSeekV3Format(_OneMessagePerCall, ToolFormat):
     def parse(self, turn_text: str) -> ParsedTurn:
         start = turn_text.find(_DS_CALLS_BEGIN)
         if start < 0:
-            answer, has_tag, errors = find_answer(turn_text)
+            answer, has_tag, problems = find_answer(turn_text)
             if _DS_CALLS_END in turn_text or "<｜tool▁call▁begin｜>" in turn_text:
-                errors.append(f"Tool calls must start with {_DS_CALLS_BEGIN}. Nothing was run.")
-            return ParsedTurn([], answer, errors, has_tag)
+                problems.append(f"Tool calls must start with {_DS_CALLS_BEGIN}. Nothing was run.")
+            return ParsedTurn([], answer, problems, has_tag)
         end = turn_text.find(_DS_CALLS_END, start)
         section = turn_text[start + len(_DS_CALLS_BEGIN) : end if end >= 0 else len(turn_text)]
         calls: list[ToolCall] = []

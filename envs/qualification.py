@@ -93,6 +93,8 @@ class _ScriptedPolicy:
                 ids, reason = ids[:n], "stop"
                 break
         else:
+            if self.tokenizer.eos_token_id is None:
+                raise RolloutError("the tokenizer has no eos_token_id: a turn cannot end without one")
             ids.append(self.tokenizer.eos_token_id)
         if len(ids) > params.max_new_tokens:
             ids, reason = ids[: params.max_new_tokens], "length"
@@ -238,7 +240,7 @@ def _exactness(policy: _ScriptedPolicy, trajectory: Trajectory) -> list[str]:
 
 def _control_ids(tokenizer: Tokenizer, trajectory: Trajectory) -> set[tuple[int, int]]:
     """(id, count) of every control token id among the trajectory's inserted (mask-0) tokens."""
-    vocab = getattr(tokenizer, "get_added_vocab", dict)()
+    vocab: dict[str, int] = getattr(tokenizer, "get_added_vocab", dict)()
     special = {vocab[s] for s in control_strings(tokenizer) if s in vocab}
     counts: dict[int, int] = {}
     for token, mask in zip(trajectory.response_ids, trajectory.loss_mask, strict=True):

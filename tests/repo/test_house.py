@@ -108,7 +108,9 @@ def test_the_front_page_is_read_in_two_minutes():
     """README: at most 10 KB, its results one paragraph of at most 120 words (and a figure), and no
     words about how the project was made (issue numbers, commit hashes, "played", "reported")."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
-    assert len(text.encode()) <= README_BYTES, f"README.md is {len(text.encode())} bytes (budget {README_BYTES})"
+    assert len(text.encode()) <= README_BYTES, (
+        f"README.md is {len(text.encode())} bytes (budget {README_BYTES})"
+    )
     results = text.split("## Results", 1)[1].split("\n## ", 1)[0].strip()
     paragraphs = [p for p in results.split("\n\n") if p.strip() and not p.startswith("![")]
     assert len(paragraphs) == 1 and len(paragraphs[0].split()) <= RESULTS_WORDS, paragraphs
