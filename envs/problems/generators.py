@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stare_envs.definitions import definition
-from stare_envs.problems.sources import Problem, ProblemSourceError
+from stare_envs.problems.sources import FAMILY_NAMES, Problem, ProblemSourceError
 
 # --------------------------------------------------------------------------------------------------
 # Generated problems
@@ -40,6 +40,7 @@ class _FamilyRegistry(dict[str, Generator]):
                 return
             raise ValueError(f"problem family {name!r} is already registered: choose another name")
         super().__setitem__(name, generator)
+        FAMILY_NAMES.add(name)
 
     def __missing__(self, name: str) -> Generator:
         raise KeyError(

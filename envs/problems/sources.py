@@ -17,6 +17,10 @@ from typing import Any
 
 from stare_envs.errors import EnvError
 
+FAMILY_NAMES: set[str] = {"mixed"}
+"""The procedural families' names (``stare_envs.problems.generators`` adds each one it registers), for
+the "did you mean" of a source that is none of them."""
+
 
 class ProblemSourceError(EnvError, ValueError):
     """A problem source cannot be read. The message names the file (and line) and the fix."""
@@ -156,15 +160,12 @@ def read_rows(source: str | os.PathLike[str]) -> Iterator[Row]:
         )
     if text.count("/") == 1 and " " not in text:
         return _read_hub(text)
-    from stare_envs.problems.generators import PROBLEM_FAMILIES  # it imports this module
-
-    names = [*BUILTIN_SETS, "mixed", *PROBLEM_FAMILIES]
-    close = difflib.get_close_matches(text.removeprefix("procedural:"), names, n=1)
+    close = difflib.get_close_matches(text.removeprefix("procedural:"), [*BUILTIN_SETS, *FAMILY_NAMES], n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     raise ProblemSourceError(
         f"{source!r} is neither an existing file nor a hub name: {hint}pass a .jsonl, .json or .parquet path, "
         f"a Hugging Face dataset name such as 'owner/name', a built-in set ({', '.join(BUILTIN_SETS)}) or "
-        f"a procedural family (mixed, {', '.join(sorted(PROBLEM_FAMILIES))})"
+        f"a procedural family ({', '.join(sorted(FAMILY_NAMES))})"
     )
 
 
