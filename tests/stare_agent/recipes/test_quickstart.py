@@ -79,7 +79,8 @@ def test_table_gives_rl_its_own_change_and_the_whole_gain_with_paired_intervals(
     assert lo <= 0 <= hi  # 2 gained of 8 problems: not enough to tell
     assert (
         f"RL's change in accuracy (SFT -> SFT+RL): +0.250, 95 % interval [{lo:+.3f}, {hi:+.3f}] paired over "
-        "the 8 problems (2 better, 0 worse) - not measurable here: the interval holds 0"
+        "the 8 problems (2 better, 0 worse) - not measurable here: the interval holds 0; RL learns visibly "
+        "with room to: stare-agent quickstart --config configs/rl_demo.yaml"
     ) in table
     lo, hi = paired_difference_interval(before, rl)
     assert (
