@@ -141,6 +141,17 @@ def fp32_eval_engine(config: RunConfig, model: Any, tokenizer: Any, engine: Any)
     return None, engine
 
 
+def quickstart_problems(config: RunConfig) -> list[Any]:
+    """The held-out problems of the table: ``data.eval``, else those the env was registered with (a
+    custom env's own family), else ``mixed`` (the code interpreter's)."""
+    from stare_agent.resources import eval_source
+    from stare_envs.problems import eval_problems
+
+    data = config.data
+    source = eval_source(config) or "mixed"
+    return eval_problems(source, seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit)
+
+
 def _run(
     config: RunConfig,
     run_dir: Path,
@@ -162,13 +173,10 @@ def _run(
     from stare_agent.train.checkpoints import latest_checkpoint
     from stare_agent.train.sft import sft
     from stare_agent.train.trainer import Trainer
-    from stare_envs.problems import eval_problems
 
     data = config.data
     autocast = torch.bfloat16 if run_precision(config) == "bf16-autocast" else None
-    problems = eval_problems(
-        data.eval or "mixed", seed=config.trainer.seed, difficulty=data.difficulty, limit=data.eval_limit
-    )
+    problems = quickstart_problems(config)
 
     def run_eval(tag: str, model_path: str) -> dict[str, Any]:
         """Evaluate the policy in memory, whose weights are those of ``model_path`` (its hash goes

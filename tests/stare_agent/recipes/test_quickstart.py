@@ -168,3 +168,31 @@ def test_a_signal_during_rl_ends_the_quickstart_without_its_after_evaluation(tmp
     with pytest.raises(KeyboardInterrupt):
         quickstart._run(config, tmp_path, model, tokenizer, engine, engine, lambda name, t0: None, pool)
     assert evaluated == ["eval_before", "eval_sft"]  # none of the interrupted RL policy
+
+
+def test_the_quickstart_evaluates_a_custom_env_on_its_own_problems(monkeypatch):
+    """With data.eval unset, a custom env's table was made on the code interpreter's `mixed` problems
+    while RL trained on the env's own family: the table now uses the env's registered problems."""
+    import sys
+    from pathlib import Path
+
+    import gymnasium
+
+    from stare_agent.config import load_config
+    from stare_agent.recipes.quickstart import quickstart_problems
+    from stare_envs.tools import unregister_tool
+
+    repo = Path(__file__).resolve().parents[3]
+    monkeypatch.chdir(repo / "examples")
+    config = load_config(
+        repo / "configs" / "custom_env.yaml", ["env.id=unit_converter:newcomer/UnitConvert-v0"]
+    )
+    try:
+        problems = quickstart_problems(config)
+        assert len(problems) == 50 and all(p.meta["family"] == "unit_conversion" for p in problems)
+        default = quickstart_problems(load_config(repo / "configs" / "quickstart.yaml"))
+        assert {p.meta["family"] for p in default} != {"unit_conversion"}  # mixed, for the code interpreter
+    finally:
+        unregister_tool("convert")
+        gymnasium.registry.pop("newcomer/UnitConvert-v0", None)
+        sys.modules.pop("unit_converter", None)
