@@ -44,7 +44,7 @@ SFT_ARTIFACTS = ("sft_config.yaml", "sft_log.jsonl", "tensorboard/sft")
 """What ``sft`` writes into ``trainer.run_dir``, beside its model (``sft.output_dir``)."""
 EVAL_ARTIFACTS = ("results.jsonl", "summary.json", "episodes.jsonl", "run.json")
 """What an evaluation writes into its ``--out``."""
-QUICKSTART_ARTIFACTS = ("quickstart.json", "eval_before", "eval_after")
+QUICKSTART_ARTIFACTS = ("quickstart.json", "eval_before", "eval_sft", "eval_after")
 """What the quickstart writes into ``trainer.run_dir`` besides an SFT's and a training's."""
 
 

@@ -128,6 +128,8 @@ def test_a_quickstart_is_refused_or_overwritten_whole(tmp_path):
     run = tmp_path / "quickstart"
     (run / "eval_before").mkdir(parents=True)
     (run / "eval_before" / "results.jsonl").write_text("{}\n")
+    (run / "eval_sft").mkdir()  # a quickstart stopped during RL left its SFT evaluation behind
+    (run / "eval_sft" / "results.jsonl").write_text("{}\n")
     (run / "quickstart.json").write_text("{}")
     (run / "sft_model").mkdir()
     (run / "sft_model" / "config.json").write_text("{}")
