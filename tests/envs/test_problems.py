@@ -157,7 +157,8 @@ def test_hub_name_without_datasets_or_network_fails_in_one_line(monkeypatch):
 def test_neither_file_nor_hub_name():
     with pytest.raises(ProblemSourceError, match="neither an existing file nor a hub name: pass") as error:
         load_problems("just some words")
-    assert "did you mean" not in str(error.value) and "a procedural family (base_conversion, " in str(error.value)
+    message = str(error.value)
+    assert "did you mean" not in message and "a procedural family (base_conversion, " in message
 
 
 def test_a_misspelt_source_names_the_closest_one():
