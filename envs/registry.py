@@ -127,7 +127,7 @@ def _same_registration(
     entry_a: Any, kwargs_a: Mapping[str, Any], entry_b: Any, kwargs_b: Mapping[str, Any]
 ) -> bool:
     """Two registrations are the same when their entry points and keyword arguments are the same
-    definitions (callables and tool specs compared by :func:`stare_envs.tools.definition`)."""
+    definitions (callables and tool specs compared by :func:`stare_envs.definitions.definition`)."""
 
     def key(value: Any) -> Any:
         if isinstance(value, ToolSpec):
